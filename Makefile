@@ -1,0 +1,54 @@
+# The README's commands. Each target sets itself up on a fresh machine.
+#   make demo    run the main job
+#   make test    C++ tests (ctest) + Python tests (pytest)
+#   make setup   system packages, .venv with pinned deps, editable package, C++ tests
+#   make bench   kernel benchmark
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPP_BUILD := build/cpp
+CORE_SOURCES := $(shell find csrc bindings -type f) CMakeLists.txt pyproject.toml
+TEST_SOURCES := $(shell find tests/cpp benchmarks -type f 2>/dev/null)
+
+.PHONY: setup system-deps demo test test-cpp test-python bench clean
+
+setup: build/.package-stamp $(CPP_BUILD)/.build-stamp
+
+# Debian packages: Highway, GoogleTest, Google Benchmark, and the toolchain.
+system-deps:
+	@if ! pkg-config --exists libhwy || [ ! -f /usr/include/gtest/gtest.h ] \
+	    || [ ! -f /usr/include/benchmark/benchmark.h ] || ! command -v cmake >/dev/null; then \
+	  echo "installing Debian packages (libhwy-dev libgtest-dev libbenchmark-dev cmake)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    g++ cmake make pkg-config libhwy-dev libgtest-dev libbenchmark-dev >/dev/null; \
+	fi
+
+$(VENV)/.deps-stamp: requirements-dev.txt | system-deps
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+build/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES)
+	$(PY) -m pip install -q --no-build-isolation -e .
+	mkdir -p build && touch $@
+
+$(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) | system-deps
+	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON >/dev/null
+	cmake --build $(CPP_BUILD) -j2
+	touch $@
+
+demo: build/.package-stamp
+	$(PY) -m shardadam info
+
+test: test-cpp test-python
+
+test-cpp: $(CPP_BUILD)/.build-stamp
+	ctest --test-dir $(CPP_BUILD) --output-on-failure -j2
+
+test-python: build/.package-stamp
+	$(PY) -m pytest -q
+
+bench: setup
+	$(CPP_BUILD)/benchmarks/kernel_bench
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,306 @@
+// Kernel benchmark of the C++ core (BENCH.md). For each state preset it times
+// shardadam::AdamStep and a bandwidth probe that reads the same arrays and writes
+// the same ones in place, with trivial integer arithmetic and the same thread
+// count, interleaved (probe, kernel, probe, kernel, ...). It reports the median
+// (min/max) seconds, elements/s, GB/s at BENCH.md's minimum bytes per element and
+// the kernel's fraction of the probe. Only ratios from one run mean anything here.
+//
+//   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH]
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shardadam/adam.h"
+
+namespace shardadam {
+namespace {
+
+struct Preset {
+  const char* name;
+  DType param, grad, exp_avg, exp_avg_sq, master;
+};
+
+// The presets the project's targets are stated for.
+const Preset kPresets[] = {
+    {"p=fp32 g=fp32 m=fp32 v=fp32", DType::kFloat32, DType::kFloat32, DType::kFloat32,
+     DType::kFloat32, DType::kNone},
+    {"p=bf16 g=bf16 master=fp32 m=fp32 v=fp32", DType::kBFloat16, DType::kBFloat16,
+     DType::kFloat32, DType::kFloat32, DType::kFloat32},
+    {"p=bf16 g=bf16 master=fp32 m=bf16 v=bf16", DType::kBFloat16, DType::kBFloat16,
+     DType::kBFloat16, DType::kBFloat16, DType::kFloat32},
+    {"p=bf16 g=bf16 master=remainder m=bf16 v=bf16", DType::kBFloat16,
+     DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder},
+    {"p=bf16 g=bf16 master=fp32 m=fp8 v=fp8", DType::kBFloat16, DType::kBFloat16,
+     DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat32},
+};
+
+size_t Bytes(DType t) {
+  switch (t) {
+    case DType::kNone: return 0;
+    case DType::kFloat32: return 4;
+    case DType::kFloat8E4M3: return 1;
+    default: return 2;
+  }
+}
+
+// Bytes the step must move per element (BENCH.md "minimum"): grad, both moments and
+// the master (or the param when there is none) are read; param, master and both
+// moments are written.
+size_t MinimumBytes(const Preset& p) {
+  // A remainder master is read together with the param it completes.
+  const size_t weight_read = p.master == DType::kNone ? Bytes(p.param)
+                             : p.master == DType::kInt16Remainder
+                                 ? Bytes(p.param) + Bytes(p.master)
+                                 : Bytes(p.master);
+  const size_t reads = Bytes(p.grad) + weight_read + Bytes(p.exp_avg) + Bytes(p.exp_avg_sq);
+  const size_t writes = Bytes(p.param) + Bytes(p.master) + Bytes(p.exp_avg) +
+                        Bytes(p.exp_avg_sq);
+  return reads + writes;
+}
+
+// One buffer per stream, 64-byte aligned like torch's CPU allocator.
+struct Buffer {
+  std::unique_ptr<uint8_t, decltype(&std::free)> data{nullptr, &std::free};
+  size_t bytes = 0;
+  void Allocate(size_t n) {
+    bytes = n;
+    data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64 + 64)));
+  }
+  void* get() const { return data.get(); }
+};
+
+template <class T>
+T* As(const Buffer& b) { return static_cast<T*>(b.get()); }
+
+// Probe body over one range: the same streams, integer adds of matching widths.
+// `Weight` is the type of the read weight stream (master, else param).
+template <class G, class W, class M, class V, class P>
+void ProbeRange(const G* g, W* w, M* m, V* v, P* p, bool param_write_only,
+                size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) {
+    const uint32_t x = g[i];
+    const W wi = static_cast<W>(w[i] + x);
+    w[i] = wi;
+    m[i] = static_cast<M>(m[i] + x);
+    v[i] = static_cast<V>(v[i] + x);
+    if (param_write_only) p[i] = static_cast<P>(wi);
+  }
+}
+
+using Clock = std::chrono::steady_clock;
+
+struct Case {
+  const Preset& preset;
+  int64_t numel;
+  int threads;
+  Buffer param, grad, exp_avg, exp_avg_sq, master;
+  float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
+
+  Case(const Preset& p, int64_t n, int t) : preset(p), numel(n), threads(t) {
+    param.Allocate(n * Bytes(p.param));
+    grad.Allocate(n * Bytes(p.grad));
+    exp_avg.Allocate(n * Bytes(p.exp_avg));
+    exp_avg_sq.Allocate(n * Bytes(p.exp_avg_sq));
+    if (p.master != DType::kNone) master.Allocate(n * Bytes(p.master));
+    Fill();
+  }
+
+  // Realistic values (first touch happens here, not in the timed region).
+  void Fill() {
+    std::mt19937 rng(1234);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> values(static_cast<size_t>(numel));
+    auto store = [&](Buffer& b, DType t, float scale_of_values, bool positive) {
+      for (auto& x : values) {
+        x = normal(rng) * scale_of_values;
+        if (positive) x = x * x;
+      }
+      if (t == DType::kInt16Remainder) {
+        std::memset(b.get(), 0, b.bytes);
+        return;
+      }
+      Error error;
+      Convert(values.data(), DType::kFloat32, b.get(), t, numel, 1.0f, threads, &error);
+    };
+    store(param, preset.param, 0.02f, false);
+    store(grad, preset.grad, 1e-3f, false);
+    store(exp_avg, preset.exp_avg, 1e-4f, false);
+    store(exp_avg_sq, preset.exp_avg_sq, 1e-4f, true);
+    if (preset.master == DType::kFloat32) {
+      Error error;
+      std::vector<float> wide(static_cast<size_t>(numel));
+      Convert(param.get(), preset.param, wide.data(), DType::kFloat32, numel, 1.0f,
+              threads, &error);
+      std::memcpy(master.get(), wide.data(), master.bytes);
+    } else if (preset.master != DType::kNone) {
+      store(master, preset.master, 0.0f, false);
+    }
+  }
+
+  double TimeKernel(int64_t step) {
+    TensorSlot slot;
+    slot.numel = numel;
+    slot.param = param.get();
+    slot.param_dtype = preset.param;
+    slot.grad = grad.get();
+    slot.grad_dtype = preset.grad;
+    slot.exp_avg = exp_avg.get();
+    slot.exp_avg_dtype = preset.exp_avg;
+    slot.exp_avg_scale = &exp_avg_scale;
+    slot.exp_avg_sq = exp_avg_sq.get();
+    slot.exp_avg_sq_dtype = preset.exp_avg_sq;
+    slot.exp_avg_sq_scale = &exp_avg_sq_scale;
+    slot.master_param = master.get();
+    slot.master_dtype = preset.master;
+    slot.master_scale = &master_scale;
+    StepParams params;
+    params.lr = 1e-4;
+    params.weight_decay = 0.01;
+    params.step = step;
+    Error error;
+    const auto start = Clock::now();
+    const Status status = AdamStep(&slot, 1, params, threads, &error);
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    if (status != Status::kOk) {
+      std::fprintf(stderr, "AdamStep failed: %s\n", error.message.c_str());
+      std::exit(1);
+    }
+    return seconds;
+  }
+
+  template <class G, class W, class M, class V, class P>
+  void ProbeTyped(size_t begin, size_t end) {
+    const bool has_master = preset.master != DType::kNone;
+    W* w = has_master ? As<W>(master) : As<W>(param);
+    ProbeRange(As<const G>(grad), w, As<M>(exp_avg), As<V>(exp_avg_sq), As<P>(param),
+               has_master, begin, end);
+  }
+
+  void ProbeRangeForPreset(size_t begin, size_t end) {
+    using u8 = uint8_t;
+    using u16 = uint16_t;
+    using u32 = uint32_t;
+    const bool fp8 = Bytes(preset.exp_avg) == 1;
+    if (preset.param == DType::kFloat32) {
+      ProbeTyped<u32, u32, u32, u32, u32>(begin, end);
+    } else if (preset.master == DType::kInt16Remainder) {
+      // Remainder: param and int16 remainder are both read and written in place.
+      const u16* g = As<const u16>(grad);
+      u16 *p = As<u16>(param), *r = As<u16>(master), *m = As<u16>(exp_avg),
+          *v = As<u16>(exp_avg_sq);
+      for (size_t i = begin; i < end; ++i) {
+        const u16 x = g[i];
+        p[i] = static_cast<u16>(p[i] + x);
+        r[i] = static_cast<u16>(r[i] ^ x);
+        m[i] = static_cast<u16>(m[i] + x);
+        v[i] = static_cast<u16>(v[i] + x);
+      }
+    } else if (fp8) {
+      ProbeTyped<u16, u32, u8, u8, u16>(begin, end);
+    } else if (Bytes(preset.exp_avg) == 2) {
+      ProbeTyped<u16, u32, u16, u16, u16>(begin, end);
+    } else {
+      ProbeTyped<u16, u32, u32, u32, u16>(begin, end);
+    }
+  }
+
+  double TimeProbe() {
+    const auto start = Clock::now();
+    std::vector<std::thread> workers;
+    const size_t n = static_cast<size_t>(numel);
+    const size_t chunk = (n / threads + 63) / 64 * 64;
+    for (int t = 0; t < threads; ++t) {
+      const size_t begin = std::min(n, t * chunk);
+      const size_t end = t + 1 == threads ? n : std::min(n, begin + chunk);
+      workers.emplace_back([this, begin, end] { ProbeRangeForPreset(begin, end); });
+    }
+    for (auto& w : workers) w.join();
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  }
+};
+
+struct Stats {
+  double median, min, max;
+};
+
+Stats Summarize(std::vector<double> s) {
+  std::sort(s.begin(), s.end());
+  return {s[s.size() / 2], s.front(), s.back()};
+}
+
+}  // namespace
+}  // namespace shardadam
+
+int main(int argc, char** argv) {
+  using namespace shardadam;
+  // Not a power of two: buffers spaced by large powers of two alias in the caches.
+  int64_t numel = 20'000'003;
+  int reps = 11;
+  int threads = DefaultThreads();
+  const char* json_path = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--numel") numel = std::atoll(argv[i + 1]);
+    else if (flag == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (flag == "--threads") threads = std::atoi(argv[i + 1]);
+    else if (flag == "--json") json_path = argv[i + 1];
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  std::printf("shardadam kernel benchmark: target %s, %d threads, numel %lld, %d reps\n",
+              ChosenTarget(), threads, static_cast<long long>(numel), reps);
+  std::printf("%-46s %9s %9s %9s %8s %8s %7s\n", "preset", "state MiB", "kernel ms",
+              "probe ms", "Gelem/s", "GB/s", "/probe");
+  std::string json = "[\n";
+  for (const Preset& preset : kPresets) {
+    Case c(preset, numel, threads);
+    c.TimeProbe();  // warm-up: thread start, page mapping, caches
+    c.TimeKernel(1);
+    std::vector<double> kernel, probe;
+    for (int r = 0; r < reps; ++r) {
+      probe.push_back(c.TimeProbe());
+      kernel.push_back(c.TimeKernel(r + 2));
+    }
+    const Stats k = Summarize(kernel), p = Summarize(probe);
+    const double bytes = static_cast<double>(MinimumBytes(preset)) * numel;
+    const double state_mib =
+        (c.param.bytes + c.grad.bytes + c.exp_avg.bytes + c.exp_avg_sq.bytes +
+         c.master.bytes) / 1048576.0;
+    std::printf("%-46s %9.0f %9.2f %9.2f %8.3f %8.2f %7.2f\n", preset.name, state_mib,
+                k.median * 1e3, p.median * 1e3, numel / k.median / 1e9,
+                bytes / k.median / 1e9, p.median / k.median);
+    char row[768];
+    std::snprintf(row, sizeof(row),
+                  "  {\"preset\": \"%s\", \"numel\": %lld, \"threads\": %d, "
+                  "\"target\": \"%s\", \"bytes_per_element\": %zu, "
+                  "\"kernel_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
+                  "\"probe_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
+                  "\"elements_per_s\": %.6g, \"gb_per_s\": %.6g, "
+                  "\"fraction_of_probe\": %.4f}",
+                  preset.name, static_cast<long long>(numel), threads, ChosenTarget(),
+                  MinimumBytes(preset), k.median, k.min, k.max, p.median, p.min, p.max,
+                  numel / k.median, bytes / k.median / 1e9, p.median / k.median);
+    json += std::string(json.size() > 2 ? ",\n" : "") + row;
+  }
+  json += "\n]\n";
+  if (json_path) {
+    FILE* f = std::fopen(json_path, "w");
+    if (!f) {
+      std::fprintf(stderr, "cannot write %s\n", json_path);
+      return 1;
+    }
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+  }
+  return 0;
+}

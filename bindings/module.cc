@@ -1,0 +1,146 @@
+// shardadam._C: turns the Python package's flat lists of pointers, dtype tags and
+// element counts into the core's TensorSlot structures and calls it with the GIL
+// released. Knows nothing of torch.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardadam/adam.h"
+
+namespace nb = nanobind;
+
+namespace shardadam {
+namespace {
+
+// Column order of one tensor in the flat `slots` list given to adam_step.
+enum Column : size_t {
+  kNumel, kParam, kParamDtype, kGrad, kGradDtype,
+  kExpAvg, kExpAvgDtype, kExpAvgScale,
+  kExpAvgSq, kExpAvgSqDtype, kExpAvgSqScale,
+  kMaster, kMasterDtype, kMasterScale,
+  kSlotColumns,
+};
+
+template <class T>
+T* Pointer(int64_t address) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+
+// Unknown tags are passed through as they are: the core's validation rejects them
+// with a message naming the tensor and buffer.
+DType Tag(int64_t value) { return static_cast<DType>(static_cast<int32_t>(value)); }
+
+void ThrowIfFailed(Status status, const Error& error) {
+  if (status != Status::kOk) throw nb::value_error(error.message.c_str());
+}
+
+void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, bool adam_w_mode,
+                      bool bias_correction, int64_t step, int num_threads) {
+  if (slots.size() % kSlotColumns != 0) {
+    throw nb::value_error(("adam_step: slots holds " + std::to_string(slots.size()) +
+                           " values, not a multiple of " +
+                           std::to_string(static_cast<int>(kSlotColumns)))
+                              .c_str());
+  }
+  std::vector<TensorSlot> tensors(slots.size() / kSlotColumns);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t* row = slots.data() + i * kSlotColumns;
+    TensorSlot& t = tensors[i];
+    t.numel = row[kNumel];
+    t.param = Pointer<void>(row[kParam]);
+    t.param_dtype = Tag(row[kParamDtype]);
+    t.grad = Pointer<const void>(row[kGrad]);
+    t.grad_dtype = Tag(row[kGradDtype]);
+    t.exp_avg = Pointer<void>(row[kExpAvg]);
+    t.exp_avg_dtype = Tag(row[kExpAvgDtype]);
+    t.exp_avg_scale = Pointer<float>(row[kExpAvgScale]);
+    t.exp_avg_sq = Pointer<void>(row[kExpAvgSq]);
+    t.exp_avg_sq_dtype = Tag(row[kExpAvgSqDtype]);
+    t.exp_avg_sq_scale = Pointer<float>(row[kExpAvgSqScale]);
+    t.master_param = Pointer<void>(row[kMaster]);
+    t.master_dtype = Tag(row[kMasterDtype]);
+    t.master_scale = Pointer<float>(row[kMasterScale]);
+  }
+  StepParams params;
+  params.lr = lr;
+  params.beta1 = beta1;
+  params.beta2 = beta2;
+  params.eps = eps;
+  params.weight_decay = weight_decay;
+  params.adam_w_mode = adam_w_mode;
+  params.bias_correction = bias_correction;
+  params.step = step;
+  Error error;
+  Status status;
+  {
+    nb::gil_scoped_release release;
+    status = AdamStep(tensors.data(), static_cast<int64_t>(tensors.size()), params,
+                      num_threads, &error);
+  }
+  ThrowIfFailed(status, error);
+}
+
+void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t dst_dtype,
+                         int64_t numel, float scale, int num_threads) {
+  Error error;
+  Status status;
+  {
+    nb::gil_scoped_release release;
+    status = Convert(Pointer<const void>(src), Tag(src_dtype), Pointer<void>(dst),
+                     Tag(dst_dtype), numel, scale, num_threads, &error);
+  }
+  ThrowIfFailed(status, error);
+}
+
+float MeasureScaleFromPointer(int64_t src, int64_t numel, int64_t dtype,
+                              int num_threads) {
+  if (numel < 0) throw nb::value_error("measure_scale: numel must be >= 0");
+  if (numel > 0 && src == 0) throw nb::value_error("measure_scale: null buffer");
+  nb::gil_scoped_release release;
+  return MeasureScale(Pointer<const float>(src), numel, Tag(dtype), num_threads);
+}
+
+nb::dict Info() {
+  nb::dict info;
+  info["version"] = SHARDADAM_VERSION;
+  info["simd_target"] = ChosenTarget();
+  info["supported_targets"] = SupportedTargets();
+  info["default_threads"] = DefaultThreads();
+  info["cuda"] = false;
+  return info;
+}
+
+}  // namespace
+}  // namespace shardadam
+
+NB_MODULE(_C, m) {
+  using namespace shardadam;
+  m.doc() = "shardadam C++ core: fused Adam/AdamW over raw buffers";
+  m.attr("DTYPE_NONE") = static_cast<int>(DType::kNone);
+  m.attr("DTYPE_FLOAT32") = static_cast<int>(DType::kFloat32);
+  m.attr("DTYPE_FLOAT16") = static_cast<int>(DType::kFloat16);
+  m.attr("DTYPE_BFLOAT16") = static_cast<int>(DType::kBFloat16);
+  m.attr("DTYPE_FLOAT8_E4M3") = static_cast<int>(DType::kFloat8E4M3);
+  m.attr("DTYPE_INT16_REMAINDER") = static_cast<int>(DType::kInt16Remainder);
+  m.attr("SLOT_COLUMNS") = static_cast<int>(kSlotColumns);
+  m.def("adam_step", &AdamStepFromList, nb::arg("slots"), nb::arg("lr"),
+        nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
+        nb::arg("adam_w_mode"), nb::arg("bias_correction"), nb::arg("step"),
+        nb::arg("num_threads"),
+        "One Adam/AdamW step over tensors given as a flat list of SLOT_COLUMNS ints "
+        "each (numel, then pointer/dtype/scale-pointer per buffer). Validates "
+        "everything first; raises ValueError and writes nothing on bad input.");
+  m.def("convert", &ConvertFromPointers, nb::arg("src"), nb::arg("src_dtype"),
+        nb::arg("dst"), nb::arg("dst_dtype"), nb::arg("numel"), nb::arg("scale"),
+        nb::arg("num_threads"),
+        "Element-wise cast between storage dtypes, bit-exact with torch's .to().");
+  m.def("measure_scale", &MeasureScaleFromPointer, nb::arg("src"), nb::arg("numel"),
+        nb::arg("dtype"), nb::arg("num_threads"),
+        "The per-tensor scale for storing fp32 values as `dtype`.");
+  m.def("info", &Info, "Version, SIMD target, threads and built backends.");
+}

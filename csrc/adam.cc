@@ -1,0 +1,609 @@
+// The core's entry points (shardadam/adam.h) and the target-independent driver
+// around the per-target kernels of adam-inl.h / convert-inl.h.
+//
+// Shape of one AdamStep call:
+// - validate every slot and hyper-parameter (validate.cc); nothing is written
+//   before this passes;
+// - per tensor, pick a decoder and an encoder per stream from the target's
+//   KernelTable once (no per-dtype-combination kernels);
+// - split the whole list of tensors into work items on 64-element boundaries
+//   and run them on the blocking thread pool; each item walks its range in
+//   kBlock-element fp32 blocks: decode grad / w / m / v, one update body,
+//   encode what changed. fp32 buffers are used in place, never copied;
+// - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
+//   need the absmax of the NEW state before anything can be encoded, so they
+//   take two passes without any full-size temporary: pass 1 decodes, updates
+//   in registers and reduces the absmax (storing nothing); the scale follows;
+//   pass 2 recomputes the same bits and stores them. Pass 1 reads grad and the
+//   scaled moments, plus w when the master is scaled or in L2 mode: e.g. a bf16
+//   param with fp32 master and fp8 moments moves 18 bytes/element in one pass
+//   and 2 + 1 + 1 = 4 more in pass 1 (AdamW). A scaled tensor of at most
+//   kSmallScaledMax elements runs both passes back to back on one thread, so pass 2
+//   finds its inputs in cache; larger ones split each pass across threads with
+//   one barrier in between. Tensors without scaled state pay nothing extra.
+//
+// Results are bitwise identical for every thread count and split: the update
+// is elementwise and the absmax is a max of exact integer bit patterns.
+//
+// Running tests on every SIMD target: see kernels.h (internal::CompiledTargets
+// and internal::SetTargetForTest, which pin every entry point of this file to
+// one target without touching Highway's global dispatch state).
+
+#include <algorithm>
+#include <atomic>
+#include <cfloat>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "adam.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "adam-inl.h"
+#include "hwy/highway.h"
+
+#if HWY_ONCE
+
+#include <cstdlib>
+#include "hwy/cache_control.h"
+#include "kernels.h"
+#include "shardadam/adam.h"
+#include "thread_pool.h"
+#include "validate.h"
+
+namespace shardadam {
+
+HWY_EXPORT(GetKernelTable);
+
+namespace internal {
+namespace {
+
+std::atomic<const KernelTable*> g_pinned{nullptr};
+
+// Whole tensors up to this size run pass 1 and pass 2 on one thread while
+// their inputs are still in L2.
+constexpr int64_t kSmallScaledMax = 32768;
+// Work item size for large tensors (a multiple of kGranule).
+constexpr int64_t kChunk = 16384;
+// Below this many elements of work per thread, waking another thread costs
+// more than it saves.
+constexpr int64_t kMinWorkPerThread = 32768;
+
+static_assert(kChunk % kGranule == 0 && kSmallScaledMax % kGranule == 0,
+              "work items must start on granule boundaries");
+static_assert(kBlock % kGranule == 0, "blocks are whole granules");
+
+// Scale of a state whose largest magnitude has fp32 bits `bits` (S2.3).
+float ScaleFromAbsMaxBits(uint32_t bits, float target) {
+  if (bits == 0 || bits >= 0x7F800000u) return 1.0f;  // zero, inf or NaN
+  float a;
+  memcpy(&a, &bits, sizeof(a));
+  const float s = a / target;
+  return s < FLT_MIN ? FLT_MIN : s;
+}
+
+float ScaleTarget(DType dtype) {
+  if (dtype == DType::kFloat16) return kFloat16ScaleTarget;
+  if (dtype == DType::kFloat8E4M3) return kFloat8ScaleTarget;
+  return 0.0f;
+}
+
+// Codec of a buffer. fp16 is scaled for states, a plain cast for params.
+Codec CodecOf(DType dtype, bool is_state) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return is_state ? kCodecF16Scaled : kCodecF16;
+    case DType::kBFloat16:
+      return kCodecBF16;
+    case DType::kFloat8E4M3:
+      return kCodecF8Scaled;
+    case DType::kInt16Remainder:
+      return kCodecRemainder;
+    default:
+      return kCodecF32;
+  }
+}
+
+// Streams of one tensor, chosen once per call. Index 0 / 1 / 2 of the scale
+// arrays is the master (w), exp_avg (m) and exp_avg_sq (v).
+struct TensorPlan {
+  int64_t numel = 0;
+  char* param = nullptr;
+  const char* grad = nullptr;
+  char* master = nullptr;  // fp32 / fp16 master or the int16 remainder
+  char* exp_avg = nullptr;
+  char* exp_avg_sq = nullptr;
+  int param_size = 0, grad_size = 0, master_size = 0, exp_avg_size = 0,
+      exp_avg_sq_size = 0;
+
+  DecodeFn decode_grad = nullptr, decode_w = nullptr, decode_m = nullptr,
+           decode_v = nullptr;
+  bool w_from_master = false;  // else from param (+ remainder as aux)
+  // Null where the update already wrote the buffer in place (fp32).
+  EncodeFn encode_param = nullptr, encode_master = nullptr, encode_m = nullptr,
+           encode_v = nullptr;
+
+  float old_scale[3] = {1.0f, 1.0f, 1.0f};
+  float new_scale[3] = {1.0f, 1.0f, 1.0f};
+  float target[3] = {0.0f, 0.0f, 0.0f};  // 0: stream not scaled
+  float* scale_slot[3] = {nullptr, nullptr, nullptr};
+
+  bool Scaled() const { return target[0] != 0 || target[1] != 0 || target[2] != 0; }
+};
+
+TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
+  TensorPlan p;
+  p.numel = s.numel;
+  p.param = static_cast<char*>(s.param);
+  p.grad = static_cast<const char*>(s.grad);
+  p.exp_avg = static_cast<char*>(s.exp_avg);
+  p.exp_avg_sq = static_cast<char*>(s.exp_avg_sq);
+  p.param_size = ItemSize(s.param_dtype);
+  p.grad_size = ItemSize(s.grad_dtype);
+  p.exp_avg_size = ItemSize(s.exp_avg_dtype);
+  p.exp_avg_sq_size = ItemSize(s.exp_avg_sq_dtype);
+  p.decode_grad = kt.decode[CodecOf(s.grad_dtype, false)];
+
+  const Codec param_codec = CodecOf(s.param_dtype, false);
+  switch (s.master_dtype) {
+    case DType::kNone:
+      p.decode_w = kt.decode[param_codec];
+      if (param_codec != kCodecF32) p.encode_param = kt.encode[param_codec];
+      break;
+    case DType::kInt16Remainder:
+      p.master = static_cast<char*>(s.master_param);
+      p.master_size = 2;
+      p.decode_w = kt.decode[kCodecRemainder];
+      p.encode_param = kt.encode[kCodecRemainder];
+      break;
+    default: {  // fp32 or fp16 (scaled) master
+      const Codec master_codec = CodecOf(s.master_dtype, true);
+      p.master = static_cast<char*>(s.master_param);
+      p.master_size = ItemSize(s.master_dtype);
+      p.w_from_master = true;
+      p.decode_w = kt.decode[master_codec];
+      p.encode_param = kt.encode[param_codec];
+      if (master_codec != kCodecF32) p.encode_master = kt.encode[master_codec];
+      break;
+    }
+  }
+  const Codec m_codec = CodecOf(s.exp_avg_dtype, true);
+  const Codec v_codec = CodecOf(s.exp_avg_sq_dtype, true);
+  p.decode_m = kt.decode[m_codec];
+  p.decode_v = kt.decode[v_codec];
+  if (m_codec != kCodecF32) p.encode_m = kt.encode[m_codec];
+  if (v_codec != kCodecF32) p.encode_v = kt.encode[v_codec];
+
+  const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
+  float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
+  for (int i = 0; i < 3; ++i) {
+    if (!IsScaled(state_dtypes[i])) continue;
+    p.target[i] = ScaleTarget(state_dtypes[i]);
+    p.scale_slot[i] = slots[i];
+    p.old_scale[i] = *slots[i];  // read before any scale is written
+  }
+  return p;
+}
+
+struct alignas(64) Scratch {
+  float g[kBlock];
+  float w[kBlock];
+  float m[kBlock];
+  float v[kBlock];
+};
+
+int g_pf = getenv("SHARDADAM_PF") ? atoi(getenv("SHARDADAM_PF")) : 0;
+void PrefetchBytes(const char* p, size_t bytes) {
+  for (size_t i = 0; i < bytes; i += 64) hwy::Prefetch(p + i);
+}
+void PrefetchBlock(const TensorPlan& p, int64_t e, size_t c) {
+  PrefetchBytes(p.grad + e * p.grad_size, c * p.grad_size);
+  PrefetchBytes(p.param + e * p.param_size, c * p.param_size);
+  if (p.master) PrefetchBytes(p.master + e * p.master_size, c * p.master_size);
+  PrefetchBytes(p.exp_avg + e * p.exp_avg_size, c * p.exp_avg_size);
+  PrefetchBytes(p.exp_avg_sq + e * p.exp_avg_sq_size, c * p.exp_avg_sq_size);
+}
+
+// Pass 2 (or the only pass) over elements [begin, begin + n); n is a multiple
+// of kGranule.
+void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t n, Scratch& s) {
+  const UpdateFn update = kt.update[k.adam_w_mode ? 1 : 0];
+  for (size_t done = 0; done < n; done += kBlock) {
+    const size_t c = std::min(kBlock, n - done);
+    const int64_t e = begin + static_cast<int64_t>(done);
+    if (g_pf && done + g_pf * kBlock < n) PrefetchBlock(p, e + g_pf * kBlock, std::min(kBlock, n - done - g_pf * kBlock));
+    char* master = p.master ? p.master + e * p.master_size : nullptr;
+    char* param = p.param + e * p.param_size;
+    char* exp_avg = p.exp_avg + e * p.exp_avg_size;
+    char* exp_avg_sq = p.exp_avg_sq + e * p.exp_avg_sq_size;
+    const float* g = p.decode_grad(p.grad + e * p.grad_size, nullptr, c, 1.0f, s.g);
+    float* w = p.decode_w(p.w_from_master ? master : param, master, c, p.old_scale[0],
+                          s.w);
+    float* m = p.decode_m(exp_avg, nullptr, c, p.old_scale[1], s.m);
+    float* v = p.decode_v(exp_avg_sq, nullptr, c, p.old_scale[2], s.v);
+    update(k, g, w, m, v, c);
+    // The param is rounded from the updated w before the master is re-stored.
+    if (p.encode_param) p.encode_param(w, c, 1.0f, param, master);
+    if (p.encode_master) p.encode_master(w, c, p.new_scale[0], master, nullptr);
+    if (p.encode_m) p.encode_m(m, c, p.new_scale[1], exp_avg, nullptr);
+    if (p.encode_v) p.encode_v(v, c, p.new_scale[2], exp_avg_sq, nullptr);
+  }
+}
+
+// Pass 1 over [begin, begin + n): folds the magnitudes of the first `valid`
+// new values into max_bits (w, m, v).
+void ReduceSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t n, size_t valid, Scratch& s,
+                uint32_t* max_bits) {
+  const bool reduce_w = p.target[0] != 0;
+  // In AdamW mode m and v do not depend on w: skip decoding it.
+  const bool need_w = reduce_w || !k.adam_w_mode;
+  const ReduceFn reduce = kt.reduce[k.adam_w_mode ? 1 : 0][reduce_w ? 1 : 0];
+  for (size_t done = 0; done < n && done < valid; done += kBlock) {
+    const size_t c = std::min(kBlock, n - done);
+    const int64_t e = begin + static_cast<int64_t>(done);
+    char* master = p.master ? p.master + e * p.master_size : nullptr;
+    const float* g = p.decode_grad(p.grad + e * p.grad_size, nullptr, c, 1.0f, s.g);
+    const float* w =
+        need_w ? p.decode_w(p.w_from_master ? master : p.param + e * p.param_size,
+                            master, c, p.old_scale[0], s.w)
+               : g;
+    const float* m =
+        p.decode_m(p.exp_avg + e * p.exp_avg_size, nullptr, c, p.old_scale[1], s.m);
+    const float* v = p.decode_v(p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr, c,
+                                p.old_scale[2], s.v);
+    reduce(k, g, w, m, v, std::min(c, valid - done), max_bits);
+  }
+}
+
+// The last `t` < kGranule elements of a tensor, staged through zero-padded
+// granule-sized copies so every kernel sees whole granules.
+void StagedTail(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t t, bool update, Scratch& s,
+                uint32_t* max_bits) {
+  alignas(64) char buffers[5][kGranule * sizeof(float)] = {};
+  TensorPlan q = p;
+  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
+  const int sizes[4] = {p.param_size, p.master_size, p.exp_avg_size,
+                        p.exp_avg_sq_size};
+  for (int b = 0; b < 4; ++b) {
+    if (*writable[b] == nullptr) continue;
+    memcpy(buffers[b], *writable[b] + begin * sizes[b], t * sizes[b]);
+    *writable[b] = buffers[b];
+  }
+  memcpy(buffers[4], p.grad + begin * p.grad_size, t * p.grad_size);
+  q.grad = buffers[4];
+  if (!update) {
+    ReduceSpan(kt, q, k, 0, kGranule, t, s, max_bits);
+    return;
+  }
+  UpdateSpan(kt, q, k, 0, kGranule, s);
+  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
+  for (int b = 0; b < 4; ++b) {
+    if (originals[b] != nullptr) {
+      memcpy(originals[b] + begin * sizes[b], buffers[b], t * sizes[b]);
+    }
+  }
+}
+
+// Either pass over [begin, end): whole granules directly, the rest staged.
+void RunSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+             int64_t begin, int64_t end, bool update, Scratch& s,
+             uint32_t* max_bits) {
+  const size_t n = static_cast<size_t>(end - begin);
+  const size_t whole = n / kGranule * kGranule;
+  if (whole > 0) {
+    if (update) {
+      UpdateSpan(kt, p, k, begin, whole, s);
+    } else {
+      ReduceSpan(kt, p, k, begin, whole, whole, s, max_bits);
+    }
+  }
+  if (whole < n) {
+    StagedTail(kt, p, k, begin + static_cast<int64_t>(whole), n - whole, update, s,
+               max_bits);
+  }
+}
+
+enum class Pass : uint8_t {
+  kUpdate,  // the only pass, or pass 2 of a large scaled tensor
+  kReduce,  // pass 1 of a large scaled tensor
+  kBoth,    // both passes of a small scaled tensor
+};
+
+struct WorkItem {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+  Pass pass;
+};
+
+void AppendChunks(int64_t tensor, int64_t numel, Pass pass,
+                  std::vector<WorkItem>& items) {
+  for (int64_t begin = 0; begin < numel; begin += kChunk) {
+    items.push_back({tensor, begin, std::min(numel, begin + kChunk), pass});
+  }
+}
+
+int ResolveThreads(int num_threads) {
+  const int threads = num_threads <= 0 ? HardwareThreads() : num_threads;
+  return std::clamp(threads, 1, ThreadPool::kMaxThreads);
+}
+
+// Threads worth waking for `work` elements spread over `items` work items.
+int ThreadsFor(int threads, int64_t work, size_t items) {
+  const int64_t useful = std::max<int64_t>(1, work / kMinWorkPerThread);
+  return static_cast<int>(
+      std::min<int64_t>({threads, useful, static_cast<int64_t>(std::max<size_t>(items, 1))}));
+}
+
+// Runs `run(item)` for every item on up to `threads` threads (dynamic
+// scheduling; the split never affects results).
+template <class Fn>
+void RunItems(size_t count, int threads, const Fn& run) {
+  if (count == 0) return;
+  std::atomic<size_t> next{0};
+  const std::function<void(int)> body = [&](int) {
+    Scratch scratch;
+    for (;;) {
+      const size_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= count) break;
+      run(i, scratch);
+    }
+  };
+  ThreadPool::Global().Run(threads, body);
+}
+
+void AtomicMax(std::atomic<uint32_t>& target, uint32_t value) {
+  uint32_t current = target.load(std::memory_order_relaxed);
+  while (value > current &&
+         !target.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
+  }
+}
+
+void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
+          const StepConstants& k, int num_threads) {
+  std::vector<TensorPlan> plans;
+  plans.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) plans.push_back(MakePlan(kt, slots[i]));
+
+  // Phase A: every single-pass tensor, every small scaled tensor (both
+  // passes), pass 1 of large scaled tensors. Phase B: their pass 2.
+  std::vector<WorkItem> phase_a, phase_b;
+  int64_t work_a = 0, work_b = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const TensorPlan& p = plans[static_cast<size_t>(i)];
+    if (p.numel == 0) continue;
+    if (!p.Scaled()) {
+      AppendChunks(i, p.numel, Pass::kUpdate, phase_a);
+      work_a += p.numel;
+    } else if (p.numel <= kSmallScaledMax) {
+      phase_a.push_back({i, 0, p.numel, Pass::kBoth});
+      work_a += 2 * p.numel;
+    } else {
+      AppendChunks(i, p.numel, Pass::kReduce, phase_a);
+      AppendChunks(i, p.numel, Pass::kUpdate, phase_b);
+      work_a += p.numel;
+      work_b += p.numel;
+    }
+  }
+  // Largest magnitudes of the new w / m / v of each tensor, as fp32 bits.
+  std::vector<std::atomic<uint32_t>> max_bits(phase_b.empty() ? 0 : 3 * plans.size());
+  for (auto& b : max_bits) b.store(0, std::memory_order_relaxed);
+
+  const int threads = ResolveThreads(num_threads);
+  RunItems(phase_a.size(), ThreadsFor(threads, work_a, phase_a.size()),
+           [&](size_t index, Scratch& s) {
+             const WorkItem& item = phase_a[index];
+             TensorPlan& p = plans[static_cast<size_t>(item.tensor)];
+             uint32_t bits[3] = {0, 0, 0};
+             switch (item.pass) {
+               case Pass::kUpdate:
+                 RunSpan(kt, p, k, item.begin, item.end, true, s, bits);
+                 break;
+               case Pass::kReduce:
+                 RunSpan(kt, p, k, item.begin, item.end, false, s, bits);
+                 for (int j = 0; j < 3; ++j) {
+                   AtomicMax(max_bits[3 * static_cast<size_t>(item.tensor) + j], bits[j]);
+                 }
+                 break;
+               case Pass::kBoth:
+                 // This item owns the whole tensor, so it may set its scales.
+                 RunSpan(kt, p, k, item.begin, item.end, false, s, bits);
+                 for (int j = 0; j < 3; ++j) {
+                   if (p.target[j] != 0) {
+                     p.new_scale[j] = ScaleFromAbsMaxBits(bits[j], p.target[j]);
+                   }
+                 }
+                 RunSpan(kt, p, k, item.begin, item.end, true, s, bits);
+                 break;
+             }
+           });
+
+  if (!phase_b.empty()) {
+    for (const WorkItem& item : phase_b) {
+      if (item.begin != 0) continue;  // once per tensor
+      TensorPlan& p = plans[static_cast<size_t>(item.tensor)];
+      for (int j = 0; j < 3; ++j) {
+        if (p.target[j] == 0) continue;
+        const uint32_t bits =
+            max_bits[3 * static_cast<size_t>(item.tensor) + j].load(std::memory_order_relaxed);
+        p.new_scale[j] = ScaleFromAbsMaxBits(bits, p.target[j]);
+      }
+    }
+    RunItems(phase_b.size(), ThreadsFor(threads, work_b, phase_b.size()),
+             [&](size_t index, Scratch& s) {
+               const WorkItem& item = phase_b[index];
+               uint32_t unused[3] = {0, 0, 0};
+               RunSpan(kt, plans[static_cast<size_t>(item.tensor)], k, item.begin,
+                       item.end, true, s, unused);
+             });
+  }
+
+  // Empty tensors keep new_scale == 1, as S2.3 asks.
+  for (const TensorPlan& p : plans) {
+    for (int j = 0; j < 3; ++j) {
+      if (p.scale_slot[j] != nullptr) *p.scale_slot[j] = p.new_scale[j];
+    }
+  }
+}
+
+// Codec for one side of a Convert. A scale of exactly 1 makes fp16 a plain
+// cast (the same bits without a multiply / divide).
+Codec ConvertCodec(DType dtype, float scale) {
+  if (dtype == DType::kFloat16 && scale == 1.0f) return kCodecF16;
+  return CodecOf(dtype, true);
+}
+
+void ConvertSpan(const KernelTable& kt, const char* src, int src_size, DecodeFn decode,
+                 char* dst, int dst_size, EncodeFn encode, bool dst_f32, float scale,
+                 size_t n, Scratch& s) {
+  for (size_t done = 0; done < n; done += kBlock) {
+    const size_t c = std::min(kBlock, n - done);
+    const char* from = src + done * src_size;
+    char* to = dst + done * dst_size;
+    if (dst_f32) {
+      // Decode straight into the destination (never the source's memory:
+      // fp32 -> fp32 does not come here).
+      decode(from, nullptr, c, scale, reinterpret_cast<float*>(to));
+    } else {
+      encode(decode(from, nullptr, c, scale, s.g), c, scale, to, nullptr);
+    }
+  }
+  (void)kt;
+}
+
+}  // namespace
+
+const KernelTable& ActiveKernels() {
+  const KernelTable* pinned = g_pinned.load(std::memory_order_acquire);
+  if (pinned != nullptr) return *pinned;
+  return *HWY_DYNAMIC_DISPATCH(GetKernelTable)();
+}
+
+std::vector<int64_t> CompiledTargets() {
+  const auto& table = HWY_DISPATCH_TABLE(GetKernelTable);
+  const size_t entries = sizeof(table) / sizeof(table[0]);
+  const int64_t supported = hwy::SupportedTargets();
+  std::vector<int64_t> targets;
+  // With several targets, entry 0 is Highway's first-call trampoline.
+  for (size_t i = entries > 1 ? 1 : 0; i < entries; ++i) {
+    if (table[i] == nullptr) continue;
+    const int64_t target = table[i]()->target;
+    if ((target & supported) == 0) continue;
+    if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
+      targets.push_back(target);
+    }
+  }
+  std::sort(targets.begin(), targets.end());  // lower bit = better target
+  return targets;
+}
+
+bool SetTargetForTest(int64_t target) {
+  if (target == 0) {
+    g_pinned.store(nullptr, std::memory_order_release);
+    return true;
+  }
+  const auto& table = HWY_DISPATCH_TABLE(GetKernelTable);
+  const size_t entries = sizeof(table) / sizeof(table[0]);
+  if ((target & hwy::SupportedTargets()) == 0) return false;
+  for (size_t i = entries > 1 ? 1 : 0; i < entries; ++i) {
+    if (table[i] == nullptr) continue;
+    const KernelTable* kernels = table[i]();
+    if (kernels->target == target) {
+      g_pinned.store(kernels, std::memory_order_release);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace internal
+
+Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
+                int num_threads, Error* error) {
+  if (!internal::ValidateStep(slots, count, params, error)) {
+    return Status::kInvalidArgument;
+  }
+  if (count == 0) return Status::kOk;
+  const StepConstants k = MakeStepConstants(params);
+  internal::Step(internal::ActiveKernels(), slots, count, k, num_threads);
+  return Status::kOk;
+}
+
+Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+               int64_t numel, float scale, int num_threads, Error* error) {
+  using namespace internal;  // NOLINT(build/namespaces): file-local brevity
+  if (!ValidateConvert(src, src_dtype, dst, dst_dtype, numel, scale, error)) {
+    return Status::kInvalidArgument;
+  }
+  if (numel == 0) return Status::kOk;
+  const int src_size = ItemSize(src_dtype);
+  const int dst_size = ItemSize(dst_dtype);
+  if (src_dtype == dst_dtype && !IsScaled(src_dtype)) {
+    if (src != dst) memcpy(dst, src, static_cast<size_t>(numel) * src_size);
+    return Status::kOk;
+  }
+  const KernelTable& kt = ActiveKernels();
+  const DecodeFn decode = kt.decode[ConvertCodec(src_dtype, scale)];
+  const EncodeFn encode = kt.encode[ConvertCodec(dst_dtype, scale)];
+  const bool dst_f32 = dst_dtype == DType::kFloat32;
+  const char* from = static_cast<const char*>(src);
+  char* to = static_cast<char*>(dst);
+  const size_t chunks = static_cast<size_t>((numel + kChunk - 1) / kChunk);
+  RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
+           [&](size_t index, Scratch& s) {
+             const int64_t begin = static_cast<int64_t>(index) * kChunk;
+             const int64_t end = std::min(numel, begin + kChunk);
+             const size_t n = static_cast<size_t>(end - begin);
+             const size_t whole = n / kGranule * kGranule;
+             ConvertSpan(kt, from + begin * src_size, src_size, decode,
+                         to + begin * dst_size, dst_size, encode, dst_f32, scale,
+                         whole, s);
+             if (whole < n) {
+               const size_t t = n - whole;
+               alignas(64) char in[kGranule * sizeof(float)] = {};
+               alignas(64) char out[kGranule * sizeof(float)] = {};
+               memcpy(in, from + (begin + whole) * src_size, t * src_size);
+               ConvertSpan(kt, in, src_size, decode, out, dst_size, encode, dst_f32,
+                           scale, kGranule, s);
+               memcpy(to + (begin + whole) * dst_size, out, t * dst_size);
+             }
+           });
+  return Status::kOk;
+}
+
+float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) {
+  using namespace internal;  // NOLINT(build/namespaces): file-local brevity
+  if (!IsScaled(dtype) || u == nullptr || numel <= 0) return 1.0f;
+  const KernelTable& kt = ActiveKernels();
+  std::atomic<uint32_t> best{0};
+  const size_t chunks = static_cast<size_t>((numel + kChunk - 1) / kChunk);
+  RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
+           [&](size_t index, Scratch&) {
+             const int64_t begin = static_cast<int64_t>(index) * kChunk;
+             const int64_t end = std::min(numel, begin + kChunk);
+             AtomicMax(best, kt.abs_max_bits(u + begin, static_cast<size_t>(end - begin)));
+           });
+  return ScaleFromAbsMaxBits(best.load(), ScaleTarget(dtype));
+}
+
+const char* ChosenTarget() { return hwy::TargetName(internal::ActiveKernels().target); }
+
+std::string SupportedTargets() {
+  std::string names;
+  for (int64_t target : internal::CompiledTargets()) {
+    if (!names.empty()) names += ' ';
+    names += hwy::TargetName(target);
+  }
+  return names;
+}
+
+int DefaultThreads() { return internal::HardwareThreads(); }
+
+}  // namespace shardadam
+
+#endif  // HWY_ONCE

@@ -1,0 +1,551 @@
+// Per-target codecs between the storage dtypes and fp32 (SEMANTICS S2.2-S2.5)
+// and the absmax reduction behind the per-tensor scales. Included once per SIMD
+// target through adam-inl.h (Highway's foreach_target), so everything here is
+// compiled for SSE4, AVX2, AVX-512, NEON, SVE...
+//
+// Each codec is bit-exact with torch 2.x on CPU (`tensor.to(dtype)`) and with
+// every other target:
+// - bf16: round to nearest even (torch's result for every number); a NaN keeps
+//   its sign and top payload bits and is made quiet. torch itself is not
+//   consistent here (0xFFFF from its vectorised path, 0x7FC0 from its scalar
+//   one); this is the hardware convention and the reference's. Highway 1.0.3's
+//   DemoteTo truncates, so the rounding is integer code here.
+// - fp16: round to nearest even with subnormals, overflow to +-inf; a NaN keeps
+//   its sign and top payload bits and is made quiet (the F16C / AArch64 FCVT
+//   result, which torch stores). Hardware converts where the target has it;
+//   integer code reproduces it bit for bit elsewhere (SSE4).
+// - fp8 E4M3 "fn" (uint8 codes): c10's fp8e4m3fn_from_fp32_value: round to
+//   nearest even; a magnitude that rounds above 448 (anything above 464),
+//   inf and NaN all become NaN (0x7F with the sign). No saturation to 448.
+//   Decoding NaN (0x7F / 0xFF) gives 0x7FF00000 / 0xFFF00000 like torch.
+// - int16 remainder beside a bf16 param (S2.5): the fp32 master w is
+//   (param << 16) + sign-extended remainder, exactly; the split stores
+//   param = (w + 0x8000) >> 16 and remainder = low 16 bits of w.
+//
+// Element order is natural everywhere (a decoded block lines up with every other
+// stream's block). Everything works on pairs of vectors: narrowing packs two
+// vectors at once where the target has pack instructions (one pack + one lane
+// fix-up per 16 bf16 on AVX2) instead of Highway's one-vector DemoteTo, which
+// pays that fix-up per 8 lanes; fp8 decodes through the fp16 converter.
+
+#if defined(SHARDADAM_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef SHARDADAM_CONVERT_INL_H_
+#undef SHARDADAM_CONVERT_INL_H_
+#else
+#define SHARDADAM_CONVERT_INL_H_
+#endif
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmath>
+
+#include "hwy/highway.h"
+#include "kernels.h"
+
+// Per-target switches (redefined on every pass of foreach_target).
+#undef SHARDADAM_PACK_AVX2
+#undef SHARDADAM_PACK_AVX3
+#undef SHARDADAM_PACK_SSE4
+#undef SHARDADAM_HARDWARE_F16
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+#define SHARDADAM_PACK_AVX2 1
+#elif HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+#define SHARDADAM_PACK_AVX3 1
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_SSE4
+#define SHARDADAM_PACK_SSE4 1
+#endif
+// F16C on AVX2 / AVX-512 and FCVT on AArch64 round to nearest even and treat
+// NaN as described above; other targets use the integer codec.
+#if (defined(SHARDADAM_PACK_AVX2) || defined(SHARDADAM_PACK_AVX3)) && \
+    !defined(HWY_DISABLE_F16C)
+#define SHARDADAM_HARDWARE_F16 1
+#elif HWY_ARCH_ARM_A64 && HWY_TARGET != HWY_EMU128 && HWY_TARGET != HWY_SCALAR
+#define SHARDADAM_HARDWARE_F16 1
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace shardadam {
+namespace HWY_NAMESPACE {
+
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using DU = hn::RebindToUnsigned<DF>;
+using DI = hn::RebindToSigned<DF>;
+using DU16 = hn::Rebind<uint16_t, DF>;  // as many u16 lanes as fp32 lanes
+using DI16 = hn::Rebind<int16_t, DF>;
+using DU8 = hn::Rebind<uint8_t, DF>;
+using VF = hn::Vec<DF>;
+using VU = hn::Vec<DU>;
+using VI = hn::Vec<DI>;
+
+// ---------------------------------------------------------------------------
+// Widening loads and narrowing stores (natural element order).
+
+HWY_INLINE VU LoadWideU16(const uint16_t* HWY_RESTRICT p) {
+  return hn::PromoteTo(DU(), hn::LoadU(DU16(), p));
+}
+
+HWY_INLINE VU LoadWideI16(const int16_t* HWY_RESTRICT p) {
+  return hn::BitCast(DU(), hn::PromoteTo(DI(), hn::LoadU(DI16(), p)));
+}
+
+HWY_INLINE VU LoadWideU8(const uint8_t* HWY_RESTRICT p) {
+  return hn::PromoteTo(DU(), hn::LoadU(DU8(), p));
+}
+
+// Stores the low 16 bits of every lane of `a` then `b` (each lane holds a value
+// in [0, 0xFFFF]) to 2 * Lanes consecutive u16.
+HWY_INLINE void StoreNarrowU16(VU a, VU b, uint16_t* HWY_RESTRICT p) {
+#if defined(SHARDADAM_PACK_AVX2)
+  // packus interleaves 128-bit halves; one qword permute restores the order.
+  const __m256i packed = _mm256_packus_epi32(a.raw, b.raw);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm256_permute4x64_epi64(packed, 0xD8));
+#elif defined(SHARDADAM_PACK_AVX3)
+  const __m512i packed = _mm512_packus_epi32(a.raw, b.raw);
+  const __m512i order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi64(order, packed));
+#elif defined(SHARDADAM_PACK_SSE4)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(a.raw, b.raw));
+#else
+  const DU16 d16;
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(DI(), a)), d16, p);
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(DI(), b)), d16, p + hn::Lanes(d16));
+#endif
+}
+
+// Stores the low byte of every lane of `a` then `b` (values in [0, 0xFF]) to
+// 2 * Lanes consecutive bytes.
+HWY_INLINE void StoreNarrowU8(VU a, VU b, uint8_t* HWY_RESTRICT p) {
+#if defined(SHARDADAM_PACK_AVX2)
+  // Dwords after the two packs: [a0-3 b0-3 a0-3 b0-3 | a4-7 b4-7 a4-7 b4-7].
+  const __m256i words = _mm256_packus_epi32(a.raw, b.raw);
+  const __m256i bytes = _mm256_packus_epi16(words, words);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, order)));
+#elif defined(SHARDADAM_PACK_AVX3)
+  const __m512i words = _mm512_packus_epi32(a.raw, b.raw);
+  const __m512i bytes = _mm512_packus_epi16(words, words);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12,
+                                          1, 5, 9, 13);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, bytes)));
+#elif defined(SHARDADAM_PACK_SSE4)
+  const __m128i words = _mm_packus_epi32(a.raw, b.raw);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
+#else
+  const DU8 d8;
+  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), a)), d8, p);
+  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), b)), d8, p + hn::Lanes(d8));
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Bit-level conversions of one vector.
+
+HWY_INLINE VF BF16ToF32(VU h) { return hn::BitCast(DF(), hn::ShiftLeft<16>(h)); }
+
+// fp32 -> bf16 bits in the low half of each lane.
+HWY_INLINE VU F32ToBF16(VF x) {
+  const DU du;
+  const VU bits = hn::BitCast(du, x);
+  const VU high = hn::ShiftRight<16>(bits);
+  const VU odd = hn::And(high, hn::Set(du, 1u));
+  const VU rounded =
+      hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7FFFu))));
+  // NaN: sign and top payload bits kept, made quiet (what AVX512-BF16 and
+  // Arm BFCVT store); rounding could otherwise carry a NaN into inf. IsNaN,
+  // not Ne(x, x): Highway 1.0.3's Ne is ordered on AVX2 but not on SSE4.
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                        hn::Or(high, hn::Set(du, 0x40u)), rounded);
+}
+
+// fp16 bits (zero-extended) -> fp32, the hardware result without hardware.
+HWY_INLINE VF F16BitsToF32(VU h) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU abs = hn::And(h, hn::Set(du, 0x7FFFu));
+  const VI abs_i = hn::BitCast(di, abs);
+  const VU sign = hn::ShiftLeft<16>(hn::And(h, hn::Set(du, 0x8000u)));
+  const VU shifted = hn::ShiftLeft<13>(abs);
+  const VU normal = hn::Add(shifted, hn::Set(du, 0x38000000u));  // rebias 112
+  // inf / NaN: all-ones exponent, payload kept, NaN made quiet.
+  VU special = hn::Or(shifted, hn::Set(du, 0x7F800000u));
+  special = hn::IfThenElse(hn::RebindMask(du, hn::Gt(abs_i, hn::Set(di, 0x7C00))),
+                           hn::Or(special, hn::Set(du, 0x00400000u)), special);
+  // Subnormals are mantissa * 2^-24, exact in fp32 arithmetic.
+  const VF sub = hn::Mul(hn::ConvertTo(df, abs_i), hn::Set(df, 1.0f / 16777216.0f));
+  VU r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(abs_i, hn::Set(di, 0x7BFF))),
+                        special, normal);
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(abs_i, hn::Set(di, 0x400))),
+                     hn::BitCast(du, sub), r);
+  return hn::BitCast(df, hn::Or(r, sign));
+}
+
+// fp32 -> fp16 bits (low half of each lane), the hardware result without it.
+HWY_INLINE VU F32ToF16Bits(VF x) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU bits = hn::BitCast(du, x);
+  const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  const VI abs_i = hn::BitCast(di, abs);
+  const VU sign = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 0x8000u));
+  // Normal results: rebias the exponent, round the 13 dropped bits to even.
+  const VU odd = hn::And(hn::ShiftRight<13>(abs), hn::Set(du, 1u));
+  const VU normal = hn::ShiftRight<13>(hn::Add(
+      hn::Sub(abs, hn::Set(du, 0x38000000u)), hn::Add(odd, hn::Set(du, 0xFFFu))));
+  // Below 2^-14: adding 0.5 (ulp 2^-24) rounds to the subnormal step, to even.
+  const VU sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, abs),
+                                                 hn::Set(df, 0.5f))),
+                         hn::Set(du, 0x3F000000u));
+  VU r = hn::IfThenElse(
+      hn::RebindMask(du, hn::Lt(abs_i, hn::Set(di, 0x38800000))), sub, normal);
+  // From 65520 up (and inf): rounds to inf.
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(abs_i, hn::Set(di, 0x477FEFFF))),
+                     hn::Set(du, 0x7C00u), r);
+  const VU nan = hn::Or(hn::And(hn::ShiftRight<13>(abs), hn::Set(du, 0x3FFu)),
+                        hn::Set(du, 0x7E00u));
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Gt(abs_i, hn::Set(di, 0x7F800000))),
+                     nan, r);
+  return hn::Or(r, sign);
+}
+
+// E4M3 "fn" code (zero-extended) -> fp32, integer version.
+HWY_INLINE VF F8ToF32(VU c) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU mag = hn::And(c, hn::Set(du, 0x7Fu));
+  const VI mag_i = hn::BitCast(di, mag);
+  const VU sign = hn::ShiftLeft<24>(hn::And(c, hn::Set(du, 0x80u)));
+  VU normal = hn::Add(hn::ShiftLeft<20>(mag), hn::Set(du, 0x3C000000u));  // +120
+  normal = hn::IfThenElse(hn::RebindMask(du, hn::Eq(mag, hn::Set(du, 0x7Fu))),
+                          hn::Or(normal, hn::Set(du, 0x7F800000u)), normal);
+  // Subnormals are mantissa * 2^-9, exact.
+  const VF sub = hn::Mul(hn::ConvertTo(df, mag_i), hn::Set(df, 1.0f / 512.0f));
+  const VU r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(mag_i, hn::Set(di, 8))),
+                              hn::BitCast(du, sub), normal);
+  return hn::BitCast(df, hn::Or(r, sign));
+}
+
+// fp32 -> E4M3 "fn" code in the low byte of each lane. One float addition
+// does the rounding: with M = 2^(e + 20) for |x| in [2^e, 2^(e+1)) (e >= -6;
+// M = 2^14 below), the ulp of |x| + M is exactly the E4M3 step at |x|, so the
+// sum rounds |x| to nearest even and its low bits count steps above M. The
+// code is that count plus 8 per binade above 2^-6. Anything that rounds past
+// 448 (and inf / NaN, whose M is garbage) ends above 0x7F and is clamped to
+// NaN, as torch does; no saturation to 448.
+HWY_INLINE VU F32ToF8(VF x) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU bits = hn::BitCast(du, x);
+  const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
+                            hn::Set(di, 0x3C800000));  // >= 2^-6
+  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0A000000u));
+  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
+  const VU steps = hn::Sub(sum, magic);
+  const VU base = hn::ShiftRight<20>(hn::Sub(magic, hn::Set(du, 0x46800000u)));
+  const VU code = hn::Min(hn::Add(steps, base), hn::Set(du, 0x7Fu));  // unsigned
+  return hn::Or(code, hn::And(hn::ShiftRight<24>(bits), hn::Set(du, 0x80u)));
+}
+
+HWY_INLINE VI AbsBits(VF x) {
+  const DU du;
+  return hn::BitCast(DI(), hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu)));
+}
+
+// ---------------------------------------------------------------------------
+// Pair codecs: 2 * Lanes elements as two fp32 vectors, the unit every block
+// codec and fused kernel works in (16-bit and 8-bit stores pack two vectors at
+// once).
+
+HWY_INLINE void LoadF32x2(const float* HWY_RESTRICT p, VF& a, VF& b) {
+  const DF df;
+  a = hn::LoadU(df, p);
+  b = hn::LoadU(df, p + hn::Lanes(df));
+}
+
+HWY_INLINE void StoreF32x2(VF a, VF b, float* HWY_RESTRICT p) {
+  const DF df;
+  hn::StoreU(a, df, p);
+  hn::StoreU(b, df, p + hn::Lanes(df));
+}
+
+HWY_INLINE void LoadBF16x2(const uint16_t* HWY_RESTRICT p, VF& a, VF& b) {
+  a = BF16ToF32(LoadWideU16(p));
+  b = BF16ToF32(LoadWideU16(p + hn::Lanes(DF())));
+}
+
+HWY_INLINE void StoreBF16x2(VF a, VF b, uint16_t* HWY_RESTRICT p) {
+  StoreNarrowU16(F32ToBF16(a), F32ToBF16(b), p);
+}
+
+HWY_INLINE void LoadF16x2(const uint16_t* HWY_RESTRICT p, VF& a, VF& b) {
+  const size_t L = hn::Lanes(DF());
+#if defined(SHARDADAM_HARDWARE_F16)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const hwy::float16_t* h = reinterpret_cast<const hwy::float16_t*>(p);
+  a = hn::PromoteTo(df, hn::LoadU(dh, h));
+  b = hn::PromoteTo(df, hn::LoadU(dh, h + L));
+#else
+  a = F16BitsToF32(LoadWideU16(p));
+  b = F16BitsToF32(LoadWideU16(p + L));
+#endif
+}
+
+HWY_INLINE void StoreF16x2(VF a, VF b, uint16_t* HWY_RESTRICT p) {
+#if defined(SHARDADAM_HARDWARE_F16)
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  hwy::float16_t* h = reinterpret_cast<hwy::float16_t*>(p);
+  hn::StoreU(hn::DemoteTo(dh, a), dh, h);
+  hn::StoreU(hn::DemoteTo(dh, b), dh, h + hn::Lanes(dh));
+#else
+  StoreNarrowU16(F32ToF16Bits(a), F32ToF16Bits(b), p);
+#endif
+}
+
+// E4M3 codes -> fp32 values divided by kF8RawFactor (exact). Multiplying by
+// kF8RawFactor * s gives float(q) * s with the same single rounding as the
+// reference's float(q) * s whenever kF8RawFactor * s is finite (it is then
+// exact: a power-of-two factor).
+#if defined(SHARDADAM_HARDWARE_F16)
+inline constexpr float kF8RawFactor = 256.0f;
+#else
+inline constexpr float kF8RawFactor = 1.0f;
+#endif
+
+HWY_INLINE void LoadF8x2Raw(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+#if defined(SHARDADAM_HARDWARE_F16)
+  // Every E4M3 value is an fp16 value times 2^8 with the code shifted into
+  // place (E4M3 subnormals land on fp16 subnormals), so the fp16 converter
+  // does the decoding; only the sign bit and the NaN code need moving.
+  const DF df;
+  const hn::Repartition<uint16_t, DF> dw;  // 2 * Lanes u16
+  const hn::Half<decltype(dw)> dwh;
+  const hn::Rebind<uint8_t, decltype(dw)> db;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const auto k4000 = hn::Set(dw, 0x4000);
+  auto y = hn::ShiftLeft<7>(hn::PromoteTo(dw, hn::LoadU(db, p)));
+  y = hn::Add(y, hn::And(y, k4000));  // sign: bit 14 -> bit 15
+  // Code 0x7F (fp16 0x3F80) -> fp16 NaN 0x7F80, which widens to 0x7FF00000.
+  y = hn::Add(y, hn::And(hn::Add(y, hn::Set(dw, 0x0080)), k4000));
+  a = hn::PromoteTo(df, hn::BitCast(dh, hn::LowerHalf(dwh, y)));
+  b = hn::PromoteTo(df, hn::BitCast(dh, hn::UpperHalf(dwh, y)));
+#else
+  a = F8ToF32(LoadWideU8(p));
+  b = F8ToF32(LoadWideU8(p + hn::Lanes(DF())));
+#endif
+}
+
+HWY_INLINE void StoreF8x2(VF a, VF b, uint8_t* HWY_RESTRICT p) {
+  StoreNarrowU8(F32ToF8(a), F32ToF8(b), p);
+}
+
+// fp32 master = (param << 16) + sign-extended remainder, modulo 2^32: a
+// negative remainder borrows back the +1 the split rounded into the param.
+HWY_INLINE void LoadRemainderx2(const uint16_t* HWY_RESTRICT param,
+                                const int16_t* HWY_RESTRICT rem, VF& a, VF& b) {
+  const DF df;
+  const size_t L = hn::Lanes(df);
+  a = hn::BitCast(df, hn::Add(hn::ShiftLeft<16>(LoadWideU16(param)),
+                              LoadWideI16(rem)));
+  b = hn::BitCast(df, hn::Add(hn::ShiftLeft<16>(LoadWideU16(param + L)),
+                              LoadWideI16(rem + L)));
+}
+
+// param = high half rounded up when the low half is >= 0x8000 (S2.5),
+// remainder = low half.
+HWY_INLINE void StoreRemainderx2(VF a, VF b, uint16_t* HWY_RESTRICT param,
+                                 uint16_t* HWY_RESTRICT rem) {
+  const DU du;
+  const VU ua = hn::BitCast(du, a);
+  const VU ub = hn::BitCast(du, b);
+  const VU half = hn::Set(du, 0x8000u);
+  const VU low = hn::Set(du, 0xFFFFu);
+  StoreNarrowU16(hn::ShiftRight<16>(hn::Add(ua, half)),
+                 hn::ShiftRight<16>(hn::Add(ub, half)), param);
+  StoreNarrowU16(hn::And(ua, low), hn::And(ub, low), rem);
+}
+
+// ---------------------------------------------------------------------------
+// Block codecs with the signatures of internal::DecodeFn / EncodeFn. `n` is
+// always a multiple of internal::kGranule (a multiple of 2 * Lanes).
+
+float* DecodeF32(const void* src, const void* /*aux*/, size_t /*n*/,
+                 float /*scale*/, float* /*scratch*/) {
+  // No copy: the kernels read (and for states, update) the buffer in place.
+  return const_cast<float*>(static_cast<const float*>(src));
+}
+
+float* DecodeBF16(const void* src, const void* /*aux*/, size_t n,
+                  float /*scale*/, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadBF16x2(in + i, a, b);
+    StoreF32x2(a, b, out + i);
+  }
+  return out;
+}
+
+float* DecodeF16(const void* src, const void* /*aux*/, size_t n,
+                 float /*scale*/, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF16x2(in + i, a, b);
+    StoreF32x2(a, b, out + i);
+  }
+  return out;
+}
+
+float* DecodeF16Scaled(const void* src, const void* /*aux*/, size_t n,
+                       float scale, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale);
+  const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF16x2(in + i, a, b);
+    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+  }
+  return out;
+}
+
+float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
+                      float scale, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
+  const float folded = scale * kF8RawFactor;
+  if (std::isfinite(folded)) {  // one multiply
+    const VF s = hn::Set(DF(), folded);
+    for (size_t i = 0; i < n; i += step) {
+      VF a, b;
+      LoadF8x2Raw(in + i, a, b);
+      StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+    }
+  } else {  // huge scale: undo the factor exactly first
+    const VF f = hn::Set(DF(), kF8RawFactor);
+    const VF s = hn::Set(DF(), scale);
+    for (size_t i = 0; i < n; i += step) {
+      VF a, b;
+      LoadF8x2Raw(in + i, a, b);
+      StoreF32x2(hn::Mul(hn::Mul(a, f), s), hn::Mul(hn::Mul(b, f), s), out + i);
+    }
+  }
+  return out;
+}
+
+float* DecodeRemainder(const void* src, const void* aux, size_t n,
+                       float /*scale*/, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint16_t* HWY_RESTRICT param = static_cast<const uint16_t*>(src);
+  const int16_t* HWY_RESTRICT rem = static_cast<const int16_t*>(aux);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadRemainderx2(param + i, rem + i, a, b);
+    StoreF32x2(a, b, out + i);
+  }
+  return out;
+}
+
+void EncodeF32(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+               void* dst, void* /*aux*/) {
+  if (x != dst) memcpy(dst, x, n * sizeof(float));
+}
+
+void EncodeBF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+                void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreBF16x2(a, b, out + i);
+  }
+}
+
+void EncodeF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+               void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreF16x2(a, b, out + i);
+  }
+}
+
+// Scaled encoders divide (u / s, never u * (1 / s)), so every target and the
+// reference round the same quotient.
+void EncodeF16Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
+                     void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale);
+  uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreF16x2(hn::Div(a, s), hn::Div(b, s), out + i);
+  }
+}
+
+void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
+                    void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale);
+  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreF8x2(hn::Div(a, s), hn::Div(b, s), out + i);
+  }
+}
+
+void EncodeRemainder(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+                     void* dst, void* aux) {
+  const size_t step = 2 * hn::Lanes(DF());
+  uint16_t* HWY_RESTRICT param = static_cast<uint16_t*>(dst);
+  uint16_t* HWY_RESTRICT rem = static_cast<uint16_t*>(aux);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreRemainderx2(a, b, param + i, rem + i);
+  }
+}
+
+uint32_t AbsMaxBits(const float* HWY_RESTRICT x, size_t n) {
+  const DF df;
+  const DI di;
+  const size_t L = hn::Lanes(df);
+  VI acc = hn::Zero(di);
+  size_t i = 0;
+  for (; i + L <= n; i += L) acc = hn::Max(acc, AbsBits(hn::LoadU(df, x + i)));
+  uint32_t best = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc)));
+  for (; i < n; ++i) {
+    uint32_t bits;
+    memcpy(&bits, x + i, sizeof(bits));
+    bits &= 0x7FFFFFFFu;
+    if (bits > best) best = bits;
+  }
+  return best;
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace shardadam
+HWY_AFTER_NAMESPACE();
+
+#endif  // SHARDADAM_CONVERT_INL_H_

@@ -1,0 +1,89 @@
+// The Adam/AdamW update of one element (SEMANTICS S3.6), written once for every
+// implementation: the scalar reference instantiates it with `float`, the Highway
+// kernels with SIMD vectors, the CUDA kernel with `float` on the device.
+//
+// The order of operations is fixed here and nothing fuses multiply-adds (the build
+// uses -ffp-contract=off and the SIMD ops object has no FMA): every target and the
+// reference then round identically, so results are bitwise equal everywhere.
+#ifndef SHARDADAM_ELEMENT_H_
+#define SHARDADAM_ELEMENT_H_
+
+#include <cmath>
+
+#include "shardadam/adam.h"
+
+#if defined(__CUDACC__)
+#define SHARDADAM_HOST_DEVICE __host__ __device__
+#else
+#define SHARDADAM_HOST_DEVICE
+#endif
+
+namespace shardadam {
+
+// Per-step scalars, computed once per call in double and rounded to fp32 (as
+// torch's fused kernels do), so every element sees the same constants.
+struct StepConstants {
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float weight_decay;         // L2 coefficient (adam_w_mode == false)
+  float decay;                // 1 - lr * weight_decay (adam_w_mode == true)
+  float step_size;            // lr / (1 - beta1^t)
+  float bias_correction2_sqrt;  // sqrt(1 - beta2^t)
+  float eps;
+  bool adam_w_mode;
+};
+
+inline StepConstants MakeStepConstants(const StepParams& p) {
+  const double t = static_cast<double>(p.step);
+  const double c1 = p.bias_correction ? 1.0 - std::pow(p.beta1, t) : 1.0;
+  const double c2 = p.bias_correction ? 1.0 - std::pow(p.beta2, t) : 1.0;
+  StepConstants k;
+  k.beta1 = static_cast<float>(p.beta1);
+  k.one_minus_beta1 = static_cast<float>(1.0 - p.beta1);
+  k.beta2 = static_cast<float>(p.beta2);
+  k.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
+  k.weight_decay = static_cast<float>(p.weight_decay);
+  k.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  k.step_size = static_cast<float>(p.lr / c1);
+  k.bias_correction2_sqrt = static_cast<float>(std::sqrt(c2));
+  k.eps = static_cast<float>(p.eps);
+  k.adam_w_mode = p.adam_w_mode;
+  return k;
+}
+
+// Scalar arithmetic for the formula below; the SIMD kernels provide an ops object
+// with the same member names over vectors (constants pre-broadcast).
+struct ScalarOps {
+  using V = float;
+  using Consts = StepConstants;  // float members are already "broadcast"
+  SHARDADAM_HOST_DEVICE V Add(V a, V b) const { return a + b; }
+  SHARDADAM_HOST_DEVICE V Sub(V a, V b) const { return a - b; }
+  SHARDADAM_HOST_DEVICE V Mul(V a, V b) const { return a * b; }
+  SHARDADAM_HOST_DEVICE V Div(V a, V b) const { return a / b; }
+  SHARDADAM_HOST_DEVICE V Sqrt(V a) const { return sqrtf(a); }
+};
+
+// An ops object's `Consts`: the StepConstants fields, each broadcast to a V.
+template <class V>
+struct BroadcastConstants {
+  V beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, decay, step_size,
+      bias_correction2_sqrt, eps;
+};
+
+// One update. `g` is the gradient in fp32, `w` the fp32 weight (master or widened
+// param), `m`/`v` the true (unscaled) moments. `kAdamW` selects decoupled decay
+// at compile time (StepConstants::adam_w_mode picks the instantiation).
+template <bool kAdamW, class Ops, class V>
+SHARDADAM_HOST_DEVICE inline void AdamElement(const Ops& o, const typename Ops::Consts& c,
+                                              V g, V& w, V& m, V& v) {
+  if (!kAdamW) g = o.Add(g, o.Mul(c.weight_decay, w));
+  m = o.Add(o.Mul(c.beta1, m), o.Mul(c.one_minus_beta1, g));
+  v = o.Add(o.Mul(c.beta2, v), o.Mul(o.Mul(c.one_minus_beta2, g), g));
+  if (kAdamW) w = o.Mul(w, c.decay);
+  const V denom = o.Add(o.Div(o.Sqrt(v), c.bias_correction2_sqrt), c.eps);
+  w = o.Sub(w, o.Div(o.Mul(c.step_size, m), denom));
+}
+
+}  // namespace shardadam
+
+#endif  // SHARDADAM_ELEMENT_H_

@@ -1,0 +1,103 @@
+// Public contract of the shardadam C++ core: one Adam/AdamW step over a list of
+// tensors whose buffers the caller owns. No dependency on PyTorch or Python, so a
+// C++ training loop (or the nanobind module) can call it directly.
+#ifndef SHARDADAM_ADAM_H_
+#define SHARDADAM_ADAM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace shardadam {
+
+// Storage dtype of one buffer. The numeric values are part of the ABI: the Python
+// package passes them through the binding as plain integers.
+enum class DType : int32_t {
+  kNone = 0,            // buffer absent (only for master_param)
+  kFloat32 = 1,
+  kFloat16 = 2,         // moments/master: stored value q, true value float(q) * scale
+  kBFloat16 = 3,
+  kFloat8E4M3 = 4,      // moments only: uint8 codes of fp8 E4M3 (fn), scaled like fp16
+  kInt16Remainder = 5,  // master only: low 16 bits of the fp32 master beside a bf16 param
+};
+
+// Largest magnitude a scaled state is encoded to (SEMANTICS S2.3):
+// fp16 finfo.max / 2 and the largest finite E4M3 value.
+inline constexpr float kFloat16ScaleTarget = 32752.0f;
+inline constexpr float kFloat8ScaleTarget = 448.0f;
+
+// One tensor's buffers. All buffers hold `numel` elements, contiguous, in the dtype
+// given beside them. Scale slots hold one fp32 each: read as the current scale
+// before the step, overwritten with the scale measured on the new state after it.
+// A scale slot is required exactly for fp16 and fp8 states and ignored otherwise.
+struct TensorSlot {
+  int64_t numel = 0;
+  void* param = nullptr;
+  DType param_dtype = DType::kFloat32;  // fp32 / fp16 / bf16
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;  // fp32 / fp16 / bf16
+  void* exp_avg = nullptr;
+  DType exp_avg_dtype = DType::kFloat32;  // fp32 / fp16 / bf16 / fp8
+  float* exp_avg_scale = nullptr;
+  void* exp_avg_sq = nullptr;
+  DType exp_avg_sq_dtype = DType::kFloat32;  // fp32 / fp16 / bf16 / fp8
+  float* exp_avg_sq_scale = nullptr;
+  // Optional fp32 master of a fp16/bf16 param: fp32, fp16 (scaled), or the int16
+  // remainder of a bf16 param (the fp32 master is rebuilt from param + remainder).
+  void* master_param = nullptr;
+  DType master_dtype = DType::kNone;
+  float* master_scale = nullptr;
+};
+
+// Hyper-parameters of one step, shared by every tensor of the call (one param group).
+struct StepParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool adam_w_mode = true;      // false: L2 penalty added to the gradient
+  bool bias_correction = true;  // false: both corrections are 1
+  int64_t step = 1;             // the step being taken, counted from 1
+};
+
+enum class Status : int32_t {
+  kOk = 0,
+  kInvalidArgument = 1,  // a slot or a hyper-parameter broke a rule; nothing written
+};
+
+// Filled on failure: which tensor (-1 for a hyper-parameter or the call itself)
+// and a sentence naming the buffer, the rule and the offending value.
+struct Error {
+  int64_t tensor_index = -1;
+  std::string message;
+};
+
+// Updates every tensor of `slots` in place (SEMANTICS S3.6). Validates every slot and
+// hyper-parameter first; on any failure returns kInvalidArgument, fills `error`
+// (if non-null) and writes nothing. `num_threads` <= 0 means "all hardware threads".
+// Results are bitwise identical for every thread count and every SIMD target.
+Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
+                int num_threads, Error* error);
+
+// Element-wise conversion between storage dtypes, bit-exact with torch's `.to()`
+// (round to nearest even, NaN kept). For fp16/fp8 destinations the value stored is
+// round(src / scale); for fp16/fp8 sources the value read is float(src) * scale.
+// Supported: any of fp32/fp16/bf16/fp8 to any other. kInt16Remainder is not a cast.
+Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+               int64_t numel, float scale, int num_threads, Error* error);
+
+// The scale SEMANTICS S2.3 gives to fp32 values `u` stored as `dtype`
+// (1 for an empty tensor, a zero or non-finite absmax, or an unscaled dtype).
+float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads);
+
+// Name of the SIMD target the dispatcher picked on this CPU, e.g. "AVX2".
+const char* ChosenTarget();
+// Space-separated names of every target compiled in and supported by this CPU.
+std::string SupportedTargets();
+// Number of hardware threads used when num_threads <= 0.
+int DefaultThreads();
+
+}  // namespace shardadam
+
+#endif  // SHARDADAM_ADAM_H_

@@ -1,0 +1,99 @@
+// Internal, target-independent view of the per-target SIMD kernels: the table of
+// codecs and block kernels each Highway target fills in (adam-inl.h), and the
+// hooks tests use to run the core on every target this CPU supports.
+//
+// The dtype matrix is large, so nothing here is specialised per dtype
+// combination: a tensor picks one decoder and one encoder per stream from the
+// table once, and every block runs the same fp32 update body.
+#ifndef SHARDADAM_KERNELS_H_
+#define SHARDADAM_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "element.h"
+
+namespace shardadam {
+namespace internal {
+
+// Every element count handed to a codec or kernel is a multiple of this: the
+// widest group any target converts at once (a pair of vectors, up to 2 x 64
+// fp32 lanes on the widest SVE), and a multiple of 64 elements, which keeps
+// every buffer's work items cache-line aligned for every dtype. Only the last
+// elements of a tensor can break it; those are staged through small zero-padded
+// buffers.
+inline constexpr size_t kGranule = 128;
+
+// Elements per cache-resident fp32 block: four 2 KiB streams stay in L1 while
+// they are decoded, updated and encoded.
+inline constexpr size_t kBlock = 512;
+
+// Storage codecs. fp16 appears twice: parameters are plain casts, scaled states
+// (fp16 master, fp16 moments) multiply / divide by their per-tensor scale.
+enum Codec : int {
+  kCodecF32 = 0,
+  kCodecBF16,
+  kCodecF16,
+  kCodecF16Scaled,
+  kCodecF8Scaled,    // uint8 E4M3 "fn" codes, always scaled
+  kCodecRemainder,   // bf16 param (src/dst) + int16 remainder (aux)
+  kNumCodecs,
+};
+
+// Reads `n` elements (a multiple of kGranule) as fp32. Returns the block the
+// kernels should use: `scratch`, or for kCodecF32 `src` itself, so that fp32
+// buffers are updated in place with no copy. `aux` is the int16 remainder for
+// kCodecRemainder and ignored otherwise; `scale` is ignored by unscaled codecs.
+using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
+                            float scale, float* scratch);
+// Stores `n` fp32 values (a multiple of kGranule); scaled codecs store
+// round(x / scale). kCodecRemainder writes the bf16 param to `dst` and the
+// remainder to `aux`.
+using EncodeFn = void (*)(const float* x, size_t n, float scale, void* dst,
+                          void* aux);
+// One Adam step over `n` elements of fp32 blocks, written back in place.
+using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
+                          float* m, float* v, size_t n);
+// The same arithmetic, storing nothing: folds the magnitudes of the first
+// `valid` new values of w (only for the reduce_w variants), m and v into
+// max_bits[0..2] as fp32 bit patterns. Comparing magnitudes as integers keeps
+// the maximum exact and ranks inf and NaN above every finite value.
+using ReduceFn = void (*)(const StepConstants& k, const float* g,
+                          const float* w, const float* m, const float* v,
+                          size_t valid, uint32_t* max_bits);
+// Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).
+using AbsMaxBitsFn = uint32_t (*)(const float* x, size_t n);
+
+struct KernelTable {
+  int64_t target;  // HWY_* bit of the target that filled the table
+  DecodeFn decode[kNumCodecs];
+  EncodeFn encode[kNumCodecs];
+  UpdateFn update[2];     // [adam_w_mode]
+  ReduceFn reduce[2][2];  // [adam_w_mode][reduce_w]
+  AbsMaxBitsFn abs_max_bits;
+};
+
+// The table every entry point uses now: the dispatcher's choice for this CPU,
+// or the target pinned by SetTargetForTest.
+const KernelTable& ActiveKernels();
+
+// Test hooks. A test runs every case once per target:
+//
+//   for (int64_t t : shardadam::internal::CompiledTargets()) {
+//     shardadam::internal::SetTargetForTest(t);
+//     ...  // AdamStep / Convert / MeasureScale now run on target t
+//   }
+//   shardadam::internal::SetTargetForTest(0);
+//
+// HWY_* bits of every target compiled into the core that this CPU can run,
+// best first. Unaffected by SetTargetForTest and by Highway's own test mocks.
+std::vector<int64_t> CompiledTargets();
+// Pins every entry point to `target` (one of CompiledTargets()); 0 restores
+// the dispatcher's choice. Returns false, changing nothing, for any other value.
+bool SetTargetForTest(int64_t target);
+
+}  // namespace internal
+}  // namespace shardadam
+
+#endif  // SHARDADAM_KERNELS_H_

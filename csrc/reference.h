@@ -1,0 +1,62 @@
+// Scalar reference of the whole shardadam contract (adam.h, SEMANTICS S2/S3.6):
+// codecs, scales, remainders, Convert, MeasureScale and the Adam step. It is
+// the oracle the tests compare the SIMD kernels against bit for bit, so it
+// favours plain, obviously correct code over speed and shares nothing with the
+// kernels except the per-element formula in element.h. It validates nothing:
+// callers pass slots that shardadam::AdamStep would accept.
+#ifndef SHARDADAM_REFERENCE_H_
+#define SHARDADAM_REFERENCE_H_
+
+#include <cstdint>
+
+#include "shardadam/adam.h"
+
+namespace shardadam {
+namespace reference {
+
+// fp32 <-> bf16: round to nearest even; a NaN stays a (quiet) NaN.
+uint16_t FloatToBFloat16(float f);
+float BFloat16ToFloat(uint16_t h);
+
+// fp32 <-> IEEE fp16: round to nearest even, gradual underflow, overflow to
+// infinity, NaN kept (as torch's `.to(torch.float16)`).
+uint16_t FloatToFloat16(float f);
+float Float16ToFloat(uint16_t h);
+
+// fp32 <-> fp8 E4M3 "fn" (bias 7, no infinities, NaN = 0x7F / 0xFF, max 448),
+// as torch's `.to(torch.float8_e4m3fn)`: round to nearest even; magnitudes
+// above 464 (the midpoint between 448 and the NaN code), infinities and NaN
+// become NaN.
+uint8_t FloatToFloat8E4M3(float f);
+float Float8E4M3ToFloat(uint8_t q);
+
+// S2.5: an fp32 master stored as a bf16 param (high 16 bits, plus one when the
+// low 16 bits are >= 0x8000) and an int16 remainder (the low 16 bits).
+void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder);
+float MergeMaster(uint16_t param_bits, int16_t remainder);
+
+// True for dtypes stored as q with a per-tensor scale (fp16, fp8) when used as
+// a moment or master; params and grads are never scaled.
+bool IsScaled(DType dtype);
+
+// S2.3: the scale of `numel` fp32 values u stored as `dtype` (1 for unscaled
+// dtypes, an empty tensor, or an absmax that is zero or not finite).
+float MeasureScale(const float* u, int64_t numel, DType dtype);
+
+// Value of element i of an unscaled buffer (fp32/fp16/bf16/fp8 codes) as fp32,
+// and the store that rounds an fp32 value into such a buffer.
+float LoadElement(const void* buffer, DType dtype, int64_t i);
+void StoreElement(void* buffer, DType dtype, int64_t i, float value);
+
+// adam.h's Convert, one element at a time; kInvalidArgument for dtypes that are
+// not casts (kNone, kInt16Remainder). Writes nothing on failure.
+Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
+               int64_t numel, float scale);
+
+// adam.h's AdamStep (S3.6), one tensor and one element at a time.
+void AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params);
+
+}  // namespace reference
+}  // namespace shardadam
+
+#endif  // SHARDADAM_REFERENCE_H_

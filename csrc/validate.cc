@@ -1,0 +1,325 @@
+// Input checks for the core's entry points. Each message names the tensor (or
+// the hyper-parameter), the buffer, the rule and the offending value, so the
+// Python layer can pass it on unchanged.
+#include "validate.h"
+
+#include <cinttypes>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <string>
+
+namespace shardadam {
+namespace internal {
+namespace {
+
+std::string Format(const char* format, ...) {
+  char buffer[512];
+  va_list args;
+  va_start(args, format);
+  vsnprintf(buffer, sizeof(buffer), format, args);
+  va_end(args);
+  return buffer;
+}
+
+bool Fail(Error* error, int64_t tensor, const std::string& message) {
+  if (error != nullptr) {
+    error->tensor_index = tensor;
+    error->message =
+        tensor >= 0 ? Format("tensor %" PRId64 ": ", tensor) + message : message;
+  }
+  return false;
+}
+
+int Code(DType dtype) { return static_cast<int>(dtype); }
+
+bool IsValueDType(DType d) {  // param / grad
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+}
+bool IsMomentDType(DType d) { return IsValueDType(d) || d == DType::kFloat8E4M3; }
+bool IsMasterDType(DType d) {
+  return d == DType::kNone || d == DType::kFloat32 || d == DType::kFloat16 ||
+         d == DType::kInt16Remainder;
+}
+
+bool CheckHyper(const char* name, double value, Error* error) {
+  if (!std::isfinite(value)) {
+    return Fail(error, -1, Format("%s %.9g is not finite", name, value));
+  }
+  if (value < 0.0) {
+    return Fail(error, -1, Format("%s %.9g is negative; expected >= 0", name, value));
+  }
+  return true;
+}
+
+bool CheckBeta(const char* name, double value, Error* error) {
+  if (!std::isfinite(value) || value < 0.0 || value >= 1.0) {
+    return Fail(error, -1,
+                Format("%s %.9g is outside [0, 1)", name, value));
+  }
+  return true;
+}
+
+// One buffer of a slot, for the null and overlap checks.
+struct Buffer {
+  const char* name;
+  const void* data;
+  int64_t bytes;
+};
+
+bool Overlap(uintptr_t a, int64_t a_bytes, uintptr_t b, int64_t b_bytes) {
+  return a < b + static_cast<uintptr_t>(b_bytes) &&
+         b < a + static_cast<uintptr_t>(a_bytes);
+}
+
+bool CheckScale(int64_t tensor, const char* name, DType dtype,
+                const char* buffer, const float* scale, Error* error) {
+  if (!IsScaled(dtype)) return true;
+  if (scale == nullptr) {
+    return Fail(error, tensor,
+                Format("%s is null; an %s %s needs a scale slot", name,
+                       DTypeName(dtype), buffer));
+  }
+  const float value = *scale;
+  if (!std::isfinite(value) || !(value > 0.0f)) {
+    return Fail(error, tensor,
+                Format("%s %.9g is not a valid scale; expected a finite value > 0",
+                       name, static_cast<double>(value)));
+  }
+  return true;
+}
+
+bool CheckSlot(int64_t i, const TensorSlot& s, Error* error) {
+  if (s.numel < 0) {
+    return Fail(error, i, Format("numel %" PRId64 " is negative; expected >= 0", s.numel));
+  }
+  // Element sizes are at most 4 bytes; keep byte counts representable.
+  if (s.numel > INT64_MAX / 8) {
+    return Fail(error, i, Format("numel %" PRId64 " is too large", s.numel));
+  }
+  const struct {
+    const char* field;
+    DType dtype;
+    bool ok;
+    const char* role;
+    const char* expected;
+  } dtypes[] = {
+      {"param_dtype", s.param_dtype, IsValueDType(s.param_dtype), "a parameter",
+       "fp32, fp16 or bf16"},
+      {"grad_dtype", s.grad_dtype, IsValueDType(s.grad_dtype), "a gradient",
+       "fp32, fp16 or bf16"},
+      {"exp_avg_dtype", s.exp_avg_dtype, IsMomentDType(s.exp_avg_dtype), "a moment",
+       "fp32, fp16, bf16 or fp8"},
+      {"exp_avg_sq_dtype", s.exp_avg_sq_dtype, IsMomentDType(s.exp_avg_sq_dtype),
+       "a moment", "fp32, fp16, bf16 or fp8"},
+      {"master_dtype", s.master_dtype, IsMasterDType(s.master_dtype), "a master",
+       "none, fp32, fp16 or int16 remainder"},
+  };
+  for (const auto& d : dtypes) {
+    if (!d.ok) {
+      return Fail(error, i,
+                  Format("%s %d (%s) is not allowed for %s; expected %s", d.field,
+                         Code(d.dtype), DTypeName(d.dtype), d.role, d.expected));
+    }
+  }
+  if (s.param_dtype == DType::kFloat32 && s.master_dtype != DType::kNone) {
+    return Fail(error, i,
+                Format("master_dtype %d (%s) is not allowed beside an fp32 param; "
+                       "an fp32 param is its own master (expected none)",
+                       Code(s.master_dtype), DTypeName(s.master_dtype)));
+  }
+  if (s.master_dtype == DType::kInt16Remainder && s.param_dtype != DType::kBFloat16) {
+    return Fail(error, i,
+                Format("master_dtype %d (int16 remainder) requires a bf16 param; "
+                       "param_dtype is %d (%s)",
+                       Code(s.master_dtype), Code(s.param_dtype),
+                       DTypeName(s.param_dtype)));
+  }
+  const bool has_master = s.master_dtype != DType::kNone;
+
+  if (!CheckScale(i, "exp_avg_scale", s.exp_avg_dtype, "exp_avg", s.exp_avg_scale,
+                  error) ||
+      !CheckScale(i, "exp_avg_sq_scale", s.exp_avg_sq_dtype, "exp_avg_sq",
+                  s.exp_avg_sq_scale, error) ||
+      !CheckScale(i, "master_scale", s.master_dtype, "master_param", s.master_scale,
+                  error)) {
+    return false;
+  }
+
+  Buffer buffers[5] = {
+      {"param", s.param, s.numel * ItemSize(s.param_dtype)},
+      {"grad", s.grad, s.numel * ItemSize(s.grad_dtype)},
+      {"exp_avg", s.exp_avg, s.numel * ItemSize(s.exp_avg_dtype)},
+      {"exp_avg_sq", s.exp_avg_sq, s.numel * ItemSize(s.exp_avg_sq_dtype)},
+      {"master_param", s.master_param, s.numel * ItemSize(s.master_dtype)},
+  };
+  const int num_buffers = has_master ? 5 : 4;
+  if (s.numel > 0) {
+    for (int b = 0; b < num_buffers; ++b) {
+      if (buffers[b].data == nullptr) {
+        return Fail(error, i,
+                    Format("%s is null but numel is %" PRId64, buffers[b].name,
+                           s.numel));
+      }
+    }
+    for (int a = 0; a < num_buffers; ++a) {
+      for (int b = a + 1; b < num_buffers; ++b) {
+        const uintptr_t pa = reinterpret_cast<uintptr_t>(buffers[a].data);
+        const uintptr_t pb = reinterpret_cast<uintptr_t>(buffers[b].data);
+        if (Overlap(pa, buffers[a].bytes, pb, buffers[b].bytes)) {
+          return Fail(error, i,
+                      Format("%s [%p, +%" PRId64 " bytes) overlaps %s [%p, +%" PRId64
+                             " bytes); the buffers of one tensor must not share memory",
+                             buffers[a].name, buffers[a].data, buffers[a].bytes,
+                             buffers[b].name, buffers[b].data, buffers[b].bytes));
+        }
+      }
+    }
+  }
+
+  // Scale slots are written after the step: they must not alias each other or
+  // the tensor's data.
+  const struct {
+    const char* name;
+    const float* slot;
+    bool used;
+  } scales[3] = {
+      {"exp_avg_scale", s.exp_avg_scale, IsScaled(s.exp_avg_dtype)},
+      {"exp_avg_sq_scale", s.exp_avg_sq_scale, IsScaled(s.exp_avg_sq_dtype)},
+      {"master_scale", s.master_scale, IsScaled(s.master_dtype)},
+  };
+  for (int a = 0; a < 3; ++a) {
+    if (!scales[a].used) continue;
+    const uintptr_t pa = reinterpret_cast<uintptr_t>(scales[a].slot);
+    for (int b = a + 1; b < 3; ++b) {
+      if (scales[b].used && scales[b].slot == scales[a].slot) {
+        return Fail(error, i,
+                    Format("%s and %s are the same slot %p; each scaled state needs "
+                           "its own",
+                           scales[a].name, scales[b].name,
+                           static_cast<const void*>(scales[a].slot)));
+      }
+    }
+    if (s.numel == 0) continue;
+    for (int b = 0; b < num_buffers; ++b) {
+      const uintptr_t pb = reinterpret_cast<uintptr_t>(buffers[b].data);
+      if (Overlap(pa, sizeof(float), pb, buffers[b].bytes)) {
+        return Fail(error, i,
+                    Format("%s %p lies inside %s [%p, +%" PRId64
+                           " bytes); a scale slot must not share memory with data",
+                           scales[a].name, static_cast<const void*>(scales[a].slot),
+                           buffers[b].name, buffers[b].data, buffers[b].bytes));
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int ItemSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kInt16Remainder:
+      return 2;
+    case DType::kFloat8E4M3:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+const char* DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kNone:
+      return "none";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8";
+    case DType::kInt16Remainder:
+      return "int16 remainder";
+  }
+  return "unknown";
+}
+
+bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
+                  Error* error) {
+  if (count < 0) {
+    return Fail(error, -1, Format("count %" PRId64 " is negative; expected >= 0", count));
+  }
+  if (count > 0 && slots == nullptr) {
+    return Fail(error, -1, Format("slots is null but count is %" PRId64, count));
+  }
+  if (!CheckHyper("lr", params.lr, error) || !CheckBeta("beta1", params.beta1, error) ||
+      !CheckBeta("beta2", params.beta2, error) || !CheckHyper("eps", params.eps, error) ||
+      !CheckHyper("weight_decay", params.weight_decay, error)) {
+    return false;
+  }
+  if (params.step < 1) {
+    return Fail(error, -1,
+                Format("step %" PRId64 " is less than 1; steps are counted from 1",
+                       params.step));
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    if (!CheckSlot(i, slots[i], error)) return false;
+  }
+  return true;
+}
+
+bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
+                     DType dst_dtype, int64_t numel, float scale, Error* error) {
+  const struct {
+    const char* field;
+    DType dtype;
+  } ends[2] = {{"src_dtype", src_dtype}, {"dst_dtype", dst_dtype}};
+  for (const auto& e : ends) {
+    if (!IsMomentDType(e.dtype)) {
+      return Fail(error, -1,
+                  Format("%s %d (%s) is not allowed for a conversion; expected fp32, "
+                         "fp16, bf16 or fp8",
+                         e.field, Code(e.dtype), DTypeName(e.dtype)));
+    }
+  }
+  if (numel < 0) {
+    return Fail(error, -1, Format("numel %" PRId64 " is negative; expected >= 0", numel));
+  }
+  if (numel > INT64_MAX / 8) {
+    return Fail(error, -1, Format("numel %" PRId64 " is too large", numel));
+  }
+  if ((IsScaled(src_dtype) || IsScaled(dst_dtype)) &&
+      (!std::isfinite(scale) || !(scale > 0.0f))) {
+    return Fail(error, -1,
+                Format("scale %.9g is not a valid scale; expected a finite value > 0",
+                       static_cast<double>(scale)));
+  }
+  if (numel == 0) return true;
+  if (src == nullptr) {
+    return Fail(error, -1, Format("src is null but numel is %" PRId64, numel));
+  }
+  if (dst == nullptr) {
+    return Fail(error, -1, Format("dst is null but numel is %" PRId64, numel));
+  }
+  const int64_t src_bytes = numel * ItemSize(src_dtype);
+  const int64_t dst_bytes = numel * ItemSize(dst_dtype);
+  const bool in_place = src == dst && ItemSize(src_dtype) == ItemSize(dst_dtype);
+  if (!in_place && Overlap(reinterpret_cast<uintptr_t>(src), src_bytes,
+                           reinterpret_cast<uintptr_t>(dst), dst_bytes)) {
+    return Fail(error, -1,
+                Format("src [%p, +%" PRId64 " bytes) overlaps dst [%p, +%" PRId64
+                       " bytes); only an in-place conversion between dtypes of one "
+                       "size may share memory",
+                       src, src_bytes, dst, dst_bytes));
+  }
+  return true;
+}
+
+}  // namespace internal
+}  // namespace shardadam

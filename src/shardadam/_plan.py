@@ -1,0 +1,198 @@
+"""What step() gathers for one parameter group, cached between steps.
+
+A ``GroupPlan`` holds the group's static picture: its parameters split by device into
+``DeviceBatch`` objects, and (once bound) each parameter's state tensors. It stays valid
+while the group holds the same parameters with the same storage, the state containers
+saw no write, and the state configuration is unchanged; ``is_current`` checks exactly
+that, so a step re-reads only what changes every step: the gradients.
+
+Building a plan only reads (it is part of validation); ``bind`` is the one place that
+creates or converts state, and runs after every group has been validated.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+
+from . import _dtensor, _state, _tracked, _validate
+from ._state import FLOAT_KINDS
+
+_Tensor = torch.Tensor
+
+
+class Entry:
+    """One parameter of a batch: its local tensor and its state storage."""
+
+    __slots__ = ("index", "param", "local", "numel", "param_kind", "exp_avg",
+                 "exp_avg_kind", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_kind",
+                 "exp_avg_sq_scale", "master", "master_kind", "master_scale")
+
+    def __init__(self, index: int, param: torch.Tensor, local: torch.Tensor):
+        self.index = index
+        self.param = param
+        self.local = local
+        self.numel = local.numel()
+        self.param_kind = FLOAT_KINDS[local.dtype]
+
+    def bind(self, specs: tuple, entry: dict) -> None:
+        """Remember the storage of ``entry`` (which holds exactly ``specs``)."""
+        self.master, self.master_kind, self.master_scale = None, _state.KIND_NONE, None
+        for spec in specs:
+            stored, scale = entry[spec.name], entry.get(spec.scale_key)
+            if spec.name == "exp_avg":
+                self.exp_avg, self.exp_avg_kind, self.exp_avg_scale = stored, spec.kind, scale
+            elif spec.name == "exp_avg_sq":
+                self.exp_avg_sq, self.exp_avg_sq_kind = stored, spec.kind
+                self.exp_avg_sq_scale = scale
+            else:
+                self.master, self.master_kind, self.master_scale = stored, spec.kind, scale
+
+
+class DeviceBatch:
+    """The parameters of one group that live on one device, in group order."""
+
+    def __init__(self, device: torch.device, entries: list):
+        self.device = device
+        self.is_cpu = device.type == "cpu"
+        self.entries = entries
+        self.params = [e.param for e in entries]
+        self.shapes = [e.local.shape for e in entries]
+        # Left for the backends to fill (e.g. the C++ path's slot rows); dropped with
+        # the plan, so never stale.
+        self.backend_cache = {}
+
+
+class GroupPlan:
+    """One group's parameters by device, their state once bound, and what it was built
+    from (to tell when it is stale)."""
+
+    def __init__(self, group: dict, params: list, config: _state.StateConfig, state):
+        self.group = group
+        self.params = params
+        self.plain = not _dtensor.any_dtensor(params)
+        self.param_ptrs = _dtensor.local_data_ptrs(params, self.plain)
+        self.config = config
+        self.state = state
+        self.epoch = None  # set by bind()
+        self.entries = [Entry(i, p, _dtensor.to_local(p)) for i, p in enumerate(params)]
+        by_device = {}
+        for entry in self.entries:
+            by_device.setdefault(entry.local.device, []).append(entry)
+        self.batches = [DeviceBatch(device, entries) for device, entries in by_device.items()]
+
+    def is_current(self, group: dict, config, state) -> bool:
+        params = group["params"]
+        return (self.epoch == _tracked.state_epoch() and self.group is group
+                and self.state is state and self.config == config
+                and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params))  # so `plain` still holds
+                and _dtensor.local_data_ptrs(params, self.plain) == self.param_ptrs)
+
+    @property
+    def bound(self) -> bool:
+        return self.epoch is not None
+
+    def bind(self, state) -> None:
+        """Create or convert each parameter's state to match the configuration, then
+        remember the storage. Runs after validation: this is a mutation."""
+        for entry in self.entries:
+            specs = self.config.specs(entry.local.dtype)
+            param_state = state[entry.param]
+            writes = _state.plan_entry(specs, param_state, entry.local)
+            if len(writes) > 1 or writes[None] is not None:  # leave a settled entry alone
+                _state.apply_entry(param_state, writes, entry.local)
+            entry.bind(specs, param_state)
+        for batch in self.batches:
+            batch.backend_cache.clear()
+        self.epoch = _tracked.state_epoch()
+
+
+def settle(plans: list) -> None:
+    """After a step: the state now written is what each plan holds (every plan was
+    current when validated, or bound in this step, and only binding wrote)."""
+    epoch = _tracked.state_epoch()
+    for plan in plans:
+        plan.epoch = epoch
+
+
+def build_plan(group: dict, group_index: int, config, state) -> GroupPlan:
+    """A new plan for ``group`` after checking its parameters and existing state.
+
+    Reads only: raises before anything is written.
+    """
+    params = list(group["params"])
+    _validate.check_params(params, group_index, group)
+    plan = GroupPlan(group, params, config, state)
+    for entry in plan.entries:
+        existing = state.get(entry.param)
+        error = _state.consistency_error(config.specs(entry.local.dtype), existing,
+                                         entry.local)
+        if error is not None:
+            raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
+                                 name=_validate.param_name(group, entry.index))
+    return plan
+
+
+class BatchGrads:
+    """One step's gradients of a batch: aligned with ``batch.entries``, None where a
+    parameter is skipped, with their dtype tags (0 for None)."""
+
+    __slots__ = ("batch", "grads", "kinds", "dense")
+
+    def __init__(self, batch: DeviceBatch, grads: list, kinds: list, dense: bool):
+        self.batch = batch
+        self.grads = grads
+        self.kinds = kinds
+        self.dense = dense  # every gradient present is contiguous
+
+
+def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
+                 group_index: int) -> BatchGrads:
+    """Read and check the batch's gradients (S3.2 - S3.4). Reads only."""
+    if use_decoupled_grad:
+        grads = [getattr(p, "decoupled_grad", None) for p in batch.params]
+    else:
+        grads = [p.grad for p in batch.params]
+    kinds = _fast_kinds(grads, batch)
+    if kinds is not None:
+        return BatchGrads(batch, grads, kinds, True)
+    kinds, dense, local_grads = [], True, []
+    for entry, grad in zip(batch.entries, grads):
+        if grad is None:
+            kinds.append(0)
+            local_grads.append(None)
+            continue
+        error = _validate.grad_error(entry.param, grad)
+        if error is not None:
+            raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
+                                 name=_validate.param_name(group, entry.index))
+        grad = _dtensor.to_local(grad)
+        dense = dense and grad.is_contiguous()
+        kinds.append(FLOAT_KINDS[grad.dtype])
+        local_grads.append(grad)
+    return BatchGrads(batch, local_grads, kinds, dense)
+
+
+def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
+    """Dtype tags when every gradient is a plain, contiguous, well-formed tensor on the
+    batch's device (the common case, checked with as few calls as possible); else None,
+    and the caller checks each gradient in full."""
+    kinds = []
+    get_kind = FLOAT_KINDS.get
+    device = batch.device
+    is_cpu = batch.is_cpu
+    for grad, shape in zip(grads, batch.shapes):
+        if grad is None:
+            kinds.append(0)
+            continue
+        if (type(grad) is not _Tensor or grad.shape != shape or not grad.is_contiguous()
+                or not (grad.is_cpu if is_cpu else grad.device == device)):
+            return None
+        kind = get_kind(grad.dtype)
+        if kind is None:
+            return None
+        kinds.append(kind)
+    return kinds

@@ -1,0 +1,310 @@
+"""Optimizer state: what each entry stores, how its true value is read and written.
+
+A parameter's state lives in ``optimizer.state[param]`` as storage tensors under
+``exp_avg``, ``exp_avg_sq`` and (when SEMANTICS S2.1 gives one) ``master_param``, in
+their storage dtype, and for fp16 / fp8 storage the fp32 scale beside each one as a
+0-dim tensor under ``<name>_scale`` (S2.2). Storage is self-describing: its dtype and
+the presence of a scale say how to decode it, so state written under one configuration
+can be converted to another.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+SCALE_KEYS = {name: name + "_scale" for name in STATE_NAMES}
+
+# Storage kinds; the numbers are the C++ core's DType tags (csrc/include/shardadam/adam.h).
+KIND_NONE = 0
+KIND_FLOAT32 = 1
+KIND_FLOAT16 = 2
+KIND_BFLOAT16 = 3
+KIND_FLOAT8_E4M3 = 4
+KIND_INT16_REMAINDER = 5
+
+# Tags of parameter and gradient dtypes (the same numbering).
+FLOAT_KINDS = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16,
+               torch.bfloat16: KIND_BFLOAT16}
+
+_STORAGE_DTYPE = {
+    KIND_FLOAT32: torch.float32,
+    KIND_FLOAT16: torch.float16,
+    KIND_BFLOAT16: torch.bfloat16,
+    KIND_FLOAT8_E4M3: torch.uint8,
+    KIND_INT16_REMAINDER: torch.int16,
+}
+# The largest magnitude a scaled state is encoded to (S2.3).
+_SCALE_TARGET = {KIND_FLOAT16: 32752.0, KIND_FLOAT8_E4M3: 448.0}
+_TINY = torch.finfo(torch.float32).tiny
+_CONFIGURED_KIND = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16,
+                    torch.bfloat16: KIND_BFLOAT16, torch.uint8: KIND_FLOAT8_E4M3}
+
+
+class StateSpec(NamedTuple):
+    """One state entry of one parameter: its name and storage kind."""
+
+    name: str
+    kind: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _STORAGE_DTYPE[self.kind]
+
+    @property
+    def scaled(self) -> bool:
+        return self.kind in _SCALE_TARGET
+
+    @property
+    def scale_key(self) -> str:
+        return SCALE_KEYS[self.name]
+
+
+class StateConfig(NamedTuple):
+    """The optimizer settings that decide a parameter's state entries (S2.1, S2.2)."""
+
+    exp_avg_dtype: torch.dtype
+    exp_avg_sq_dtype: torch.dtype
+    master_weights: bool
+    master_weight_dtype: torch.dtype
+    store_param_remainders: bool
+
+    def specs(self, param_dtype: torch.dtype) -> tuple:
+        specs = (StateSpec("exp_avg", _CONFIGURED_KIND[self.exp_avg_dtype]),
+                 StateSpec("exp_avg_sq", _CONFIGURED_KIND[self.exp_avg_sq_dtype]))
+        if not self.master_weights or param_dtype == torch.float32:
+            return specs  # an fp32 parameter is its own master
+        return specs + (StateSpec("master_param", self.master_kind(param_dtype)),)
+
+    def master_kind(self, param_dtype: torch.dtype) -> int:
+        if self.master_weight_dtype == torch.float16:
+            return KIND_FLOAT16
+        if self.store_param_remainders and param_dtype == torch.bfloat16:
+            return KIND_INT16_REMAINDER
+        return KIND_FLOAT32
+
+    def uses_remainders(self, param_dtype: torch.dtype) -> bool:
+        return any(s.kind == KIND_INT16_REMAINDER for s in self.specs(param_dtype))
+
+
+# ---------------------------------------------------------------------------
+# Scales and codecs (torch ops; the C++ core implements the same rules bit for bit).
+
+def measure_scale(value: torch.Tensor, kind: int) -> torch.Tensor:
+    """The scale S2.3 gives to fp32 ``value`` stored as ``kind``: a 0-dim fp32 tensor."""
+    one = torch.ones((), dtype=torch.float32, device=value.device)
+    if value.numel() == 0:
+        return one
+    absmax = torch.amax(torch.abs(value))  # NaN propagates, and NaN is not finite
+    # A device tensor divisor: CUDA would multiply by the reciprocal of a host scalar.
+    target = torch.full((), _SCALE_TARGET[kind], dtype=torch.float32, device=value.device)
+    scale = torch.clamp_min(absmax / target, _TINY)
+    return torch.where(torch.isfinite(absmax) & (absmax > 0), scale, one)
+
+
+def quantize(value: torch.Tensor, kind: int, scale: torch.Tensor) -> torch.Tensor:
+    """``round(value / scale)`` in the storage dtype of ``kind`` (fp16 or fp8 codes)."""
+    scaled = value / scale  # a true division, as the C++ core does
+    if kind == KIND_FLOAT16:
+        return scaled.to(torch.float16)
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def dequantize(stored: torch.Tensor, kind: int, scale: torch.Tensor) -> torch.Tensor:
+    """``float(q) * scale``: a new fp32 tensor."""
+    if kind == KIND_FLOAT8_E4M3:
+        stored = stored.view(torch.float8_e4m3fn)
+    return stored.float() * scale
+
+
+def merge_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master rebuilt from a bf16 parameter and its int16 remainder (S2.5)."""
+    # The split rounded the high half up when the low half was >= 0x8000 (negative as
+    # int16); undo that, then lay the halves side by side (little-endian) as one fp32.
+    high = param.view(torch.int16) - (remainder < 0).to(torch.int16)
+    pair = torch.stack((remainder, high), dim=-1)
+    return pair.view(torch.float32).squeeze(-1)
+
+
+def split_remainder(master: torch.Tensor):
+    """The bf16 parameter bits and the int16 remainder of an fp32 master (S2.5)."""
+    halves = master.contiguous().reshape(-1).view(torch.int16).view(-1, 2)
+    low, high = halves[:, 0], halves[:, 1]
+    high = high + (low < 0).to(torch.int16)
+    return (high.view(torch.bfloat16).reshape(master.shape),
+            low.reshape(master.shape))
+
+
+# ---------------------------------------------------------------------------
+# Reading and writing whole entries.
+
+def storage_kind(stored: torch.Tensor) -> int:
+    """The kind a stored tensor holds, from its dtype (the storage is self-describing)."""
+    for kind, dtype in _STORAGE_DTYPE.items():
+        if stored.dtype == dtype:
+            return kind
+    return KIND_NONE
+
+
+def read_value(entry: dict, name: str) -> torch.Tensor:
+    """The true value of ``entry[name]``: fp32, or the raw int16 for remainders.
+
+    fp32 storage is returned itself; every other kind as a new fp32 tensor.
+    """
+    stored = entry[name]
+    kind = storage_kind(stored)
+    if kind in (KIND_FLOAT32, KIND_INT16_REMAINDER):
+        return stored
+    if kind in _SCALE_TARGET:
+        scale = entry.get(SCALE_KEYS[name])
+        if scale is None:
+            scale = torch.ones((), dtype=torch.float32, device=stored.device)
+        return dequantize(stored, kind, scale.to(stored.device))
+    return stored.float()
+
+
+def as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """fp32 value of an exported entry (int16 remainders are merged with ``param``)."""
+    if value.dtype == torch.int16:
+        return merge_remainder(param, value.to(param.device))
+    return value.float()
+
+
+def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
+                scale: Optional[torch.Tensor]) -> None:
+    """Store ``value`` (fp32, int16 for remainders) into existing ``stored`` / ``scale``.
+
+    The caller's ``value`` is never modified. Scaled kinds get a fresh scale (S2.3).
+    """
+    value = value.to(stored.device)
+    if spec.scaled:
+        new_scale = measure_scale(value, spec.kind)
+        stored.copy_(quantize(value, spec.kind, new_scale))
+        scale.copy_(new_scale)
+    else:
+        stored.copy_(value)
+
+
+def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
+    """Fresh storage (and scale) for ``spec`` holding ``value``, shaped like ``like``."""
+    stored = torch.empty(like.shape, dtype=spec.dtype, device=like.device)
+    scale = None
+    if spec.scaled:
+        scale = torch.ones((), dtype=torch.float32, device=like.device)
+    write_value(spec, value, stored, scale)
+    return stored, scale
+
+
+def initial_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
+    """What a new entry holds (S1.6): zero moments and remainder, master = parameter."""
+    if spec.name != "master_param":
+        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    if spec.kind == KIND_INT16_REMAINDER:
+        return torch.zeros(param.shape, dtype=torch.int16, device=param.device)
+    return param.detach().float()
+
+
+def converted_value(spec: StateSpec, entry: dict, param: torch.Tensor):
+    """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),
+    plus the bf16 bits the parameter must take when an fp32 master becomes a remainder.
+    """
+    value = read_value(entry, spec.name)
+    if spec.kind != KIND_INT16_REMAINDER:
+        return as_fp32(value, param), None
+    if value.dtype == torch.int16:
+        return value, None
+    high, low = split_remainder(value.float())
+    return low, high
+
+
+def entry_matches(spec: StateSpec, entry: dict, param: torch.Tensor) -> bool:
+    """Whether ``entry`` already stores ``spec`` usably for ``param``'s local tensor."""
+    stored = entry.get(spec.name)
+    if stored is None or stored.dtype != spec.dtype or stored.device != param.device:
+        return False
+    if stored.shape != param.shape or not stored.is_contiguous():
+        return False
+    if not spec.scaled:
+        return True
+    scale = entry.get(spec.scale_key)
+    return (scale is not None and scale.dtype == torch.float32 and scale.dim() == 0
+            and scale.device == param.device)
+
+
+def plan_entry(specs: tuple, entry: Optional[dict], param: torch.Tensor) -> dict:
+    """The writes that make ``entry`` hold exactly ``specs`` for ``param`` (local tensor).
+
+    Returns ``{key: tensor or None}`` (None removes the key) plus, under ``None``, the
+    bf16 bits the parameter must take (or None). Pure: nothing is written, so callers
+    can prepare every change before they apply any.
+    """
+    entry = entry if entry is not None else {}
+    writes = {}
+    param_bits = None
+    wanted = {spec.name for spec in specs}
+    for spec in specs:
+        if entry_matches(spec, entry, param):
+            if spec.scaled or spec.scale_key not in entry:
+                continue
+            writes[spec.scale_key] = None  # a stale scale of an unscaled kind
+            continue
+        if spec.name in entry and entry[spec.name].shape == param.shape:
+            value, bits = converted_value(spec, entry, param)
+            param_bits = bits if bits is not None else param_bits
+        else:
+            value = initial_value(spec, param)
+        stored, scale = new_entry(spec, value, param)
+        writes[spec.name] = stored
+        writes[spec.scale_key] = scale
+    for name in STATE_NAMES:
+        if name not in wanted:
+            for key in (name, SCALE_KEYS[name]):
+                if key in entry:
+                    writes[key] = None
+    writes[None] = param_bits
+    return writes
+
+
+def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> dict:
+    """Writes (as ``plan_entry`` returns) that store exported ``values`` in fresh storage.
+
+    ``values`` hold true values in any floating dtype, or int16 remainders; they pass
+    through fp32 (S5.5), so state saved under other dtypes loads. Nothing aliases them.
+    """
+    writes = {None: None}
+    for spec in specs:
+        value = values[spec.name]
+        if spec.kind == KIND_INT16_REMAINDER and value.dtype != torch.int16:
+            writes[None], value = split_remainder(value.float())
+        elif spec.kind != KIND_INT16_REMAINDER:
+            value = as_fp32(value, param)
+        writes[spec.name], writes[spec.scale_key] = new_entry(spec, value, param)
+    return writes
+
+
+def apply_entry(entry: dict, writes: dict, param: torch.Tensor) -> None:
+    """Apply what ``plan_entry`` prepared (including the parameter's new bf16 bits)."""
+    for key, value in writes.items():
+        if key is None:
+            if value is not None:
+                with torch.no_grad():  # the parameter is a leaf that requires grad
+                    param.copy_(value)
+        elif value is None:
+            entry.pop(key, None)
+        else:
+            entry[key] = value
+
+
+def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor):
+    """A sentence if ``entry`` holds a state whose shape cannot belong to ``param``."""
+    if not entry:
+        return None
+    for spec in specs:
+        stored = entry.get(spec.name)
+        if stored is not None and tuple(stored.shape) != tuple(param.shape):
+            return (f"state {spec.name!r} has shape {tuple(stored.shape)} but the parameter "
+                    f"has shape {tuple(param.shape)}; call initialize_state(param) to "
+                    f"recreate it")
+    return None

@@ -1,0 +1,140 @@
+"""The step with torch ops only (SEMANTICS S7.2): any device torch runs on.
+
+It follows the C++ core's contract bit for bit on CPU: the same fp32 constants
+(computed in double, rounded once, as ``MakeStepConstants`` in csrc/element.h), the
+same order of operations as ``AdamElement`` (one rounding per op, nothing fused), and
+the same codecs (``_state``). The math runs as ``torch._foreach_*`` ops over fp32
+working lists: the stored fp32 tensors themselves, fp32 copies of everything else.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+import torch
+
+from . import _state
+from ._state import (KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT8_E4M3, KIND_INT16_REMAINDER,
+                     KIND_NONE)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to fp32 (to nearest even; out of range becomes inf)."""
+    return array("f", [value])[0]
+
+
+def step_constants(hyper) -> dict:
+    """The per-step scalars of csrc/element.h ``MakeStepConstants``, as fp32 values."""
+    t = float(hyper.step)
+    c1 = 1.0 - math.pow(hyper.beta1, t) if hyper.bias_correction else 1.0
+    c2 = 1.0 - math.pow(hyper.beta2, t) if hyper.bias_correction else 1.0
+    return {
+        "beta1": _f32(hyper.beta1), "one_minus_beta1": _f32(1.0 - hyper.beta1),
+        "beta2": _f32(hyper.beta2), "one_minus_beta2": _f32(1.0 - hyper.beta2),
+        "weight_decay": _f32(hyper.weight_decay),
+        "decay": _f32(1.0 - hyper.lr * hyper.weight_decay),
+        "step_size": _f32(hyper.lr / c1),
+        "bias_correction2_sqrt": _f32(math.sqrt(c2)),
+        "eps": _f32(hyper.eps),
+    }
+
+
+def _on_device(value: float, device) -> torch.Tensor:
+    """A divisor as a 0-dim tensor on ``device``: CUDA turns division by a host scalar
+    into multiplication by its reciprocal, which rounds differently."""
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+def _sqrt(values: list) -> list:
+    """Correctly rounded fp32 square roots.
+
+    torch's CPU sqrt goes through MKL's vector math, which is not correctly rounded
+    (about one result in five is off by an ulp). Rounding the fp64 square root to fp32
+    is (checked for every non-negative fp32). Other devices' sqrt is IEEE already, and
+    some (MPS) have no fp64.
+    """
+    if values[0].device.type == "cpu":
+        return [v.double().sqrt_().float() for v in values]
+    return torch._foreach_sqrt(values)
+
+
+def _decode(stored, kind, scale):
+    """fp32 working copy of a moment or master (the fp32 storage itself when fp32)."""
+    if kind == KIND_FLOAT32:
+        return stored
+    if kind in (KIND_FLOAT16, KIND_FLOAT8_E4M3):
+        return _state.dequantize(stored, kind, scale)
+    return stored.float()
+
+
+def _encode(value, stored, kind, scale) -> None:
+    """Store the updated fp32 ``value`` (nothing to do when ``stored`` is ``value``)."""
+    if kind == KIND_FLOAT32:
+        return
+    if kind in (KIND_FLOAT16, KIND_FLOAT8_E4M3):
+        new_scale = _state.measure_scale(value, kind)
+        stored.copy_(_state.quantize(value, kind, new_scale))
+        scale.copy_(new_scale)
+    else:
+        stored.copy_(value)  # bf16: round to nearest even, as .to() does
+
+
+def _weight(entry):
+    """fp32 working weight: the master (S2.5 / unscaled fp16 / fp32) or the parameter."""
+    if entry.master_kind == KIND_NONE:
+        return entry.local if entry.param_kind == KIND_FLOAT32 else entry.local.float()
+    if entry.master_kind == KIND_INT16_REMAINDER:
+        return _state.merge_remainder(entry.local, entry.master)
+    return _decode(entry.master, entry.master_kind, entry.master_scale)
+
+
+def _store_weight(entry, w) -> None:
+    """The parameter from the updated ``w`` first, then the master (S3.6)."""
+    if entry.master_kind == KIND_INT16_REMAINDER:
+        high, low = _state.split_remainder(w)
+        entry.local.copy_(high)
+        entry.master.copy_(low)
+        return
+    if w is not entry.local:
+        entry.local.copy_(w)
+    if entry.master_kind != KIND_NONE:
+        _encode(w, entry.master, entry.master_kind, entry.master_scale)
+
+
+def step(work, hyper) -> None:
+    active = [(entry, grad) for entry, grad in zip(work.batch.entries, work.grads)
+              if grad is not None and entry.numel > 0]
+    if not active:
+        return
+    k = step_constants(hyper)
+    entries = [entry for entry, _ in active]
+    # Gradients are read, never written: fp32 ones are used as they are and every op
+    # below that touches `g` is out of place.
+    g = [grad.float() for _, grad in active]
+    w = [_weight(e) for e in entries]
+    m = [_decode(e.exp_avg, e.exp_avg_kind, e.exp_avg_scale) for e in entries]
+    v = [_decode(e.exp_avg_sq, e.exp_avg_sq_kind, e.exp_avg_sq_scale) for e in entries]
+
+    # csrc/element.h AdamElement, one op at a time.
+    if not hyper.adam_w_mode:
+        g = torch._foreach_add(g, torch._foreach_mul(w, k["weight_decay"]))
+    torch._foreach_mul_(m, k["beta1"])
+    torch._foreach_add_(m, torch._foreach_mul(g, k["one_minus_beta1"]))
+    torch._foreach_mul_(v, k["beta2"])
+    g_scaled = torch._foreach_mul(g, k["one_minus_beta2"])
+    torch._foreach_mul_(g_scaled, g)
+    torch._foreach_add_(v, g_scaled)
+    if hyper.adam_w_mode:
+        torch._foreach_mul_(w, k["decay"])
+    denom = _sqrt(v)
+    torch._foreach_div_(denom, _on_device(k["bias_correction2_sqrt"], v[0].device))
+    torch._foreach_add_(denom, k["eps"])
+    update = torch._foreach_mul(m, k["step_size"])
+    torch._foreach_div_(update, denom)
+    torch._foreach_sub_(w, update)
+
+    for entry, w_i, m_i, v_i in zip(entries, w, m, v):
+        _store_weight(entry, w_i)
+        _encode(m_i, entry.exp_avg, entry.exp_avg_kind, entry.exp_avg_scale)
+        _encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_kind, entry.exp_avg_sq_scale)

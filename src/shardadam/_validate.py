@@ -1,0 +1,193 @@
+"""Every user-facing check of FusedAdam, run before anything is mutated (SEMANTICS S3.1).
+
+Errors name the class, the group and parameter index (and the parameter's name when
+the group carries ``param_names``), the rule, and the offending value (S8). Types follow
+Transformer Engine and torch: ``RuntimeError`` for unsupported configurations, dtypes
+and layouts, ``ValueError`` for bad hyper-parameter values and malformed state dicts,
+``KeyError`` for unknown state names or parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _dtensor
+from ._state import FLOAT_KINDS
+
+CLASS_NAME = "FusedAdam"
+_MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+_MASTER_DTYPES = (torch.float32, torch.float16)
+
+
+def where(group: Optional[int] = None, param: Optional[int] = None,
+          name: Optional[str] = None) -> str:
+    """``"FusedAdam: group 0, param 3 ('fc.weight')"``-style prefix of a message."""
+    parts = []
+    if group is not None:
+        parts.append(f"group {group}")
+    if param is not None:
+        parts.append(f"param {param}" + (f" ({name!r})" if name is not None else ""))
+    return CLASS_NAME + (": " + ", ".join(parts) if parts else "")
+
+
+def param_name(group: dict, index: int) -> Optional[str]:
+    names = group.get("param_names")
+    if names is not None and index < len(names):
+        return names[index]
+    return None
+
+
+def fail(exc_type, rule: str, *, group=None, param=None, name=None):
+    """An exception of ``exc_type`` whose message starts with ``where``."""
+    return exc_type(f"{where(group, param, name)}: {rule}")
+
+
+# ---------------------------------------------------------------------------
+# Constructor and hyper-parameters (S1.2).
+
+def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
+                  exp_avg_dtype, exp_avg_sq_dtype) -> None:
+    if amsgrad:
+        raise RuntimeError("FusedAdam does not support the AMSGrad variant "
+                           f"(rule: amsgrad must be False, got {amsgrad!r}).")
+    if capturable:
+        raise RuntimeError("FusedAdam does not support capturable mode "
+                           f"(rule: capturable must be False, got {capturable!r}).")
+    check_master_dtype(master_weights, master_weight_dtype)
+    for name, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
+        if dtype not in _MOMENT_DTYPES:
+            raise RuntimeError(
+                f"FusedAdam only supports fp32/fp16/bf16/fp8 {name} (rule: {name}_dtype "
+                f"in torch.float32/float16/bfloat16/uint8, got {dtype!r}).")
+
+
+def check_master_dtype(master_weights, master_weight_dtype) -> None:
+    if master_weights and master_weight_dtype not in _MASTER_DTYPES:
+        raise RuntimeError(
+            "FusedAdam only supports fp32/fp16 master weights (rule: master_weight_dtype "
+            f"in torch.float32/float16 when master_weights, got {master_weight_dtype!r}).")
+
+
+def _number(value) -> Optional[float]:
+    """``value`` as a float (a Python number or a one-element tensor), else None."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
+    """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2)."""
+    def bad(rule, value):
+        return fail(ValueError, f"{rule}: {value!r}", group=group_index)
+
+    lr = _number(group["lr"])
+    if lr is None or not math.isfinite(lr) or lr < 0.0:
+        raise bad("Invalid learning rate (rule: finite and >= 0)", group["lr"])
+    eps = _number(group["eps"])
+    if eps is None or not math.isfinite(eps) or eps < 0.0:
+        raise bad("Invalid epsilon value (rule: finite and >= 0)", group["eps"])
+    wd = _number(group["weight_decay"])
+    if wd is None or not math.isfinite(wd) or wd < 0.0:
+        raise bad("Invalid weight_decay value (rule: finite and >= 0)",
+                  group["weight_decay"])
+    betas = group["betas"]
+    try:
+        beta_values = [_number(b) for b in betas]
+    except TypeError:
+        beta_values = []
+    if len(beta_values) != 2:
+        raise bad("Invalid betas (rule: a pair (beta1, beta2))", betas)
+    for i, beta in enumerate(beta_values):
+        if beta is None or not 0.0 <= beta < 1.0:
+            raise bad(f"Invalid beta parameter at index {i} (rule: in [0, 1))", betas[i])
+    return lr, beta_values[0], beta_values[1], eps, wd
+
+
+def check_step_counter(group: dict, group_index: int) -> None:
+    step = group.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise fail(ValueError, f"group['step'] must be an int >= 0, got {step!r}",
+                   group=group_index)
+
+
+def loaded_step(step, group_index: int) -> int:
+    """A checkpoint's ``step`` (an int, an integral float or a one-element tensor)."""
+    value = _number(step)
+    if value is None or not math.isfinite(value) or not value.is_integer() or value < 0:
+        raise fail(ValueError, f"loaded step must be an integer >= 0, got {step!r}",
+                   group=group_index)
+    return int(value)
+
+
+# ---------------------------------------------------------------------------
+# Parameters, gradients and state values.
+
+def param_error(param) -> Optional[str]:
+    """Why ``param`` cannot be optimized (S1.4), or None."""
+    if not isinstance(param, torch.Tensor):
+        return f"parameters must be tensors, got {type(param).__name__}"
+    layout_error = _dtensor.param_layout_error(param)
+    if layout_error is not None:
+        return layout_error
+    if param.layout is not torch.strided:
+        return f"sparse parameters are not supported (layout {param.layout})"
+    if param.dtype not in FLOAT_KINDS:
+        return f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype}"
+    return None
+
+
+def check_params(params, group_index: int, group: dict) -> None:
+    for i, param in enumerate(params):
+        error = param_error(param)
+        if error is not None:
+            raise fail(RuntimeError, error, group=group_index, param=i,
+                       name=param_name(group, i))
+
+
+def grad_error(param: torch.Tensor, grad) -> Optional[str]:
+    """Why ``grad`` cannot update ``param`` (S3.2 - S3.4), or None."""
+    if not isinstance(grad, torch.Tensor):
+        return f"the gradient must be a tensor or None, got {type(grad).__name__}"
+    layout_error = _dtensor.grad_layout_error(param, grad)
+    if layout_error is not None:
+        return layout_error
+    if grad.layout is not torch.strided:
+        return f"sparse gradients are not supported (layout {grad.layout})"
+    if grad.dtype not in FLOAT_KINDS:
+        return f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype}"
+    local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
+    if local_grad.shape != local_param.shape:
+        return (f"gradient shape {tuple(local_grad.shape)} does not match parameter shape "
+                f"{tuple(local_param.shape)}")
+    if local_grad.device != local_param.device:
+        return (f"gradient is on {local_grad.device} but the parameter is on "
+                f"{local_param.device}")
+    return None
+
+
+def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
+    """A value given for ``param``'s state ``spec`` (S5.3, S5.5): a tensor of the
+    parameter's local shape, fp32 (or int16 for a remainder)."""
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError(f"{where_}: state {spec.name!r} must be a tensor, "
+                           f"got {type(value).__name__}")
+    layout_error = _dtensor.value_layout_error(param, value)
+    if layout_error is not None:
+        raise RuntimeError(f"{where_}: state {spec.name!r}: {layout_error}")
+    local, local_param = _dtensor.to_local(value), _dtensor.to_local(param)
+    if local.layout is not torch.strided:
+        raise RuntimeError(f"{where_}: state {spec.name!r} must be dense, "
+                           f"got layout {local.layout}")
+    if tuple(local.shape) != tuple(local_param.shape):
+        raise RuntimeError(f"{where_}: state {spec.name!r} has shape {tuple(local.shape)}, "
+                           f"the parameter's local shape is {tuple(local_param.shape)}")

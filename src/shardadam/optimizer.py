@@ -1,0 +1,414 @@
+"""``FusedAdam``: Adam/AdamW with Transformer Engine's API and a C++ core.
+
+SEMANTICS.md is the contract; rule numbers (S3.1, ...) below point into it.
+``step()`` only orchestrates: validate every group, then hand each group's tensors on
+each device to one backend call (``_backend``). State layout and codecs live in
+``_state``, checks in ``_validate``, DTensor handling in ``_dtensor``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from copy import deepcopy
+from typing import Optional
+
+import torch
+
+from . import _backend, _dtensor, _plan, _state, _tracked, _validate
+from ._state import KIND_INT16_REMAINDER
+
+# Settings beyond torch's defaults that travel with a pickled optimizer.
+_CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
+                      "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
+                      "store_param_remainders", "set_grad_none")
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam / AdamW with low-precision state, a drop-in for TE's ``FusedAdam``.
+
+    Arguments follow ``transformer_engine.pytorch.optimizers.FusedAdam``. State exists
+    for every parameter from construction; moments may be stored as fp32, bf16, fp16
+    or fp8 (``torch.uint8``) with a per-tensor scale; fp16/bf16 parameters may keep an
+    fp32 or fp16 master (``master_weights``), or for bf16 an int16 remainder
+    (``store_param_remainders``). CPU tensors step in the C++ core, other devices with
+    torch ops. ``amsgrad`` and ``capturable`` are not supported.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter | dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        bias_correction=True,
+        adam_w_mode=True,
+        capturable=False,
+        master_weights=False,
+        master_weight_dtype=torch.float32,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        use_decoupled_grad=False,
+        store_param_remainders=False,
+        set_grad_none: Optional[bool] = None,
+    ):
+        _validate.check_options(
+            amsgrad=amsgrad, capturable=capturable, master_weights=master_weights,
+            master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype)
+        defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas,
+                    "eps": eps, "weight_decay": weight_decay}
+        _validate.hyper_parameters(defaults)
+        # Read by add_param_group, which torch's constructor calls: set them first.
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = False
+        self.master_weights = master_weights
+        self.master_weight_dtype = master_weight_dtype
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        self.use_decoupled_grad = use_decoupled_grad
+        # Remainders only ever replace an fp32 master (of a bf16 parameter).
+        self.store_param_remainders = bool(store_param_remainders
+                                           and master_weight_dtype == torch.float32)
+        self.set_grad_none = set_grad_none
+        self._plans = []
+        self._param_index = {}
+        super().__init__(params, defaults)
+        if set_grad_none is not None:
+            warnings.warn(
+                "set_grad_none kwarg in FusedAdam constructor is deprecated. "
+                "Use set_to_none kwarg in zero_grad instead.", DeprecationWarning,
+                stacklevel=2)
+
+    def __getstate__(self) -> dict:
+        # torch pickles defaults, state and groups only; the configuration goes too.
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in _CONFIG_ATTRIBUTES})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.state = _tracked.tracked(self.state)
+        self._plans = []
+        self._param_index = {}
+
+    # ------------------------------------------------------------------ groups
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
+        if isinstance(param_group, dict) and "params" in param_group:
+            params = param_group["params"]
+            if not isinstance(params, set):  # torch rejects sets itself
+                params = [params] if isinstance(params, torch.Tensor) else list(params)
+                param_group["params"] = params
+                index = len(self.param_groups)
+                tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+                _validate.check_params(tensors, index, param_group)
+                _validate.hyper_parameters({**self.defaults, **param_group}, index)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        group.setdefault("step", 0)
+        config = self._config()
+        for param in group["params"]:
+            local = _dtensor.to_local(param)
+            self.state = _tracked.tracked(self.state, param)
+            entry = self.state[param]
+            writes = _state.plan_entry(config.specs(local.dtype), entry, local)
+            _state.apply_entry(entry, writes, local)
+
+    def _config(self) -> _state.StateConfig:
+        """The settings that shape the state, read now (S1.5: they may change)."""
+        return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
+                                  bool(self.master_weights), self.master_weight_dtype,
+                                  self.store_param_remainders)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """One Adam/AdamW step for every group (S3).
+
+        ``grad_scaler`` is accepted and ignored (S3.8): ``GradScaler.step`` unscales the
+        gradients and skips steps with non-finite gradients before calling this.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # (2) validate everything, (3) only then mutate (S3.1).
+        _validate.check_options(
+            amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
+            master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
+            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
+        for group, (plan, hyper, batches) in zip(self.param_groups, work):
+            group["step"] += 1  # every group, even with no gradient (S2.8)
+            if not plan.bound:
+                plan.bind(self.state)
+            for batch_grads in batches:
+                _backend.step(batch_grads, hyper)
+        _plan.settle([plan for plan, _, _ in work])
+        return loss
+
+    def _prepare_group(self, index: int, group: dict):
+        """Checks one group and gathers its gradients; reads only."""
+        lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(group, index)
+        _validate.check_step_counter(group, index)
+        hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
+                               bool(group["bias_correction"]), group["step"] + 1)  # S3.6
+        plan = self._plan(index, group)
+        decoupled = bool(self.use_decoupled_grad)
+        batches = [_plan.gather_grads(batch, decoupled, group, index)
+                   for batch in plan.batches]
+        return plan, hyper, batches
+
+    def _plan(self, index: int, group: dict) -> _plan.GroupPlan:
+        """The group's cached plan if still valid, else a new, not yet bound one."""
+        config = self._config()
+        while len(self._plans) <= index:
+            self._plans.append(None)
+        plan = self._plans[index]
+        if plan is None or not plan.is_current(group, config, self.state):
+            self.state = _tracked.tracked(self.state)
+            plan = self._plans[index] = _plan.build_plan(group, index, config, self.state)
+        return plan
+
+    # ------------------------------------------------------------------ grads
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """TE's ``zero_grad`` (S4): with ``use_decoupled_grad`` it clears
+        ``param.decoupled_grad`` and leaves ``param.grad`` alone."""
+        if self.set_grad_none is not None:
+            if set_to_none is not None and set_to_none != self.set_grad_none:
+                raise ValueError(
+                    f"Called zero_grad with set_to_none={set_to_none}, "
+                    f"but FusedAdam was initialized with set_grad_none={self.set_grad_none}")
+            set_to_none = self.set_grad_none
+        if set_to_none is None:
+            set_to_none = True
+        if not self.use_decoupled_grad:
+            super().zero_grad(set_to_none=set_to_none)
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = getattr(param, "decoupled_grad", None)
+                if set_to_none:
+                    param.decoupled_grad = None
+                elif grad is not None:
+                    grad.zero_()
+
+    # ------------------------------------------------------------------ state access
+
+    def _locate(self, param) -> tuple:
+        """``(group index, param index)`` of a parameter of this optimizer, else KeyError."""
+        found = self._param_index.get(id(param))
+        if found is not None:
+            g, i = found
+            groups = self.param_groups
+            if g < len(groups) and i < len(groups[g]["params"]) \
+                    and groups[g]["params"][i] is param:
+                return found
+        self._param_index = {id(p): (g, i) for g, group in enumerate(self.param_groups)
+                             for i, p in enumerate(group["params"])}
+        found = self._param_index.get(id(param))
+        if found is None:
+            raise KeyError(f"{_validate.CLASS_NAME}: the tensor is not a parameter of "
+                           f"this optimizer")
+        return found
+
+    def _spec(self, param, state_name: str):
+        """``(where, spec)`` for a state name of one parameter, else KeyError (S5.2)."""
+        g, i = self._locate(param)
+        where = _validate.where(g, i, _validate.param_name(self.param_groups[g], i))
+        local = _dtensor.to_local(param)
+        specs = {s.name: s for s in self._config().specs(local.dtype)}
+        if state_name not in specs:
+            raise KeyError(f"{where}: unknown state name {state_name!r}; this parameter's "
+                           f"states are {sorted(specs)}")
+        return where, specs[state_name]
+
+    def initialize_state(self, param, store_param_remainders=None) -> None:
+        """(Re)creates ``param``'s state (S5.1): zero moments, master seeded from the
+        parameter (or a zero remainder). ``None`` means what the configuration
+        implies; an explicit value that contradicts it is an error."""
+        g, i = self._locate(param)
+        group = self.param_groups[g]
+        where = _validate.where(g, i, _validate.param_name(group, i))
+        error = _validate.param_error(param)
+        if error is not None:
+            raise RuntimeError(f"{where}: {error}")
+        config = self._config()
+        local = _dtensor.to_local(param)
+        implied = config.uses_remainders(local.dtype)
+        if store_param_remainders is not None and bool(store_param_remainders) != implied:
+            raise RuntimeError(
+                f"{where}: store_param_remainders={store_param_remainders!r} contradicts "
+                f"the configuration (rule: remainders iff master_weights, fp32 "
+                f"master_weight_dtype, store_param_remainders and a bf16 parameter; "
+                f"implied {implied})")
+        self.state = _tracked.tracked(self.state, param)
+        entry = self.state.get(param)
+        writes = _state.plan_entry(config.specs(local.dtype), None, local)
+        if entry is not None:
+            for key in entry:
+                writes.setdefault(key, None)  # a fresh entry holds nothing else
+        _state.apply_entry(self.state[param], writes, local)
+
+    def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False):
+        """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
+        itself when stored as fp32, else a copy), the raw int16 for remainders, or the
+        stored bf16 tensor when ``skip_unscale`` and the state is bf16."""
+        where, spec = self._spec(param, state_name)
+        entry = self.state.get(param)
+        if entry is None or state_name not in entry:
+            raise KeyError(f"{where}: no state {state_name!r} yet")
+        stored = entry[state_name]
+        if skip_unscale and stored.dtype == torch.bfloat16:
+            return stored
+        return _state.read_value(entry, state_name)
+
+    def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
+        """Stores true values (fp32; int16 for remainders) with a fresh scale (S5.3).
+
+        ``unscaled_state`` may be plain or a DTensor of the parameter's layout; it is
+        not modified.
+        """
+        where, spec = self._spec(param, state_name)
+        _validate.check_value(param, spec, unscaled_state, where)
+        value = _dtensor.to_local(unscaled_state)
+        wanted = torch.int16 if spec.kind == KIND_INT16_REMAINDER else torch.float32
+        if value.dtype != wanted:
+            raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
+                               f"got {value.dtype}")
+        local = _dtensor.to_local(param)
+        self.state = _tracked.tracked(self.state, param)
+        entry = self.state.get(param)
+        if entry is not None and _state.entry_matches(spec, entry, local):
+            # In place: the storage (and every cached pointer to it) stays valid.
+            _state.write_value(spec, value, entry[state_name], entry.get(spec.scale_key))
+            return
+        stored, scale = _state.new_entry(spec, value, local)
+        entry = self.state[param]
+        entry[state_name] = stored
+        if scale is not None:
+            entry[spec.scale_key] = scale
+        else:
+            entry.pop(spec.scale_key, None)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """torch's layout with, per parameter, exactly ``exp_avg``, ``exp_avg_sq`` and
+        ``master_param`` where there is one, as fp32 true values (int16 for remainders),
+        wrapped like the parameter (S5.4)."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        config = self._config()
+        param_groups, packed_state, start = [], {}, 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            param_groups.append(packed)
+            for index, param in zip(packed["params"], group["params"]):
+                packed_state[index] = self._exported_state(param, config)
+            start += len(group["params"])
+        state_dict = {"state": packed_state, "param_groups": param_groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _exported_state(self, param, config) -> dict:
+        local = _dtensor.to_local(param)
+        entry = self.state.get(param) or {}
+        exported = {}
+        for spec in config.specs(local.dtype):
+            if spec.name in entry:
+                value, _ = _state.converted_value(spec, entry, local)
+            else:  # what initialisation would create (state may have been cleared)
+                value = _state.initial_value(spec, local)
+            if spec.kind != KIND_INT16_REMAINDER and value.dtype != torch.float32:
+                value = value.float()
+            exported[spec.name] = _dtensor.wrap_like(param, value)
+        return exported
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores what ``state_dict()`` produced (S5.5): configured storage dtypes
+        (never the parameter's dtype), fresh scales, ``step``. Everything is checked and
+        prepared first; on any error the optimizer is unchanged."""
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = deepcopy(state_dict["param_groups"])
+        prepared = self._prepare_load(state_dict, saved_groups)
+        # Nothing above wrote anything; from here on nothing can fail.
+        new_state = _tracked.OptimizerState()
+        for param, local, writes in prepared:
+            _state.apply_entry(new_state[param], writes, local)
+        # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
+        self.param_groups = [dict(group, **saved, params=group["params"])
+                             for group, saved in zip(self.param_groups, saved_groups)]
+        self.state = new_state
+        self._plans = []
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _prepare_load(self, state_dict: dict, saved_groups: list) -> list:
+        """Checks a state dict against this optimizer and builds every new state tensor
+        (in fresh storage). Reads only; raises on the first problem."""
+        where = _validate.CLASS_NAME
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{where}: loaded state dict has a different number of "
+                             f"parameter groups ({len(saved_groups)} vs "
+                             f"{len(self.param_groups)})")
+        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{_validate.where(g)}: loaded state dict contains a parameter group "
+                    f"that doesn't match the size of optimizer's group "
+                    f"({len(saved['params'])} vs {len(group['params'])} parameters)")
+            saved.pop("params")
+            if "step" in saved:
+                saved["step"] = _validate.loaded_step(saved["step"], g)
+            _validate.hyper_parameters(dict(group, **saved), g)
+        config = self._config()
+        saved_state = state_dict["state"]
+        prepared = []
+        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            keys = state_dict["param_groups"][g]["params"]
+            for i, (param, key) in enumerate(zip(group["params"], keys)):
+                here = _validate.where(g, i, _validate.param_name(group, i))
+                values = saved_state.get(key)
+                if not isinstance(values, dict):
+                    raise ValueError(f"{here}: the loaded state dict has no state for "
+                                     f"this parameter (key {key!r})")
+                prepared.append(self._prepare_param_load(param, values, config, here))
+        return prepared
+
+    def _prepare_param_load(self, param, values: dict, config, here: str):
+        local = _dtensor.to_local(param)
+        error = _validate.param_error(param)
+        if error is not None:
+            raise RuntimeError(f"{here}: {error}")
+        loaded = {}
+        for spec in config.specs(local.dtype):
+            if spec.name not in values:
+                raise ValueError(f"{here}: the loaded state has no {spec.name!r} "
+                                 f"(it holds {sorted(values)})")
+            value = values[spec.name]
+            _validate.check_value(param, spec, value, here)
+            value = _dtensor.to_local(value)
+            if value.dtype == torch.int16 and local.dtype != torch.bfloat16:
+                raise RuntimeError(f"{here}: an int16 remainder {spec.name!r} needs a bf16 "
+                                   f"parameter, this one is {local.dtype}")
+            if value.dtype != torch.int16 and not value.is_floating_point():
+                raise RuntimeError(f"{here}: state {spec.name!r} must hold floating "
+                                   f"point values (or int16 remainders), got {value.dtype}")
+            loaded[spec.name] = value.to(local.device)
+        return param, local, _state.entry_from_values(config.specs(local.dtype), loaded, local)

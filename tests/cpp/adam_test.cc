@@ -1,0 +1,850 @@
+// AdamStep tests (SEMANTICS S2, S3.6, S3.7). The SIMD step must equal the
+// scalar reference bit for bit: both evaluate element.h's formula in the same
+// order with no FMA, and both round with round-to-nearest-even codecs. Checked
+// over every dtype combination, every Highway target, thread counts and sizes
+// around the vector width; then every error status (nothing written), and the
+// reference itself against a float64 Adam so that the oracle is right, not only
+// consistent.
+#include "shardadam/adam.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "reference.h"
+#include "test_util.h"
+
+namespace shardadam {
+namespace testing {
+namespace {
+
+namespace ref = reference;
+
+// One tensor's dtypes and the update mode.
+struct Config {
+  DType param;
+  DType grad;
+  DType exp_avg;
+  DType exp_avg_sq;
+  DType master;
+  bool adam_w;
+};
+
+std::string ConfigName(const Config& c) {
+  return "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_m_" +
+         DTypeName(c.exp_avg) + "_v_" + DTypeName(c.exp_avg_sq) + "_master_" +
+         DTypeName(c.master) + (c.adam_w ? "_adamw" : "_l2");
+}
+
+// gtest prints a failing case's parameter with this (ADL) instead of raw bytes.
+void PrintTo(const Config& c, std::ostream* os) { *os << ConfigName(c); }
+
+// Every legal combination (S1.4, S2.1, S2.5): masters only beside fp16/bf16
+// params, remainders only beside bf16 params.
+std::vector<Config> AllConfigs() {
+  const DType params[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  const DType moments[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                           DType::kFloat8E4M3};
+  std::vector<Config> configs;
+  for (bool adam_w : {true, false}) {
+    for (DType p : params) {
+      std::vector<DType> masters = {DType::kNone};
+      if (p != DType::kFloat32) {
+        masters.push_back(DType::kFloat32);
+        masters.push_back(DType::kFloat16);
+      }
+      if (p == DType::kBFloat16) masters.push_back(DType::kInt16Remainder);
+      for (DType g : params) {
+        for (DType m : moments) {
+          for (DType v : moments) {
+            for (DType master : masters) {
+              configs.push_back({p, g, m, v, master, adam_w});
+            }
+          }
+        }
+      }
+    }
+  }
+  return configs;
+}
+
+// A few configurations that together touch every codec, for the costlier tests.
+std::vector<Config> RepresentativeConfigs() {
+  using D = DType;
+  return {
+      {D::kFloat32, D::kFloat32, D::kFloat32, D::kFloat32, D::kNone, true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat16, D::kFloat32,
+       true},
+      {D::kBFloat16, D::kFloat32, D::kBFloat16, D::kFloat8E4M3,
+       D::kInt16Remainder, false},
+      {D::kFloat16, D::kFloat16, D::kFloat16, D::kBFloat16, D::kFloat16, true},
+      {D::kFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone,
+       false},
+  };
+}
+
+// The buffers of one tensor, owned here as a caller would own them. Copies are
+// deep, so one starting state can be stepped by two implementations.
+struct Tensor {
+  Config config;
+  int64_t numel = 0;
+  std::vector<uint8_t> param, grad, exp_avg, exp_avg_sq, master;
+  float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
+
+  TensorSlot Slot() {
+    TensorSlot s;
+    s.numel = numel;
+    s.param = param.data();
+    s.param_dtype = config.param;
+    s.grad = grad.data();
+    s.grad_dtype = config.grad;
+    s.exp_avg = exp_avg.data();
+    s.exp_avg_dtype = config.exp_avg;
+    s.exp_avg_scale = &exp_avg_scale;
+    s.exp_avg_sq = exp_avg_sq.data();
+    s.exp_avg_sq_dtype = config.exp_avg_sq;
+    s.exp_avg_sq_scale = &exp_avg_sq_scale;
+    if (config.master != DType::kNone) {
+      s.master_param = master.data();
+      s.master_dtype = config.master;
+      s.master_scale = &master_scale;
+    }
+    return s;
+  }
+};
+
+// A buffer of n elements of `dtype`; never empty, so that even an empty tensor
+// has a distinct, non-null address.
+std::vector<uint8_t> Buffer(DType dtype, int64_t n) {
+  return std::vector<uint8_t>(std::max<size_t>(1, n * ElementSize(dtype)), 0);
+}
+
+// Stores true values u as a state of `dtype` with the S2.3 scale.
+void StoreState(const std::vector<float>& u, DType dtype,
+                std::vector<uint8_t>* buffer, float* scale) {
+  const int64_t n = static_cast<int64_t>(u.size());
+  *scale = ref::MeasureScale(u.data(), n, dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    ref::StoreElement(buffer->data(), dtype, i,
+                      ref::IsScaled(dtype) ? u[i] / *scale : u[i]);
+  }
+}
+
+std::vector<float> Normal(std::mt19937* rng, int64_t n, float stddev) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  std::vector<float> out(n);
+  for (float& x : out) x = dist(*rng);
+  return out;
+}
+
+// Writes a fresh gradient (as a training loop would before each step).
+void FillGrad(Tensor* t, std::mt19937* rng) {
+  const std::vector<float> g = Normal(rng, t->numel, 0.5f);
+  for (int64_t i = 0; i < t->numel; ++i) {
+    ref::StoreElement(t->grad.data(), t->config.grad, i, g[i]);
+  }
+}
+
+// A tensor mid-training: weights, non-zero moments, a master consistent with
+// the param as S2.5 / S3.6 leave it.
+Tensor MakeTensor(const Config& config, int64_t numel, std::mt19937* rng) {
+  Tensor t;
+  t.config = config;
+  t.numel = numel;
+  t.param = Buffer(config.param, numel);
+  t.grad = Buffer(config.grad, numel);
+  t.exp_avg = Buffer(config.exp_avg, numel);
+  t.exp_avg_sq = Buffer(config.exp_avg_sq, numel);
+  t.master = Buffer(
+      config.master == DType::kNone ? DType::kFloat32 : config.master, numel);
+  const std::vector<float> w = Normal(rng, numel, 1.0f);
+  std::vector<float> m = Normal(rng, numel, 0.05f),
+                     v = Normal(rng, numel, 0.02f);
+  for (float& x : v) x = x * x;
+  if (config.master == DType::kInt16Remainder) {
+    for (int64_t i = 0; i < numel; ++i) {
+      ref::SplitMaster(w[i], reinterpret_cast<uint16_t*>(t.param.data()) + i,
+                       reinterpret_cast<int16_t*>(t.master.data()) + i);
+    }
+  } else {
+    for (int64_t i = 0; i < numel; ++i) {
+      ref::StoreElement(t.param.data(), config.param, i, w[i]);
+    }
+    if (config.master != DType::kNone) {
+      StoreState(w, config.master, &t.master, &t.master_scale);
+    }
+  }
+  StoreState(m, config.exp_avg, &t.exp_avg, &t.exp_avg_scale);
+  StoreState(v, config.exp_avg_sq, &t.exp_avg_sq, &t.exp_avg_sq_scale);
+  FillGrad(&t, rng);
+  return t;
+}
+
+std::vector<TensorSlot> Slots(std::vector<Tensor>* tensors) {
+  std::vector<TensorSlot> slots;
+  for (Tensor& t : *tensors) slots.push_back(t.Slot());
+  return slots;
+}
+
+// Every buffer and scale of `got` equals `want` (NaN matches any NaN).
+::testing::AssertionResult SameTensors(const std::vector<Tensor>& want,
+                                       const std::vector<Tensor>& got) {
+  for (size_t k = 0; k < want.size(); ++k) {
+    const Tensor& a = want[k];
+    const Tensor& b = got[k];
+    const Config& c = a.config;
+    const struct {
+      const char* name;
+      const std::vector<uint8_t>& x;
+      const std::vector<uint8_t>& y;
+      DType dtype;
+    } buffers[] = {
+        {"param", a.param, b.param, c.param},
+        {"grad", a.grad, b.grad, c.grad},
+        {"exp_avg", a.exp_avg, b.exp_avg, c.exp_avg},
+        {"exp_avg_sq", a.exp_avg_sq, b.exp_avg_sq, c.exp_avg_sq},
+        {"master_param", a.master, b.master, c.master},
+    };
+    for (const auto& buffer : buffers) {
+      if (buffer.dtype == DType::kNone) continue;
+      ::testing::AssertionResult same =
+          SameElements(buffer.x.data(), buffer.y.data(), buffer.dtype, a.numel);
+      if (!same) {
+        return ::testing::AssertionFailure()
+               << "tensor " << k << " (numel " << a.numel << ") " << buffer.name
+               << ": " << same.message();
+      }
+    }
+    const struct {
+      const char* name;
+      float x, y;
+    } scales[] = {{"exp_avg_scale", a.exp_avg_scale, b.exp_avg_scale},
+                  {"exp_avg_sq_scale", a.exp_avg_sq_scale, b.exp_avg_sq_scale},
+                  {"master_scale", a.master_scale, b.master_scale}};
+    for (const auto& scale : scales) {
+      if (BitsOf(scale.x) != BitsOf(scale.y)) {
+        return ::testing::AssertionFailure()
+               << "tensor " << k << " (numel " << a.numel << ") " << scale.name
+               << ": want " << scale.x << " got " << scale.y;
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Hyper-parameters of successive steps: every call is independent, so varying
+// them from step to step covers bias correction off and lr = 0 in one run.
+std::vector<StepParams> Schedule(bool adam_w) {
+  std::vector<StepParams> steps;
+  StepParams p;
+  p.adam_w_mode = adam_w;
+  p.lr = 1e-3;
+  p.weight_decay = 0.01;
+  p.step = 1;
+  steps.push_back(p);
+  p.lr = 3e-2;
+  p.weight_decay = 0.1;
+  p.step = 2;
+  steps.push_back(p);
+  p.lr = 0.0;  // a real step: the moments still move (S3.8)
+  p.step = 3;
+  steps.push_back(p);
+  p.lr = 1e-2;
+  p.beta1 = 0.8;
+  p.beta2 = 0.99;
+  p.eps = 1e-6;
+  p.weight_decay = 0.0;
+  p.bias_correction = false;
+  p.step = 4;
+  steps.push_back(p);
+  return steps;
+}
+
+// Steps `tensors` through the schedule; at each step the reference and, from
+// the same starting state, the SIMD kernels on every target must agree.
+void ExpectStepsMatchReference(std::vector<Tensor> tensors, bool adam_w,
+                               int threads, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (const StepParams& params : Schedule(adam_w)) {
+    SCOPED_TRACE("step " + std::to_string(params.step));
+    for (Tensor& t : tensors) FillGrad(&t, &rng);
+    std::vector<Tensor> want = tensors;
+    std::vector<TensorSlot> want_slots = Slots(&want);
+    ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()),
+                  params);
+    ForEachTarget([&] {
+      std::vector<Tensor> got = tensors;
+      std::vector<TensorSlot> slots = Slots(&got);
+      Error error;
+      ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()),
+                         params, threads, &error),
+                Status::kOk)
+          << error.message;
+      ASSERT_TRUE(SameTensors(want, got));
+    });
+    if (::testing::Test::HasFatalFailure()) return;
+    tensors = want;
+  }
+}
+
+// Sizes around every vector width (4, 8, 16 lanes of fp32; 16/32 of 16-bit),
+// with empty tensors first, in the middle and last.
+const int64_t kListSizes[] = {0, 1, 15, 16, 17, 0, 31, 33, 63, 65, 7, 1001, 0};
+
+class AdamDTypeTest : public ::testing::TestWithParam<Config> {};
+
+TEST_P(AdamDTypeTest, MatchesReferenceOnEveryTarget) {
+  std::mt19937 rng(1234);
+  std::vector<Tensor> tensors;
+  for (int64_t n : kListSizes) {
+    tensors.push_back(MakeTensor(GetParam(), n, &rng));
+  }
+  ExpectStepsMatchReference(tensors, GetParam().adam_w, 2, 99);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, AdamDTypeTest,
+                         ::testing::ValuesIn(AllConfigs()),
+                         [](const ::testing::TestParamInfo<Config>& case_info) {
+                           return ConfigName(case_info.param);
+                         });
+
+class AdamLargeTest : public ::testing::TestWithParam<Config> {};
+
+// A few MiB per buffer, all hardware threads: the threaded split of a long
+// tensor.
+TEST_P(AdamLargeTest, MultiMiBTensorMatchesReference) {
+  std::mt19937 rng(77);
+  std::vector<Tensor> tensors;
+  for (int64_t n : {int64_t{(1 << 20) + 3}, int64_t{0}, int64_t{4099}}) {
+    tensors.push_back(MakeTensor(GetParam(), n, &rng));
+  }
+  ExpectStepsMatchReference(tensors, GetParam().adam_w, 0, 5);
+}
+
+// Bitwise equal results for any thread count (S3.7), and equal to the
+// reference.
+TEST_P(AdamLargeTest, ThreadCountDoesNotChangeBits) {
+  std::mt19937 rng(31);
+  std::vector<Tensor> start;
+  for (int64_t n : {int64_t{100003}, int64_t{0}, int64_t{33},
+                    int64_t{(1 << 18) + 5}, int64_t{4097}}) {
+    start.push_back(MakeTensor(GetParam(), n, &rng));
+  }
+  StepParams params;
+  params.adam_w_mode = GetParam().adam_w;
+  params.weight_decay = 0.05;
+  params.step = 7;
+  std::vector<Tensor> want = start;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()),
+                params);
+  ForEachTarget([&] {
+    for (int threads : {1, 2, 3, 7, 1}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      std::vector<Tensor> got = start;
+      std::vector<TensorSlot> slots = Slots(&got);
+      Error error;
+      ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()),
+                         params, threads, &error),
+                Status::kOk)
+          << error.message;
+      ASSERT_TRUE(SameTensors(want, got));
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Representative, AdamLargeTest,
+                         ::testing::ValuesIn(RepresentativeConfigs()),
+                         [](const ::testing::TestParamInfo<Config>& case_info) {
+                           return ConfigName(case_info.param);
+                         });
+
+// Non-finite gradients: S2.3 gives the poisoned states scale 1 and the NaNs
+// propagate; the kernels must still agree with the reference.
+TEST(AdamSpecialValuesTest, NonFiniteGradientsMatchReference) {
+  for (const Config& config : RepresentativeConfigs()) {
+    SCOPED_TRACE(ConfigName(config));
+    std::mt19937 rng(3);
+    std::vector<Tensor> tensors = {MakeTensor(config, 40, &rng),
+                                   MakeTensor(config, 17, &rng)};
+    ref::StoreElement(tensors[0].grad.data(), config.grad, 3, NAN);
+    ref::StoreElement(tensors[0].grad.data(), config.grad, 38, INFINITY);
+    ref::StoreElement(tensors[1].grad.data(), config.grad, 16, -INFINITY);
+    StepParams params;
+    params.adam_w_mode = config.adam_w;
+    std::vector<Tensor> want = tensors;
+    std::vector<TensorSlot> want_slots = Slots(&want);
+    ref::AdamStep(want_slots.data(), 2, params);
+    ForEachTarget([&] {
+      std::vector<Tensor> got = tensors;
+      std::vector<TensorSlot> slots = Slots(&got);
+      ASSERT_EQ(AdamStep(slots.data(), 2, params, 1, nullptr), Status::kOk);
+      ASSERT_TRUE(SameTensors(want, got));
+    });
+    if (ref::IsScaled(config.exp_avg)) {
+      EXPECT_EQ(want[0].exp_avg_scale, 1.0f);
+    }
+  }
+}
+
+// Zero gradients and zero moments: the new moments are all zero and their scale
+// is 1 (S2.3), not 0 or NaN.
+TEST(AdamSpecialValuesTest, AllZeroStateGetsUnitScale) {
+  const Config config = {DType::kFloat32,    DType::kFloat32, DType::kFloat16,
+                         DType::kFloat8E4M3, DType::kNone,    true};
+  std::mt19937 rng(4);
+  Tensor t = MakeTensor(config, 50, &rng);
+  std::fill(t.grad.begin(), t.grad.end(), 0);
+  std::fill(t.exp_avg.begin(), t.exp_avg.end(), 0);
+  std::fill(t.exp_avg_sq.begin(), t.exp_avg_sq.end(), 0);
+  t.exp_avg_scale = 0.25f;
+  t.exp_avg_sq_scale = 8.0f;
+  ForEachTarget([&] {
+    Tensor got = t;
+    TensorSlot slot = got.Slot();
+    ASSERT_EQ(AdamStep(&slot, 1, StepParams(), 1, nullptr), Status::kOk);
+    EXPECT_EQ(got.exp_avg_scale, 1.0f);
+    EXPECT_EQ(got.exp_avg_sq_scale, 1.0f);
+    EXPECT_EQ(got.param, t.param);  // zero update, zero decay
+  });
+}
+
+// lr = 0 is a real step (S3.8): moments move, the weights do not.
+TEST(AdamSemanticsTest, ZeroLrMovesMomentsOnly) {
+  const Config config = {DType::kFloat32, DType::kFloat32, DType::kFloat32,
+                         DType::kFloat32, DType::kNone,    true};
+  std::mt19937 rng(8);
+  Tensor t = MakeTensor(config, 64, &rng);
+  StepParams params;
+  params.lr = 0.0;
+  params.weight_decay = 0.1;
+  ForEachTarget([&] {
+    Tensor got = t;
+    TensorSlot slot = got.Slot();
+    ASSERT_EQ(AdamStep(&slot, 1, params, 1, nullptr), Status::kOk);
+    EXPECT_EQ(got.param, t.param);
+    EXPECT_NE(got.exp_avg, t.exp_avg);
+    EXPECT_NE(got.exp_avg_sq, t.exp_avg_sq);
+  });
+}
+
+// S3.7: a bf16 param with an fp32 master (or a remainder) carries exactly the
+// fp32 run's weights, and the param is the master rounded to bf16.
+TEST(AdamSemanticsTest, Bf16WithMasterTracksFp32RunBitwise) {
+  const int64_t n = 333;
+  std::mt19937 rng(9);
+  const std::vector<float> w0 = Normal(&rng, n, 1.0f);
+  ForEachTarget([&] {
+    std::vector<float> fp32_param = w0, fp32_master = w0;
+    std::vector<uint16_t> bf16_param(n), bf16_split(n);
+    std::vector<int16_t> remainder(n, 0);
+    for (int64_t i = 0; i < n; ++i) {
+      bf16_param[i] = ref::FloatToBFloat16(w0[i]);
+      ref::SplitMaster(w0[i], &bf16_split[i], &remainder[i]);
+    }
+    std::vector<float> m[3], v[3];
+    for (int k = 0; k < 3; ++k) {
+      m[k].assign(n, 0.0f);
+      v[k].assign(n, 0.0f);
+    }
+    std::mt19937 grads(10);
+    for (int64_t step = 1; step <= 5; ++step) {
+      // One copy of the gradient per tensor: buffers of a call never alias.
+      const std::vector<float> g = Normal(&grads, n, 0.5f);
+      const std::vector<float> g_copies[3] = {g, g, g};
+      TensorSlot slots[3];
+      for (int k = 0; k < 3; ++k) {
+        slots[k].numel = n;
+        slots[k].grad = g_copies[k].data();
+        slots[k].exp_avg = m[k].data();
+        slots[k].exp_avg_sq = v[k].data();
+      }
+      slots[0].param = fp32_param.data();
+      slots[1].param = bf16_param.data();
+      slots[1].param_dtype = DType::kBFloat16;
+      slots[1].master_param = fp32_master.data();
+      slots[1].master_dtype = DType::kFloat32;
+      slots[2].param = bf16_split.data();
+      slots[2].param_dtype = DType::kBFloat16;
+      slots[2].master_param = remainder.data();
+      slots[2].master_dtype = DType::kInt16Remainder;
+      StepParams params;
+      params.lr = 1e-2;
+      params.weight_decay = 0.1;
+      params.step = step;
+      Error error;
+      ASSERT_EQ(AdamStep(slots, 3, params, 2, &error), Status::kOk)
+          << error.message;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(BitsOf(fp32_master[i]), BitsOf(fp32_param[i])) << i;
+      ASSERT_EQ(bf16_param[i], ref::FloatToBFloat16(fp32_master[i])) << i;
+      ASSERT_EQ(BitsOf(ref::MergeMaster(bf16_split[i], remainder[i])),
+                BitsOf(fp32_param[i]))
+          << i;
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// The oracle against float64 Adam: each step starts both from the same state;
+// the fp32 results must lie within a few fp32 roundings of the exact ones.
+// Rounding error is bounded relative to the sum of the magnitudes of each sum's
+// terms, which stays tight where terms cancel.
+
+constexpr double kFewRoundings = 0x1p-20;  // ~16 fp32 roundings
+
+// One exact Adam update with its error scales.
+struct Exact {
+  double w, m, v;
+  double w_terms, m_terms, v_terms;  // sums of |terms|
+};
+
+Exact ExactAdam(const StepParams& p, double w, double g, double m, double v) {
+  const double c1 = p.bias_correction ? 1.0 - std::pow(p.beta1, p.step) : 1.0;
+  const double c2 = p.bias_correction ? 1.0 - std::pow(p.beta2, p.step) : 1.0;
+  Exact e;
+  double g_terms = std::fabs(g);
+  if (!p.adam_w_mode) {
+    g_terms += p.weight_decay * std::fabs(w);
+    g += p.weight_decay * w;
+  }
+  e.m = p.beta1 * m + (1.0 - p.beta1) * g;
+  e.v = p.beta2 * v + (1.0 - p.beta2) * g * g;
+  e.m_terms = p.beta1 * std::fabs(m) + (1.0 - p.beta1) * g_terms;
+  e.v_terms = p.beta2 * v + (1.0 - p.beta2) * g_terms * g_terms;
+  const double decayed = p.adam_w_mode ? w * (1.0 - p.lr * p.weight_decay) : w;
+  const double denom = std::sqrt(e.v / c2) + p.eps;
+  e.w = decayed - p.lr * (e.m / c1) / denom;
+  e.w_terms = std::fabs(w) + p.lr * (e.m_terms / c1) / denom;
+  return e;
+}
+
+TEST(ReferenceOracleTest, AgreesWithFloat64Adam) {
+  const int64_t n = 2000;
+  std::mt19937 rng(12);
+  const Config config = {DType::kFloat32,    DType::kFloat32, DType::kFloat16,
+                         DType::kFloat8E4M3, DType::kNone,    true};
+  for (bool adam_w : {true, false}) {
+    SCOPED_TRACE(adam_w ? "adamw" : "l2");
+    std::vector<float> w = Normal(&rng, n, 1.0f), m(n, 0.0f), v(n, 0.0f);
+    for (const StepParams& p : Schedule(adam_w)) {
+      SCOPED_TRACE("step " + std::to_string(p.step));
+      const std::vector<float> g = Normal(&rng, n, 0.5f);
+      // fp32 state through the reference.
+      std::vector<float> w32 = w, m32 = m, v32 = v;
+      TensorSlot slot;
+      slot.numel = n;
+      slot.param = w32.data();
+      slot.grad = g.data();
+      slot.exp_avg = m32.data();
+      slot.exp_avg_sq = v32.data();
+      ref::AdamStep(&slot, 1, p);
+      for (int64_t i = 0; i < n; ++i) {
+        const Exact e = ExactAdam(p, w[i], g[i], m[i], v[i]);
+        ASSERT_LE(std::fabs(w32[i] - e.w), kFewRoundings * e.w_terms) << i;
+        ASSERT_LE(std::fabs(m32[i] - e.m), kFewRoundings * e.m_terms) << i;
+        ASSERT_LE(std::fabs(v32[i] - e.v), kFewRoundings * e.v_terms) << i;
+      }
+      // The same state with fp16 / fp8 moments: the stored true values must be
+      // the exact moments quantised with the S2.3 scale (within half a code
+      // step: relative 2^-11 for fp16, 2^-4 for E4M3, or the subnormal step).
+      Tensor scaled;
+      scaled.config = config;
+      scaled.numel = n;
+      scaled.param = Buffer(DType::kFloat32, n);
+      scaled.grad = Buffer(DType::kFloat32, n);
+      scaled.exp_avg = Buffer(DType::kFloat16, n);
+      scaled.exp_avg_sq = Buffer(DType::kFloat8E4M3, n);
+      std::memcpy(scaled.param.data(), w.data(), n * sizeof(float));
+      std::memcpy(scaled.grad.data(), g.data(), n * sizeof(float));
+      StoreState(m, DType::kFloat16, &scaled.exp_avg, &scaled.exp_avg_scale);
+      StoreState(v, DType::kFloat8E4M3, &scaled.exp_avg_sq,
+                 &scaled.exp_avg_sq_scale);
+      const auto true_m = [&](int64_t i) {
+        return ref::LoadElement(scaled.exp_avg.data(), DType::kFloat16, i) *
+               scaled.exp_avg_scale;
+      };
+      const auto true_v = [&](int64_t i) {
+        return ref::LoadElement(scaled.exp_avg_sq.data(), DType::kFloat8E4M3,
+                                i) *
+               scaled.exp_avg_sq_scale;
+      };
+      std::vector<Exact> exact(n);
+      double m_max = 0.0, v_max = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        exact[i] = ExactAdam(p, w[i], g[i], true_m(i), true_v(i));
+        m_max = std::max(m_max, std::fabs(exact[i].m));
+        v_max = std::max(v_max, std::fabs(exact[i].v));
+      }
+      TensorSlot scaled_slot = scaled.Slot();
+      ref::AdamStep(&scaled_slot, 1, p);
+      EXPECT_NEAR(scaled.exp_avg_scale, m_max / kFloat16ScaleTarget,
+                  1e-5 * m_max / kFloat16ScaleTarget);
+      EXPECT_NEAR(scaled.exp_avg_sq_scale, v_max / kFloat8ScaleTarget,
+                  1e-5 * v_max / kFloat8ScaleTarget);
+      for (int64_t i = 0; i < n; ++i) {
+        const Exact& e = exact[i];
+        ASSERT_LE(std::fabs(true_m(i) - e.m),
+                  0x1p-11 * std::fabs(e.m) + 2 * kFewRoundings * e.m_terms +
+                      0x1p-24 * scaled.exp_avg_scale)
+            << i;
+        ASSERT_LE(std::fabs(true_v(i) - e.v),
+                  0x1p-4 * std::fabs(e.v) + 2 * kFewRoundings * e.v_terms +
+                      0x1p-10 * scaled.exp_avg_sq_scale)
+            << i;
+        const float w_scaled =
+            reinterpret_cast<const float*>(scaled.param.data())[i];
+        ASSERT_LE(std::fabs(w_scaled - e.w), kFewRoundings * e.w_terms) << i;
+      }
+      w = w32;
+      m = m32;
+      v = v32;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Errors: every rule violation returns kInvalidArgument, names the tensor and
+// the rule, and leaves every buffer and scale bitwise unchanged (S3.1, S8).
+
+struct ErrorCase {
+  std::string name;
+  int64_t tensor_index;  // expected Error::tensor_index
+  std::string mentions;  // a word the message must contain
+  std::function<void(std::vector<TensorSlot>*, StepParams*,
+                     std::vector<Tensor>*)>
+      breaks;
+};
+
+std::vector<ErrorCase> ErrorCases() {
+  using Slots = std::vector<TensorSlot>;
+  using Tensors = std::vector<Tensor>;
+  std::vector<ErrorCase> cases;
+  auto slot_case = [&](std::string name, int64_t index, std::string mentions,
+                       std::function<void(TensorSlot*)> f) {
+    cases.push_back(
+        {name, index, mentions,
+         [index, f](Slots* s, StepParams*, Tensors*) { f(&(*s)[index]); }});
+  };
+  auto param_case = [&](std::string name, std::string mentions,
+                        std::function<void(StepParams*)> f) {
+    cases.push_back(
+        {name, -1, mentions, [f](Slots*, StepParams* p, Tensors*) { f(p); }});
+  };
+  const DType bad = static_cast<DType>(42);
+  // Dtypes, per buffer.
+  slot_case("param_dtype_fp8", 1, "param",
+            [](TensorSlot* s) { s->param_dtype = DType::kFloat8E4M3; });
+  slot_case("param_dtype_none", 0, "param",
+            [](TensorSlot* s) { s->param_dtype = DType::kNone; });
+  slot_case("param_dtype_unknown", 2, "param",
+            [bad](TensorSlot* s) { s->param_dtype = bad; });
+  slot_case("grad_dtype_fp8", 1, "grad",
+            [](TensorSlot* s) { s->grad_dtype = DType::kFloat8E4M3; });
+  slot_case("grad_dtype_remainder", 2, "grad",
+            [](TensorSlot* s) { s->grad_dtype = DType::kInt16Remainder; });
+  slot_case("exp_avg_dtype_none", 2, "exp_avg",
+            [](TensorSlot* s) { s->exp_avg_dtype = DType::kNone; });
+  slot_case("exp_avg_dtype_remainder", 0, "exp_avg",
+            [](TensorSlot* s) { s->exp_avg_dtype = DType::kInt16Remainder; });
+  slot_case("exp_avg_sq_dtype_unknown", 1, "exp_avg_sq",
+            [bad](TensorSlot* s) { s->exp_avg_sq_dtype = bad; });
+  slot_case("master_dtype_bf16", 1, "master",
+            [](TensorSlot* s) { s->master_dtype = DType::kBFloat16; });
+  slot_case("master_dtype_fp8", 1, "master",
+            [](TensorSlot* s) { s->master_dtype = DType::kFloat8E4M3; });
+  slot_case("master_dtype_unknown", 2, "master",
+            [bad](TensorSlot* s) { s->master_dtype = bad; });
+  // Master rules (S2.1, S2.5).
+  cases.push_back({"master_with_fp32_param", 0, "master",
+                   [](Slots* s, StepParams*, Tensors* t) {
+                     (*s)[0].master_param = (*t)[0].master.data();
+                     (*s)[0].master_dtype = DType::kFloat32;
+                     (*s)[0].master_scale = &(*t)[0].master_scale;
+                   }});
+  slot_case("remainder_beside_fp16_param", 1, "remainder",
+            [](TensorSlot* s) { s->master_dtype = DType::kInt16Remainder; });
+  // Pointers.
+  slot_case("null_param", 1, "param",
+            [](TensorSlot* s) { s->param = nullptr; });
+  slot_case("null_grad", 0, "grad", [](TensorSlot* s) { s->grad = nullptr; });
+  slot_case("null_exp_avg", 2, "exp_avg",
+            [](TensorSlot* s) { s->exp_avg = nullptr; });
+  slot_case("null_exp_avg_sq", 1, "exp_avg_sq",
+            [](TensorSlot* s) { s->exp_avg_sq = nullptr; });
+  slot_case("null_master", 2, "master",
+            [](TensorSlot* s) { s->master_param = nullptr; });
+  slot_case("negative_numel", 1, "numel", [](TensorSlot* s) { s->numel = -3; });
+  slot_case("missing_exp_avg_scale", 1, "exp_avg",
+            [](TensorSlot* s) { s->exp_avg_scale = nullptr; });
+  slot_case("missing_exp_avg_sq_scale", 1, "exp_avg_sq",
+            [](TensorSlot* s) { s->exp_avg_sq_scale = nullptr; });
+  slot_case("missing_master_scale", 1, "master",
+            [](TensorSlot* s) { s->master_scale = nullptr; });
+  // Scale slots: a scaled state's current scale must be a finite value > 0,
+  // and two states may not share one slot.
+  slot_case("exp_avg_scale_nan", 1, "exp_avg_scale", [](TensorSlot* s) {
+    static float nan_scale = NAN;
+    s->exp_avg_scale = &nan_scale;
+  });
+  slot_case("exp_avg_sq_scale_zero", 1, "exp_avg_sq_scale", [](TensorSlot* s) {
+    static float zero_scale = 0.0f;
+    s->exp_avg_sq_scale = &zero_scale;
+  });
+  slot_case("master_scale_negative", 1, "master_scale", [](TensorSlot* s) {
+    static float negative_scale = -1.0f;
+    s->master_scale = &negative_scale;
+  });
+  slot_case("scale_slots_shared", 1, "exp_avg_sq_scale",
+            [](TensorSlot* s) { s->exp_avg_sq_scale = s->exp_avg_scale; });
+  // Overlapping buffers, within a tensor and across tensors.
+  slot_case("exp_avg_aliases_exp_avg_sq", 0, "overlap",
+            [](TensorSlot* s) { s->exp_avg_sq = s->exp_avg; });
+  slot_case("param_aliases_exp_avg", 0, "overlap",
+            [](TensorSlot* s) { s->exp_avg = s->param; });
+  cases.push_back({"param_overlaps_other_tensor", 2, "overlap",
+                   [](Slots* s, StepParams*, Tensors* t) {
+                     // Tensor 2's exp_avg (40 fp8 bytes) lies in the second
+                     // half of tensor 1's param (40 fp16 elements, 80 bytes).
+                     (*s)[2].exp_avg = (*t)[1].param.data() + 40;
+                   }});
+  // Hyper-parameters (tensor index -1).
+  param_case("negative_lr", "lr", [](StepParams* p) { p->lr = -1e-3; });
+  param_case("nan_lr", "lr", [](StepParams* p) { p->lr = NAN; });
+  param_case("negative_eps", "eps", [](StepParams* p) { p->eps = -1e-8; });
+  param_case("negative_weight_decay", "weight_decay",
+             [](StepParams* p) { p->weight_decay = -0.1; });
+  param_case("inf_weight_decay", "weight_decay",
+             [](StepParams* p) { p->weight_decay = INFINITY; });
+  param_case("beta1_one", "beta1", [](StepParams* p) { p->beta1 = 1.0; });
+  param_case("beta1_negative", "beta1", [](StepParams* p) { p->beta1 = -0.1; });
+  param_case("beta2_above_one", "beta2", [](StepParams* p) { p->beta2 = 1.5; });
+  param_case("beta2_nan", "beta2", [](StepParams* p) { p->beta2 = NAN; });
+  param_case("step_zero", "step", [](StepParams* p) { p->step = 0; });
+  param_case("step_negative", "step", [](StepParams* p) { p->step = -2; });
+  return cases;
+}
+
+void PrintTo(const ErrorCase& c, std::ostream* os) { *os << c.name; }
+
+class AdamErrorTest : public ::testing::TestWithParam<ErrorCase> {};
+
+TEST_P(AdamErrorTest, RejectsAndWritesNothing) {
+  const ErrorCase& c = GetParam();
+  using D = DType;
+  std::mt19937 rng(21);
+  // Three valid tensors with every kind of scale in play.
+  std::vector<Tensor> tensors = {
+      MakeTensor(
+          {D::kFloat32, D::kBFloat16, D::kFloat32, D::kFloat16, D::kNone, true},
+          40, &rng),
+      MakeTensor({D::kFloat16, D::kFloat16, D::kFloat16, D::kFloat8E4M3,
+                  D::kFloat16, true},
+                 40, &rng),
+      MakeTensor({D::kBFloat16, D::kFloat32, D::kFloat8E4M3, D::kBFloat16,
+                  D::kInt16Remainder, true},
+                 40, &rng),
+  };
+  const std::vector<Tensor> before = tensors;
+  ForEachTarget([&] {
+    tensors = before;  // each target starts clean, even after a failure
+    std::vector<TensorSlot> slots = Slots(&tensors);
+    StepParams params;
+    c.breaks(&slots, &params, &tensors);
+    Error error;
+    EXPECT_EQ(AdamStep(slots.data(), 3, params, 2, &error),
+              Status::kInvalidArgument);
+    EXPECT_EQ(error.tensor_index, c.tensor_index) << error.message;
+    EXPECT_NE(error.message.find(c.mentions), std::string::npos)
+        << "message does not mention '" << c.mentions << "': " << error.message;
+    // Also without an Error to fill.
+    EXPECT_EQ(AdamStep(slots.data(), 3, params, 1, nullptr),
+              Status::kInvalidArgument);
+    ASSERT_TRUE(SameTensors(before, tensors));
+    for (size_t k = 0; k < before.size(); ++k) {
+      // Bitwise, NaN payloads included: nothing may have been touched.
+      ASSERT_EQ(before[k].param, tensors[k].param);
+      ASSERT_EQ(before[k].exp_avg, tensors[k].exp_avg);
+      ASSERT_EQ(before[k].exp_avg_sq, tensors[k].exp_avg_sq);
+      ASSERT_EQ(before[k].master, tensors[k].master);
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rules, AdamErrorTest, ::testing::ValuesIn(ErrorCases()),
+    [](const ::testing::TestParamInfo<ErrorCase>& case_info) {
+      return case_info.param.name;
+    });
+
+// An empty tensor may come with null buffers (torch's empty tensors can have no
+// storage); its scaled states still need a scale slot, which the step sets to 1
+// (S2.3: the scale of an empty tensor).
+TEST(AdamEmptyTest, EmptyTensorsMayHaveNullBuffers) {
+  std::mt19937 rng(6);
+  const Config config = {DType::kBFloat16,   DType::kFloat16, DType::kFloat16,
+                         DType::kFloat8E4M3, DType::kFloat16, true};
+  std::vector<Tensor> start = {MakeTensor(config, 0, &rng),
+                               MakeTensor(config, 17, &rng)};
+  start[0].exp_avg_scale = 0.5f;
+  start[0].exp_avg_sq_scale = 4.0f;
+  start[0].master_scale = 0.25f;
+  StepParams params;
+  std::vector<Tensor> want = start;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), 2, params);
+  EXPECT_EQ(want[0].exp_avg_scale, 1.0f);
+  ForEachTarget([&] {
+    std::vector<Tensor> got = start;
+    std::vector<TensorSlot> slots = Slots(&got);
+    slots[0].param = nullptr;
+    slots[0].grad = nullptr;
+    slots[0].exp_avg = nullptr;
+    slots[0].exp_avg_sq = nullptr;
+    slots[0].master_param = nullptr;
+    Error error;
+    ASSERT_EQ(AdamStep(slots.data(), 2, params, 2, &error), Status::kOk)
+        << error.message;
+    EXPECT_TRUE(SameTensors(want, got));
+  });
+}
+
+// The core reports the targets it runs on consistently with its test hooks.
+TEST(AdamTargetsTest, ReportsCompiledTargets) {
+  const std::string supported = " " + SupportedTargets() + " ";
+  for (int64_t target : internal::CompiledTargets()) {
+    EXPECT_NE(supported.find(std::string(" ") + hwy::TargetName(target) + " "),
+              std::string::npos)
+        << hwy::TargetName(target) << " missing from '" << SupportedTargets()
+        << "'";
+  }
+  EXPECT_NE(supported.find(std::string(" ") + ChosenTarget() + " "),
+            std::string::npos)
+      << ChosenTarget();
+  EXPECT_GE(DefaultThreads(), 1);
+}
+
+// The call itself: a negative count or a null list with a positive count.
+TEST(AdamCallErrorTest, BadListIsRejected) {
+  Error error;
+  EXPECT_EQ(AdamStep(nullptr, 2, StepParams(), 1, &error),
+            Status::kInvalidArgument);
+  EXPECT_FALSE(error.message.empty());
+  TensorSlot slot;
+  EXPECT_EQ(AdamStep(&slot, -1, StepParams(), 1, &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(AdamStep(nullptr, 0, StepParams(), 1, &error), Status::kOk);
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace shardadam

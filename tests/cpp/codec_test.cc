@@ -1,0 +1,613 @@
+// Codec tests (SEMANTICS S2.2-S2.5). The reference codecs are checked against
+// an oracle built only from each format's definition (nearest value, ties to
+// the even code), exhaustively for every 8- and 16-bit code; then the SIMD
+// Convert, MeasureScale and remainder split/merge are checked against the
+// reference bit for bit on every Highway target.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "reference.h"
+#include "shardadam/adam.h"
+#include "test_util.h"
+
+namespace shardadam {
+namespace testing {
+namespace {
+
+namespace ref = reference;
+
+// A binary floating-point format by its fields. Codes here are magnitudes (sign
+// bit clear); `overflow_code` is the first code past the largest finite value
+// (infinity, or NaN for E4M3 "fn", which has no infinity).
+struct Format {
+  DType dtype;
+  int mantissa_bits;
+  int bias;
+  uint32_t overflow_code;
+  uint32_t sign_bit;
+};
+constexpr Format kBFloat16Format{DType::kBFloat16, 7, 127, 0x7F80, 0x8000};
+constexpr Format kFloat16Format{DType::kFloat16, 10, 15, 0x7C00, 0x8000};
+constexpr Format kFloat8Format{DType::kFloat8E4M3, 3, 7, 0x7F, 0x80};
+constexpr Format kFormats[] = {kBFloat16Format, kFloat16Format, kFloat8Format};
+
+// Value of a magnitude code by the textbook definition. The overflow code
+// decodes as if it were finite (largest value + one ulp): the point from which,
+// rounding to nearest even, a value overflows.
+double CodeValue(const Format& f, uint32_t code) {
+  const int exponent = static_cast<int>(code >> f.mantissa_bits);
+  const uint32_t mantissa = code & ((1u << f.mantissa_bits) - 1);
+  if (exponent == 0) {
+    return std::ldexp(static_cast<double>(mantissa),
+                      1 - f.bias - f.mantissa_bits);
+  }
+  return std::ldexp(static_cast<double>((1u << f.mantissa_bits) + mantissa),
+                    exponent - f.bias - f.mantissa_bits);
+}
+
+// The code `x` must narrow to: the nearest value, ties to the even code, and
+// the overflow code at or beyond its value. -1 for a NaN input (any NaN
+// output).
+int64_t NearestCode(const Format& f, float x) {
+  if (std::isnan(x)) return -1;
+  const double a = std::fabs(static_cast<double>(x));
+  uint32_t code;
+  if (a >= CodeValue(f, f.overflow_code)) {
+    code = f.overflow_code;
+  } else {
+    uint32_t lo = 0,
+             hi = f.overflow_code;  // CodeValue(lo) <= a < CodeValue(hi)
+    while (hi - lo > 1) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      (CodeValue(f, mid) <= a ? lo : hi) = mid;
+    }
+    const double below = a - CodeValue(f, lo), above = CodeValue(f, hi) - a;
+    code = below < above ? lo : above < below ? hi : (lo % 2 == 0 ? lo : hi);
+  }
+  return std::signbit(x) ? (code | f.sign_bit) : code;
+}
+
+uint32_t Encode(const Format& f, float x) {
+  switch (f.dtype) {
+    case DType::kBFloat16:
+      return ref::FloatToBFloat16(x);
+    case DType::kFloat16:
+      return ref::FloatToFloat16(x);
+    default:
+      return ref::FloatToFloat8E4M3(x);
+  }
+}
+
+float Decode(const Format& f, uint32_t code) {
+  switch (f.dtype) {
+    case DType::kBFloat16:
+      return ref::BFloat16ToFloat(static_cast<uint16_t>(code));
+    case DType::kFloat16:
+      return ref::Float16ToFloat(static_cast<uint16_t>(code));
+    default:
+      return ref::Float8E4M3ToFloat(static_cast<uint8_t>(code));
+  }
+}
+
+bool IsNaNCode(const Format& f, uint32_t code) {
+  const uint8_t bytes[2] = {static_cast<uint8_t>(code),
+                            static_cast<uint8_t>(code >> 8)};
+  return IsNaNElement(bytes, f.dtype);
+}
+
+// fp32 inputs that exercise narrowing: specials, every value of each format
+// with the midpoint to its successor (the ties) and the fp32 neighbours of that
+// midpoint, both signs; random bit patterns; random values in the small
+// formats' ranges.
+const std::vector<float>& NarrowingInputs() {
+  static const std::vector<float>* inputs = [] {
+    auto* v = new std::vector<float>;
+    const uint32_t specials[] = {
+        0x00000000, 0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7FA00000,
+        0x00000001, 0x007FFFFF, 0x00800000, 0x7F7FFFFF, 0x3F800000, 0x7F7F7FFF,
+        0x7F7F8000, 0x7F7F8001, 0x477FEFFF, 0x477FF000};
+    for (uint32_t bits : specials) {
+      v->push_back(FloatOf(bits));
+      v->push_back(FloatOf(bits | 0x80000000u));
+    }
+    for (const Format& f : kFormats) {
+      for (uint32_t code = 0; code < f.overflow_code; ++code) {
+        const double lo = CodeValue(f, code), hi = CodeValue(f, code + 1);
+        const float mid = static_cast<float>((lo + hi) / 2);  // exact in fp32
+        for (float x : {static_cast<float>(lo), mid, std::nextafter(mid, 0.0f),
+                        std::nextafter(mid, INFINITY)}) {
+          v->push_back(x);
+          v->push_back(-x);
+        }
+      }
+    }
+    std::mt19937 rng(20240611);
+    for (int i = 0; i < (1 << 20); ++i) v->push_back(FloatOf(rng()));
+    std::uniform_int_distribution<int> exponent(-30, 20);
+    for (int i = 0; i < (1 << 19); ++i) {
+      const float unit = static_cast<float>(rng() >> 8) / (1 << 24);
+      v->push_back(std::ldexp(rng() & 1 ? unit : -unit, exponent(rng)));
+    }
+    return v;
+  }();
+  return *inputs;
+}
+
+// ---------------------------------------------------------------------------
+// Reference codecs against the format definitions.
+
+TEST(ReferenceCodecTest, DecodesEveryCodeByDefinition) {
+  for (const Format& f : kFormats) {
+    SCOPED_TRACE(DTypeName(f.dtype));
+    const uint32_t codes = 2 * f.sign_bit;
+    for (uint32_t code = 0; code < codes; ++code) {
+      const uint32_t magnitude = code & ~f.sign_bit;
+      const float got = Decode(f, code);
+      if (magnitude < f.overflow_code) {
+        const double want = (code & f.sign_bit) ? -CodeValue(f, magnitude)
+                                                : CodeValue(f, magnitude);
+        ASSERT_EQ(BitsOf(got), BitsOf(static_cast<float>(want)))
+            << "code " << code;
+      } else if (f.dtype != DType::kFloat8E4M3 &&
+                 magnitude == f.overflow_code) {
+        ASSERT_TRUE(std::isinf(got)) << "code " << code;
+        ASSERT_EQ(std::signbit(got), (code & f.sign_bit) != 0);
+      } else {
+        ASSERT_TRUE(std::isnan(got)) << "code " << code;
+        ASSERT_TRUE(IsNaNCode(f, code));
+      }
+    }
+  }
+}
+
+TEST(ReferenceCodecTest, EveryCodeRoundTrips) {
+  for (const Format& f : kFormats) {
+    SCOPED_TRACE(DTypeName(f.dtype));
+    for (uint32_t code = 0; code < 2 * f.sign_bit; ++code) {
+      const uint32_t back = Encode(f, Decode(f, code));
+      if (IsNaNCode(f, code)) {
+        ASSERT_TRUE(IsNaNCode(f, back)) << "code " << code;
+      } else {
+        ASSERT_EQ(back, code);
+      }
+    }
+  }
+}
+
+TEST(ReferenceCodecTest, NarrowingMatchesNearestValueOracle) {
+  for (const Format& f : kFormats) {
+    SCOPED_TRACE(DTypeName(f.dtype));
+    for (float x : NarrowingInputs()) {
+      const int64_t want = NearestCode(f, x);
+      const uint32_t got = Encode(f, x);
+      if (want < 0) {
+        ASSERT_TRUE(IsNaNCode(f, got)) << "fp32 0x" << std::hex << BitsOf(x);
+      } else {
+        ASSERT_EQ(got, static_cast<uint32_t>(want))
+            << "fp32 0x" << std::hex << BitsOf(x);
+      }
+    }
+  }
+}
+
+#if defined(__FLT16_MAX__)
+// A second, independent fp16 oracle: the compiler's own conversion.
+TEST(ReferenceCodecTest, Float16MatchesCompilerConversion) {
+  for (float x : NarrowingInputs()) {
+    const _Float16 h = static_cast<_Float16>(x);
+    uint16_t want;
+    std::memcpy(&want, &h, sizeof(want));
+    const uint16_t got = ref::FloatToFloat16(x);
+    if (std::isnan(x)) {
+      ASSERT_TRUE(IsNaNCode(kFloat16Format, got));
+    } else {
+      ASSERT_EQ(got, want) << "fp32 0x" << std::hex << BitsOf(x);
+    }
+  }
+}
+#endif
+
+// Values whose torch `.to(torch.float8_e4m3fn)` codes are known: saturation is
+// not torch's behaviour; past the 448/480 midpoint is NaN, sign kept.
+TEST(ReferenceCodecTest, Float8EdgeCasesMatchTorch) {
+  const struct {
+    float x;
+    uint8_t code;
+  } cases[] = {
+      {0.0f, 0x00},
+      {-0.0f, 0x80},
+      {1.0f, 0x38},
+      {-2.0f, 0xC0},
+      {240.0f, 0x77},
+      {448.0f, 0x7E},
+      {-448.0f, 0xFE},
+      {464.0f, 0x7E},
+      {std::nextafter(464.0f, 0.0f), 0x7E},
+      {std::nextafter(464.0f, INFINITY), 0x7F},
+      {480.0f, 0x7F},
+      {-500.0f, 0xFF},
+      {INFINITY, 0x7F},
+      {-INFINITY, 0xFF},
+      {NAN, 0x7F},
+      {-NAN, 0xFF},
+      {std::ldexp(1.0f, -9), 0x01},
+      {std::ldexp(1.0f, -10), 0x00},
+      {std::ldexp(3.0f, -10), 0x02},
+      {std::ldexp(5.0f, -10), 0x02},
+      {std::ldexp(15.0f, -10), 0x08},
+      {std::ldexp(1.0f, -6), 0x08},
+      {1.0625f, 0x38},
+      {1.1875f, 0x3A},
+      {FLT_TRUE_MIN, 0x00},
+      {-FLT_TRUE_MIN, 0x80},
+  };
+  for (const auto& c : cases) {
+    EXPECT_EQ(ref::FloatToFloat8E4M3(c.x), c.code) << c.x;
+  }
+}
+
+// S2.5 over fp32 patterns: lossless, and the param half is the high 16 bits
+// rounded half away from zero in magnitude (plus one when the low half >=
+// 0x8000).
+TEST(ReferenceCodecTest, RemainderSplitMergeIsLossless) {
+  std::vector<uint32_t> patterns;
+  for (uint32_t high : {0x0000u, 0x0001u, 0x3F80u, 0x7F7Fu, 0x7F80u, 0x7FFFu,
+                        0x8000u, 0xBF80u, 0xFF7Fu, 0xFFFFu}) {
+    for (uint32_t low :
+         {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) {
+      patterns.push_back(high << 16 | low);
+    }
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < (1 << 20); ++i) patterns.push_back(rng());
+  for (uint32_t bits : patterns) {
+    uint16_t param;
+    int16_t remainder;
+    ref::SplitMaster(FloatOf(bits), &param, &remainder);
+    const uint16_t low = static_cast<uint16_t>(remainder);
+    ASSERT_EQ(low, bits & 0xFFFF);
+    ASSERT_EQ(param,
+              static_cast<uint16_t>((bits >> 16) + (low >= 0x8000 ? 1 : 0)));
+    ASSERT_EQ(BitsOf(ref::MergeMaster(param, remainder)), bits)
+        << std::hex << bits;
+  }
+}
+
+TEST(ReferenceScaleTest, FollowsS23) {
+  const float zeros[3] = {0.0f, -0.0f, 0.0f};
+  const float with_nan[3] = {1.0f, NAN, 2.0f};
+  const float with_inf[2] = {-INFINITY, 2.0f};
+  const float tiny[2] = {1e-40f, -3e-41f};
+  const float mixed[3] = {3.0f, -896.0f, 0.5f};
+  const float half_target[1] = {16376.0f};
+  EXPECT_EQ(ref::MeasureScale(mixed, 0, DType::kFloat16), 1.0f);
+  EXPECT_EQ(ref::MeasureScale(zeros, 3, DType::kFloat8E4M3), 1.0f);
+  EXPECT_EQ(ref::MeasureScale(with_nan, 3, DType::kFloat16), 1.0f);
+  EXPECT_EQ(ref::MeasureScale(with_inf, 2, DType::kFloat8E4M3), 1.0f);
+  EXPECT_EQ(ref::MeasureScale(tiny, 2, DType::kFloat16), FLT_MIN);
+  EXPECT_EQ(ref::MeasureScale(mixed, 3, DType::kFloat8E4M3), 2.0f);
+  EXPECT_EQ(ref::MeasureScale(mixed, 3, DType::kFloat16), 896.0f / 32752.0f);
+  EXPECT_EQ(ref::MeasureScale(half_target, 1, DType::kFloat16), 0.5f);
+  EXPECT_EQ(ref::MeasureScale(mixed, 3, DType::kBFloat16), 1.0f);
+  EXPECT_EQ(ref::MeasureScale(mixed, 3, DType::kFloat32), 1.0f);
+}
+
+// ---------------------------------------------------------------------------
+// SIMD codecs against the reference, on every target.
+
+// A typed buffer of `numel` elements holding `values` narrowed by the
+// reference.
+std::vector<uint8_t> EncodeAll(const std::vector<float>& values, DType dtype,
+                               float scale) {
+  std::vector<uint8_t> out(values.size() * ElementSize(dtype));
+  EXPECT_EQ(ref::Convert(values.data(), DType::kFloat32, out.data(), dtype,
+                         static_cast<int64_t>(values.size()), scale),
+            Status::kOk);
+  return out;
+}
+
+// One conversion's input and the reference's output for it.
+struct ConvertCase {
+  const void* src;
+  DType src_dtype;
+  DType dst_dtype;
+  int64_t numel;
+  float scale;
+  std::vector<uint8_t> want;
+};
+
+ConvertCase ReferenceConvert(const void* src, DType src_dtype, DType dst_dtype,
+                             int64_t numel, float scale) {
+  ConvertCase c{src, src_dtype, dst_dtype, numel, scale, {}};
+  c.want.resize(static_cast<size_t>(numel) * ElementSize(dst_dtype));
+  EXPECT_EQ(
+      ref::Convert(src, src_dtype, c.want.data(), dst_dtype, numel, scale),
+      Status::kOk);
+  return c;
+}
+
+// Runs the SIMD Convert on `c` and compares with the reference's output; also
+// checks that nothing is written past the end.
+void ExpectSimdConvert(const ConvertCase& c, int threads) {
+  const size_t bytes = c.want.size();
+  std::vector<uint8_t> got(bytes + 1, 0xA5);
+  Error error;
+  ASSERT_EQ(Convert(c.src, c.src_dtype, got.data(), c.dst_dtype, c.numel,
+                    c.scale, threads, &error),
+            Status::kOk)
+      << error.message;
+  EXPECT_TRUE(SameElements(c.want.data(), got.data(), c.dst_dtype, c.numel))
+      << DTypeName(c.src_dtype) << " -> " << DTypeName(c.dst_dtype) << " scale "
+      << c.scale << " numel " << c.numel << " threads " << threads;
+  // E4M3 has exactly two NaN codes and torch keeps the sign (S2.4): there
+  // the comparison is strictly bitwise.
+  if (c.dst_dtype == DType::kFloat8E4M3) {
+    EXPECT_EQ(std::memcmp(c.want.data(), got.data(), bytes), 0)
+        << DTypeName(c.src_dtype) << " -> fp8: NaN codes differ in sign";
+  }
+  EXPECT_EQ(got[bytes], 0xA5) << "wrote past the end";
+}
+
+TEST(SimdConvertTest, WidensEveryCodeAndNarrowsBack) {
+  for (const Format& f : kFormats) {
+    const uint32_t count = 2 * f.sign_bit;
+    std::vector<uint8_t> codes(count * ElementSize(f.dtype));
+    for (uint32_t c = 0; c < count; ++c) {
+      if (f.dtype == DType::kFloat8E4M3) {
+        codes[c] = static_cast<uint8_t>(c);
+      } else {
+        const uint16_t h = static_cast<uint16_t>(c);
+        std::memcpy(&codes[2 * c], &h, 2);
+      }
+    }
+    std::vector<float> widened(count);
+    for (uint32_t c = 0; c < count; ++c) widened[c] = Decode(f, c);
+    const ConvertCase widen =
+        ReferenceConvert(codes.data(), f.dtype, DType::kFloat32, count, 1.0f);
+    ForEachTarget([&] {
+      SCOPED_TRACE(DTypeName(f.dtype));
+      ExpectSimdConvert(widen, 2);
+      // Narrowing the widened values restores every non-NaN code (NaN stays
+      // NaN).
+      std::vector<uint8_t> back(codes.size());
+      Error error;
+      ASSERT_EQ(Convert(widened.data(), DType::kFloat32, back.data(), f.dtype,
+                        count, 1.0f, 1, &error),
+                Status::kOk)
+          << error.message;
+      EXPECT_TRUE(SameElements(codes.data(), back.data(), f.dtype, count));
+    });
+  }
+}
+
+TEST(SimdConvertTest, NarrowingMatchesReference) {
+  const std::vector<float>& inputs = NarrowingInputs();
+  const int64_t n = static_cast<int64_t>(inputs.size());
+  std::vector<ConvertCase> cases;
+  for (DType dst : {DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+    // Scales only apply to fp16/fp8 destinations; a tiny one drives values into
+    // overflow, an awkward one makes the division inexact.
+    for (float scale : {1.0f, 0.37f, 3.0e-30f, 12345.678f}) {
+      cases.push_back(
+          ReferenceConvert(inputs.data(), DType::kFloat32, dst, n, scale));
+      if (dst == DType::kBFloat16) break;
+    }
+  }
+  std::vector<ConvertCase> short_cases;  // short, unaligned runs: vector tails
+  for (DType dst : {DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}) {
+    for (int64_t offset : {1, 3}) {
+      for (int64_t len : {0, 1, 7, 15, 16, 17, 31, 33, 63, 65}) {
+        short_cases.push_back(ReferenceConvert(
+            inputs.data() + 1000 + offset, DType::kFloat32, dst, len, 0.37f));
+      }
+    }
+  }
+  ForEachTarget([&] {
+    for (const ConvertCase& c : cases) ExpectSimdConvert(c, 2);
+    for (const ConvertCase& c : short_cases) ExpectSimdConvert(c, 1);
+  });
+}
+
+TEST(SimdConvertTest, EveryDTypePairMatchesReference) {
+  const std::vector<float>& all = NarrowingInputs();
+  // A slice holding ties, specials and random values alike.
+  std::vector<float> values;
+  for (size_t i = 0; i < all.size(); i += 7) values.push_back(all[i]);
+  const int64_t n = static_cast<int64_t>(values.size());
+  const DType dtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16,
+                          DType::kFloat8E4M3};
+  std::vector<std::vector<uint8_t>> sources;
+  std::vector<ConvertCase> cases;
+  sources.reserve(2 * 4);
+  for (DType src : dtypes) {
+    for (float scale : {1.0f, 0.37f}) {
+      sources.push_back(EncodeAll(values, src, scale));
+      for (DType dst : dtypes) {
+        cases.push_back(
+            ReferenceConvert(sources.back().data(), src, dst, n, scale));
+        cases.push_back(
+            ReferenceConvert(sources.back().data(), src, dst, 33, scale));
+      }
+    }
+  }
+  ForEachTarget([&] {
+    for (const ConvertCase& c : cases) {
+      ExpectSimdConvert(c, c.numel > 100 ? 3 : 1);
+    }
+  });
+}
+
+// Between dtypes of one size the conversion may run in place (the caller
+// converts a buffer it owns); the result must equal the out-of-place one.
+TEST(SimdConvertTest, InPlaceMatchesReference) {
+  const std::vector<float>& all = NarrowingInputs();
+  const std::vector<float> values(all.begin() + 5000,
+                                  all.begin() + 5000 + 1033);
+  const int64_t n = static_cast<int64_t>(values.size());
+  const struct {
+    DType src, dst;
+    float scale;
+  } pairs[] = {{DType::kBFloat16, DType::kFloat16, 1.0f},
+               {DType::kFloat16, DType::kBFloat16, 0.37f},
+               {DType::kFloat16, DType::kFloat16, 0.37f},
+               {DType::kFloat8E4M3, DType::kFloat8E4M3, 3.0f},
+               {DType::kFloat32, DType::kFloat32, 1.0f}};
+  for (const auto& pair : pairs) {
+    const std::vector<uint8_t> source = EncodeAll(values, pair.src, pair.scale);
+    const ConvertCase want =
+        ReferenceConvert(source.data(), pair.src, pair.dst, n, pair.scale);
+    ForEachTarget([&] {
+      std::vector<uint8_t> buffer = source;
+      Error error;
+      ASSERT_EQ(Convert(buffer.data(), pair.src, buffer.data(), pair.dst, n,
+                        pair.scale, 2, &error),
+                Status::kOk)
+          << error.message;
+      EXPECT_TRUE(SameElements(want.want.data(), buffer.data(), pair.dst, n))
+          << DTypeName(pair.src) << " -> " << DTypeName(pair.dst);
+    });
+  }
+}
+
+// Every rejected Convert returns kInvalidArgument with a message and writes
+// nothing.
+TEST(SimdConvertTest, RejectsBadCallsWithoutWriting) {
+  const DType unknown = static_cast<DType>(99);
+  std::vector<uint8_t> memory(64, 0x5A);
+  uint8_t* const a = memory.data();
+  uint8_t* const b = memory.data() + 32;
+  const struct {
+    const char* name;
+    const void* src;
+    DType src_dtype;
+    void* dst;
+    DType dst_dtype;
+    int64_t numel;
+    float scale;
+  } cases[] = {
+      {"dst remainder", a, DType::kFloat32, b, DType::kInt16Remainder, 4, 1.0f},
+      {"dst none", a, DType::kFloat32, b, DType::kNone, 4, 1.0f},
+      {"src remainder", a, DType::kInt16Remainder, b, DType::kFloat32, 4, 1.0f},
+      {"src unknown", a, unknown, b, DType::kFloat32, 4, 1.0f},
+      {"negative numel", a, DType::kFloat32, b, DType::kBFloat16, -1, 1.0f},
+      {"null src", nullptr, DType::kFloat32, b, DType::kBFloat16, 4, 1.0f},
+      {"null dst", a, DType::kFloat32, nullptr, DType::kBFloat16, 4, 1.0f},
+      {"zero scale", a, DType::kFloat32, b, DType::kFloat16, 4, 0.0f},
+      {"nan scale", a, DType::kFloat8E4M3, b, DType::kFloat32, 4, NAN},
+      {"negative scale", a, DType::kFloat32, b, DType::kFloat8E4M3, 4, -2.0f},
+      {"overlap", a, DType::kFloat32, a + 2, DType::kBFloat16, 4, 1.0f},
+      {"in place, sizes differ", a, DType::kFloat32, a, DType::kBFloat16, 4,
+       1.0f},
+  };
+  ForEachTarget([&] {
+    for (const auto& c : cases) {
+      Error error;
+      EXPECT_EQ(Convert(c.src, c.src_dtype, c.dst, c.dst_dtype, c.numel,
+                        c.scale, 1, &error),
+                Status::kInvalidArgument)
+          << c.name;
+      EXPECT_FALSE(error.message.empty()) << c.name;
+      EXPECT_EQ(memory, std::vector<uint8_t>(64, 0x5A)) << c.name;
+    }
+  });
+}
+
+TEST(SimdMeasureScaleTest, MatchesReference) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<std::vector<float>> cases;
+  for (int64_t n : {0, 1, 7, 8, 15, 16, 17, 33, 65, 1000, 100003}) {
+    std::vector<float> u(n);
+    for (float& x : u) x = normal(rng);
+    cases.push_back(u);
+    if (n == 0) continue;
+    // The largest magnitude at each end and in the middle (tails and lanes).
+    for (int64_t at : {int64_t{0}, n / 2, n - 1}) {
+      std::vector<float> peak = u;
+      peak[at] = -1e4f;
+      cases.push_back(peak);
+      std::vector<float> bad = u;
+      bad[at] = NAN;
+      cases.push_back(bad);
+      bad[at] = -INFINITY;
+      cases.push_back(bad);
+    }
+    cases.push_back(std::vector<float>(n, 0.0f));
+    cases.push_back(std::vector<float>(n, -1e-41f));  // scale clamps to FLT_MIN
+    cases.push_back(std::vector<float>(n, FLT_MAX));
+  }
+  ForEachTarget([&] {
+    for (const std::vector<float>& u : cases) {
+      const int64_t n = static_cast<int64_t>(u.size());
+      for (DType dtype : {DType::kFloat16, DType::kFloat8E4M3, DType::kBFloat16,
+                          DType::kFloat32}) {
+        const float want = ref::MeasureScale(u.data(), n, dtype);
+        for (int threads : {1, 2, 3}) {
+          EXPECT_EQ(BitsOf(MeasureScale(u.data(), n, dtype, threads)),
+                    BitsOf(want))
+              << DTypeName(dtype) << " numel " << n << " threads " << threads;
+        }
+      }
+    }
+  });
+}
+
+// The SIMD remainder split/merge is reached through AdamStep: with lr = 0, zero
+// weight decay, zero gradient and zero moments the update is w - 0, so a step
+// must give back the very param/remainder pair it read, for every finite
+// master.
+TEST(SimdRemainderTest, StepWithZeroLrRestoresMasterBitwise) {
+  std::vector<uint32_t> masters;
+  std::mt19937 rng(5);
+  for (int i = 0; i < (1 << 18); ++i) {
+    const uint32_t bits = rng();
+    if ((bits & 0x7F800000) != 0x7F800000) masters.push_back(bits);
+  }
+  for (uint32_t low : {0x0000u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu}) {
+    for (uint32_t high :
+         {0x0000u, 0x3F80u, 0x7F7Fu, 0x8000u, 0xBF80u, 0xFF7Fu}) {
+      masters.push_back(high << 16 | low);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(masters.size());
+  std::vector<uint16_t> param(n);
+  std::vector<int16_t> remainder(n);
+  for (int64_t i = 0; i < n; ++i) {
+    ref::SplitMaster(FloatOf(masters[i]), &param[i], &remainder[i]);
+  }
+  const std::vector<float> grad(n, 0.0f);
+  StepParams params;
+  params.lr = 0.0;
+  params.weight_decay = 0.0;
+  ForEachTarget([&] {
+    std::vector<uint16_t> p = param;
+    std::vector<int16_t> r = remainder;
+    std::vector<float> m(n, 0.0f), v(n, 0.0f);
+    TensorSlot slot;
+    slot.numel = n;
+    slot.param = p.data();
+    slot.param_dtype = DType::kBFloat16;
+    slot.grad = grad.data();
+    slot.exp_avg = m.data();
+    slot.exp_avg_sq = v.data();
+    slot.master_param = r.data();
+    slot.master_dtype = DType::kInt16Remainder;
+    Error error;
+    ASSERT_EQ(AdamStep(&slot, 1, params, 2, &error), Status::kOk)
+        << error.message;
+    EXPECT_TRUE(SameElements(param.data(), p.data(), DType::kBFloat16, n));
+    EXPECT_TRUE(
+        SameElements(remainder.data(), r.data(), DType::kInt16Remainder, n));
+  });
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace shardadam

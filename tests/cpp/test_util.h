@@ -1,0 +1,153 @@
+// Helpers shared by the C++ tests: running a check once per Highway target that
+// the core was compiled for and this CPU supports (through kernels.h's test
+// hooks), bit access to floats, NaN-aware buffer comparison, dtype names for
+// test ids.
+#ifndef SHARDADAM_TESTS_CPP_TEST_UTIL_H_
+#define SHARDADAM_TESTS_CPP_TEST_UTIL_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "hwy/targets.h"
+#include "kernels.h"
+#include "reference.h"
+#include "shardadam/adam.h"
+
+namespace shardadam {
+namespace testing {
+
+inline uint32_t BitsOf(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+}
+
+inline float FloatOf(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline std::string DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kNone:
+      return "none";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8";
+    case DType::kInt16Remainder:
+      return "remainder";
+  }
+  return "dtype" + std::to_string(static_cast<int>(dtype));
+}
+
+inline size_t ElementSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kInt16Remainder:
+      return 2;
+    case DType::kFloat8E4M3:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+// Whether a stored element is NaN. The NaN bit patterns are not part of the
+// contract (torch itself writes 0x7FC0 or 0xFFFF for a bf16 NaN depending on
+// the code path), so comparisons accept any NaN for any NaN.
+inline bool IsNaNElement(const uint8_t* element, DType dtype) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, element, ElementSize(dtype));
+  switch (dtype) {
+    case DType::kFloat32:
+      return (bits & 0x7FFFFFFF) > 0x7F800000;
+    case DType::kFloat16:
+      return (bits & 0x7FFF) > 0x7C00;
+    case DType::kBFloat16:
+      return (bits & 0x7FFF) > 0x7F80;
+    case DType::kFloat8E4M3:
+      return (bits & 0x7F) == 0x7F;
+    default:
+      return false;  // int16 remainders are plain integers
+  }
+}
+
+// Compares two buffers of `numel` elements of `dtype` bitwise (NaN matches any
+// NaN) and describes the first mismatch, if any.
+inline ::testing::AssertionResult SameElements(const void* want,
+                                               const void* got, DType dtype,
+                                               int64_t numel) {
+  const size_t size = ElementSize(dtype);
+  const auto* a = static_cast<const uint8_t*>(want);
+  const auto* b = static_cast<const uint8_t*>(got);
+  int64_t mismatches = 0, first = -1;
+  for (int64_t i = 0; i < numel; ++i) {
+    const uint8_t* x = a + i * size;
+    const uint8_t* y = b + i * size;
+    if (std::memcmp(x, y, size) == 0) continue;
+    if (IsNaNElement(x, dtype) && IsNaNElement(y, dtype)) continue;
+    if (first < 0) first = i;
+    ++mismatches;
+  }
+  if (mismatches == 0) return ::testing::AssertionSuccess();
+  uint32_t x = 0, y = 0;
+  std::memcpy(&x, a + first * size, size);
+  std::memcpy(&y, b + first * size, size);
+  char text[160];
+  std::snprintf(
+      text, sizeof(text),
+      "%lld of %lld %s elements differ; first at %lld: want 0x%0*x got 0x%0*x",
+      static_cast<long long>(mismatches), static_cast<long long>(numel),
+      DTypeName(dtype).c_str(), static_cast<long long>(first),
+      static_cast<int>(2 * size), x, static_cast<int>(2 * size), y);
+  return ::testing::AssertionFailure() << text;
+}
+
+// Pins the core's kernels to one target for the scope's lifetime (kernels.h's
+// test hook), then restores the dispatcher's own choice.
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(int64_t target)
+      : ok_(internal::SetTargetForTest(target)) {}
+  ~ScopedTarget() { internal::SetTargetForTest(0); }
+  ScopedTarget(const ScopedTarget&) = delete;
+  ScopedTarget& operator=(const ScopedTarget&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  bool ok_;
+};
+
+// Runs `check` once per target compiled into the core that this CPU runs, with
+// every entry point pinned to it, inside a SCOPED_TRACE naming the target.
+template <class Check>
+void ForEachTarget(const Check& check) {
+  const std::vector<int64_t> targets = internal::CompiledTargets();
+  ASSERT_FALSE(targets.empty());
+  for (int64_t target : targets) {
+    ScopedTarget scope(target);
+    SCOPED_TRACE(std::string("target ") + hwy::TargetName(target));
+    ASSERT_TRUE(scope.ok());
+    ASSERT_EQ(internal::ActiveKernels().target, target);
+    check();
+  }
+}
+
+}  // namespace testing
+}  // namespace shardadam
+
+#endif  // SHARDADAM_TESTS_CPP_TEST_UTIL_H_

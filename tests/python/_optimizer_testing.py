@@ -1,0 +1,721 @@
+"""Shared helpers for the shardadam Python tests (fixtures are in conftest.py).
+
+What lives here:
+
+* dtype names as test ids spell them (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``rem``) and
+  the storage each one implies (SEMANTICS S2.2);
+* decoders that read the optimizer's raw state storage back to float64 *in the test*
+  (fp8 codes, fp16 with scale, int16 remainders), independent of the package's getters;
+* a float64 Adam/AdamW step (SEMANTICS S3.6) that also returns, per element, a bound on
+  how far any fp32 evaluation of the same step may land from it, and the checks that
+  compare a stored state against it with the storage format's rounding added;
+* snapshots of everything an optimizer owns, compared bit for bit (used after every
+  failed call: S3.1 says a failure changes nothing).
+
+Tolerances, once for all files: u = 2**-24 is the fp32 unit roundoff. An fp32 step is
+a chain of about a dozen correctly rounded operations on exactly known inputs, so every
+intermediate is off by at most u times its own magnitude per operation; adam_reference()
+propagates those first-order terms through the formula (derivation beside each line).
+A value stored in a narrower format adds half a spacing of that format's grid at the
+value (round to nearest); a scaled format (fp16 / fp8 with scale s) adds s times half
+the grid spacing at value / s, plus the one rounding of the division by s.
+
+Why each step is checked from the optimizer's own stored state ("teacher forcing"): the
+contract (S3.7) is stated per step. Feeding the reference the decoded state the
+optimizer actually holds keeps the bound of every step tight and independent of the
+gradient history, and still catches any wrong step, wrong storage or lost state,
+because the next step starts from what was stored.
+"""
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+
+# --------------------------------------------------------------------------------------
+# Constants of the formats
+
+U = 2.0 ** -24  # fp32 unit roundoff: |fl(x) - x| <= U * |x| for a normal result
+FP32_TINY = torch.finfo(torch.float32).tiny  # smallest normal fp32, S2.3's floor
+FP32_MIN_SUBNORMAL = 2.0 ** -149
+# An operation whose result falls among fp32 subnormals is off by at most half of
+# 2**-149 instead of U * |x|; four such roundings per value are allowed for.
+ABS_SLACK = 4 * FP32_MIN_SUBNORMAL
+# First-order bounds drop products of rounding errors (k**2 * U**2 for k operations,
+# plus the float64 reference's own 2**-53 per operation); a 2**-10 relative margin
+# covers those many times over and is far below any format's rounding.
+SECOND_ORDER = 1.0 + 2.0 ** -10
+
+# S2.3: magnitude a scaled state's largest element is stored as.
+SCALE_TARGET = {"fp16": 32752.0, "fp8": 448.0}
+
+# Storage dtype of a configured dtype name (fp8 moments are uint8 codes, S2.2).
+TORCH_DTYPE = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.uint8,
+}
+NAME_OF_DTYPE = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.uint8: "fp8",
+}
+
+# (explicit mantissa bits, exponent of the smallest normal number) of each grid.
+GRID = {"fp32": (23, -126), "bf16": (7, -126), "fp16": (10, -14), "fp8": (3, -6)}
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def have_core():
+    """True when the C++ extension is built and importable."""
+    try:
+        import shardadam._C  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# Bits
+
+
+def bits(t):
+    """The raw bytes of a dense tensor, for bitwise comparison (NaN-safe)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(actual, expected, what=""):
+    assert actual.dtype == expected.dtype, \
+        f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, \
+        f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.device == expected.device, \
+        f"{what}: device {actual.device} != {expected.device}"
+    if actual.device.type == "meta":
+        return  # no data to compare
+    if torch.equal(bits(actual), bits(expected)):
+        return
+    a = actual.detach().reshape(-1)
+    e = expected.detach().reshape(-1)
+    if a.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        differ = (bits_as_int(a) != bits_as_int(e)).nonzero().reshape(-1)
+    else:
+        differ = (a != e).nonzero().reshape(-1)
+    i = int(differ[0])
+    raise AssertionError(
+        f"{what}: {differ.numel()} of {a.numel()} elements differ bitwise; "
+        f"first at flat index {i}: {a[i].item()!r} vs {e[i].item()!r}")
+
+
+def bits_as_int(t):
+    """Integer view of the bit patterns of a float tensor (same width)."""
+    width = {torch.float64: torch.int64, torch.float32: torch.int32,
+             torch.float16: torch.int16, torch.bfloat16: torch.int16}
+    return t.contiguous().view(width[t.dtype])
+
+
+def f32(x):
+    """A Python float rounded to the nearest fp32 value (round to nearest even)."""
+    return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
+
+
+# --------------------------------------------------------------------------------------
+# Grids and decoders
+
+
+def half_spacing(fmt, magnitude):
+    """Half the distance between neighbours of `fmt`'s grid around |magnitude|.
+
+    A round-to-nearest store of x is within this of x. For subnormals the spacing is
+    that of the smallest binade. Exact (powers of two from frexp), float64.
+    """
+    mbits, emin = GRID[fmt]
+    magnitude = magnitude.double().abs()
+    # magnitude = mantissa * 2**exponent with mantissa in [0.5, 1)
+    _, exponent = torch.frexp(magnitude)
+    binade = torch.where(magnitude == 0, torch.full_like(exponent, emin), exponent - 1)
+    binade = torch.clamp(binade, min=emin)
+    return torch.ldexp(torch.full_like(magnitude, 0.5), binade - mbits)
+
+
+def decode_codes(stored):
+    """Stored codes of any storage dtype as float64 (before any scale)."""
+    if stored.dtype == torch.uint8:
+        return stored.view(torch.float8_e4m3fn).double()
+    return stored.double()
+
+
+def merge_remainder(param, remainder):
+    """S2.5 in reverse: the fp32 master rebuilt from a bf16 param and its int16 remainder.
+
+    The param holds the master's high 16 bits, plus one when the low half (the
+    remainder's bit pattern) is >= 0x8000, i.e. when the remainder is negative.
+    """
+    high = param.detach().view(torch.int16).to(torch.int64) & 0xFFFF
+    low = remainder.to(torch.int64) & 0xFFFF
+    high = (high - (remainder < 0).to(torch.int64)) & 0xFFFF
+    word = (high << 16) | low
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
+    return word.to(torch.int32).view(torch.float32).reshape(param.shape)
+
+
+def split_master(master):
+    """S2.5: (bf16 param, int16 remainder) that store the fp32 `master`."""
+    word = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = word >> 16
+    low = word & 0xFFFF
+    param = (high + (low >= 0x8000).to(torch.int64)) & 0xFFFF
+    param = torch.where(param >= 2 ** 15, param - 2 ** 16, param).to(torch.int16)
+    low = torch.where(low >= 2 ** 15, low - 2 ** 16, low).to(torch.int16)
+    return param.view(torch.bfloat16).reshape(master.shape), low.reshape(master.shape)
+
+
+def storage_format(tensor):
+    """Short name of a state tensor's storage dtype."""
+    if tensor.dtype == torch.int16:
+        return "rem"
+    return NAME_OF_DTYPE[tensor.dtype]
+
+
+def true_state(opt, param, name):
+    """Float64 true value of a state (S2.2), decoded here from the raw storage."""
+    state = opt.state[param]
+    stored = state[name]
+    fmt = storage_format(stored)
+    if fmt == "rem":
+        return merge_remainder(param, stored).double()
+    values = decode_codes(stored)
+    if fmt in SCALE_TARGET:
+        values = values * state[name + "_scale"].double()
+    return values
+
+
+def weight_of(opt, param):
+    """Float64 weight the next step starts from: the master if any, else the param."""
+    if "master_param" in opt.state[param]:
+        return true_state(opt, param, "master_param")
+    return param.detach().double()
+
+
+def expected_scale(values, fmt):
+    """S2.3 evaluated in fp32 arithmetic: the scale of fp32 `values` stored as `fmt`."""
+    values = values.detach().float()
+    if values.numel() == 0:
+        return 1.0
+    a = values.abs().max()
+    if not torch.isfinite(a) or a.item() == 0.0:
+        return 1.0
+    s = a / torch.tensor(SCALE_TARGET[fmt], dtype=torch.float32)
+    return max(s.item(), FP32_TINY)
+
+
+def quantize_like_spec(values, fmt):
+    """(codes, scale) S2.3/S2.4 prescribe for fp32 `values` stored as `fmt`."""
+    values = values.detach().float()
+    if fmt == "fp32":
+        return values.clone(), None
+    if fmt == "bf16":
+        return values.to(torch.bfloat16), None
+    s = expected_scale(values, fmt)
+    quotient = values / torch.tensor(s, dtype=torch.float32)
+    if fmt == "fp16":
+        return quotient.to(torch.float16), s
+    return quotient.to(torch.float8_e4m3fn).view(torch.uint8), s
+
+
+def near_ties(fmt, count, seed):
+    """fp32 values u whose u / s lands within an fp32 ulp or two of a rounding
+    midpoint of `fmt`'s grid, for a scale s whose reciprocal is inexact, with the largest
+    element setting s (S2.3). Rounding them exposes any evaluation other than S2.3's
+    fp32 division u / s followed by one round to nearest even (e.g. u * (1 / s)).
+    Returns (values, scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    target = SCALE_TARGET[fmt]
+    codes = torch.randint(1, 2 ** 16 if fmt == "fp16" else 2 ** 8, (count,),
+                          generator=generator, dtype=torch.int32)
+    if fmt == "fp16":
+        grid = codes.to(torch.int16).view(torch.float16).double()
+    else:
+        grid = codes.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    usable = torch.isfinite(grid) & (grid.abs() < target)
+    grid = torch.where(usable, grid, torch.ones_like(grid))
+    spacing = 2 * half_spacing(fmt, grid)
+    midpoints = grid + torch.sign(grid) * spacing / 2
+    s0 = 0.3 + 0.1 * torch.rand((), generator=generator, dtype=torch.float64).item()
+    values = (midpoints * s0).float()
+    values[0] = float(target * s0)  # the absmax: scale close to s0
+    return values, expected_scale(values, fmt)
+
+
+# --------------------------------------------------------------------------------------
+# Configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    """Hyper-parameters of one param group, as the test passes them."""
+
+    lr: float = 1e-2
+    betas: tuple = (0.9, 0.99)
+    eps: float = 1e-8
+    weight_decay: float = 0.05
+    adam_w_mode: bool = True
+    bias_correction: bool = True
+
+    def group_kwargs(self):
+        return dict(lr=self.lr, betas=self.betas, eps=self.eps,
+                    weight_decay=self.weight_decay)
+
+    def optimizer_kwargs(self):
+        return dict(self.group_kwargs(), adam_w_mode=self.adam_w_mode,
+                    bias_correction=self.bias_correction)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One row of the precision matrix; `id` spells it as the test ids do."""
+
+    param: str = "fp32"  # "fp32" | "bf16" | "fp16" | "fp16+bf16" (alternating in one group)
+    grad: str = "same"  # "same" (param.grad) or a dtype name (param.decoupled_grad)
+    exp_avg: str = "fp32"
+    exp_avg_sq: str = "fp32"
+    master: str = "none"  # "none" | "fp32" | "fp16" | "rem"
+
+    @property
+    def id(self):
+        grad = "p" if self.grad == "same" else self.grad
+        return (f"p={self.param}-g={grad}-m={self.exp_avg}-v={self.exp_avg_sq}"
+                f"-master={self.master}")
+
+    def param_dtypes(self, count):
+        names = self.param.split("+")
+        return [TORCH_DTYPE[names[i % len(names)]] for i in range(count)]
+
+    @property
+    def decoupled(self):
+        return self.grad != "same"
+
+    def grad_dtype(self, param_dtype):
+        return param_dtype if self.grad == "same" else TORCH_DTYPE[self.grad]
+
+    def optimizer_kwargs(self):
+        return dict(
+            master_weights=self.master != "none",
+            master_weight_dtype=torch.float16 if self.master == "fp16" else torch.float32,
+            store_param_remainders=self.master == "rem",
+            exp_avg_dtype=TORCH_DTYPE[self.exp_avg],
+            exp_avg_sq_dtype=TORCH_DTYPE[self.exp_avg_sq],
+            use_decoupled_grad=self.decoupled,
+        )
+
+    def state_formats(self, param_dtype):
+        """Storage format of each state of a parameter of `param_dtype` (S2.1, S2.2)."""
+        formats = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.master != "none" and param_dtype != torch.float32:
+            formats["master_param"] = self.master
+        return formats
+
+    @property
+    def bitwise_round_trip(self):
+        """S5.6: bitwise after reload unless some state is fp16/fp8 scaled."""
+        return not {self.exp_avg, self.exp_avg_sq, self.master} & set(SCALE_TARGET)
+
+
+SHAPES = [(4, 9), (33,), (1,), (0,), ()]
+
+
+def make_params(dtypes, shapes=SHAPES, seed=0):
+    """Leaf parameters with values spread over a few decades (exact in their dtype)."""
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+        values = torch.randn(shape, generator=generator) * (0.5 + i)
+        params.append(torch.nn.Parameter(values.to(dtype)))
+    return params
+
+
+def make_grads(params, grad_dtypes, step, seed=0, zero_fraction=0.1):
+    """Deterministic gradients for one step: per tensor a different magnitude (1e-3 to
+    1e1), with some exact zeros, in the requested dtypes."""
+    generator = torch.Generator().manual_seed(seed * 100003 + step)
+    grads = []
+    for i, (p, dtype) in enumerate(zip(params, grad_dtypes)):
+        g = torch.randn(p.shape, generator=generator) * 10.0 ** (i % 5 - 3)
+        keep = torch.rand(p.shape, generator=generator) >= zero_fraction
+        grads.append((g * keep).to(dtype))
+    return grads
+
+
+def attach_grads(params, grads, decoupled):
+    """Give each param its gradient (None skips it) via .grad or .decoupled_grad."""
+    for p, g in zip(params, grads):
+        if decoupled:
+            p.decoupled_grad = g
+        else:
+            p.grad = g
+
+
+# --------------------------------------------------------------------------------------
+# The float64 reference step and its bounds
+
+
+@dataclasses.dataclass
+class StepConstants:
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    weight_decay: float
+    decay: float
+    step_size: float
+    bias_correction2_sqrt: float
+    eps: float
+
+
+def step_constants(hyper, step, lr=None):
+    """S3.6: the per-step scalars, computed in double and rounded to fp32."""
+    lr = hyper.lr if lr is None else lr
+    beta1, beta2 = hyper.betas
+    c1 = 1.0 - math.pow(beta1, step) if hyper.bias_correction else 1.0
+    c2 = 1.0 - math.pow(beta2, step) if hyper.bias_correction else 1.0
+    return StepConstants(
+        beta1=f32(beta1), one_minus_beta1=f32(1.0 - beta1),
+        beta2=f32(beta2), one_minus_beta2=f32(1.0 - beta2),
+        weight_decay=f32(hyper.weight_decay), decay=f32(1.0 - lr * hyper.weight_decay),
+        step_size=f32(lr / c1), bias_correction2_sqrt=f32(math.sqrt(c2)),
+        eps=f32(hyper.eps))
+
+
+@dataclasses.dataclass
+class Reference:
+    """Exact (float64) results of one step and per-element bounds for fp32 evaluation."""
+
+    w: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    w_bound: torch.Tensor
+    m_bound: torch.Tensor
+    v_bound: torch.Tensor
+
+
+def adam_reference(w, m, v, g, hyper, step, lr=None):
+    """One Adam/AdamW step (S3.6) in float64 from float64 inputs.
+
+    The bounds hold for any fp32 evaluation that rounds each operation correctly, in
+    the order S3.6 / element.h gives or in torch's fused order (lerp for m, decay as
+    w - lr*wd*w), with constants that may each be off by one fp32 rounding. Inputs
+    decoded from a scaled storage cost one more rounding (float(q) * s in fp32); it is
+    included for every input, which is harmless where the input was exact.
+    """
+    k = step_constants(hyper, step, lr)
+    w, m, v, g = (t.double() for t in (w, m, v, g))
+    if hyper.adam_w_mode:
+        grad, grad_err = g, torch.zeros_like(g)
+    else:
+        # L2: g + wd*w: the constant, the product and the sum round once each.
+        penalty = k.weight_decay * w
+        grad = g + penalty
+        grad_err = 2 * U * penalty.abs() + U * grad.abs() + ABS_SLACK
+
+    # m: decode of m (1), beta1*m and (1-beta1)*g with their constants (2 + 2) or the
+    # lerp form m + w*(g - m) (3 roundings of terms <= |m| + |g|), the sum (1 of |m1|).
+    m1 = k.beta1 * m + k.one_minus_beta1 * grad
+    m_err = (4 * U * (m.abs() + grad.abs()) + U * m1.abs() + grad_err + ABS_SLACK)
+
+    # v: decode of v (1), beta2*v with its constant (2), (1-beta2)*g*g with the constant
+    # (3), the sum (1 of v1); an error e in g changes g*g by 2|g|e + e**2.
+    v1 = k.beta2 * v + k.one_minus_beta2 * grad * grad
+    v_err = (3 * U * v + 3 * U * k.one_minus_beta2 * grad * grad + U * v1
+             + 2 * grad.abs() * grad_err + grad_err ** 2 + ABS_SLACK)
+
+    # denominator sqrt(v1)/bc2 + eps: an error e in v moves sqrt(v) by at most
+    # sqrt(v) - sqrt(v - e) (concavity); sqrt, the constant and the division round once
+    # each (3 of sqrt(v1)), eps and the sum once each.
+    root = torch.sqrt(v1)
+    root_err = root - torch.sqrt(torch.clamp(v1 - v_err, min=0.0))
+    denom = root / k.bias_correction2_sqrt + k.eps
+    denom_err = ((root_err + 3 * U * root) / k.bias_correction2_sqrt + U * k.eps
+                 + U * denom + ABS_SLACK)
+
+    # update step_size * m1 / denom: first-order error of the quotient from the errors
+    # of m1 and denom (denominator bounded below by denom - denom_err), then the
+    # constant, the product and the division (3 of |update|).
+    ratio = m1 / denom
+    denom_low = denom - denom_err
+    # a test whose inputs leave the denominator indistinguishable from zero cannot be
+    # bounded; it is a badly chosen input, not a pass
+    assert bool((denom_low > 0).all()), "reference: denominator within its error of 0"
+    update = k.step_size * ratio
+    update_err = (k.step_size * (m_err + ratio.abs() * denom_err) / denom_low
+                  + 3 * U * update.abs() + ABS_SLACK)
+
+    # weight: decode (1 of |w|), decoupled decay w*(1 - lr*wd) or w - lr*wd*w
+    # (3 of |w|), the subtraction (1 of |w1|).
+    if hyper.adam_w_mode:
+        w0 = w * k.decay
+        w_err0 = 4 * U * w.abs()
+    else:
+        w0 = w
+        w_err0 = U * w.abs()
+    w1 = w0 - update
+    w_err = w_err0 + U * w1.abs() + update_err + ABS_SLACK
+
+    return Reference(w1, m1, v1, w_err * SECOND_ORDER, m_err * SECOND_ORDER,
+                     v_err * SECOND_ORDER)
+
+
+def assert_close_bounded(actual, reference, bound, what):
+    """|actual - reference| <= bound elementwise (NaN anywhere fails)."""
+    actual = actual.double()
+    ok = (actual - reference).abs() <= bound
+    if bool(ok.all()):
+        return
+    excess = torch.where(ok, torch.zeros_like(bound), (actual - reference).abs() - bound)
+    excess = torch.nan_to_num(excess, nan=float("inf"))
+    i = int(excess.reshape(-1).argmax())
+    a, r, b = (t.reshape(-1)[i].item() for t in (actual, reference, bound))
+    raise AssertionError(
+        f"{what}: {int((~ok).sum())} of {ok.numel()} elements outside the derived bound; "
+        f"worst at flat index {i}: got {a!r}, reference {r!r}, |diff| "
+        f"{abs(a - r)!r} > bound {b!r}")
+
+
+def stored_bound(fmt, stored, reference, bound, scale=None):
+    """Tolerance for a value computed within `bound` of `reference` and then stored in
+    `fmt` (S2.2-S2.4): the format's half spacing; for a scaled state (`scale` given:
+    fp16 / fp8 moments and masters, never params) at value / scale, times the scale,
+    plus the rounding of the division by the scale."""
+    if fmt in ("fp32", "rem"):
+        return bound
+    magnitude = torch.maximum(stored.double().abs(), reference.abs())
+    if scale is not None:
+        return (bound + U * (reference.abs() + bound)
+                + scale * half_spacing(fmt, magnitude / scale))
+    return bound + half_spacing(fmt, magnitude)
+
+
+def check_scale(stored, scale_t, reference, bound, what):
+    """S2.3 on a freshly stored scaled state (`stored` codes, `scale_t` its 0-dim fp32
+    scale): empty or all-zero -> 1; otherwise the largest stored code is the target R
+    (the largest element divided by a / R is R up to two roundings, far below the
+    format's spacing at R), and scale * R tracks the reference's absmax."""
+    fmt = storage_format(stored)
+    assert scale_t.dtype == torch.float32 and scale_t.dim() == 0, \
+        f"{what}: scale must be a 0-dim fp32 tensor, got {scale_t.dtype} " \
+        f"{tuple(scale_t.shape)}"
+    scale = scale_t.item()
+    codes = decode_codes(stored)
+    if codes.numel() == 0:
+        assert scale == 1.0, f"{what}: empty state must have scale 1, got {scale!r}"
+        return
+    largest = codes.abs().max().item()
+    if largest == 0.0:
+        assert scale == 1.0, f"{what}: all-zero state must have scale 1, got {scale!r}"
+        return
+    if scale != FP32_TINY:
+        assert largest == SCALE_TARGET[fmt], (
+            f"{what}: largest stored code {largest!r} != S2.3 target {SCALE_TARGET[fmt]!r} "
+            f"(scale {scale!r})")
+    amax = reference.abs().max().item()
+    worst = bound.max().item()
+    # the absmax of the computed values is within `worst` of the reference's; a / R
+    # rounds once more.
+    slack = worst + U * (amax + worst)
+    assert abs(scale * SCALE_TARGET[fmt] - amax) <= slack * SECOND_ORDER, (
+        f"{what}: scale {scale!r} * R = {scale * SCALE_TARGET[fmt]!r} does not track the "
+        f"reference absmax {amax!r} within {slack!r}")
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """What one parameter's step starts from, decoded in float64 before the step."""
+
+    w: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    param_bits: torch.Tensor
+    state_bits: dict
+
+
+def capture_inputs(opt, params):
+    inputs = []
+    for p in params:
+        state = opt.state[p]
+        inputs.append(StepInputs(
+            w=weight_of(opt, p), m=true_state(opt, p, "exp_avg"),
+            v=true_state(opt, p, "exp_avg_sq"), param_bits=p.detach().clone(),
+            state_bits={k: t.clone() for k, t in state.items()
+                        if isinstance(t, torch.Tensor)}))
+    return inputs
+
+
+def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
+    """Checks every parameter's new param/master/moments against adam_reference()
+    started from `inputs` (see the module docstring for the tolerances). A None
+    gradient means the parameter must be left bitwise alone (S3.2)."""
+    for index, (p, before, g) in enumerate(zip(params, inputs, grads)):
+        label = f"{what} step {step} param {index} ({p.dtype}, shape {tuple(p.shape)})"
+        state = opt.state[p]
+        if g is None:
+            assert_bitwise_equal(p.detach(), before.param_bits, f"{label}: skipped param")
+            for key, t in before.state_bits.items():
+                assert_bitwise_equal(state[key], t, f"{label}: skipped state {key}")
+            continue
+        ref = adam_reference(before.w, before.m, before.v, g.double(), hyper, step, lr)
+        for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
+                                   ("exp_avg_sq", ref.v, ref.v_bound)):
+            fmt = storage_format(state[name])
+            scale = state[name + "_scale"].item() if fmt in SCALE_TARGET else None
+            stored = true_state(opt, p, name)
+            tolerance = stored_bound(fmt, stored, value, bound, scale)
+            assert_close_bounded(stored, value, tolerance, f"{label}: {name} ({fmt})")
+            if scale is not None:
+                check_scale(state[name], state[name + "_scale"], value, bound,
+                            f"{label}: {name} scale")
+        param_fmt = NAME_OF_DTYPE[p.dtype]
+        param_now = p.detach().double()
+        assert_close_bounded(param_now, ref.w,
+                             stored_bound(param_fmt, param_now, ref.w, ref.w_bound),
+                             f"{label}: param")
+        if "master_param" in state:
+            fmt = storage_format(state["master_param"])
+            master = true_state(opt, p, "master_param")
+            scale = state["master_param_scale"].item() if fmt in SCALE_TARGET else None
+            assert_close_bounded(master, ref.w,
+                                 stored_bound(fmt, master, ref.w, ref.w_bound, scale),
+                                 f"{label}: master_param ({fmt})")
+            if fmt == "fp32":
+                # S3.7: the param is the master rounded to the param's dtype.
+                assert_bitwise_equal(p.detach(), state["master_param"].to(p.dtype),
+                                     f"{label}: param vs rounded fp32 master")
+            if scale is not None:
+                check_scale(state["master_param"], state["master_param_scale"], ref.w,
+                            ref.w_bound, f"{label}: master_param scale")
+
+
+# --------------------------------------------------------------------------------------
+# Snapshots: everything a failed call must leave bitwise alone
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.to_dense().clone() if value.is_sparse else value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def snapshot(opt, extra_params=()):
+    """Params, their grads and decoupled grads, every state entry (moments, masters,
+    scales, anything else) and every group's settings, copied."""
+    params = [p for group in opt.param_groups for p in group["params"]]
+    params += [p for p in extra_params if all(p is not q for q in params)]
+    return {
+        "params": [(p, _clone(p)) for p in params],
+        "grads": [_clone(p.grad) for p in params],
+        "decoupled": [_clone(getattr(p, "decoupled_grad", None)) for p in params],
+        "state_keys": [id(p) for p in opt.state],
+        "state": [(p, {k: _clone(v) for k, v in opt.state[p].items()})
+                  for p in params if p in opt.state],
+        "groups": [{k: (_clone(v) if k != "params" else [id(q) for q in v])
+                    for k, v in group.items()} for group in opt.param_groups],
+    }
+
+
+def _assert_same_value(a, b, what):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), \
+            f"{what}: {type(a).__name__} vs {type(b).__name__}"
+        assert_bitwise_equal(a, b, what)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), f"{what}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_value(x, y, f"{what}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        assert math.isnan(b), f"{what}: {a!r} != {b!r}"
+    else:
+        assert type(a) is type(b) and a == b, f"{what}: {a!r} != {b!r}"
+
+
+def assert_unchanged(opt, before, what="optimizer"):
+    """Bitwise comparison of `opt` now against snapshot `before`."""
+    after = snapshot(opt, [p for p, _ in before["params"]])
+    assert len(after["params"]) == len(before["params"]), f"{what}: params added/removed"
+    for i, ((p, old), (q, new)) in enumerate(zip(before["params"], after["params"])):
+        assert p is q, f"{what}: param {i} replaced"
+        assert_bitwise_equal(new, old, f"{what}: param {i}")
+    for key in ("grads", "decoupled"):
+        for i, (old, new) in enumerate(zip(before[key], after[key])):
+            _assert_same_value(new, old, f"{what}: {key} of param {i}")
+    assert after["state_keys"] == before["state_keys"], \
+        f"{what}: optimizer.state keys changed"
+    for (p, old), (q, new) in zip(before["state"], after["state"]):
+        assert p is q
+        assert sorted(new) == sorted(old), \
+            f"{what}: state names {sorted(new)} != {sorted(old)}"
+        for key in old:
+            _assert_same_value(new[key], old[key], f"{what}: state {key}")
+    assert len(after["groups"]) == len(before["groups"]), f"{what}: param_groups changed"
+    for i, (old, new) in enumerate(zip(before["groups"], after["groups"])):
+        assert sorted(new) == sorted(old), f"{what}: group {i} keys changed"
+        for key in old:
+            _assert_same_value(new[key], old[key], f"{what}: group {i} {key}")
+
+
+def assert_same_optimizer_state(a, b, params_a, params_b, what):
+    """Two optimizers hold bitwise the same params, state and group steps."""
+    for i, (p, q) in enumerate(zip(params_a, params_b)):
+        assert_bitwise_equal(q.detach(), p.detach(), f"{what}: param {i}")
+        sa, sb = a.state[p], b.state[q]
+        assert sorted(sa) == sorted(sb), f"{what}: param {i} state names"
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert_bitwise_equal(sb[key], sa[key], f"{what}: param {i} {key}")
+    for i, (ga, gb) in enumerate(zip(a.param_groups, b.param_groups)):
+        assert ga["step"] == gb["step"], \
+            f"{what}: group {i} step {gb['step']} != {ga['step']}"
+
+
+@contextlib.contextmanager
+def backend_context(name):
+    from shardadam import _backend
+
+    with _backend.use_backend(name):
+        yield
+
+
+def fused_adam():
+    from shardadam import FusedAdam
+
+    return FusedAdam
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def run_precision_steps(opt, params, cfg, hyper, steps, first_step, seed, what,
+                        check=True):
+    """Takes `steps` steps with the test's gradients, checking each against the
+    reference; returns the gradients used (for replaying the same run)."""
+    dtypes = [cfg.grad_dtype(p.dtype) for p in params]
+    used = []
+    for step in range(first_step, first_step + steps):
+        grads = make_grads(params, dtypes, step, seed)
+        attach_grads(params, grads, cfg.decoupled)
+        inputs = capture_inputs(opt, params) if check else None
+        opt.step()
+        assert opt.param_groups[0]["step"] == step, \
+            f"{what}: group step {opt.param_groups[0]['step']} after step {step}"
+        if check:
+            verify_step(opt, params, inputs, grads, hyper, step, what)
+        used.append(grads)
+    return used
+

@@ -1,0 +1,700 @@
+"""Rank-side helpers shared by the distributed jobs: presets, deterministic data, bitwise
+and rounding-bounded comparisons, layout checks, collective counting, manual DTensor runs.
+
+Everything that compares gathered (full) tensors runs on every rank with the same data, so
+a mismatch fails on every rank together; per-rank checks go through ``symmetric`` so one
+rank's failure is raised on all ranks and nobody is left waiting in a collective.
+"""
+
+import contextlib
+import itertools
+import math
+import traceback
+import zlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import _dist_cases
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.uint8}
+
+# Optimizer hyper-parameters: defaults, and per group (group 1 differs in everything).
+OPT_DEFAULTS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+GROUP_HP = ({}, dict(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.0))
+
+
+def fused_adam():
+    from shardadam import FusedAdam
+
+    return FusedAdam
+
+
+# --------------------------------------------------------------------------- presets
+
+
+class Preset:
+    """A configuration from ``_dist_cases.PRESETS`` turned into dtypes and constructor kwargs."""
+
+    def __init__(self, preset_id):
+        self.id = preset_id
+        param, master, moments = _dist_cases.PRESETS[preset_id]
+        self.param_dtype = DTYPES[param]
+        self.master = master
+        self.moments = moments
+
+    def kwargs(self):
+        kw = dict(exp_avg_dtype=DTYPES[self.moments], exp_avg_sq_dtype=DTYPES[self.moments])
+        if self.master == "remainder":
+            kw.update(master_weights=True, store_param_remainders=True)
+        elif self.master is not None:
+            kw.update(master_weights=True, master_weight_dtype=DTYPES[self.master])
+        return kw
+
+    def fp32_state_kwargs(self):
+        """Same configuration with every scaled state kept in fp32 (the one-step oracle)."""
+        kw = self.kwargs()
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_weight_dtype"):
+            if kw.get(name) in (torch.float16, torch.uint8):
+                kw[name] = torch.float32
+        return kw
+
+    def state_names(self, param_dtype):
+        names = ["exp_avg", "exp_avg_sq"]
+        if self.master is not None and param_dtype != torch.float32:
+            names.append("master_param")  # S2.1: fp32 parameters never get a master
+        return names
+
+    def storage_dtype(self, name):
+        """The dtype of the raw stored tensor (S2.2)."""
+        if name == "master_param":
+            return torch.int16 if self.master == "remainder" else DTYPES[self.master]
+        return DTYPES[self.moments]
+
+    def true_dtype(self, name):
+        """The dtype of the value ``state_dict()`` exposes (S5.4)."""
+        return torch.int16 if name == "master_param" and self.master == "remainder" \
+            else torch.float32
+
+    def is_scaled(self, name):
+        return self.storage_dtype(name) in (torch.float16, torch.uint8)
+
+    @property
+    def has_scaled_state(self):
+        return any(self.is_scaled(n) for n in self.state_names(self.param_dtype))
+
+
+# ------------------------------------------------------------------ deterministic data
+
+
+def seed_of(*parts):
+    """A seed from readable parts; identical on every rank and across runs."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def full_param(shape, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(shape, generator=g)).to(dtype)
+
+
+def full_grad(shape, seed, dtype):
+    # Magnitudes spread over several decades so per-shard scales (S2.3) differ from the
+    # full tensor's and small values reach the fp16/fp8 subnormal range.
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * torch.exp(2.0 * torch.randn(shape, generator=g))
+            ).to(dtype)
+
+
+def local_of(tensor):
+    """The local tensor of a DTensor (the tensor itself when plain), detached. Under no_grad
+    ``to_local()`` returns the stored local tensor directly instead of going through
+    autograd, which is both faster and the object FSDP2 updates in place."""
+    with torch.no_grad():
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def shard_of(full, like):
+    """The part of ``full`` that ``like`` (a DTensor) holds on this rank; no communication."""
+    return distribute_tensor(full, like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
+def gather(dt):
+    """``full_tensor()`` as a copy (for Replicate it may alias the live local tensor); int16
+    travels as fp16 bits because gloo has no int16 collectives."""
+    if dt.dtype == torch.int16:
+        bits = DTensor.from_local(dt.to_local().view(torch.float16), dt.device_mesh,
+                                  dt.placements, shape=dt.shape, stride=dt.stride())
+        return bits.full_tensor().view(torch.int16).clone()
+    return dt.full_tensor().clone()
+
+
+def _shard_dim(placement):
+    """The sharded tensor dim of a placement (a Placement or "S0"/"S1"/"R"), else None."""
+    if isinstance(placement, str):
+        return int(placement[1:]) if placement.startswith("S") else None
+    return placement.dim if placement.is_shard() else None
+
+
+def region_indices(shape, mesh_shape, placements):
+    """Flat indices of the part of a tensor of ``shape`` each mesh coordinate holds, in
+    DTensor's chunking (torch.chunk: ceil-sized chunks, missing trailing ones empty);
+    lets every rank evaluate per-shard quantities without communication."""
+    index = torch.arange(math.prod(shape)).view(shape)
+    regions = {}
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        part = index
+        for size, c, placement in zip(mesh_shape, coord, placements):
+            dim = _shard_dim(placement)
+            if dim is not None:
+                chunks = torch.chunk(part, size, dim=dim)
+                part = chunks[c] if c < len(chunks) else part.narrow(dim, 0, 0)
+        regions[coord] = part.flatten()
+    return regions
+
+
+def _pack(tensor):
+    """A tensor as plain bytes: object collectives pickle these far faster than tensors."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return str(tensor.dtype), tuple(tensor.shape), data
+
+
+def _unpack(packed):
+    dtype, shape, data = packed
+    dtype = getattr(torch, dtype.split(".")[1])
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def assemble(locals_by_rank, like):
+    """The global tensor of DTensor ``like``'s layout from every rank's local tensor."""
+    mesh = like.device_mesh.mesh
+    full = torch.empty(like.shape, dtype=like.dtype)
+    flat = full.view(-1)
+    seen = torch.zeros(flat.numel(), dtype=torch.bool)
+    bits = _BITS[like.dtype]
+    for coord, region in region_indices(like.shape, tuple(mesh.shape), like.placements).items():
+        rank = int(mesh[coord])
+        local = locals_by_rank[rank].reshape(-1)
+        assert local.numel() == region.numel(), \
+            f"rank {rank} holds {local.numel()} elements, its shard has {region.numel()}"
+        if seen[region].any():  # a replica: must be bitwise the same as the one kept
+            assert torch.equal(flat[region].view(bits), local.view(bits)), \
+                f"replicas differ (rank {rank}, mesh coordinate {coord})"
+        flat[region] = local
+        seen[region] = True
+    return full
+
+
+def wrap_like(local, like):
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride())
+
+
+# ------------------------------------------------------------------------ comparisons
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+         torch.int16: torch.int16, torch.uint8: torch.uint8, torch.int32: torch.int32}
+
+
+def assert_bitwise(actual, expected, what):
+    """Same dtype, shape and bits (NaN payloads included)."""
+    assert isinstance(actual, torch.Tensor) and not isinstance(actual, DTensor), \
+        f"{what}: expected a local/plain tensor, got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    bits = _BITS[actual.dtype]
+    diff = actual.contiguous().view(bits) != expected.contiguous().view(bits)
+    if diff.any():
+        idx = diff.nonzero()[0].tolist()
+        a, e = actual.float(), expected.float()
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} of {diff.numel()} elements differ bitwise; first at "
+            f"{idx}: {a[tuple(idx)].item()!r} != {e[tuple(idx)].item()!r}; "
+            f"max |diff| {(a - e).abs().max().item():.3e}")
+
+
+# Largest stored magnitude of a scaled state (S2.3): fp16 max / 2 and the E4M3 maximum.
+_RANGE = {torch.float16: 32752.0, torch.uint8: 448.0}
+# (smallest normal exponent, explicit mantissa bits) of each storage format.
+_FORMAT = {torch.float16: (-14, 10), torch.uint8: (-6, 3)}
+
+
+def _format_ulp(x, storage):
+    """Spacing of the storage format's values around x >= 0 (subnormal spacing below)."""
+    min_exp, mantissa = _FORMAT[storage]
+    _, e = torch.frexp(x)  # x = m * 2**e with m in [0.5, 1): floor(log2 x) = e - 1
+    e = torch.clamp(e - 1, min=min_exp)
+    return torch.ldexp(torch.ones_like(x), e - mantissa)
+
+
+def rounding_bound(u, storage):
+    """Largest |stored true value - u| for one store of the fp32 values ``u`` (one shard).
+
+    Derivation (S2.3): the shard's scale is s = max(a / R, tiny) with a = max|u| over the
+    LOCAL shard (s = 1 when the shard is empty or a is 0 / not finite) and R = 32752
+    (fp16) or 448 (E4M3). The code is q = rne(u / s), so |q - u/s| <= ulp(u/s) / 2 where
+    ulp is the format's spacing at |u/s| (subnormal spacing below the smallest normal);
+    the true value fp32(q * s) adds at most 2^-24 |q s|. Allowed here: s * ulp(|u|/s) +
+    2^-22 |u| -- a full ulp rather than half, because an implementation may compute s as
+    a * (1/R) instead of a / R (one fp32 ulp apart), which can move a value across a
+    rounding boundary. The full-tensor reference has one scale for the whole tensor, the
+    sharded run one per local shard, so the bound is evaluated per shard.
+    """
+    u = u.float()
+    a = u.abs().max() if u.numel() else torch.tensor(0.0)
+    if u.numel() == 0 or a == 0 or not torch.isfinite(a):
+        s = torch.tensor(1.0)
+    else:
+        s = torch.clamp(a / _RANGE[storage], min=torch.finfo(torch.float32).tiny)
+    return s * _format_ulp(u.abs() / s, storage) + 2.0 ** -22 * u.abs()
+
+
+def assert_within(actual, expected, bound, what):
+    assert actual.shape == expected.shape, \
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual.double() - expected.double()).abs()
+    bad = ~(err <= bound.double())
+    if bad.any():
+        idx = bad.nonzero()[0].tolist()
+        t = tuple(idx)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements outside the one-rounding "
+            f"bound; first at {idx}: {actual[t].item()!r} vs {expected[t].item()!r} "
+            f"(|diff| {err[t].item():.3e} > bound {bound[t].item():.3e})")
+
+
+def symmetric(fn, *args, **kwargs):
+    """Run a per-rank check everywhere; raise the same error on every rank if any rank
+    failed, else return every rank's return value (one object collective in all)."""
+    try:
+        value, message = fn(*args, **kwargs), None
+    except AssertionError as error:
+        value, message = None, str(error) or repr(error)
+    except Exception:  # noqa: BLE001 - anything else is reported with its traceback
+        value, message = None, traceback.format_exc()
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (value, message))
+    by_message = {}
+    for rank, (_, m) in enumerate(outcomes):
+        if m is not None:
+            by_message.setdefault(m, []).append(rank)
+    if by_message:
+        raise AssertionError("\n".join(f"rank(s) {ranks}: {m}" for m, ranks in by_message.items()))
+    return [v for v, _ in outcomes]
+
+
+def same_on_all_ranks(value, what):
+    values = symmetric(lambda: value)
+    assert all(v == values[0] for v in values), f"{what} differs between ranks: {values}"
+
+
+# ---------------------------------------------------------------------- layout checks
+
+
+def check_state_layout(state, param, dtype, what):
+    """S2.6: a DTensor with the parameter's mesh, placements, global shape and stride whose
+    local tensor has the parameter's local shape and device and the given dtype."""
+    assert isinstance(state, DTensor), \
+        f"{what}: expected a DTensor like its parameter, got {type(state).__name__}"
+    assert state.device_mesh == param.device_mesh, f"{what}: mesh differs from the parameter's"
+    assert tuple(state.placements) == tuple(param.placements), \
+        f"{what}: placements {state.placements} != parameter's {param.placements}"
+    assert state.shape == param.shape, \
+        f"{what}: global shape {tuple(state.shape)} != parameter's {tuple(param.shape)}"
+    assert state.stride() == param.stride(), \
+        f"{what}: global stride {state.stride()} != parameter's {param.stride()}"
+    local, plocal = local_of(state), local_of(param)
+    assert local.shape == plocal.shape, \
+        f"{what}: local shape {tuple(local.shape)} != parameter's {tuple(plocal.shape)}"
+    assert local.device == plocal.device, \
+        f"{what}: local device {local.device} != parameter's {plocal.device}"
+    assert local.dtype == dtype, f"{what}: local dtype {local.dtype}, configured {dtype}"
+
+
+# ------------------------------------------------------------------ collective counting
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_PY_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_gather_coalesced", "all_reduce_coalesced", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list",
+    "gather", "gather_object", "irecv", "isend", "recv", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "scatter", "scatter_object_list", "send", "new_group",
+)
+
+
+class _DispatchCounter(TorchDispatchMode):
+    """Counts dispatcher ops of the c10d / functional-collective namespaces. DTensor-typed
+    calls are handed back to DTensor first (NotImplemented) so the collectives a DTensor op
+    would issue are seen when it re-dispatches on local tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_collectives(profile=False):
+    """Yields a list that ends up holding every collective issued inside the block, seen by
+    three independent witnesses: the dispatcher (c10d and functional-collective ops), the
+    Python API of torch.distributed (patched), and -- with ``profile`` -- the profiler's
+    gloo/c10d events."""
+    calls = []
+    originals = []
+    modules = (dist, dist.distributed_c10d)
+    for module in modules:
+        for name in _PY_COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is None:
+                continue
+
+            def counting(*a, __name=name, __original=original, **kw):
+                calls.append(f"torch.distributed.{__name}")
+                return __original(*a, **kw)
+
+            originals.append((module, name, original))
+            setattr(module, name, counting)
+    prof = None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    mode = _DispatchCounter()
+    try:
+        with mode:
+            yield calls
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+        calls.extend(f"dispatch:{c}" for c in mode.calls)
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            for event in prof.events():
+                name = event.name
+                if name.startswith(("gloo:", "nccl:", "c10d::", "_c10d_functional::")) \
+                        or "ProcessGroup" in name:
+                    calls.append(f"profiler:{name}")
+
+
+# ------------------------------------------------------------------- manual DTensor runs
+
+_PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+
+
+class ParamSpec:
+    """One parameter of a manual run: name, global shape, mesh shape, placements, group."""
+
+    def __init__(self, name, shape, placements, group=0, mesh_shape=None):
+        self.name = name
+        self.shape = tuple(shape)
+        self.placements = tuple(placements)
+        self.group = group
+        self.mesh_shape = mesh_shape
+
+    def __repr__(self):
+        return f"{self.name}{list(self.shape)}@{'/'.join(self.placements)}"
+
+
+def layout_specs(layout, world_size):
+    """The parameters of a numerics case: dim-0 sizes {1, W-1, W, W+1, 7} so that some ranks
+    hold empty shards; 1-D and 2-D; group 1 holds the size-1 parameters, which are empty on
+    every rank but one (a whole group empty on most ranks)."""
+    if layout.startswith("mesh=2x2"):
+        # Replicated over mesh dim 0, sharded over mesh dim 1 (2 shards).
+        n_shards, mesh_shape = 2, (2, 2)
+    else:
+        n_shards, mesh_shape = world_size, None
+    sizes = sorted({1, n_shards - 1, n_shards, n_shards + 1, 7} - {0})
+    specs = []
+    for n in sizes:
+        group = 1 if n == 1 else 0
+        if layout == "Shard(0)":
+            specs += [ParamSpec(f"vec{n}", (n,), ("S0",), group),
+                      ParamSpec(f"mat{n}x3", (n, 3), ("S0",), group)]
+        elif layout == "Shard(1)":
+            specs += [ParamSpec(f"mat3x{n}", (3, n), ("S1",), group)]
+        elif layout == "Replicate":
+            specs += [ParamSpec(f"vec{n}", (n,), ("R",), group),
+                      ParamSpec(f"mat{n}x3", (n, 3), ("R",), group)]
+        else:
+            specs += [ParamSpec(f"vec{n}", (n,), ("R", "S0"), group, mesh_shape),
+                      ParamSpec(f"mat{n}x3", (n, 3), ("R", "S0"), group, mesh_shape)]
+    # Group 0 first: the first parameter is the one left without a gradient at one step.
+    return sorted(specs, key=lambda s: s.group)
+
+
+def mixed_specs(world_size):
+    """A bit of every layout in one optimizer (for checks that are not about numerics)."""
+    w = world_size
+    specs = [ParamSpec("vec7", (7,), ("S0",)), ParamSpec(f"mat{w + 1}x3", (w + 1, 3), ("S0",)),
+             ParamSpec("vec1", (1,), ("S0",)), ParamSpec("mat3x5", (3, 5), ("S1",)),
+             ParamSpec("rep4x3", (4, 3), ("R",), group=1)]
+    if w == 4:
+        specs.append(ParamSpec("mesh2x2_5x3", (5, 3), ("R", "S0"), 1, mesh_shape=(2, 2)))
+    return specs
+
+
+class ManualRun:
+    """DTensor parameters built by hand from full values generated identically on every
+    rank, a FusedAdam over them, and gradients set by hand each step."""
+
+    def __init__(self, ctx, preset, specs, tag, *, opt_kwargs=None, full_params=None):
+        from torch import nn
+
+        self.ctx = ctx
+        self.preset = preset
+        self.specs = list(specs)
+        self.tag = tag
+        self.params = {}
+        self.full_params = {}
+        for spec in self.specs:
+            mesh = ctx.mesh(spec.mesh_shape)
+            if full_params is not None:
+                full = full_params[spec.name].clone()
+            else:
+                full = full_param(spec.shape, seed_of(tag, spec.name), preset.param_dtype)
+            self.full_params[spec.name] = full
+            if spec.placements == ("plain",):
+                self.params[spec.name] = nn.Parameter(full.clone())
+                continue
+            placements = [_PLACEMENT[p] for p in spec.placements]
+            self.params[spec.name] = nn.Parameter(
+                distribute_tensor(full, mesh, placements, src_data_rank=None))
+        self.module = nn.Module()
+        self.module.params = nn.ParameterDict(self.params)
+        self.opt_kwargs = dict(OPT_DEFAULTS, **preset.kwargs(), **(opt_kwargs or {}))
+        self.opt = fused_adam()(self.groups(self.params), **self.opt_kwargs)
+
+    def groups(self, params):
+        out = []
+        for g, hp in enumerate(GROUP_HP):
+            members = [params[s.name] for s in self.specs if s.group == g]
+            if members:
+                out.append(dict(params=members, **hp))
+        return out
+
+    def ordered_names(self):
+        """Parameter names in optimizer order (the index used by ``state_dict()``)."""
+        return [s.name for g in range(len(GROUP_HP)) for s in self.specs if s.group == g]
+
+    def full_grads(self, step):
+        return {s.name: full_grad(s.shape, seed_of(self.tag, "grad", s.name, step),
+                                  self.preset.param_dtype) for s in self.specs}
+
+    @property
+    def grad_attr(self):
+        return "decoupled_grad" if self.opt_kwargs.get("use_decoupled_grad") else "grad"
+
+    def set_grads(self, full_grads, skip=()):
+        """Each parameter's gradient: its full gradient laid out like the parameter."""
+        for name, p in self.params.items():
+            grad = full_grads.get(name)
+            if name in skip or grad is None:
+                grad = None
+            elif isinstance(p, DTensor):
+                grad = distribute_tensor(grad, p.device_mesh, p.placements, src_data_rank=None)
+            setattr(p, self.grad_attr, grad)
+
+    def local_grads(self, full_grads):
+        return {n: shard_of(g, self.params[n]) if isinstance(self.params[n], DTensor) else g
+                for n, g in full_grads.items()}
+
+    def step(self, check=True):
+        """``optimizer.step()`` with every collective counted; the count must be 0 (S3.3).
+        With ``check=False`` the caller checks the returned list (to save a collective)."""
+        with count_collectives() as calls:
+            self.opt.step()
+        if check:
+            symmetric(_assert_no_calls, calls, "optimizer.step()")
+        return calls
+
+    def mesh_shape(self, name):
+        return tuple(self.params[name].device_mesh.shape)
+
+    def check_layouts(self, sd):
+        """S2.6 / S5.4 for every parameter: the names, and each ``state_dict()`` value and
+        raw ``optimizer.state`` tensor laid out like its parameter, in the right dtype."""
+        for i, name in enumerate(self.ordered_names()):
+            p = self.params[name]
+            expected = self.preset.state_names(p.dtype)
+            entry = sd["state"].get(i, {})
+            assert sorted(entry) == sorted(expected), \
+                f"state_dict()['state'][{i}] ({name}) holds {sorted(entry)}, expected {expected}"
+            for sname in expected:
+                check_state_layout(entry[sname], p, self.preset.true_dtype(sname),
+                                   f"state_dict() value {name}.{sname}")
+                check_state_layout(self.opt.state.get(p, {}).get(sname), p,
+                                   self.preset.storage_dtype(sname),
+                                   f"optimizer.state[{name}][{sname!r}]")
+
+    def gather(self, use_full_tensor=False):
+        """Full parameters, full ``state_dict()`` values and group steps, on every rank.
+
+        Layouts are checked first (S2.6, S5.4). With ``use_full_tensor`` every value goes
+        through ``DTensor.full_tensor()``; otherwise the local tensors of all ranks travel in
+        one object collective and are assembled by DTensor's chunking rule (``assemble``),
+        which is the same result for the layouts just checked, at a fraction of the
+        collectives (one instead of one per tensor). Replicas must agree bitwise.
+        """
+        sd = self.opt.state_dict()
+        names = self.ordered_names()
+
+        def local_parts():
+            self.check_layouts(sd)
+            if use_full_tensor:
+                return None
+            parts = {}
+            for i, n in enumerate(names):
+                parts[n, None] = _pack(local_of(self.params[n]))
+                for sname in self.preset.state_names(self.params[n].dtype):
+                    parts[n, sname] = _pack(local_of(sd["state"][i][sname]))
+            return parts
+
+        per_rank = symmetric(local_parts)
+
+        def full(key, dt):
+            return gather(dt) if use_full_tensor else \
+                assemble([_unpack(r[key]) for r in per_rank], dt)
+
+        out = {"params": {n: full((n, None), self.params[n].detach()) for n in names},
+               "state": {}, "steps": [g["step"] for g in sd["param_groups"]]}
+        for i, name in enumerate(names):
+            p = self.params[name]
+            out["state"][name] = {sname: full((name, sname), sd["state"][i][sname])
+                                  for sname in self.preset.state_names(p.dtype)}
+        return out
+
+    def check_raw_against_full(self, ref_raw):
+        """Raw stored tensors of unscaled states equal the full reference's, shard by shard
+        (fp16 / fp8 codes only mean something with their own per-shard scale)."""
+        for name in self.ordered_names():
+            p = self.params[name]
+            for sname in self.preset.state_names(p.dtype):
+                if not self.preset.is_scaled(sname):
+                    assert_bitwise(local_of(self.opt.state[p][sname]),
+                                   shard_of(ref_raw[name][sname], p),
+                                   f"optimizer.state[{name}][{sname!r}] (local vs full run)")
+
+
+def _assert_no_calls(calls, where):
+    assert not calls, f"{where} communicated: {calls}"
+
+
+class PlainReference:
+    """The same optimizer on plain tensors: the full tensors in one process (``full``), or
+    this rank's local shards (``local``), fed the same gradients."""
+
+    def __init__(self, run, tensors, kwargs):
+        from torch import nn
+
+        self.run = run
+        self.names = run.ordered_names()
+        self.params = {n: nn.Parameter(tensors[n].detach().clone()) for n in self.names}
+        self.opt = fused_adam()(run.groups(self.params), **kwargs)
+
+    def load(self, snapshot):
+        """Put a gathered snapshot (params, true state values, steps) into this optimizer."""
+        with torch.no_grad():
+            for n in self.names:
+                self.params[n].copy_(snapshot["params"][n])
+        sd = self.opt.state_dict()
+        for i, n in enumerate(self.names):
+            for sname, value in snapshot["state"][n].items():
+                sd["state"][i][sname] = value.clone()
+        for group, step in zip(sd["param_groups"], snapshot["steps"]):
+            group["step"] = step
+        self.opt.load_state_dict(sd)
+
+    def copy_raw_from(self, run):
+        """Take the sharded run's stored local tensors (codes and scales) as they are: a
+        scale re-derived from already rounded values may differ by an ulp from the one
+        the sharded optimizer derived while loading."""
+        for n in self.names:
+            for key, value in run.opt.state[run.params[n]].items():
+                if isinstance(value, torch.Tensor):
+                    self.opt.state[self.params[n]][key] = local_of(value).clone()
+
+    def step(self, grads, skip=()):
+        for n in self.names:
+            g = grads.get(n)
+            self.params[n].grad = None if n in skip or g is None else g.clone()
+        self.opt.step()
+
+    def snapshot(self, raw=True):
+        sd = self.opt.state_dict()
+        out = {"params": {n: self.params[n].detach().clone() for n in self.names},
+               "state": {}, "raw": {}, "steps": [g["step"] for g in sd["param_groups"]]}
+        for i, n in enumerate(self.names):
+            out["state"][n] = {k: v.clone() for k, v in sd["state"][i].items()}
+            if raw:  # every stored tensor, scales included
+                out["raw"][n] = {k: v.clone() for k, v in self.opt.state[self.params[n]].items()
+                                 if isinstance(v, torch.Tensor)}
+        return out
+
+
+def local_snapshot(run):
+    """This rank's local view of a manual run: params, ``state_dict()`` values, raw storage."""
+    sd = run.opt.state_dict()
+    out = {"params": {}, "state": {}, "raw": {}, "steps": [g["step"] for g in sd["param_groups"]]}
+    for i, n in enumerate(run.ordered_names()):
+        p = run.params[n]
+        out["params"][n] = local_of(p).clone()
+        out["state"][n] = {k: local_of(v).clone()
+                           for k, v in sd["state"].get(i, {}).items()}
+        out["raw"][n] = {k: local_of(v).clone()
+                         for k, v in run.opt.state.get(p, {}).items()
+                         if isinstance(v, torch.Tensor)}
+    return out
+
+
+def assert_snapshots_bitwise(actual, expected, what):
+    assert actual["steps"] == expected["steps"], \
+        f"{what}: group steps {actual['steps']} != {expected['steps']}"
+    for n, value in expected["params"].items():
+        assert_bitwise(actual["params"][n], value, f"{what}: param {n}")
+    for part in ("state", "raw"):
+        for n, states in expected.get(part, {}).items():
+            assert sorted(actual[part][n]) == sorted(states), \
+                f"{what}: {part} names of {n}: {sorted(actual[part][n])} != {sorted(states)}"
+            for sname, value in states.items():
+                assert_bitwise(actual[part][n][sname], value, f"{what}: {part} {n}.{sname}")
+
+
+def compare_full(run, got, ref, what):
+    """Compare a gathered sharded run with a full-tensor reference (same data on all ranks,
+    so a mismatch fails on every rank at once).
+
+    Parameters bitwise; ``state_dict()`` values bitwise, except scaled states (fp16 / fp8),
+    which must lie within one rounding of the reference's value at the sharded run's
+    per-shard scale (``rounding_bound``, evaluated for every shard's region).
+    """
+    assert got["steps"] == ref["steps"], f"{what}: group steps {got['steps']} != {ref['steps']}"
+    for n, value in ref["params"].items():
+        assert_bitwise(got["params"][n], value, f"{what}: param {n} (full)")
+    for n, states in got["state"].items():
+        spec = next(s for s in run.specs if s.name == n)
+        for sname, value in states.items():
+            expected = ref["state"][n][sname]
+            label = f"{what}: state_dict() {n}.{sname} (full)"
+            if run.preset.is_scaled(sname):
+                storage = run.preset.storage_dtype(sname)
+                bound = torch.empty(expected.numel())
+                flat = expected.reshape(-1)
+                regions = region_indices(spec.shape, run.mesh_shape(n), spec.placements)
+                for region in regions.values():
+                    bound[region] = rounding_bound(flat[region], storage)
+                assert_within(value, expected, bound.view(expected.shape), label)
+            else:
+                assert_bitwise(value, expected, label)

@@ -1,0 +1,772 @@
+"""The distributed cases, as run on every rank (``run`` is the job entry point).
+
+Each function takes the ``Context`` and its ``Case`` and raises on failure; the harness
+records one outcome per case and rank. Contract rules are cited as in SEMANTICS.md.
+"""
+
+import functools
+import os
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import _dist_cases
+from _dist_helpers import (
+    OPT_DEFAULTS, ManualRun, ParamSpec, PlainReference, Preset, assert_bitwise,
+    assert_snapshots_bitwise, check_state_layout, compare_full, count_collectives, full_grad,
+    full_param, fused_adam, layout_specs, local_of, local_snapshot, mixed_specs,
+    same_on_all_ranks, seed_of, symmetric)
+
+
+def run(ctx):
+    for case_id in ctx.params["cases"]:
+        case = _dist_cases.BY_ID[case_id]
+        ctx.run_case(case.id, functools.partial(KINDS[case.kind], ctx, case))
+
+
+# ----------------------------------------------------------------- manual DTensor numerics
+
+STEPS = 3
+# The first parameter of group 0 gets no gradient at this step (S3.2: skipped, state kept).
+SKIP_STEP = 2
+
+
+def _one_step_oracle(run, before, grads, skip):
+    """The full-tensor reference for one step from the sharded run's gathered state, with
+    every scaled state kept in fp32: the sharded run must match its parameters bitwise and
+    its states within one rounding (``rounding_bound``). Used where states are fp16/fp8,
+    whose per-shard scales make a multi-step full-tensor run drift apart legitimately."""
+    teacher = PlainReference(run, before["params"],
+                             dict(OPT_DEFAULTS, **run.preset.fp32_state_kwargs()))
+    teacher.load(before)
+    teacher.step(grads, skip)
+    return teacher.snapshot(raw=False)
+
+
+def _train_and_check(run, steps, *, full_ref, local_ref, before, none_on_empty=False):
+    """Step ``run`` and compare after every step with the references:
+
+    * ``full_ref``: the same optimizer on full plain tensors, in lockstep (bitwise), or
+      None to use the one-step oracle (presets with fp16/fp8 state);
+    * ``local_ref``: the same optimizer on plain copies of this rank's local shards, fed the
+      local gradients: bitwise, scales included (optional).
+    """
+    steps = list(steps)
+    first = run.ordered_names()[0]
+    for step in steps:
+        grads = run.full_grads(step)
+        skip = {first} if step == SKIP_STEP else set()
+        run.set_grads(grads, skip)
+        local_skip = set(skip)
+        if none_on_empty:
+            # A rank holding nothing of a parameter may have no gradient for it (RFC 3.3.8).
+            for name, p in run.params.items():
+                if local_of(p).numel() == 0:
+                    setattr(p, run.grad_attr, None)
+                    local_skip.add(name)
+        calls = run.step(check=False)
+        if local_ref is not None:
+            local_ref.step(run.local_grads(grads), local_skip)
+        if full_ref is not None:
+            full_ref.step(grads, skip)
+            ref = full_ref.snapshot()
+        else:
+            ref = _one_step_oracle(run, before, grads, skip)
+        # DTensor.full_tensor() itself at the last step, the cheaper assembly before.
+        got = run.gather(use_full_tensor=step == steps[-1])
+        what = f"after step {step}"
+
+        def checks():
+            _no_calls(calls, f"{what}: optimizer.step()")
+            compare_full(run, got, ref, what)
+            if full_ref is not None:
+                run.check_raw_against_full(ref["raw"])
+            if local_ref is not None:
+                assert_snapshots_bitwise(local_snapshot(run), local_ref.snapshot(),
+                                         f"{what}, local shards vs plain FusedAdam on them")
+            return got["steps"]
+
+        rank_steps = symmetric(checks)
+        assert all(s == rank_steps[0] for s in rank_steps), \
+            f"group['step'] differs between ranks: {rank_steps}"
+        before = got
+    return before
+
+
+def _fresh_references(run):
+    exact = not run.preset.has_scaled_state
+    full_ref = PlainReference(run, run.full_params, run.opt_kwargs) if exact else None
+    local_ref = PlainReference(run, {n: local_of(p) for n, p in run.params.items()},
+                               run.opt_kwargs)
+    return full_ref, local_ref
+
+
+def _check_initial_state(run, full_ref):
+    """S1.6 / S2.6: state exists from construction, laid out like the parameters, equal to
+    the full-tensor optimizer's (master seeded from the parameter, zero moments)."""
+    got = run.gather()
+    if full_ref is not None:
+        ref = full_ref.snapshot()
+    else:
+        ref = PlainReference(run, run.full_params,
+                             dict(OPT_DEFAULTS, **run.preset.fp32_state_kwargs())).snapshot()
+
+    def checks():
+        compare_full(run, got, ref, "at construction")
+        if full_ref is not None:
+            run.check_raw_against_full(ref["raw"])
+
+    symmetric(checks)
+    return got
+
+
+def numerics(ctx, case):
+    """Manual DTensors, one layout, STEPS steps: full_tensor() of parameters and of every
+    state equals the single-process run on full tensors (S2.6, S3.3, S3.5, S2.8)."""
+    run = ManualRun(ctx, Preset(case.preset), layout_specs(case.detail, ctx.world_size),
+                    case.id)
+    full_ref, local_ref = _fresh_references(run)
+    before = _check_initial_state(run, full_ref)
+    _train_and_check(run, range(1, STEPS + 1), full_ref=full_ref, local_ref=local_ref,
+                     before=before)
+
+
+def empty_shard_none_grads(ctx, case):
+    """Ranks whose shard of a parameter is empty pass no gradient for it (None) while the
+    others do: same results, equal step counters (S3.5, S2.8)."""
+    run = ManualRun(ctx, Preset(case.preset), layout_specs("Shard(0)", ctx.world_size),
+                    case.id)
+    full_ref, local_ref = _fresh_references(run)
+    before = _check_initial_state(run, full_ref)
+    _train_and_check(run, range(1, STEPS + 1), full_ref=full_ref, local_ref=local_ref,
+                     before=before, none_on_empty=True)
+
+
+# ------------------------------------------------------------------------ no collectives
+
+
+def _assert_seen(calls):
+    kinds = {
+        "Python API": any(c == "torch.distributed.all_reduce" for c in calls),
+        "dispatcher c10d op": any(c.startswith("dispatch:c10d.allreduce") for c in calls),
+        "dispatcher functional collective": any(c.startswith("dispatch:_c10d_functional.")
+                                                for c in calls),
+        "profiler gloo event": any(c.startswith("profiler:gloo:") for c in calls),
+    }
+    missing = [k for k, seen in kinds.items() if not seen]
+    assert not missing, f"collective witnesses blind to real traffic: {missing}; saw {calls}"
+
+
+def zero_collectives(ctx, case):
+    """S3.3: step() (and zero_grad(), state_dict()) issue no collective, on any layout,
+    counted by three witnesses that are first shown to see real collectives."""
+    run = ManualRun(ctx, Preset(case.preset), mixed_specs(ctx.world_size), case.id)
+    probe = run.params["vec7"].detach()
+    with count_collectives(profile=True) as calls:
+        dist.all_reduce(torch.ones(2))
+        probe.redistribute(probe.device_mesh, [Replicate()]).to_local()
+    symmetric(_assert_seen, calls)
+    for step in (1, 2):
+        run.set_grads(run.full_grads(step))
+        with count_collectives(profile=True) as calls:
+            run.opt.step()
+        symmetric(_no_calls, calls, f"step {step}: optimizer.step()")
+        with count_collectives(profile=True) as calls:
+            run.opt.state_dict()
+            run.opt.zero_grad()
+        symmetric(_no_calls, calls, f"step {step}: state_dict() / zero_grad()")
+    same_on_all_ranks([g["step"] for g in run.opt.param_groups], "group['step']")
+
+
+def _no_calls(calls, where):
+    assert not calls, f"{where} communicated: {calls}"
+
+
+# ---------------------------------------------------------------------------- bad layouts
+
+
+def _names_param(message, group, indices):
+    """S8: the message names the group and the parameter (index in group or overall)."""
+    assert re.search(rf"\bgroup\W{{0,3}}{group}\b", message, re.I), \
+        f"the error does not name group {group}: {message!r}"
+    alternatives = "|".join(map(str, indices))
+    assert re.search(rf"\bparam(eter)?s?\W{{0,3}}(index\W{{0,3}})?({alternatives})\b",
+                     message, re.I), \
+        f"the error does not name the parameter (index {' or '.join(map(str, indices))}): " \
+        f"{message!r}"
+
+
+def _check_rejection(error, group, indices, mentions):
+    assert error is not None, "the bad input was accepted (expected RuntimeError/ValueError)"
+    assert isinstance(error, (RuntimeError, ValueError)), \
+        f"expected RuntimeError or ValueError, got {type(error).__name__}: {error}"
+    message = str(error)
+    _names_param(message, group, indices)
+    for words in mentions:
+        options = words if isinstance(words, tuple) else (words,)
+        assert any(w.lower() in message.lower() for w in options), \
+            f"the error does not mention {' or '.join(options)}: {message!r}"
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except (RuntimeError, ValueError) as error:
+        return error
+    except Exception as error:  # noqa: BLE001 - a wrong exception type is reported
+        return error
+    return None
+
+
+def layout_error(ctx, case):
+    """S3.1 / S3.3: a gradient whose layout does not match its parameter's is rejected with
+    a RuntimeError/ValueError naming the parameter and both layouts, on every rank, and
+    nothing changes (parameters, states, scales, step counters bitwise); the optimizer
+    then steps normally with a good gradient."""
+    w, what = ctx.world_size, case.detail
+    preset = Preset(case.preset)
+    n = 2 * w  # divisible: the culprit's local shapes agree on every rank
+    culprit = f"mat{n}x3"
+    plain = what == "dtensor-grad-for-plain-param"
+    specs = [ParamSpec("vec7", (7,), ("S0",)), ParamSpec("rep4x3", (4, 3), ("R",)),
+             ParamSpec("mat3x5", (3, 5), ("S1",), group=1),
+             ParamSpec(culprit, (n, 3), ("plain",) if plain else ("S0",), group=1)]
+    where = (1, (1, 3))  # group 1; index 1 in the group, 3 overall
+    if what == "partial-param":
+        return _partial_param(ctx, case, preset, specs, n)
+    # torch refuses these as ``.grad`` (size/type checks); Megatron's decoupled_grad is
+    # where the optimizer itself must catch them.
+    decoupled = what in ("grad-global-shape", "plain-grad-for-dtensor-param",
+                         "dtensor-grad-for-plain-param")
+    run = ManualRun(ctx, preset, specs, case.id, opt_kwargs={"use_decoupled_grad": decoupled})
+    run.set_grads(run.full_grads(1))
+    run.step()  # so that states and scales hold real values
+    grads = run.full_grads(2)
+    run.set_grads(grads)
+    mesh = ctx.mesh()
+    good = grads[culprit]
+    if what == "grad-placements":
+        bad = distribute_tensor(good, mesh, [Replicate()], src_data_rank=None)
+        mentions = ["Shard(dim=0)", "Replicate()"]
+    elif what == "grad-mesh":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        reversed_mesh = DeviceMesh("cpu", list(reversed(range(w))))
+        bad = distribute_tensor(good, reversed_mesh, [Shard(0)], src_data_rank=None)
+        mentions = ["mesh"]
+    elif what == "grad-global-shape":
+        shape = (n - 1, 3)
+        bad = distribute_tensor(full_grad(shape, seed_of(case.id, "bad"), good.dtype), mesh,
+                                [Shard(0)], src_data_rank=None)
+        mentions = [(str([n, 3]), str((n, 3))), (str([n - 1, 3]), str((n - 1, 3)))]
+    elif what == "plain-grad-for-dtensor-param":
+        bad = good.clone()
+        mentions = ["DTensor", "Shard(dim=0)"]
+    else:
+        bad = distribute_tensor(good, mesh, [Shard(0)], src_data_rank=None)
+        mentions = ["DTensor", "Shard(dim=0)"]
+    setattr(run.params[culprit], run.grad_attr, bad)
+    before = local_snapshot(run)
+    error = _attempt(run.opt.step)
+    symmetric(_check_rejection, error, *where, mentions)
+    symmetric(assert_snapshots_bitwise, local_snapshot(run), before, "after the rejected step()")
+    run.set_grads(grads)
+    run.step()
+    steps = [g["step"] for g in run.opt.param_groups]
+    same_on_all_ranks(steps, "group['step']")
+    assert steps == [2, 2], f"group steps {steps} after one rejected and two good steps"
+
+
+def _partial_param(ctx, case, preset, specs, n):
+    """S1.4: a Partial parameter is refused at construction and by add_param_group."""
+    run = ManualRun(ctx, preset, specs, case.id)
+    run.set_grads(run.full_grads(1))
+    run.step()
+    local = full_param((n, 3), seed_of(case.id, "partial", ctx.rank), preset.param_dtype)
+    partial = nn.Parameter(DTensor.from_local(local.clone(), ctx.mesh(), [Partial()]))
+    groups = [{"params": [run.params["vec7"], run.params["rep4x3"]]},
+              {"params": [run.params["mat3x5"], partial]}]
+    error = _attempt(lambda: fused_adam()(groups, **run.opt_kwargs))
+    symmetric(_check_rejection, error, 1, (1, 3), ["Partial"])
+    before = local_snapshot(run)
+    groups_before = len(run.opt.param_groups)
+    error = _attempt(lambda: run.opt.add_param_group({"params": [partial]}))
+    symmetric(_check_rejection, error, 2, (0, 4), ["Partial"])
+
+    def unchanged():
+        assert len(run.opt.param_groups) == groups_before, "add_param_group added a group"
+        assert_snapshots_bitwise(local_snapshot(run), before, "after the rejected group")
+        assert_bitwise(local_of(partial), local, "the Partial parameter")
+
+    symmetric(unchanged)
+
+
+# ---------------------------------------------------------------------------------- FSDP2
+
+
+class _Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class _TinyLM(nn.Module):
+    """Embedding, two attention/MLP blocks, final norm, vocabulary head, and a 1-output
+    head whose parameters are empty on every rank but one (dim-0 size 1)."""
+
+    VOCAB, DIM, HEADS = 23, 10, 2
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(self.VOCAB, self.DIM)
+        self.blocks = nn.ModuleList(_Block(self.DIM, self.HEADS) for _ in range(2))
+        self.ln_f = nn.LayerNorm(self.DIM)
+        self.head = nn.Linear(self.DIM, self.VOCAB, bias=False)
+        self.score = nn.Linear(self.DIM, 1)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)
+        return self.head(x), self.score(x)
+
+
+FSDP2_STEPS = 3
+
+
+def _fsdp2_model(ctx, preset, seed):
+    """The model under fully_shard on a 1-D CPU mesh over all ranks (each block, then the
+    root), with the preset's parameter dtype; same initial weights on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = _TinyLM().to(preset.param_dtype)
+    for block in model.blocks:
+        fully_shard(block, mesh=ctx.mesh())
+    fully_shard(model, mesh=ctx.mesh())
+    return model
+
+
+def _fsdp2_backward(model, gen):
+    """Forward and backward on a small random batch (different on every rank)."""
+    ids = torch.randint(_TinyLM.VOCAB, (2, 6), generator=gen)
+    logits, score = model(ids)
+    next_ids = ids.roll(-1, 1).flatten()
+    loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), next_ids) \
+        + 0.01 * score.float().pow(2).mean()
+    loss.backward()
+
+
+def _fsdp2_step_and_check(step, model, opt, ref, refs, preset, adamw=None,
+                          adamw_refs=None):
+    """One optimizer step after a backward: no collective inside, the plain reference fed
+    the same local gradients, everything compared on every rank."""
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    local_grads = [local_of(p.grad).clone() for p in params]
+    ptrs = [local_of(p).data_ptr() for p in params]
+    with count_collectives() as calls:
+        opt.step()
+    for r, g in zip(refs, local_grads):
+        r.grad = g.clone()
+    ref.step()
+    if adamw is not None:
+        for r, g in zip(adamw_refs, local_grads):
+            r.grad = g.clone()
+        adamw.step()
+
+    def checks():
+        _no_calls(calls, f"step {step}: optimizer.step() under FSDP2")
+        _check_fsdp2_step(step, names, params, opt, refs, ref, adamw_refs, ptrs, preset)
+        return [g["step"] for g in opt.param_groups]
+
+    steps = symmetric(checks)
+    assert all(s == steps[0] for s in steps), f"group['step'] differs between ranks: {steps}"
+    opt.zero_grad(set_to_none=True)
+
+
+def _fsdp2_optimizers(model, preset):
+    """FusedAdam over the FSDP2 parameters, and the same optimizer over plain copies of
+    the local shards (the reference)."""
+    params = list(model.parameters())
+    kwargs = dict(OPT_DEFAULTS, **preset.kwargs())
+    opt = fused_adam()(params, **kwargs)
+    refs = [nn.Parameter(local_of(p).clone()) for p in params]
+    return opt, fused_adam()(refs, **kwargs), refs
+
+
+def fsdp2(ctx, case):
+    """FusedAdam on an FSDP2 (fully_shard) model: each rank's parameters after every step
+    equal a plain FusedAdam on copies of the local shards fed the same sharded gradients
+    (bitwise, states and scales too), updated in place in FSDP2's own storage, with no
+    collective inside step(); for fp32 also close to torch.optim.AdamW."""
+    preset = Preset(case.preset)
+    model = _fsdp2_model(ctx, preset, seed_of(case.id))
+    opt, ref, refs = _fsdp2_optimizers(model, preset)
+    adamw_refs = adamw = None
+    if preset.param_dtype == torch.float32:
+        adamw_refs = [nn.Parameter(local_of(p).clone()) for p in model.parameters()]
+        adamw = torch.optim.AdamW(adamw_refs, lr=OPT_DEFAULTS["lr"], betas=OPT_DEFAULTS["betas"],
+                                  eps=OPT_DEFAULTS["eps"],
+                                  weight_decay=OPT_DEFAULTS["weight_decay"], fused=True)
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+    for step in range(1, FSDP2_STEPS + 1):
+        _fsdp2_backward(model, gen)
+        _fsdp2_step_and_check(step, model, opt, ref, refs, preset, adamw, adamw_refs)
+
+
+def _fsdp2_gathered(model, opt):
+    """Full parameters and full ``state_dict()`` values by parameter name, and steps."""
+    from _dist_helpers import gather
+
+    names = [n for n, _ in model.named_parameters()]
+    sd = opt.state_dict()
+    return {"params": {n: gather(p.detach()) for n, p in model.named_parameters()},
+            "state": {n: {k: gather(v) for k, v in sd["state"][i].items()}
+                      for i, n in enumerate(names)},
+            "steps": [g["step"] for g in sd["param_groups"]]}
+
+
+def fsdp2_dcp_save(ctx, case):
+    """Train the FSDP2 model two steps and save model and optimizer with DCP
+    (get_state_dict), keeping the gathered values beside the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    preset = Preset(case.preset)
+    model = _fsdp2_model(ctx, preset, seed_of("fsdp2-dcp", case.preset))
+    opt, ref, refs = _fsdp2_optimizers(model, preset)
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+    for step in (1, 2):
+        _fsdp2_backward(model, gen)
+        _fsdp2_step_and_check(step, model, opt, ref, refs, preset)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2", case.preset,
+                                      ctx.world_size)
+    saved = _fsdp2_gathered(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    if ctx.rank == 0:
+        torch.save(saved, os.path.join(path, "gathered.pt"))
+    dist.barrier()
+
+
+def fsdp2_dcp_resume(ctx, case):
+    """Load the FSDP2 checkpoint saved at another world size into a fresh FSDP2 model and
+    FusedAdam (set_state_dict): parameters and states equal the saved ones (fp16/fp8 within
+    one rounding at the new per-shard scales), steps restored, then training goes on
+    matching a plain FusedAdam on the new local shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from _dist_helpers import assert_within, region_indices, rounding_bound
+
+    preset = Preset(case.preset)
+    saved_at = int(case.detail)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2", case.preset, saved_at)
+    expected_file = os.path.join(path, "gathered.pt")
+    assert os.path.exists(expected_file), \
+        f"no checkpoint at {path}: the case that saves it failed or did not run"
+    saved = torch.load(expected_file)
+    model = _fsdp2_model(ctx, preset, seed_of(case.id))  # other weights: load must win
+    opt, _, _ = _fsdp2_optimizers(model, preset)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded = _fsdp2_gathered(model, opt)
+    params = dict(model.named_parameters())
+
+    def same_as_saved():
+        assert loaded["steps"] == saved["steps"], f"steps {loaded['steps']} != {saved['steps']}"
+        for n, value in saved["params"].items():
+            assert_bitwise(loaded["params"][n], value, f"loaded param {n}")
+        for n, states in saved["state"].items():
+            p = params[n]
+            for sname, value in states.items():
+                got = loaded["state"][n][sname]
+                if not preset.is_scaled(sname):
+                    assert_bitwise(got, value, f"loaded state {n}.{sname}")
+                    continue
+                bound = torch.empty(value.numel())
+                mesh_shape = tuple(p.device_mesh.shape)
+                for region in region_indices(p.shape, mesh_shape, p.placements).values():
+                    bound[region] = rounding_bound(value.reshape(-1)[region],
+                                                   preset.storage_dtype(sname))
+                assert_within(got, value, bound.view(value.shape), f"loaded state {n}.{sname}")
+
+    symmetric(same_as_saved)
+    # The plain reference starts from this rank's loaded shards and state.
+    refs = [nn.Parameter(local_of(p).clone()) for p in model.parameters()]
+    ref = fused_adam()(refs, **dict(OPT_DEFAULTS, **preset.kwargs()))
+    ref_sd = ref.state_dict()
+    sd = opt.state_dict()
+    for i in ref_sd["state"]:
+        ref_sd["state"][i] = {k: local_of(v).clone() for k, v in sd["state"][i].items()}
+    for group, step in zip(ref_sd["param_groups"], loaded["steps"]):
+        group["step"] = step
+    ref.load_state_dict(ref_sd)
+    # Same stored codes and scales too: a scale re-derived from already rounded values
+    # may differ by an ulp from the one derived while loading.
+    for p, r in zip(model.parameters(), refs):
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor):
+                ref.state[r][key] = local_of(value).clone()
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+    for step in (3, 4):
+        _fsdp2_backward(model, gen)
+        _fsdp2_step_and_check(step, model, opt, ref, refs, preset)
+
+
+def _check_fsdp2_step(step, names, params, opt, refs, ref, adamw_refs, ptrs, preset):
+    what = f"after step {step}"
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    for i, (name, p, r) in enumerate(zip(names, params, refs)):
+        local = local_of(p)
+        assert local.data_ptr() == ptrs[i], \
+            f"{what}: {name} was not updated in place (local data_ptr changed)"
+        assert_bitwise(local, r.detach(), f"{what}: {name} vs plain FusedAdam on the shard")
+        for sname in preset.state_names(p.dtype):
+            check_state_layout(sd["state"][i][sname], p, preset.true_dtype(sname),
+                               f"{what}: state_dict() {name}.{sname}")
+            check_state_layout(opt.state[p][sname], p, preset.storage_dtype(sname),
+                               f"{what}: optimizer.state {name}.{sname}")
+            assert_bitwise(local_of(sd["state"][i][sname]), ref_sd["state"][i][sname],
+                           f"{what}: state_dict() {name}.{sname}")
+        raw = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        ref_raw = ref.state[r]
+        assert sorted(raw) == sorted(ref_raw), \
+            f"{what}: {name} raw state names {sorted(raw)} != {sorted(ref_raw)}"
+        for k, v in raw.items():
+            v = local_of(v)
+            assert_bitwise(v, ref_raw[k], f"{what}: raw {name}.{k} (scales included)")
+        if adamw_refs is not None:
+            torch.testing.assert_close(local, adamw_refs[i].detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{what}: {n} vs torch AdamW: {m}")
+
+
+# ----------------------------------------------------------------- distributed checkpoints
+
+DCP_STEPS_BEFORE, DCP_STEPS_AFTER = 2, 2
+
+
+def _dcp_specs(world_size):
+    """Same global shapes at every world size (what is saved at N is loaded at M); uneven
+    and empty shards at 3 and 4; at 4 some parameters live on a 2x2 mesh."""
+    two_d = world_size == 4
+    return [ParamSpec("vec7", (7,), ("S0",)),
+            ParamSpec("mat5x3", (5, 3), ("R", "S0") if two_d else ("S0",),
+                      mesh_shape=(2, 2) if two_d else None),
+            ParamSpec("mat3x5", (3, 5), ("S1", "R") if two_d else ("S1",),
+                      mesh_shape=(2, 2) if two_d else None),
+            ParamSpec("rep4x3", (4, 3), ("R",)),
+            ParamSpec("vec1", (1,), ("S0",), group=1),
+            ParamSpec("vec2", (2,), ("S0",), group=1)]
+
+
+def _dcp_options(api):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=api.endswith("-flatten"))
+
+
+def _optim_state(run, api):
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if api == "dcp+optimizer.state_dict":
+        return run.opt.state_dict()
+    return get_optimizer_state_dict(run.module, run.opt, options=_dcp_options(api))
+
+
+def _set_optim_state(run, api, osd):
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    if api == "dcp+optimizer.state_dict":
+        run.opt.load_state_dict(osd)
+    else:
+        set_optimizer_state_dict(run.module, run.opt, osd, options=_dcp_options(api))
+
+
+def _dcp_tag(preset):
+    # Independent of the world size: every size builds the same full values.
+    return f"dcp-{preset.id}"
+
+
+def _save(ctx, api, preset, path):
+    """Train DCP_STEPS_BEFORE steps, save model + optimizer with DCP, and keep the gathered
+    true values beside the checkpoint for the loaders to compare with."""
+    import torch.distributed.checkpoint as dcp
+
+    run = ManualRun(ctx, preset, _dcp_specs(ctx.world_size), _dcp_tag(preset))
+    for step in range(1, DCP_STEPS_BEFORE + 1):
+        run.set_grads(run.full_grads(step))
+        run.step()
+    saved = run.gather()
+    dcp.save({"model": run.module.state_dict(), "optim": _optim_state(run, api)},
+             checkpoint_id=path)
+    if ctx.rank == 0:
+        torch.save(saved, os.path.join(path, "gathered.pt"))
+    dist.barrier()
+
+
+def _load_and_continue(ctx, api, preset, path):
+    """Load into a fresh optimizer on this world size's layout, check the loaded values,
+    then train DCP_STEPS_AFTER steps against the uninterrupted run (S5.6, S6.1, S6.2)."""
+    import torch.distributed.checkpoint as dcp
+
+    expected_file = os.path.join(path, "gathered.pt")
+    assert os.path.exists(expected_file), \
+        f"no checkpoint at {path}: the case that saves it failed or did not run"
+    saved = torch.load(expected_file)
+    zeros = {s.name: torch.zeros(s.shape, dtype=preset.param_dtype)
+             for s in _dcp_specs(ctx.world_size)}
+    run = ManualRun(ctx, preset, _dcp_specs(ctx.world_size), _dcp_tag(preset),
+                    full_params=zeros)
+    model_sd = run.module.state_dict()
+    osd = _optim_state(run, api)  # the template DCP loads into, in place
+    dcp.load({"model": model_sd, "optim": osd}, checkpoint_id=path)
+    _set_optim_state(run, api, osd)
+    loaded = run.gather(use_full_tensor=True)
+    # Loaded true values equal the saved ones (scaled states: within one rounding at the
+    # scale re-derived for this rank's new shard).
+    symmetric(compare_full, run, loaded, saved, "right after loading")
+    exact = not preset.has_scaled_state
+    full_ref = None
+    if exact:
+        full_ref = PlainReference(run, saved["params"], run.opt_kwargs)
+        full_ref.load(saved)
+    local_ref = PlainReference(run, {n: local_of(p) for n, p in run.params.items()},
+                               run.opt_kwargs)
+    local_ref.load(local_snapshot(run))
+    local_ref.copy_raw_from(run)
+    steps = range(DCP_STEPS_BEFORE + 1, DCP_STEPS_BEFORE + DCP_STEPS_AFTER + 1)
+    _train_and_check(run, steps, full_ref=full_ref, local_ref=local_ref, before=loaded)
+
+
+def dcp_save(ctx, case):
+    preset = Preset(case.preset)
+    _save(ctx, case.detail, preset, _dist_cases.checkpoint_dir(ctx.params["shared_dir"],
+                                                           case.detail, case.preset,
+                                                           ctx.world_size))
+
+
+def dcp_resume(ctx, case):
+    api, saved_at = case.detail.split("|")
+    saved_at = int(saved_at)
+    preset = Preset(case.preset)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], api, case.preset, saved_at)
+    if saved_at == ctx.world_size:
+        _save(ctx, api, preset, path)
+    _load_and_continue(ctx, api, preset, path)
+
+
+def fresh_get_state_dict(ctx, case):
+    """S6.3 / S1.6: get_optimizer_state_dict on a fresh optimizer finds state already there
+    (no dummy step: step counters stay 0, no gradient left behind), and training afterwards
+    is bitwise identical to training without the call."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+
+    preset = Preset(case.preset)
+    specs = mixed_specs(ctx.world_size)
+    called = ManualRun(ctx, preset, specs, case.id)
+    untouched = ManualRun(ctx, preset, specs, case.id)
+    osd = get_optimizer_state_dict(called.module, called.opt)
+    flat = get_optimizer_state_dict(called.module, called.opt,
+                                    options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def nothing_happened():
+        steps = [g["step"] for g in called.opt.param_groups]
+        assert steps == [0] * len(steps), f"group steps moved to {steps} (a dummy step ran)"
+        for name, p in called.params.items():
+            assert p.grad is None, f"{name}.grad was left set by get_optimizer_state_dict"
+            expected = preset.state_names(p.dtype)
+            got = sorted(osd["state"][f"params.{name}"])
+            assert got == sorted(expected), f"{name}: state {got}, expected {expected}"
+            for sname in expected:
+                assert f"state.params.{name}.{sname}" in flat, \
+                    f"flattened state dict lacks state.params.{name}.{sname}"
+
+    symmetric(nothing_happened)
+    for step in (1, 2):
+        grads = called.full_grads(step)
+        for run in (called, untouched):
+            run.set_grads(grads)
+            run.step()
+    assert_snapshots_bitwise(called.gather(), untouched.gather(),
+                             "trained after get_optimizer_state_dict vs without")
+
+
+def state_access(ctx, case):
+    """Transformer Engine's state methods on DTensor parameters (S5.1 - S5.3):
+    get_unscaled_state returns this rank's local values (fp32 true values, the raw int16
+    remainder, the stored bf16 tensor with skip_unscale); set_scaled_state takes plain
+    local or DTensor values and keeps the state a DTensor like its parameter;
+    initialize_state(param) with one argument recreates it, still laid out the same."""
+    preset = Preset(case.preset)
+    run = ManualRun(ctx, preset, mixed_specs(ctx.world_size), case.id)
+    run.set_grads(run.full_grads(1))
+    run.step()
+
+    def checks():
+        sd = run.opt.state_dict()
+        for i, name in enumerate(run.ordered_names()):
+            p = run.params[name]
+            for sname in preset.state_names(p.dtype):
+                exported = local_of(sd["state"][i][sname])
+                value = run.opt.get_unscaled_state(p, sname)
+                what = f"get_unscaled_state({name}, {sname!r})"
+                assert not isinstance(value, DTensor), f"{what} returned a DTensor"
+                assert_bitwise(value, exported, what)
+                if preset.storage_dtype(sname) == torch.bfloat16:
+                    raw = run.opt.get_unscaled_state(p, sname, skip_unscale=True)
+                    assert_bitwise(raw, local_of(run.opt.state[p][sname]),
+                                   f"{what} with skip_unscale")
+                # Writing back what was read changes nothing, from a plain or a DTensor.
+                for given in (value.clone(), sd["state"][i][sname]):
+                    run.opt.set_scaled_state(p, sname, given)
+                    check_state_layout(run.opt.state[p][sname], p, preset.storage_dtype(sname),
+                                       f"optimizer.state[{name}][{sname!r}] after set")
+                    assert_bitwise(run.opt.get_unscaled_state(p, sname), exported,
+                                   f"{what} after set_scaled_state")
+            run.opt.initialize_state(p)
+            for sname in preset.state_names(p.dtype):
+                check_state_layout(run.opt.state[p][sname], p, preset.storage_dtype(sname),
+                                   f"optimizer.state[{name}][{sname!r}] after initialize_state")
+            moments = run.opt.get_unscaled_state(p, "exp_avg")
+            assert not moments.any(), f"initialize_state({name}) left exp_avg non-zero"
+
+    symmetric(checks)
+    run.set_grads(run.full_grads(2))
+    run.step()
+
+
+KINDS = {
+    "numerics": numerics,
+    "empty_shard_none_grads": empty_shard_none_grads,
+    "zero_collectives": zero_collectives,
+    "layout_error": layout_error,
+    "fsdp2": fsdp2,
+    "dcp_save": dcp_save,
+    "dcp_resume": dcp_resume,
+    "fresh_get_state_dict": fresh_get_state_dict,
+    "fsdp2_dcp_save": fsdp2_dcp_save,
+    "fsdp2_dcp_resume": fsdp2_dcp_resume,
+    "state_access": state_access,
+}

@@ -1,0 +1,58 @@
+"""Small jobs that exercise the harness itself (test_dist_harness.py)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _sum_of_ranks():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    expected = sum(range(dist.get_world_size()))
+    assert t.item() == expected, f"all_reduce gave {t.item()}, expected {expected}"
+
+
+def _one_thread():
+    assert os.environ.get("OMP_NUM_THREADS") == "1", os.environ.get("OMP_NUM_THREADS")
+    assert torch.get_num_threads() == 1, torch.get_num_threads()
+
+
+def _fails_on_last_rank_before_collective():
+    # The last rank leaves before the collective its peers enter: they must time out,
+    # and the next case must still work (the group is rebuilt).
+    if dist.get_rank() == dist.get_world_size() - 1:
+        raise ValueError("deliberate failure on the last rank")
+    _sum_of_ranks()
+
+
+def isolation(ctx):
+    ctx.run_case("passes", _sum_of_ranks)
+    ctx.run_case("one-thread-per-rank", _one_thread)
+    ctx.run_case("fails", _fails_on_last_rank_before_collective)
+    ctx.run_case("passes-after-failure", _sum_of_ranks)
+    ctx.run_case("uses-a-2d-mesh-after-failure", lambda: ctx.mesh((1, ctx.world_size)))
+
+
+def hang(ctx):
+    def stuck():
+        if ctx.rank == 1:
+            time.sleep(3600)
+
+    ctx.run_case("hangs", stuck)
+
+
+def crash(ctx):
+    def die():
+        if ctx.rank == 1:
+            os._exit(3)
+        _sum_of_ranks()
+
+    ctx.run_case("dies", die)
+
+
+def raise_outside_case(ctx):
+    ctx.run_case("passes", _sum_of_ranks)
+    if ctx.rank == 0:
+        raise RuntimeError("boom outside any case")

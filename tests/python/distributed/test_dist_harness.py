@@ -1,0 +1,58 @@
+"""The process harness itself: outcomes per case, tracebacks, timeouts, dead ranks.
+
+These run without the optimizer, so they pass whatever state the package is in.
+"""
+
+import os
+import time
+
+import _launch
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_cases_are_isolated_and_failures_carry_the_rank_traceback(tmp_path):
+    result = _launch.launch("_dist_toy_jobs:isolation", 2, str(tmp_path), timeout_s=120,
+                            params={"pg_timeout_s": 3})
+    assert result.failure is None, result.failure
+    for case in ("passes", "one-thread-per-rank", "passes-after-failure",
+                 "uses-a-2d-mesh-after-failure"):
+        assert result.case_failure(case) is None, result.case_failure(case)
+    failure = result.case_failure("fails")
+    assert failure is not None
+    assert "rank(s) [1]" in failure
+    assert "ValueError: deliberate failure on the last rank" in failure
+    assert "_fails_on_last_rank_before_collective" in failure  # the traceback, not just text
+
+
+def test_hung_rank_fails_the_job_and_every_rank_is_killed(tmp_path):
+    start = time.monotonic()
+    result = _launch.launch("_dist_toy_jobs:hang", 2, str(tmp_path), timeout_s=6)
+    assert time.monotonic() - start < 20
+    assert result.failure is not None and "timed out" in result.failure
+    assert "stuck" in result.failure, "the hung rank's stack dump is missing"
+    assert "did not finish" in result.case_failure("hangs")
+    assert all(_gone(pid) for pid in result.pids)
+
+
+def test_dead_rank_ends_the_job_at_once(tmp_path):
+    start = time.monotonic()
+    result = _launch.launch("_dist_toy_jobs:crash", 2, str(tmp_path), timeout_s=120)
+    assert time.monotonic() - start < 60
+    assert result.failure is not None and "died with status {1: 3}" in result.failure
+    assert result.case_failure("dies") is not None
+    assert all(_gone(pid) for pid in result.pids)
+
+
+def test_error_outside_a_case_is_reported_with_its_traceback(tmp_path):
+    result = _launch.launch("_dist_toy_jobs:raise_outside_case", 2, str(tmp_path), timeout_s=120)
+    assert result.case_failure("passes") is None
+    assert result.failure is not None
+    assert "RuntimeError: boom outside any case" in result.failure
+    assert "raise_outside_case" in result.failure

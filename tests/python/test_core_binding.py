@@ -1,0 +1,796 @@
+"""The C++ extension ``shardadam._C`` on raw buffers (no optimizer in between).
+
+Covers the binding's constants and info(), the storage codecs against torch's own
+``.to()`` (exhaustively for 16-bit and 8-bit formats), the S2.3 scale, and adam_step
+against the float64 reference of _optimizer_testing.py for every dtype preset, against
+``torch._fused_adamw_`` / ``torch._fused_adam_`` for fp32, across thread counts, and its
+validation (ValueError, nothing written).
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    FP32_TINY, SCALE_TARGET, adam_reference, assert_bitwise_equal,
+    assert_close_bounded, check_scale, decode_codes, expected_scale, Hyper,
+    merge_remainder, near_ties, quantize_like_spec, split_master, stored_bound,
+    TORCH_DTYPE)
+
+_C = pytest.importorskip("shardadam._C", reason="C++ extension shardadam._C is not built")
+
+CODE = {"none": 0, "fp32": 1, "fp16": 2, "bf16": 3, "fp8": 4, "rem": 5}
+STORAGE = dict(TORCH_DTYPE, rem=torch.int16)
+COLUMNS = 14
+
+
+def test_dtype_tags_and_columns():
+    assert (_C.DTYPE_NONE, _C.DTYPE_FLOAT32, _C.DTYPE_FLOAT16, _C.DTYPE_BFLOAT16,
+            _C.DTYPE_FLOAT8_E4M3, _C.DTYPE_INT16_REMAINDER) == (0, 1, 2, 3, 4, 5)
+    assert _C.SLOT_COLUMNS == COLUMNS
+
+
+def test_info():
+    info = _C.info()
+    assert {"version", "simd_target", "supported_targets", "default_threads",
+            "cuda"} <= set(info)
+    assert isinstance(info["version"], str) and info["version"]
+    assert info["simd_target"] in info["supported_targets"].split(), info
+    assert isinstance(info["default_threads"], int) and info["default_threads"] >= 1
+    assert isinstance(info["cuda"], bool)
+
+
+# --------------------------------------------------------------------------------------
+# Codecs (S2.4): bit for bit with torch's .to(), NaN stays NaN.
+
+
+def convert(src, src_fmt, dst_fmt, scale=1.0, threads=2):
+    dst = torch.empty(src.shape, dtype=STORAGE[dst_fmt])
+    _C.convert(src.data_ptr(), CODE[src_fmt], dst.data_ptr(), CODE[dst_fmt], src.numel(),
+               scale, threads)
+    return dst
+
+
+def assert_same_codes(actual, expected, what, nan_bits_matter=False):
+    """Bitwise equality; NaN outputs only need to be NaN unless `nan_bits_matter`
+    (torch itself returns different NaN patterns for bf16 depending on the code path,
+    so S2.4's "NaN stays NaN" is the rule there)."""
+    if not nan_bits_matter and actual.is_floating_point():
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(actual), nan), f"{what}: NaN positions differ"
+        actual = torch.where(nan, torch.zeros_like(actual), actual)
+        expected = torch.where(nan, torch.zeros_like(expected), expected)
+    assert_bitwise_equal(actual, expected, what)
+
+
+def all_16bit(dtype):
+    return torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def random_fp32_bits(count, seed):
+    """Uniform random 32-bit patterns: every binade, subnormals, Inf and NaN included."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-2 ** 31, 2 ** 31, (count,), generator=generator,
+                         dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_decode_all_16bit_patterns(fmt):
+    codes = all_16bit(STORAGE[fmt])
+    assert_same_codes(convert(codes, fmt, "fp32"), codes.float(), f"{fmt} -> fp32")
+
+
+def test_decode_all_fp8_codes():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    expected = codes.view(torch.float8_e4m3fn).float()
+    assert_same_codes(convert(codes, "fp8", "fp32"), expected, "fp8 -> fp32")
+
+
+def bf16_encode_inputs():
+    """Every bf16 value widened to fp32 with low halves that round down, tie (to even
+    both ways) and round up, plus random fp32 patterns."""
+    high = all_16bit(torch.int16).to(torch.int64) & 0xFFFF
+    lows = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int64)
+    words = (high[:, None] << 16 | lows[None, :]).reshape(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    return torch.cat([words.view(torch.float32), random_fp32_bits(200_000, 1)])
+
+
+def fp16_encode_inputs():
+    """Every fp16 value, the midpoints between neighbours (ties), values one fp32 ulp
+    either side of them, beyond-max values, and random fp32 patterns."""
+    values = all_16bit(torch.float16).float()
+    values = values[torch.isfinite(values)].double().unique()
+    mids = (values[1:] + values[:-1]) / 2  # exact in fp32 (one more mantissa bit)
+    mids32 = mids.float()
+    near = torch.cat([torch.nextafter(mids32, torch.full_like(mids32, math.inf)),
+                      torch.nextafter(mids32, torch.full_like(mids32, -math.inf))])
+    edge = torch.tensor([65504.0, 65519.99, 65520.0, 65536.0, 1e6, -65520.0, 2.0 ** -25,
+                         2.0 ** -24, 3 * 2.0 ** -26, 2.0 ** -26, math.inf, -math.inf,
+                         math.nan, -0.0, 0.0])
+    return torch.cat([values.float(), mids32, near, edge, random_fp32_bits(200_000, 2)])
+
+
+def fp8_encode_inputs():
+    """All 256 code values, midpoints (ties) and neighbours, the overflow band up to and
+    beyond 480 (NaN in E4M3 fn), subnormals, specials, random fp32 patterns, and
+    random values in the format's range."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    finite = values[torch.isfinite(values)].double().unique()
+    mids = ((finite[1:] + finite[:-1]) / 2).float()
+    near = torch.cat([torch.nextafter(mids, torch.full_like(mids, math.inf)),
+                      torch.nextafter(mids, torch.full_like(mids, -math.inf))])
+    band = torch.linspace(440.0, 520.0, 321)
+    edge = torch.tensor([464.0, -464.0, 479.99, 480.0, 1e30, 2.0 ** -10, 2.0 ** -9,
+                         3 * 2.0 ** -11, 1e-30, 1e-45, math.inf, -math.inf, math.nan,
+                         -math.nan, 0.0, -0.0])
+    generator = torch.Generator().manual_seed(3)
+    in_range = (torch.rand(100_000, generator=generator) * 2 - 1) * 500
+    return torch.cat([values, mids, near, band, -band, edge, in_range,
+                      random_fp32_bits(100_000, 4)])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_bf16_matches_torch(threads):
+    x = bf16_encode_inputs()
+    assert_same_codes(convert(x, "fp32", "bf16", threads=threads), x.to(torch.bfloat16),
+                      "fp32 -> bf16")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_fp16_matches_torch(threads):
+    x = fp16_encode_inputs()
+    assert_same_codes(convert(x, "fp32", "fp16", threads=threads), x.to(torch.float16),
+                      "fp32 -> fp16")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_encode_fp8_matches_torch(threads):
+    # fp8 E4M3 fn has exactly two NaN codes (0x7F | sign): S2.4 asks for torch's bits.
+    x = fp8_encode_inputs()
+    expected = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert_same_codes(convert(x, "fp32", "fp8", threads=threads), expected, "fp32 -> fp8",
+                      nan_bits_matter=True)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("scale", [2.0 ** -7, 0.3, 1e-30, 3.5e4, "near-ties"])
+def test_scaled_codecs(fmt, scale):
+    """For fp16/fp8 destinations the stored code is round(x / scale) (an fp32 division
+    rounded to the format); reading multiplies by the scale in fp32 (adam.h Convert)."""
+    if scale == "near-ties":
+        x, scale = near_ties(fmt, 1 << 16, seed=5)
+    else:
+        generator = torch.Generator().manual_seed(5)
+        x = torch.randn(5000, generator=generator) * scale * SCALE_TARGET[fmt] / 4
+    scale_t = torch.tensor(scale, dtype=torch.float32)
+    quotient = x / scale_t
+    expected = (quotient.to(torch.float16) if fmt == "fp16"
+                else quotient.to(torch.float8_e4m3fn).view(torch.uint8))
+    stored = convert(x, "fp32", fmt, scale=scale)
+    assert_same_codes(stored, expected, f"fp32 -> {fmt} / {scale}", nan_bits_matter=True)
+    back = convert(stored, fmt, "fp32", scale=scale)
+    assert_same_codes(back, decode_codes(expected).float() * scale_t,
+                      f"{fmt} * {scale} -> fp32")
+
+
+@pytest.mark.parametrize("src_fmt,dst_fmt", [
+    ("bf16", "fp16"), ("fp16", "bf16"), ("fp8", "bf16"), ("bf16", "fp8"),
+    ("fp16", "fp8"), ("fp8", "fp16"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_cross_conversions_go_through_fp32(src_fmt, dst_fmt):
+    """Any storage format to any other equals decoding to fp32 and encoding with torch."""
+    if src_fmt == "fp8":
+        src = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        as_fp32 = src.view(torch.float8_e4m3fn).float()
+    elif src_fmt == "fp32":
+        src = random_fp32_bits(10_000, 6)
+        as_fp32 = src
+    else:
+        src = all_16bit(STORAGE[src_fmt])
+        as_fp32 = src.float()
+    if dst_fmt == "fp8":
+        expected = as_fp32.to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        expected = as_fp32.to(STORAGE[dst_fmt])
+    assert_same_codes(convert(src, src_fmt, dst_fmt), expected, f"{src_fmt} -> {dst_fmt}",
+                      nan_bits_matter=dst_fmt == "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_scale_ignored_for_unscaled_formats(fmt):
+    """adam.h: the scale applies to fp16 / fp8 ends only."""
+    x = torch.randn(100)
+    assert_same_codes(convert(x, "fp32", fmt, scale=4.0), x.to(STORAGE[fmt]),
+                      f"fp32 -> {fmt} with scale 4")
+
+
+def test_convert_empty():
+    empty = torch.empty(0)
+    out = torch.empty(0, dtype=torch.bfloat16)
+    _C.convert(empty.data_ptr(), CODE["fp32"], out.data_ptr(), CODE["bf16"], 0, 1.0, 2)
+
+
+@pytest.mark.parametrize("src_fmt,dst_fmt", [("rem", "fp32"), ("fp32", "rem"),
+                                             ("none", "fp32"), ("fp32", "none"),
+                                             ("fp32", 9)])
+def test_convert_rejects_non_casts(src_fmt, dst_fmt):
+    src = torch.randn(8)
+    dst = torch.full((8,), 7, dtype=torch.int16)
+    before = dst.clone()
+    dst_code = dst_fmt if isinstance(dst_fmt, int) else CODE[dst_fmt]
+    with pytest.raises(ValueError, match=r"(?i)dtype|type|cast|convert"):
+        _C.convert(src.data_ptr(), CODE[src_fmt], dst.data_ptr(), dst_code, 8, 1.0, 1)
+    assert_bitwise_equal(dst, before, "destination after a rejected convert")
+
+
+# --------------------------------------------------------------------------------------
+# S2.3 scale
+
+
+def measure(values, fmt, threads=2):
+    values = values.float().contiguous()
+    return _C.measure_scale(values.data_ptr(), values.numel(), CODE[fmt], threads)
+
+
+SCALE_CASES = {
+    "random": torch.randn(1000) * 3,
+    "negative-absmax": torch.tensor([0.5, -7.25, 3.0]),
+    "zeros": torch.zeros(17),
+    "empty": torch.zeros(0),
+    "with-inf": torch.tensor([1.0, math.inf, 2.0]),
+    "with-nan": torch.tensor([1.0, 2.0, math.nan]),
+    "subnormal": torch.tensor([1e-40, -3e-41]),  # a / R < tiny: the floor applies
+    "huge": torch.tensor([3e38, -1.0]),
+    "one-element": torch.tensor([-0.125]),
+}
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("case", list(SCALE_CASES))
+def test_measure_scale_follows_s2_3(fmt, case):
+    values = SCALE_CASES[case]
+    expected = expected_scale(values, fmt)
+    got = measure(values, fmt)
+    assert got == expected, f"{case}: scale {got!r}, S2.3 gives {expected!r}"
+    if case == "subnormal":
+        assert got == FP32_TINY
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+def test_measure_scale_unscaled_formats_is_one(fmt):
+    assert measure(torch.randn(50) * 1e5, fmt) == 1.0
+
+
+def test_measure_scale_same_for_any_thread_count():
+    values = torch.randn(300_001) * torch.rand(300_001)
+    values[123_457] = -1234.5
+    results = {measure(values, "fp8", threads) for threads in (1, 2, 3, 7)}
+    assert results == {expected_scale(values, "fp8")}
+
+
+# --------------------------------------------------------------------------------------
+# adam_step
+
+
+class Buffers:
+    """One tensor's buffers for adam_step, in the storage the preset names."""
+
+    def __init__(self, preset, numel, seed):
+        p_fmt, g_fmt, m_fmt, v_fmt, master_fmt = preset
+        self.formats = dict(param=p_fmt, grad=g_fmt, exp_avg=m_fmt, exp_avg_sq=v_fmt,
+                            master=master_fmt)
+        generator = torch.Generator().manual_seed(seed)
+        values = torch.randn(numel, generator=generator) * 2
+        self.param = values.to(STORAGE[p_fmt])
+        self.grad = torch.zeros(numel, dtype=STORAGE[g_fmt])
+        self.scales = {}
+        self.exp_avg = self._store(torch.zeros(numel), m_fmt, "exp_avg")
+        self.exp_avg_sq = self._store(torch.zeros(numel), v_fmt, "exp_avg_sq")
+        self.master = None
+        if master_fmt == "rem":
+            self.master = torch.zeros(numel, dtype=torch.int16)
+        elif master_fmt != "none":
+            self.master = self._store(self.param.float(), master_fmt, "master")
+        self.generator = torch.Generator().manual_seed(seed + 1)
+
+    def _store(self, values, fmt, name):
+        codes, scale = quantize_like_spec(values, fmt)
+        if scale is not None:
+            self.scales[name] = torch.tensor(scale, dtype=torch.float32)
+        return codes
+
+    def new_grad(self, magnitude=1.0):
+        g = torch.randn(self.param.shape, generator=self.generator) * magnitude
+        self.grad = g.to(STORAGE[self.formats["grad"]])
+
+    def row(self):
+        def ptr(t):
+            return t.data_ptr() if t is not None else 0
+
+        def scale(name):
+            return ptr(self.scales.get(name))
+
+        f = self.formats
+        return [self.param.numel(), ptr(self.param), CODE[f["param"]], ptr(self.grad),
+                CODE[f["grad"]], ptr(self.exp_avg), CODE[f["exp_avg"]], scale("exp_avg"),
+                ptr(self.exp_avg_sq), CODE[f["exp_avg_sq"]], scale("exp_avg_sq"),
+                ptr(self.master), CODE[f["master"]], scale("master")]
+
+    def true(self, name):
+        values = decode_codes(getattr(self, name))
+        if name in self.scales:
+            values = values * self.scales[name].double()
+        return values
+
+    def weight(self):
+        fmt = self.formats["master"]
+        if fmt == "none":
+            return self.param.double()
+        if fmt == "rem":
+            return merge_remainder(self.param, self.master).double()
+        return self.true("master")
+
+    def everything(self):
+        tensors = [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
+        tensors += [self.master] if self.master is not None else []
+        return tensors + [self.scales[k] for k in sorted(self.scales)]
+
+
+GUARD = 37  # elements of sentinel before and after every embedded buffer
+
+
+def embedded(tensor, offset):
+    """A copy of `tensor` living `offset` elements into a larger buffer (so its address
+    is not vector-aligned), with GUARD sentinel elements on either side. Returns
+    (view, whole buffer)."""
+    flat = tensor.reshape(-1)
+    whole = torch.empty(flat.numel() + 2 * GUARD + offset, dtype=tensor.dtype)
+    whole.view(torch.uint8).fill_(0xA5)
+    view = whole[GUARD + offset:GUARD + offset + flat.numel()]
+    view.copy_(flat)
+    return view.reshape(tensor.shape), whole
+
+
+def embed_buffers(b, offset):
+    """Moves every buffer of `b` (scales too) into guarded, misaligned storage; returns
+    the guarded wholes with the slices that must never be written."""
+    guarded = []
+    for name in ("param", "grad", "exp_avg", "exp_avg_sq", "master"):
+        tensor = getattr(b, name)
+        if tensor is None:
+            continue
+        view, whole = embedded(tensor, offset)
+        setattr(b, name, view)
+        guarded.append((f"{name}", whole, offset + tensor.numel()))
+    for key in list(b.scales):
+        view, whole = embedded(b.scales[key].reshape(1), offset)
+        b.scales[key] = view.reshape(())
+        guarded.append((f"{key} scale", whole, offset + 1))
+    return guarded
+
+
+def assert_guards_intact(guarded, what):
+    for name, whole, used in guarded:
+        raw = whole.view(torch.uint8).reshape(-1)
+        size = whole.element_size()
+        before = raw[:GUARD * size]
+        after = raw[(GUARD + used) * size:]
+        assert bool((before == 0xA5).all()) and bool((after == 0xA5).all()), \
+            f"{what}: {name} written outside its buffer"
+
+
+def adam_step(buffers, hyper, step, threads=2, lr=None):
+    rows = [value for b in buffers for value in b.row()]
+    beta1, beta2 = hyper.betas
+    _C.adam_step(rows, hyper.lr if lr is None else lr, beta1, beta2, hyper.eps,
+                 hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction, step,
+                 threads)
+
+
+def verify_buffers(b, before, hyper, step, what):
+    """The tensor's new state against the float64 reference from `before` (bounds as
+    derived in _optimizer_testing.py: fp32 arithmetic plus the storage's rounding)."""
+    w, m, v = before
+    ref = adam_reference(w, m, v, b.grad.double(), hyper, step)
+    for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
+                               ("exp_avg_sq", ref.v, ref.v_bound)):
+        fmt = b.formats[name]
+        scale = b.scales[name].item() if name in b.scales else None
+        stored = b.true(name)
+        assert_close_bounded(stored, value, stored_bound(fmt, stored, value, bound, scale),
+                             f"{what}: {name} ({fmt})")
+        if scale is not None:
+            check_scale(getattr(b, name), b.scales[name], value, bound, f"{what}: {name}")
+    p_fmt = b.formats["param"]
+    param = b.param.double()
+    assert_close_bounded(param, ref.w, stored_bound(p_fmt, param, ref.w, ref.w_bound),
+                         f"{what}: param")
+    master_fmt = b.formats["master"]
+    if master_fmt != "none":
+        master = b.weight()
+        scale = b.scales["master"].item() if "master" in b.scales else None
+        assert_close_bounded(master, ref.w,
+                             stored_bound(master_fmt, master, ref.w, ref.w_bound, scale),
+                             f"{what}: master ({master_fmt})")
+        if master_fmt == "fp32":
+            assert_bitwise_equal(b.param, b.master.to(b.param.dtype),
+                                 f"{what}: param vs rounded master")
+        if master_fmt == "rem":
+            # S2.5: the param is the high half rounded half away from zero.
+            expected_param, expected_rem = split_master(merge_remainder(b.param, b.master))
+            assert_bitwise_equal(b.param, expected_param, f"{what}: param of the split")
+        if scale is not None:
+            check_scale(b.master, b.scales["master"], ref.w, ref.w_bound, f"{what}: master")
+
+
+PRESETS = [
+    # (param, grad, exp_avg, exp_avg_sq, master)
+    ("fp32", "fp32", "fp32", "fp32", "none"),
+    ("fp32", "bf16", "fp32", "fp32", "none"),
+    ("fp32", "fp16", "bf16", "bf16", "none"),
+    ("bf16", "bf16", "fp32", "fp32", "none"),
+    ("fp16", "fp16", "fp32", "fp32", "none"),
+    ("bf16", "bf16", "bf16", "bf16", "none"),
+    ("bf16", "fp32", "fp32", "fp32", "fp32"),
+    ("bf16", "bf16", "bf16", "bf16", "fp32"),
+    ("fp16", "fp16", "fp32", "fp32", "fp32"),
+    ("bf16", "bf16", "fp32", "fp32", "fp16"),
+    ("fp16", "fp32", "fp16", "fp16", "fp16"),
+    ("bf16", "bf16", "fp32", "fp32", "rem"),
+    ("bf16", "bf16", "bf16", "bf16", "rem"),
+    ("bf16", "bf16", "fp8", "fp8", "rem"),
+    ("fp32", "fp32", "fp16", "fp32", "none"),
+    ("fp32", "fp32", "fp32", "fp16", "none"),
+    ("fp32", "fp32", "fp8", "fp32", "none"),
+    ("fp32", "fp32", "fp32", "fp8", "none"),
+    ("bf16", "bf16", "fp8", "fp8", "fp32"),
+    ("bf16", "bf16", "fp16", "fp8", "fp16"),
+]
+
+
+def preset_id(preset):
+    p, g, m, v, master = preset
+    return f"p={p}-g={g}-m={m}-v={v}-master={master}"
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("preset", PRESETS, ids=preset_id)
+def test_adam_step_matches_float64_reference(preset, adam_w_mode):
+    hyper = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05,
+                  adam_w_mode=adam_w_mode)
+    buffers = [Buffers(preset, numel, seed)
+               for seed, numel in enumerate((1, 31, 200, 4099))]
+    for step in range(1, 7):
+        for i, b in enumerate(buffers):
+            b.new_grad(10.0 ** (i % 3 - 2))
+        before = [(b.weight(), b.true("exp_avg"), b.true("exp_avg_sq")) for b in buffers]
+        adam_step(buffers, hyper, step)
+        for i, (b, start) in enumerate(zip(buffers, before)):
+            verify_buffers(b, start, hyper, step,
+                           f"{preset_id(preset)} step {step} tensor {i}")
+
+
+def test_adam_step_without_bias_correction():
+    hyper = Hyper(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0,
+                  bias_correction=False)
+    buffers = [Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 64, 9),
+               Buffers(("bf16", "bf16", "fp16", "fp8", "fp32"), 64, 10)]
+    for step in range(1, 6):
+        for b in buffers:
+            b.new_grad()
+        before = [(b.weight(), b.true("exp_avg"), b.true("exp_avg_sq")) for b in buffers]
+        adam_step(buffers, hyper, step)
+        for b, start in zip(buffers, before):
+            verify_buffers(b, start, hyper, step, f"no bias correction step {step}")
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+def test_fp32_step_within_ulps_of_torch_fused(adam_w_mode):
+    """S3.7: from identical inputs each side is within the derived fp32 bound B of the
+    exact step, so the two are within 2B of each other (a few ulps)."""
+    hyper = Hyper(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                  adam_w_mode=adam_w_mode)
+    ours = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 4099, 11)
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    for step in range(1, 11):
+        ours.new_grad(10.0 ** (step % 4 - 2))
+        p, m, v = ours.param.clone(), ours.exp_avg.clone(), ours.exp_avg_sq.clone()
+        ref = adam_reference(p.double(), m.double(), v.double(), ours.grad.double(),
+                             hyper, step)
+        fused([p], [ours.grad], [m], [v], [], [torch.tensor(float(step))], lr=hyper.lr,
+              beta1=hyper.betas[0], beta2=hyper.betas[1], weight_decay=hyper.weight_decay,
+              eps=hyper.eps, amsgrad=False, maximize=False)
+        adam_step([ours], hyper, step)
+        for name, theirs, bound in (("param", p, ref.w_bound), ("exp_avg", m, ref.m_bound),
+                                    ("exp_avg_sq", v, ref.v_bound)):
+            assert_close_bounded(getattr(ours, name), theirs.double(), 2 * bound,
+                                 f"step {step} {name} vs torch fused")
+
+
+@pytest.mark.parametrize("master", ["fp32", "rem"])
+def test_bf16_master_run_equals_fp32_run_bitwise(master):
+    """S3.7 on the core: the master of a bf16 param is bitwise the fp32 no-master run."""
+    hyper = Hyper(lr=1.0, betas=(0.1, 0.25), weight_decay=0.01)
+    plain = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 257, 12)
+    plain.param = plain.param.to(torch.bfloat16).float()  # start on bf16 values
+    mixed = Buffers(("bf16", "fp32", "fp32", "fp32", master), 257, 12)
+    mixed.param = plain.param.to(torch.bfloat16)
+    if master == "fp32":
+        mixed.master = plain.param.clone()
+    for step in range(1, 31):
+        plain.new_grad()
+        mixed.grad = plain.grad.clone()
+        adam_step([plain], hyper, step)
+        adam_step([mixed], hyper, step)
+        assert_bitwise_equal(mixed.weight().float(), plain.param, f"step {step} master")
+        if master == "fp32":
+            assert_bitwise_equal(mixed.param, plain.param.to(torch.bfloat16),
+                                 f"step {step} param")
+
+
+@pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[13], PRESETS[19], PRESETS[10]],
+                         ids=preset_id)
+def test_adam_step_bitwise_across_thread_counts(preset):
+    """S3.7: bitwise identical for every thread count (sizes not multiples of any
+    vector width or cache line, so work splits unevenly)."""
+    results = []
+    for threads in (1, 2, 3, 7, 0):  # 0: all hardware threads (adam.h)
+        buffers = [Buffers(preset, numel, seed) for seed, numel in
+                   enumerate((100_003, 7, 33_333))]
+        hyper = Hyper()
+        for step in range(1, 4):
+            for b in buffers:
+                b.new_grad()
+            adam_step(buffers, hyper, step, threads=threads)
+        results.append([t.clone() for b in buffers for t in b.everything()])
+    for threads, result in zip((2, 3, 7, 0), results[1:]):
+        for i, (a, b) in enumerate(zip(results[0], result)):
+            assert_bitwise_equal(b, a, f"{threads} threads vs 1, buffer {i}")
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+@pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[10], PRESETS[13], PRESETS[19],
+                                    PRESETS[7]], ids=preset_id)
+def test_adam_step_unaligned_buffers_stay_in_bounds(preset, offset):
+    """Buffers at addresses that are not vector-aligned (views into larger storage, as
+    Megatron's flat buffers give) and of lengths that leave every kind of tail: the
+    results equal those of freshly allocated buffers, bitwise, and nothing outside the
+    buffers is written."""
+    hyper = Hyper()
+    numels = (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 257, 1031)
+    plain = [Buffers(preset, n, 40 + i) for i, n in enumerate(numels)]
+    moved = [Buffers(preset, n, 40 + i) for i, n in enumerate(numels)]
+    guarded = [g for b in moved for g in embed_buffers(b, offset)]
+    for step in (1, 2, 3):
+        for a, b in zip(plain, moved):
+            a.new_grad()
+            b.new_grad()
+            b.grad, whole = embedded(b.grad, offset)
+            guarded.append(("grad", whole, offset + b.grad.numel()))
+        adam_step(plain, hyper, step, threads=2)
+        adam_step(moved, hyper, step, threads=2)
+        assert_guards_intact(guarded, f"step {step}")
+        for i, (a, b) in enumerate(zip(plain, moved)):
+            for j, (x, y) in enumerate(zip(a.everything(), b.everything())):
+                assert_bitwise_equal(y, x, f"step {step} tensor {i} buffer {j}")
+
+
+@pytest.mark.parametrize("dst_fmt", ["bf16", "fp16", "fp8", "fp32"])
+def test_convert_unaligned_stays_in_bounds(dst_fmt):
+    for numel in (1, 9, 33, 1027):
+        src = torch.randn(numel)
+        src_view, _ = embedded(src, 1)
+        dst = torch.empty(numel, dtype=STORAGE[dst_fmt])
+        dst_view, whole = embedded(dst, 3)
+        _C.convert(src_view.data_ptr(), CODE["fp32"], dst_view.data_ptr(), CODE[dst_fmt],
+                   numel, 0.5, 2)
+        assert_guards_intact([("dst", whole, 3 + numel)], f"convert {numel}")
+        expected = convert(src, "fp32", dst_fmt, scale=0.5)
+        assert_bitwise_equal(dst_view, expected, f"convert {numel} unaligned")
+
+
+def test_empty_tensor_slot():
+    """numel 0 does nothing; the scale of an empty scaled state becomes 1 (S2.3)."""
+    empty = Buffers(("bf16", "bf16", "fp16", "fp8", "fp32"), 0, 13)
+    empty.scales["exp_avg"].fill_(4.0)
+    full = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 10, 14)
+    full.new_grad()
+    adam_step([empty, full], Hyper(), 1)
+    assert empty.scales["exp_avg"].item() == 1.0
+    assert empty.scales["exp_avg_sq"].item() == 1.0
+
+
+@pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[6], PRESETS[14]], ids=preset_id)
+def test_adam_step_keeps_fp32_subnormals(preset):
+    """Gradients of magnitude 1e-20 to 2e-20 put (1 - beta2) * g * g, so the second
+    moment, among fp32 subnormals (1e-42 to 4e-42, above the smallest 1.4e-45); with
+    eps 0 the update divides by its root. Flushing subnormals to zero (FTZ / DAZ)
+    would break the bound (it allows a few units of 2**-149 there) or divide by 0."""
+    hyper = Hyper(lr=1e-3, betas=(0.9, 0.99), eps=0.0, weight_decay=0.0)
+    b = Buffers(preset, 513, 50)
+    for step in range(1, 4):
+        magnitude = (1.0 + torch.rand(513, generator=b.generator)) * 1e-20
+        sign = torch.where(torch.rand(513, generator=b.generator) < 0.5, -1.0, 1.0)
+        b.grad = (sign * magnitude).to(b.grad.dtype)
+        before = (b.weight(), b.true("exp_avg"), b.true("exp_avg_sq"))
+        adam_step([b], hyper, step)
+        verify_buffers(b, before, hyper, step, f"subnormal moments step {step}")
+        if b.formats["exp_avg_sq"] == "fp32":
+            v = b.exp_avg_sq
+            assert bool(((v > 0) & (v < FP32_TINY)).any()), "no subnormal was exercised"
+
+
+def test_lr_zero_is_a_real_step():
+    """S3.8 on the core: lr == 0 leaves the weights alone but moves the moments."""
+    b = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 50, 15)
+    b.new_grad()
+    param = b.param.clone()
+    before = (b.weight(), b.true("exp_avg"), b.true("exp_avg_sq"))
+    adam_step([b], Hyper(weight_decay=0.5), 1, lr=0.0)
+    assert_bitwise_equal(b.param, param, "param after lr 0")
+    verify_buffers(b, before, Hyper(lr=0.0, weight_decay=0.5), 1, "lr 0")
+
+
+# --------------------------------------------------------------------------------------
+# Validation: ValueError naming the tensor and the rule, nothing written.
+
+
+def bad_slots():
+    """(id, preset of tensor 1, column overrides of tensor 1, message pattern)."""
+    ok = ("bf16", "bf16", "fp16", "fp32", "fp32")
+    return [
+        ("param-fp8", ("fp32", "fp32", "fp32", "fp32", "none"), {2: CODE["fp8"]},
+         r"param"),
+        ("param-remainder-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {2: CODE["rem"]},
+         r"param"),
+        ("param-none", ("fp32", "fp32", "fp32", "fp32", "none"), {2: CODE["none"]},
+         r"param"),
+        ("param-unknown-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {2: 9}, r"param"),
+        ("grad-fp8", ("fp32", "fp32", "fp32", "fp32", "none"), {4: CODE["fp8"]}, r"grad"),
+        ("grad-remainder-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {4: CODE["rem"]},
+         r"grad"),
+        ("exp_avg-remainder-tag", ("fp32", "fp32", "fp32", "fp32", "none"),
+         {6: CODE["rem"]}, r"exp_avg"),
+        ("exp_avg_sq-none", ("fp32", "fp32", "fp32", "fp32", "none"), {9: CODE["none"]},
+         r"exp_avg_sq"),
+        ("exp_avg-fp16-without-scale", ok, {7: 0}, r"exp_avg.*scale|scale.*exp_avg"),
+        ("master-bf16", ("bf16", "bf16", "fp32", "fp32", "fp32"), {12: CODE["bf16"]},
+         r"master"),
+        ("master-fp8", ("bf16", "bf16", "fp32", "fp32", "fp32"), {12: CODE["fp8"]},
+         r"master"),
+        ("master-fp16-without-scale", ("bf16", "bf16", "fp32", "fp32", "fp16"), {13: 0},
+         r"master.*scale|scale.*master"),
+        ("remainder-with-fp16-param", ("fp16", "fp16", "fp32", "fp32", "fp32"),
+         {12: CODE["rem"]}, r"remainder|master"),
+        ("remainder-with-fp32-param", ("fp32", "fp32", "fp32", "fp32", "fp32"),
+         {12: CODE["rem"]}, r"remainder|master"),
+        ("negative-numel", ("fp32", "fp32", "fp32", "fp32", "none"), {0: -1}, r"numel"),
+        # S2.1: an fp32 parameter is its own master
+        ("master-beside-fp32-param", ("fp32", "fp32", "fp32", "fp32", "fp32"), {},
+         r"master"),
+    ]
+
+
+def make_bad_call(preset, overrides):
+    good = Buffers(("bf16", "bf16", "fp16", "fp8", "fp32"), 40, 21)
+    bad = Buffers(preset, 40, 22)
+    for b in (good, bad):
+        b.new_grad()
+    row = bad.row()
+    for column, value in overrides.items():
+        row[column] = value
+    return good, bad, good.row() + row
+
+
+@pytest.mark.parametrize("case", bad_slots(), ids=[c[0] for c in bad_slots()])
+def test_bad_slot_raises_and_writes_nothing(case):
+    _, preset, overrides, pattern = case
+    good, bad, rows = make_bad_call(preset, overrides)
+    before = [t.clone() for b in (good, bad) for t in b.everything()]
+    with pytest.raises(ValueError) as raised:
+        _C.adam_step(rows, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+    message = str(raised.value)
+    # names the offending tensor (index 1 of the call) and the buffer/rule
+    assert re.search(r"(?i)(tensor|index|slot)\D{0,3}1\b", message), message
+    assert re.search(pattern, message, flags=re.IGNORECASE), message
+    after = [t for b in (good, bad) for t in b.everything()]
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert_bitwise_equal(a, b, f"buffer {i} after a rejected adam_step")
+
+
+BAD_HYPER = [
+    ("step-0", dict(step=0), r"step"),
+    ("negative-lr", dict(lr=-1e-3), r"lr|learning"),
+    ("nan-lr", dict(lr=math.nan), r"lr|learning"),
+    ("beta1-one", dict(beta1=1.0), r"beta"),
+    ("beta2-negative", dict(beta2=-0.1), r"beta"),
+    ("negative-eps", dict(eps=-1e-8), r"eps"),
+    ("inf-eps", dict(eps=math.inf), r"eps"),
+    ("negative-weight-decay", dict(weight_decay=-0.1), r"weight_decay|decay"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_HYPER, ids=[c[0] for c in BAD_HYPER])
+def test_bad_hyper_parameter_raises_and_writes_nothing(case):
+    _, change, pattern = case
+    good = Buffers(("bf16", "bf16", "fp8", "fp16", "rem"), 40, 23)
+    good.new_grad()
+    before = [t.clone() for t in good.everything()]
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                adam_w_mode=True, bias_correction=True, step=1, num_threads=2)
+    args.update(change)
+    with pytest.raises(ValueError, match=f"(?i){pattern}"):
+        _C.adam_step(good.row(), **args)
+    for i, (a, b) in enumerate(zip(good.everything(), before)):
+        assert_bitwise_equal(a, b, f"buffer {i} after a rejected adam_step")
+
+
+def test_slots_not_a_multiple_of_columns():
+    good = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 8, 24)
+    before = [t.clone() for t in good.everything()]
+    with pytest.raises(ValueError, match=r"14"):
+        _C.adam_step(good.row() + [1], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
+    for a, b in zip(good.everything(), before):
+        assert_bitwise_equal(a, b, "buffer after a rejected adam_step")
+
+
+NULL_CASES = {
+    # column set to 0 on a non-empty fp32 tensor (scale columns are tested above);
+    # the master case declares an fp32 master (beside a bf16 param) without a buffer
+    "param-null": 1, "grad-null": 3, "exp_avg-null": 5, "exp_avg_sq-null": 8,
+    "master-null": 11,
+}
+
+# The child loads the extension file directly (no torch, so it starts fast) and owns
+# its buffers through the array module.
+_NULL_SCRIPT = r"""
+import array, importlib.machinery, importlib.util, json, sys
+path, column = sys.argv[1], int(sys.argv[2])
+loader = importlib.machinery.ExtensionFileLoader("_C", path)
+module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_C", loader))
+loader.exec_module(module)
+bufs = [array.array("f", [1.0] * 16) for _ in range(4)]
+ptrs = [b.buffer_info()[0] for b in bufs]
+row = [16, ptrs[0], 1, ptrs[1], 1, ptrs[2], 1, 0, ptrs[3], 1, 0, 0, 0, 0]
+if column == 11:
+    row[2], row[12] = 3, 1  # bf16 param (reads half of buffer 0), fp32 master
+if column >= 0:
+    row[column] = 0
+try:
+    module.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
+    result = {"raised": None}
+except Exception as e:
+    result = {"raised": type(e).__name__, "message": str(e)}
+result["unchanged"] = all(list(b) == [1.0] * 16 for b in bufs)
+print(json.dumps(result))
+"""
+
+
+def run_null_child(column):
+    done = subprocess.run([sys.executable, "-c", _NULL_SCRIPT, _C.__file__, str(column)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert done.returncode == 0, \
+        f"child crashed (rc {done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_null_buffer_harness_runs_a_step():
+    """Control for the child process below: with every pointer valid it steps."""
+    result = run_null_child(-1)
+    assert result["raised"] is None and not result["unchanged"], result
+
+
+@pytest.mark.parametrize("column", list(NULL_CASES.values()), ids=list(NULL_CASES))
+def test_null_buffer_is_rejected_not_dereferenced(column):
+    """Run in a child process: an unchecked null pointer would crash the interpreter."""
+    result = run_null_child(column)
+    assert result["raised"] == "ValueError", result
+    assert re.search(r"(?i)null|missing|absent", result["message"]), result
+    assert result["unchanged"], result

@@ -1,0 +1,462 @@
+"""Bad input, as tables of (input, exception type, message pattern) (SEMANTICS S1.2, S1.4,
+S3.1-S3.4, S5.1-S5.5, S8).
+
+Every row also checks that the failed call changed nothing, bitwise: parameters, their
+gradients, every state tensor and scale, every group's settings and step count
+(S3.1: validate everything first, mutate only after). Step-time rows put the bad input
+on the *last* parameter of the *last* group, after valid gradients everywhere else, so
+an implementation that updated parameters before validating them all would be caught.
+
+Messages must name the class, and for per-parameter problems the group and parameter
+index (S8): patterns below are written as look-aheads, one per required fact.
+Exception types the contract leaves open follow its convention (S1.2: RuntimeError for
+unsupported dtypes/layouts, TE and torch style; ValueError for values and for torch's
+own load_state_dict size checks; KeyError for unknown state names, S5.2).
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    assert_bitwise_equal, assert_unchanged, fused_adam, snapshot)
+
+
+def facts(*patterns):
+    """A regex that requires every pattern somewhere in the message (any order); a
+    pattern starting with (?i) is matched ignoring case."""
+    parts = []
+    for p in patterns:
+        flags = "i" if p.startswith("(?i)") else ""
+        p = p[4:] if flags else p
+        parts.append(f"(?=.*(?{flags}:{p}))" if flags else f"(?=.*(?:{p}))")
+    return "(?s)" + "".join(parts)
+
+
+def at(group, param):
+    return [r"FusedAdam", rf"group\W*{group}\b", rf"param\w*\W*{param}\b"]
+
+
+def make_params():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 3, generator=generator)),
+            torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())]
+
+
+# --------------------------------------------------------------------------------------
+# Constructor (S1.2, S1.4)
+
+CONSTRUCTOR_ERRORS = [
+    ("amsgrad", dict(amsgrad=True), RuntimeError, facts("FusedAdam", "(?i)amsgrad")),
+    ("capturable", dict(capturable=True), RuntimeError,
+     facts("FusedAdam", "(?i)capturable")),
+    ("master-bf16", dict(master_weights=True, master_weight_dtype=torch.bfloat16),
+     RuntimeError, facts("FusedAdam", "(?i)master", "bfloat16")),
+    ("master-fp64", dict(master_weights=True, master_weight_dtype=torch.float64),
+     RuntimeError, facts("FusedAdam", "(?i)master", "float64")),
+    ("master-uint8", dict(master_weights=True, master_weight_dtype=torch.uint8),
+     RuntimeError, facts("FusedAdam", "(?i)master", "uint8")),
+    ("exp_avg-fp64", dict(exp_avg_dtype=torch.float64), RuntimeError,
+     facts("FusedAdam", "exp_avg", "float64")),
+    ("exp_avg-e4m3-dtype", dict(exp_avg_dtype=torch.float8_e4m3fn), RuntimeError,
+     facts("FusedAdam", "exp_avg", "float8_e4m3fn")),
+    ("exp_avg_sq-int8", dict(exp_avg_sq_dtype=torch.int8), RuntimeError,
+     facts("FusedAdam", "exp_avg_sq", "int8")),
+    ("lr-negative", dict(lr=-1e-3), ValueError,
+     facts("FusedAdam", r"Invalid learning rate.*-0\.001")),
+    ("lr-nan", dict(lr=math.nan), ValueError, facts(r"Invalid learning rate.*nan")),
+    ("lr-negative-tensor", dict(lr=torch.tensor(-0.5)), ValueError,
+     facts(r"Invalid learning rate.*-0\.5")),
+    ("lr-inf", dict(lr=math.inf), ValueError, facts(r"Invalid learning rate.*inf")),
+    ("eps-negative", dict(eps=-1e-8), ValueError, facts(r"Invalid epsilon value.*-1e-08")),
+    ("eps-nan", dict(eps=math.nan), ValueError, facts(r"Invalid epsilon value.*nan")),
+    ("beta1-one", dict(betas=(1.0, 0.999)), ValueError,
+     facts(r"Invalid beta parameter at index 0.*1\.0")),
+    ("beta1-negative", dict(betas=(-0.1, 0.999)), ValueError,
+     facts(r"Invalid beta parameter at index 0.*-0\.1")),
+    ("beta2-one", dict(betas=(0.9, 1.0)), ValueError,
+     facts(r"Invalid beta parameter at index 1.*1\.0")),
+    ("beta2-nan", dict(betas=(0.9, math.nan)), ValueError,
+     facts(r"Invalid beta parameter at index 1.*nan")),
+    ("weight_decay-negative", dict(weight_decay=-0.1), ValueError,
+     facts(r"Invalid weight_decay value.*-0\.1")),
+    ("weight_decay-inf", dict(weight_decay=math.inf), ValueError,
+     facts(r"Invalid weight_decay value.*inf")),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [c[1:] for c in CONSTRUCTOR_ERRORS],
+                         ids=[c[0] for c in CONSTRUCTOR_ERRORS])
+def test_constructor_rejects(kwargs, exc, pattern):
+    params = make_params()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(exc, match=pattern):
+        fused_adam()(params, **kwargs)
+    for i, (p, old) in enumerate(zip(params, before)):
+        assert_bitwise_equal(p.detach(), old, f"param {i} after a rejected constructor")
+        assert p.grad is None
+
+
+def test_master_weight_dtype_only_checked_with_master_weights():
+    """S1.2: the master dtype rule applies 'when master_weights'."""
+    fused_adam()(make_params(), master_weights=False, master_weight_dtype=torch.bfloat16)
+
+
+def test_set_grad_none_is_deprecated():
+    with pytest.warns(DeprecationWarning, match="set_grad_none"):
+        fused_adam()(make_params(), set_grad_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        fused_adam()(make_params())  # no warning without it
+
+
+def bad_param(kind):
+    if kind == "int64":
+        return torch.zeros(3, dtype=torch.int64)
+    if kind == "float64":
+        return torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    if kind == "float8_e4m3fn":
+        return torch.zeros(3).to(torch.float8_e4m3fn)
+    if kind == "complex64":
+        return torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    if kind == "sparse":
+        return torch.nn.Parameter(torch.zeros(3, 3).to_sparse())
+    raise AssertionError(kind)
+
+
+PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_e4m3fn",
+               "complex64": "complex64", "sparse": "(?i)sparse"}
+
+
+@pytest.mark.parametrize("kind", list(PARAM_KINDS))
+def test_constructor_rejects_unsupported_params(kind):
+    """S1.4: an error naming the parameter index, the group and the rule."""
+    good = make_params()
+    groups = [dict(params=good[:1]), dict(params=[good[1], bad_param(kind)])]
+    before = [p.detach().clone() for p in good]
+    with pytest.raises(RuntimeError, match=facts(*at(1, 1), PARAM_KINDS[kind])):
+        fused_adam()(groups)
+    for p, old in zip(good, before):
+        assert_bitwise_equal(p.detach(), old, "param after a rejected constructor")
+
+
+@pytest.mark.parametrize("kind", ["int64", "float64", "sparse"])
+def test_add_param_group_rejects_unsupported_params(kind):
+    opt = fused_adam()(make_params(), master_weights=True, exp_avg_dtype=torch.uint8)
+    extra = torch.nn.Parameter(torch.randn(2))
+    before = snapshot(opt, [extra])
+    with pytest.raises(RuntimeError, match=facts(*at(1, 1), PARAM_KINDS[kind])):
+        opt.add_param_group(dict(params=[extra, bad_param(kind)]))
+    assert_unchanged(opt, before)
+    assert extra not in opt.state
+
+
+def test_add_param_group_rejects_bad_hyper_parameters():
+    opt = fused_adam()(make_params())
+    extra = torch.nn.Parameter(torch.randn(2))
+    before = snapshot(opt, [extra])
+    with pytest.raises(ValueError, match=facts("FusedAdam", r"group\W*1\b",
+                                               r"Invalid learning rate.*-1")):
+        opt.add_param_group(dict(params=[extra], lr=-1.0))
+    assert_unchanged(opt, before)
+    assert extra not in opt.state
+
+
+# --------------------------------------------------------------------------------------
+# step() (S3.1 - S3.4)
+
+
+def stepped_optimizer(decoupled):
+    """Two groups of fp32 + bf16 params with scaled state and masters, after two steps,
+    with valid gradients set for the next step."""
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=generator)),
+              torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16()),
+              torch.nn.Parameter(torch.randn(6, generator=generator)),
+              torch.nn.Parameter(torch.randn(2, 2, generator=generator).bfloat16())]
+    opt = fused_adam()([dict(params=params[:2]), dict(params=params[2:], lr=1e-2)],
+                       master_weights=True, master_weight_dtype=torch.float16,
+                       exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.float16,
+                       use_decoupled_grad=decoupled, weight_decay=0.1)
+
+    def set_grads():
+        for p in params:
+            g = torch.randn(p.shape, generator=generator).to(p.dtype)
+            if decoupled:
+                p.decoupled_grad = g.float()
+            else:
+                p.grad = g
+
+    for _ in range(2):
+        set_grads()
+        opt.step()
+    set_grads()
+    return opt, params
+
+
+def set_decoupled(value):
+    def apply(opt, params):
+        params[3].decoupled_grad = value
+    return apply
+
+
+def set_grad(value):
+    def apply(opt, params):
+        params[3].grad = value
+    return apply
+
+
+def set_group(key, value):
+    def apply(opt, params):
+        opt.param_groups[1][key] = value
+    return apply
+
+
+def set_attribute(key, value):
+    def apply(opt, params):
+        setattr(opt, key, value)
+    return apply
+
+
+def swap_param(value):
+    def apply(opt, params):
+        opt.param_groups[1]["params"][1] = value
+    return apply
+
+
+STEP_ERRORS = [
+    ("decoupled-grad-shape", True, set_decoupled(torch.zeros(3)), RuntimeError,
+     facts(*at(1, 1), "(?i)shape")),
+    ("decoupled-grad-transposed-shape", True, set_decoupled(torch.zeros(2, 2).reshape(4)),
+     RuntimeError, facts(*at(1, 1), "(?i)shape")),
+    ("decoupled-grad-float64", True, set_decoupled(torch.zeros(2, 2, dtype=torch.float64)),
+     RuntimeError, facts(*at(1, 1), "float64")),
+    ("decoupled-grad-int32", True, set_decoupled(torch.zeros(2, 2, dtype=torch.int32)),
+     RuntimeError, facts(*at(1, 1), "int32")),
+    ("decoupled-grad-sparse", True, set_decoupled(torch.zeros(2, 2).to_sparse()),
+     RuntimeError, facts(*at(1, 1), "(?i)sparse")),
+    ("decoupled-grad-on-another-device", True,
+     set_decoupled(torch.zeros(2, 2, device="meta")), RuntimeError,
+     facts(*at(1, 1), "meta")),
+    ("decoupled-grad-not-a-tensor", True, set_decoupled([[0.0, 0.0], [0.0, 0.0]]),
+     RuntimeError, facts(*at(1, 1), "(?i)tensor|list")),
+    ("grad-sparse", False, set_grad(torch.zeros(2, 2).bfloat16().to_sparse()),
+     RuntimeError, facts(*at(1, 1), "(?i)sparse")),
+    ("group-lr-negative", True, set_group("lr", -1.0), ValueError,
+     facts("FusedAdam", r"group\W*1\b", r"Invalid learning rate.*-1")),
+    ("group-lr-nan", True, set_group("lr", math.nan), ValueError,
+     facts(r"group\W*1\b", r"Invalid learning rate.*nan")),
+    ("group-beta2-one", True, set_group("betas", (0.9, 1.0)), ValueError,
+     facts(r"group\W*1\b", r"Invalid beta parameter at index 1")),
+    ("group-eps-negative", True, set_group("eps", -1.0), ValueError,
+     facts(r"group\W*1\b", r"Invalid epsilon value")),
+    ("group-weight_decay-negative", True, set_group("weight_decay", -0.5), ValueError,
+     facts(r"group\W*1\b", r"Invalid weight_decay value")),
+    ("master_weight_dtype-bf16", True, set_attribute("master_weight_dtype", torch.bfloat16),
+     RuntimeError, facts("FusedAdam", "(?i)master", "bfloat16")),
+    ("swapped-in-int64-param", True, swap_param(torch.zeros(4, dtype=torch.int64)),
+     RuntimeError, facts(*at(1, 1), "int64")),
+    ("swapped-in-float64-param", True,
+     swap_param(torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))),
+     RuntimeError, facts(*at(1, 1), "float64")),
+    ("swapped-in-fp8-param", True, swap_param(torch.zeros(4).to(torch.float8_e4m3fn)),
+     RuntimeError, facts(*at(1, 1), "float8_e4m3fn")),
+]
+
+
+@pytest.mark.parametrize("decoupled,mutate,exc,pattern", [c[1:] for c in STEP_ERRORS],
+                         ids=[c[0] for c in STEP_ERRORS])
+def test_step_rejects_and_changes_nothing(decoupled, mutate, exc, pattern, backend):
+    opt, params = stepped_optimizer(decoupled)
+    mutate(opt, params)
+    before = snapshot(opt)
+    with pytest.raises(exc, match=pattern):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after a rejected step")
+
+
+def test_step_recovers_after_a_rejected_call(backend):
+    """A rejected step leaves the optimizer usable: fixing the input, the next step
+    equals the step of an optimizer that never saw the bad input."""
+    opt, params = stepped_optimizer(True)
+    twin, twin_params = stepped_optimizer(True)
+    good = params[3].decoupled_grad
+    params[3].decoupled_grad = torch.zeros(3)
+    with pytest.raises(RuntimeError):
+        opt.step()
+    params[3].decoupled_grad = good
+    opt.step()
+    twin.step()
+    for i, (p, q) in enumerate(zip(params, twin_params)):
+        assert_bitwise_equal(p.detach(), q.detach(), f"param {i}")
+        for key, value in twin.state[q].items():
+            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+    assert [g["step"] for g in opt.param_groups] == [3, 3]
+
+
+def test_messages_name_the_parameter_when_known(backend):
+    """S8: the parameter's name is in the message when the optimizer was given named
+    parameters."""
+    model = torch.nn.Linear(3, 2)
+    opt = fused_adam()(model.named_parameters(), use_decoupled_grad=True)
+    model.weight.decoupled_grad = torch.zeros(2, 3)
+    model.bias.decoupled_grad = torch.zeros(5)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), "bias", "(?i)shape")):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+# --------------------------------------------------------------------------------------
+# State access (S5.1 - S5.3)
+
+
+def remainder_optimizer():
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(4, generator=generator)),
+              torch.nn.Parameter(torch.randn(3, generator=generator).bfloat16())]
+    opt = fused_adam()(params, master_weights=True, store_param_remainders=True,
+                       exp_avg_dtype=torch.float16)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+    opt.step()
+    return opt, params
+
+
+FOREIGN = torch.nn.Parameter(torch.randn(4))
+
+
+def call(method, *args, **kwargs):
+    def apply(opt, params):
+        resolved = [params[a] if isinstance(a, int) and not isinstance(a, bool) else a
+                    for a in args[:1]] + list(args[1:])
+        if resolved and resolved[0] == "foreign":
+            resolved[0] = FOREIGN
+        getattr(opt, method)(*resolved, **kwargs)
+    return apply
+
+
+ACCESS_ERRORS = [
+    ("get-unknown-name", call("get_unscaled_state", 0, "momentum"), KeyError,
+     facts("momentum")),
+    ("get-master-of-fp32-param", call("get_unscaled_state", 0, "master_param"), KeyError,
+     facts("master_param")),
+    ("get-foreign-param", call("get_unscaled_state", "foreign", "exp_avg"), KeyError,
+     facts("FusedAdam")),
+    ("set-unknown-name", call("set_scaled_state", 1, "velocity", torch.zeros(3)), KeyError,
+     facts("velocity")),
+    ("set-foreign-param", call("set_scaled_state", "foreign", "exp_avg", torch.zeros(4)),
+     KeyError, facts("FusedAdam")),
+    ("set-bf16-value", call("set_scaled_state", 0, "exp_avg",
+                            torch.zeros(4, dtype=torch.bfloat16)),
+     RuntimeError, facts(*at(0, 0), "bfloat16")),
+    ("set-float64-value", call("set_scaled_state", 0, "exp_avg_sq",
+                               torch.zeros(4, dtype=torch.float64)),
+     RuntimeError, facts(*at(0, 0), "float64")),
+    ("set-fp32-into-remainder", call("set_scaled_state", 1, "master_param", torch.zeros(3)),
+     RuntimeError, facts(*at(0, 1), "int16|float32")),
+    ("set-int16-into-moment", call("set_scaled_state", 1, "exp_avg",
+                                   torch.zeros(3, dtype=torch.int16)),
+     RuntimeError, facts(*at(0, 1), "int16|float32")),
+    ("set-wrong-shape", call("set_scaled_state", 1, "exp_avg", torch.zeros(4)),
+     RuntimeError, facts(*at(0, 1), "(?i)shape")),
+    ("set-not-a-tensor", call("set_scaled_state", 1, "exp_avg", [0.0, 0.0, 0.0]),
+     RuntimeError, facts(*at(0, 1), "(?i)tensor|list")),
+    ("initialize-remainders-true-on-fp32-param",
+     call("initialize_state", 0, store_param_remainders=True), RuntimeError,
+     facts(*at(0, 0), "store_param_remainders")),
+    ("initialize-remainders-false-on-remainder-param",
+     call("initialize_state", 1, store_param_remainders=False), RuntimeError,
+     facts(*at(0, 1), "store_param_remainders")),
+    ("initialize-foreign-param", call("initialize_state", "foreign"), KeyError,
+     facts("FusedAdam")),
+]
+
+
+@pytest.mark.parametrize("action,exc,pattern", [c[1:] for c in ACCESS_ERRORS],
+                         ids=[c[0] for c in ACCESS_ERRORS])
+def test_state_access_rejects_and_changes_nothing(action, exc, pattern, backend):
+    opt, params = remainder_optimizer()
+    before = snapshot(opt)
+    with pytest.raises(exc, match=pattern):
+        action(opt, params)
+    assert_unchanged(opt, before, "optimizer after a rejected state access")
+    assert FOREIGN not in opt.state  # S5.2: no implicit creation
+
+
+def test_initialize_state_contradiction_without_remainders(backend):
+    """S5.1: explicit True where the configuration implies no remainder (fp32 master)."""
+    params = make_params()
+    opt = fused_adam()(params, master_weights=True)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), "store_param_remainders")):
+        opt.initialize_state(params[1], store_param_remainders=True)
+    assert_unchanged(opt, before)
+    opt.initialize_state(params[1], store_param_remainders=False)  # agrees: accepted
+
+
+def test_set_scaled_state_caller_tensor_untouched(backend):
+    """S5.3: the caller's tensor is not modified (fp16 storage divides by the scale)."""
+    opt, params = remainder_optimizer()
+    value = torch.randn(3) * 1e3
+    copy = value.clone()
+    opt.set_scaled_state(params[1], "exp_avg", value)
+    assert_bitwise_equal(value, copy, "caller's tensor")
+
+
+# --------------------------------------------------------------------------------------
+# load_state_dict (S5.5)
+
+
+def corrupt(edit):
+    def apply(sd):
+        edit(sd)
+        return sd
+    return apply
+
+
+def _drop_group(sd):
+    sd["param_groups"] = sd["param_groups"][:1]
+
+
+def _shrink_group(sd):
+    sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:1]
+
+
+LOAD_ERRORS = [
+    ("fewer-groups", _drop_group, ValueError,
+     facts("FusedAdam", "(?i)number of parameter groups")),
+    ("group-size", _shrink_group, ValueError,
+     facts("FusedAdam", r"group\W*1\b", r"(?i)size|match")),
+    ("missing-param-state", lambda sd: sd["state"].pop(3), ValueError,
+     facts(*at(1, 1), "(?i)state")),
+    ("missing-exp_avg_sq", lambda sd: sd["state"][2].pop("exp_avg_sq"), ValueError,
+     facts(*at(1, 0), "exp_avg_sq")),
+    ("missing-master_param", lambda sd: sd["state"][1].pop("master_param"), ValueError,
+     facts(*at(0, 1), "master_param")),
+    ("wrong-shape", lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(5)),
+     RuntimeError, facts(*at(0, 0), "(?i)shape")),
+    ("wrong-shape-master", lambda sd: sd["state"][3].__setitem__("master_param",
+                                                                 torch.zeros(2, 3)),
+     RuntimeError, facts(*at(1, 1), "(?i)shape")),
+    ("not-a-tensor", lambda sd: sd["state"][2].__setitem__("exp_avg", 0.0),
+     RuntimeError, facts(*at(1, 0), "(?i)tensor|float")),
+    ("bad-lr", lambda sd: sd["param_groups"][1].__setitem__("lr", -1.0), ValueError,
+     facts(r"group\W*1\b", r"Invalid learning rate")),
+]
+
+
+@pytest.mark.parametrize("edit,exc,pattern", [c[1:] for c in LOAD_ERRORS],
+                         ids=[c[0] for c in LOAD_ERRORS])
+def test_load_state_dict_rejects_and_changes_nothing(edit, exc, pattern, backend):
+    opt, params = stepped_optimizer(False)
+    sd = opt.state_dict()
+    # the optimizer loading it has moved on: a partial load would be visible
+    opt.step()
+    edit(sd)
+    before = snapshot(opt)
+    with pytest.raises(exc, match=pattern):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, before, "optimizer after a rejected load_state_dict")

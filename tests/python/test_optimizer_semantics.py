@@ -1,0 +1,452 @@
+"""Step-level rules of the contract for plain tensors: the constructor signature (S1.1),
+state from construction (S1.6), which parameters get a master (S2.1), the step counter
+(S2.8), gradient handling (S3.2, S3.4), the closure (S3.1), zero_grad (S4), and state
+changes between steps being picked up by the next step.
+
+Numbers are checked with _optimizer_testing.verify_step (float64 reference, derived bounds).
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    Hyper, Precision, StepInputs, assert_bitwise_equal, assert_unchanged, attach_grads,
+    capture_inputs, fused_adam, make_grads, make_params, snapshot, verify_step)
+
+HYPER = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+def test_constructor_signature():
+    """S1.1: names, order, defaults and the keyword-only split, exactly (tools
+    introspect them)."""
+    sig = inspect.signature(fused_adam().__init__)
+    expected = [
+        ("params", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+        ("lr", inspect.Parameter.POSITIONAL_OR_KEYWORD, 1e-3),
+        ("betas", inspect.Parameter.POSITIONAL_OR_KEYWORD, (0.9, 0.999)),
+        ("eps", inspect.Parameter.POSITIONAL_OR_KEYWORD, 1e-8),
+        ("weight_decay", inspect.Parameter.POSITIONAL_OR_KEYWORD, 0.0),
+        ("amsgrad", inspect.Parameter.POSITIONAL_OR_KEYWORD, False),
+        ("bias_correction", inspect.Parameter.KEYWORD_ONLY, True),
+        ("adam_w_mode", inspect.Parameter.KEYWORD_ONLY, True),
+        ("capturable", inspect.Parameter.KEYWORD_ONLY, False),
+        ("master_weights", inspect.Parameter.KEYWORD_ONLY, False),
+        ("master_weight_dtype", inspect.Parameter.KEYWORD_ONLY, torch.float32),
+        ("exp_avg_dtype", inspect.Parameter.KEYWORD_ONLY, torch.float32),
+        ("exp_avg_sq_dtype", inspect.Parameter.KEYWORD_ONLY, torch.float32),
+        ("use_decoupled_grad", inspect.Parameter.KEYWORD_ONLY, False),
+        ("store_param_remainders", inspect.Parameter.KEYWORD_ONLY, False),
+        ("set_grad_none", inspect.Parameter.KEYWORD_ONLY, None),
+    ]
+    actual = [(p.name, p.kind, p.default) for p in sig.parameters.values()][1:]  # self
+    assert actual == expected
+
+
+def test_method_signatures():
+    """The TE methods callers use, with their argument names and defaults."""
+    cls = fused_adam()
+
+    def names(method):
+        return [(p.name, p.default) for p in
+                list(inspect.signature(getattr(cls, method)).parameters.values())[1:]]
+
+    empty = inspect.Parameter.empty
+    assert names("step") == [("closure", None), ("grad_scaler", None)]
+    assert names("zero_grad") == [("set_to_none", None)]
+    assert names("initialize_state") == [("param", empty), ("store_param_remainders", None)]
+    assert names("get_unscaled_state") == [("param", empty), ("state_name", empty),
+                                           ("skip_unscale", False)]
+    assert names("set_scaled_state") == [("param", empty), ("state_name", empty),
+                                         ("unscaled_state", empty)]
+
+
+# --------------------------------------------------------------------------------------
+# S1.6 / S2.1: state from construction, who gets a master
+
+
+MASTER_CASES = [
+    # (config, param dtype, expected master storage dtype or None)
+    (Precision(master="fp32"), torch.float32, None),  # fp32 params are their own master
+    (Precision(master="fp16"), torch.float32, None),
+    (Precision(master="rem"), torch.float32, None),
+    (Precision(master="none"), torch.bfloat16, None),
+    (Precision(master="none"), torch.float16, None),
+    (Precision(master="fp32"), torch.bfloat16, torch.float32),
+    (Precision(master="fp32"), torch.float16, torch.float32),
+    (Precision(master="fp16"), torch.bfloat16, torch.float16),
+    (Precision(master="rem"), torch.bfloat16, torch.int16),
+    (Precision(master="rem"), torch.float16, torch.float32),  # remainders: bf16 only
+]
+
+
+@pytest.mark.parametrize("cfg,dtype,master", MASTER_CASES,
+                         ids=[f"{c.id}-param={str(d)[6:]}" for c, d, _ in MASTER_CASES])
+def test_master_only_where_s2_1_gives_one(cfg, dtype, master, backend):
+    params = make_params([dtype], [(5,)], seed=1)
+    opt = fused_adam()(params, **cfg.optimizer_kwargs())
+    state = opt.state[params[0]]
+    if master is None:
+        assert "master_param" not in state
+        with pytest.raises(KeyError):
+            opt.get_unscaled_state(params[0], "master_param")
+    else:
+        assert state["master_param"].dtype == master
+    params[0].grad = torch.randn(5).to(dtype)
+    opt.step()
+    assert ("master_param" in opt.state[params[0]]) == (master is not None)
+
+
+def test_master_fp16_ignores_store_param_remainders(backend):
+    """S2.5: remainders only replace an fp32 master."""
+    params = make_params([torch.bfloat16], [(5,)], seed=2)
+    opt = fused_adam()(params, master_weights=True, master_weight_dtype=torch.float16,
+                       store_param_remainders=True)
+    assert opt.state[params[0]]["master_param"].dtype == torch.float16
+
+
+def test_state_exists_from_construction_and_add_param_group(backend):
+    """S1.6: optimizer.state is never empty; add_param_group creates state for the new
+    parameters without touching anyone's step."""
+    params = make_params([torch.bfloat16, torch.float32], [(3,), (2,)], seed=3)
+    opt = fused_adam()(params[:1], master_weights=True, exp_avg_dtype=torch.uint8)
+    assert params[0] in opt.state and len(opt.state) == 1
+    params[0].grad = torch.randn(3).bfloat16()
+    opt.step()
+    opt.add_param_group(dict(params=params[1:], lr=0.5))
+    assert set(opt.state[params[1]]) == {"exp_avg", "exp_avg_scale", "exp_avg_sq"}
+    assert [g["step"] for g in opt.param_groups] == [1, 0]
+    assert bool((opt.get_unscaled_state(params[1], "exp_avg") == 0).all())
+
+
+def test_param_swapped_in_after_construction_is_initialised_at_step(backend):
+    """S1.6: a parameter without state at step time (swapped into a group) gets its
+    state then: the step starts from zero moments and a master seeded from it."""
+    params = make_params([torch.bfloat16, torch.bfloat16], [(6,), (4,)], seed=4)
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="bf16", master="fp32")
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    grads = make_grads(params, [torch.bfloat16] * 2, 1, seed=5)
+    attach_grads(params, grads, decoupled=False)
+    opt.step()
+    newcomer = make_params([torch.bfloat16], [(4,)], seed=6)[0]
+    opt.param_groups[0]["params"][1] = newcomer
+    assert newcomer not in opt.state
+    current = [params[0], newcomer]
+    grads = make_grads(current, [torch.bfloat16] * 2, 2, seed=5)
+    attach_grads(current, grads, decoupled=False)
+    inputs = capture_inputs(opt, current[:1])
+    # what a fresh parameter starts from: zero moments, the weight is its own value
+    zero = torch.zeros(4, dtype=torch.float64)
+    inputs.append(StepInputs(w=newcomer.detach().double(), m=zero, v=zero,
+                             param_bits=None, state_bits={}))
+    opt.step()
+    # one step counter per group (S2.8): the newcomer's first step is the group's step 2
+    verify_step(opt, current, inputs, grads, HYPER, 2, "after swapping a param in")
+
+
+def test_param_data_replaced_between_steps(backend):
+    """Assigning new storage to a parameter (param.data = ...) between steps: the next
+    step reads and writes the new storage."""
+    params = make_params([torch.float32, torch.bfloat16], [(5,), (3,)], seed=7)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), master_weights=False)
+    for step in (1, 2):
+        if step == 2:
+            params[0].data = torch.randn(5) * 10
+            params[1].data = (torch.randn(3) * 10).bfloat16()
+        grads = make_grads(params, [p.dtype for p in params], step, seed=8)
+        attach_grads(params, grads, decoupled=False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, HYPER, step, "param.data replaced")
+
+
+def test_state_set_between_steps_is_used(backend):
+    """set_scaled_state and in-place edits of the state between steps are what the next
+    step starts from."""
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="fp32", master="fp32")
+    params = make_params([torch.bfloat16], [(8,)], seed=9)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    p = params[0]
+    for step in (1, 2, 3):
+        if step == 2:
+            opt.set_scaled_state(p, "exp_avg", torch.randn(8) * 3)
+            opt.set_scaled_state(p, "master_param", torch.randn(8))
+        if step == 3:
+            opt.state[p]["exp_avg_sq"].mul_(4.0)
+        grads = make_grads(params, [torch.bfloat16], step, seed=10)
+        attach_grads(params, grads, decoupled=False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, HYPER, step, "state edited")
+
+
+# --------------------------------------------------------------------------------------
+# S2.8: the step counter
+
+
+def test_step_advances_for_empty_and_gradient_free_groups(backend):
+    params = make_params([torch.float32, torch.bfloat16, torch.float32],
+                         [(3,), (2,), (0,)], seed=11)
+    opt = fused_adam()([dict(params=params[:1]), dict(params=[]),
+                        dict(params=params[1:2]), dict(params=params[2:])],
+                       master_weights=True, exp_avg_sq_dtype=torch.float16)
+    params[0].grad = torch.ones(3)
+    params[2].grad = torch.zeros(0)
+    untouched = {key: value.clone() for key, value in opt.state[params[1]].items()}
+    for step in (1, 2, 3):
+        opt.step()
+        assert [g["step"] for g in opt.param_groups] == [step] * 4
+        assert all(type(g["step"]) is int for g in opt.param_groups)
+    # the group without gradients kept its state bitwise (S3.2)
+    for key, value in untouched.items():
+        assert_bitwise_equal(opt.state[params[1]][key], value, f"gradient-free param {key}")
+
+
+def test_step_with_no_gradients_at_all_still_counts(backend):
+    params = make_params([torch.float32], [(3,)], seed=12)
+    opt = fused_adam()(params)
+    before = snapshot(opt)
+    opt.step()
+    assert opt.param_groups[0]["step"] == 1
+    before["groups"][0]["step"] = 1
+    assert_unchanged(opt, before, "everything but the step")
+
+
+# --------------------------------------------------------------------------------------
+# S3.2 / S3.4: gradients
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["grad", "decoupled_grad"])
+def test_none_grads_skipped_and_grads_never_written(adam_w_mode, decoupled, backend):
+    """S3.2: a None gradient skips its parameter (state bitwise kept, scales not
+    recomputed); gradients are read, never written, also in L2 mode where the penalty
+    is added to the gradient (in registers only)."""
+    cfg = Precision(param="fp16+bf16", grad="fp32" if decoupled else "same",
+                    exp_avg="fp8", exp_avg_sq="fp16", master="fp32")
+    hyper = Hyper(**{**HYPER.__dict__, "adam_w_mode": adam_w_mode, "weight_decay": 0.5})
+    params = make_params(cfg.param_dtypes(4), [(4, 3), (5,), (2, 2), (1,)], seed=13)
+    opt = fused_adam()(params, **hyper.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    for step in (1, 2, 3):
+        grads = make_grads(params, [cfg.grad_dtype(p.dtype) for p in params], step, seed=14)
+        grads[step % 4] = None  # a different parameter sits out each step
+        attach_grads(params, grads, decoupled)
+        copies = [None if g is None else g.clone() for g in grads]
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, hyper, step, "mixed None grads")
+        for i, (g, c) in enumerate(zip(grads, copies)):
+            if g is not None:
+                assert_bitwise_equal(g, c, f"step {step}: gradient {i} was written")
+            source = getattr(params[i], "decoupled_grad" if decoupled else "grad")
+            assert source is g, "the optimizer replaced a gradient"
+
+
+def test_decoupled_grad_missing_attribute_means_none(backend):
+    """S3.2: with use_decoupled_grad a parameter without the attribute is skipped, even
+    if it has a .grad."""
+    params = make_params([torch.float32, torch.float32], [(3,), (3,)], seed=15)
+    opt = fused_adam()(params, lr=0.1, use_decoupled_grad=True)
+    params[0].grad = torch.ones(3)
+    params[1].decoupled_grad = torch.ones(3)
+    first = params[0].detach().clone()
+    opt.step()
+    assert_bitwise_equal(params[0].detach(), first, "param without decoupled_grad")
+    assert bool((opt.get_unscaled_state(params[0], "exp_avg") == 0).all())
+    assert bool((opt.get_unscaled_state(params[1], "exp_avg") != 0).all())
+
+
+def test_non_contiguous_gradient(backend):
+    """A gradient given as a strided view (e.g. a transpose) is read by logical element:
+    the step equals the one with the same values laid out contiguously."""
+    runs = []
+    for contiguous in (True, False):
+        params = make_params([torch.float32, torch.bfloat16], [(3, 5), (4, 2)], seed=16)
+        opt = fused_adam()(params, lr=0.1, use_decoupled_grad=True, master_weights=True,
+                           exp_avg_dtype=torch.bfloat16)
+        generator = torch.Generator().manual_seed(17)
+        for p in params:
+            g = torch.randn(p.shape[1], p.shape[0], generator=generator).t()
+            p.decoupled_grad = g.contiguous() if contiguous else g
+        opt.step()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    assert not pb[0].decoupled_grad.is_contiguous()
+    for i, (p, q) in enumerate(zip(pa, pb)):
+        assert_bitwise_equal(q.detach(), p.detach(), f"param {i}")
+        for key, value in a.state[p].items():
+            assert_bitwise_equal(b.state[q][key], value, f"param {i} {key}")
+
+
+FLAT_CASES = [
+    Precision(param="bf16", grad="fp32", exp_avg="fp8", exp_avg_sq="fp16", master="rem"),
+    Precision(param="fp32", grad="bf16", exp_avg="bf16", exp_avg_sq="fp32"),
+]
+
+
+@pytest.mark.parametrize("cfg", FLAT_CASES, ids=[c.id for c in FLAT_CASES])
+def test_params_and_grads_as_views_into_flat_buffers(cfg, backend):
+    """Megatron-style: parameters and gradients are views into one flat buffer each, at
+    element offsets that leave them unaligned. Results equal those of standalone
+    tensors bitwise, and the buffers' bytes between and around the views (filled with
+    a sentinel) are never written."""
+    shapes = [(3, 7), (1,), (17,), (2, 2, 2)]
+    dtypes = cfg.param_dtypes(len(shapes))
+    standalone = make_params(dtypes, shapes, seed=30)
+    sizes = [math.prod(s) for s in shapes]
+    gap = 3  # sentinel elements before, between and after the views
+    flat_p = torch.empty(sum(sizes) + gap * (len(sizes) + 1), dtype=dtypes[0])
+    flat_g = torch.empty(flat_p.shape, dtype=cfg.grad_dtype(dtypes[0]))
+    for flat in (flat_p, flat_g):
+        flat.view(torch.uint8).fill_(0x5A)
+    sentinel_p, sentinel_g = flat_p.clone(), flat_g.clone()
+    views, used = [], torch.zeros(flat_p.shape, dtype=torch.bool)
+    start = gap
+    for p, n, shape in zip(standalone, sizes, shapes):
+        view = flat_p[start:start + n].view(shape)
+        view.copy_(p.detach())
+        views.append(torch.nn.Parameter(view))  # shares the flat storage
+        used[start:start + n] = True
+        start += n + gap
+    assert views[0].data_ptr() != flat_p.data_ptr()
+    runs = {}
+    for name, params in (("standalone", standalone), ("views", views)):
+        runs[name] = fused_adam()(params, **HYPER.optimizer_kwargs(),
+                                  **cfg.optimizer_kwargs())
+    for step in (1, 2, 3):
+        grads = make_grads(standalone, [cfg.grad_dtype(d) for d in dtypes], step, seed=31)
+        attach_grads(standalone, grads, cfg.decoupled)
+        start, grad_views = gap, []
+        for g, n in zip(grads, sizes):
+            view = flat_g[start:start + n].view(g.shape)
+            view.copy_(g)
+            grad_views.append(view)
+            start += n + gap
+        attach_grads(views, grad_views, cfg.decoupled)
+        for name in runs:
+            runs[name].step()
+        assert_bitwise_equal(flat_p[~used], sentinel_p[~used], "param buffer outside views")
+        assert_bitwise_equal(flat_g[~used], sentinel_g[~used], "grad buffer outside views")
+        for i, (p, q) in enumerate(zip(standalone, views)):
+            assert_bitwise_equal(q.detach(), p.detach(), f"step {step} param {i}")
+            for key, value in runs["standalone"].state[p].items():
+                assert_bitwise_equal(runs["views"].state[q][key], value,
+                                     f"step {step} param {i} {key}")
+
+
+def test_non_contiguous_params(backend):
+    """A parameter that is a strided (transposed) tensor is updated by logical element,
+    exactly like its contiguous copy."""
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="bf16", master="fp32")
+    base = make_params([torch.bfloat16], [(5, 3)], seed=32)[0].detach()
+    strided = [torch.nn.Parameter(base.clone().t())]
+    compact = [torch.nn.Parameter(base.clone().t().contiguous())]
+    assert not strided[0].is_contiguous()
+    opts = [fused_adam()(ps, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+            for ps in (strided, compact)]
+    for step in (1, 2):
+        grads = make_grads(compact, [torch.bfloat16], step, seed=33)
+        attach_grads(compact, grads, False)
+        attach_grads(strided, [g.t().contiguous().t() for g in grads], False)
+        inputs = capture_inputs(opts[0], strided)
+        for opt in opts:
+            opt.step()
+        verify_step(opts[0], strided, inputs, grads, HYPER, step, "strided param")
+        assert_bitwise_equal(strided[0].detach().contiguous(), compact[0].detach(),
+                             f"step {step}: strided vs contiguous")
+
+
+def test_grad_dtypes_in_any_combination(backend):
+    """S3.4: fp32 / fp16 / bf16 gradients for fp32 / fp16 / bf16 parameters."""
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    params, grads = [], []
+    generator = torch.Generator().manual_seed(18)
+    for p_dtype in dtypes:
+        for g_dtype in dtypes:
+            values = torch.randn(6, generator=generator).to(p_dtype)
+            params.append(torch.nn.Parameter(values))
+            grads.append(torch.randn(6, generator=generator).to(g_dtype))
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), use_decoupled_grad=True)
+    attach_grads(params, grads, decoupled=True)
+    inputs = capture_inputs(opt, params)
+    opt.step()
+    verify_step(opt, params, inputs, grads, HYPER, 1, "grad dtype matrix")
+
+
+# --------------------------------------------------------------------------------------
+# S3.1: closure
+
+
+def test_closure_runs_with_grad_enabled_and_its_loss_is_returned(backend):
+    params = make_params([torch.float32], [(4,)], seed=19)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs())
+    target = torch.arange(4.0)
+    seen = {}
+
+    def closure():
+        seen["grad_enabled"] = torch.is_grad_enabled()
+        opt.zero_grad()
+        loss = ((params[0] - target) ** 2).sum()
+        loss.backward()
+        seen["grad"] = params[0].grad.clone()
+        return loss
+
+    inputs = capture_inputs(opt, params)
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert seen["grad_enabled"] is True
+    assert isinstance(loss, torch.Tensor) and loss.item() > 0
+    verify_step(opt, params, inputs, [seen["grad"]], HYPER, 1, "closure step")
+
+
+# --------------------------------------------------------------------------------------
+# S4: zero_grad
+
+
+def test_zero_grad_defaults_to_none(backend):
+    params = make_params([torch.float32, torch.bfloat16], [(3,), (2,)], seed=20)
+    opt = fused_adam()(params)
+    for p in params:
+        p.grad = torch.ones(p.shape, dtype=p.dtype)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+def test_zero_grad_set_to_none_false_zeroes(backend):
+    params = make_params([torch.float32], [(3,)], seed=21)
+    opt = fused_adam()(params)
+    grad = torch.ones(3)
+    params[0].grad = grad
+    opt.zero_grad(set_to_none=False)
+    assert params[0].grad is grad and bool((grad == 0).all())
+
+
+def test_zero_grad_uses_deprecated_constructor_value(backend):
+    params = make_params([torch.float32], [(3,)], seed=22)
+    with pytest.warns(DeprecationWarning):
+        opt = fused_adam()(params, set_grad_none=False)
+    params[0].grad = torch.ones(3)
+    opt.zero_grad()
+    assert params[0].grad is not None and bool((params[0].grad == 0).all())
+
+
+@pytest.mark.parametrize("set_to_none", [None, True, False])
+def test_zero_grad_with_decoupled_grad(set_to_none, backend):
+    """S4: with use_decoupled_grad, zero_grad clears decoupled_grad (None, or zeros
+    when set_to_none=False) and leaves .grad bitwise alone."""
+    params = make_params([torch.float32, torch.bfloat16], [(3,), (2,)], seed=23)
+    opt = fused_adam()(params, use_decoupled_grad=True)
+    grads = []
+    for p in params:
+        p.grad = torch.full(p.shape, 2.0, dtype=p.dtype)
+        grads.append(p.grad.clone())
+        p.decoupled_grad = torch.ones(p.shape)
+    opt.zero_grad(set_to_none=set_to_none)
+    for p, g in zip(params, grads):
+        assert_bitwise_equal(p.grad, g, ".grad after zero_grad")
+        if set_to_none is False:
+            assert bool((p.decoupled_grad == 0).all())
+        else:
+            assert getattr(p, "decoupled_grad", None) is None

@@ -1,0 +1,343 @@
+"""State access and checkpoints for plain tensors (SEMANTICS S5.1-S5.6).
+
+get_unscaled_state / set_scaled_state are checked bit for bit against S2.2-S2.4
+evaluated here with torch ops (decode: float(q) * s in fp32; encode: S2.3's scale and
+round(u / s)); state_dict() / load_state_dict() for layout, dtype conversion between
+configurations, torch.save round trips and bitwise continuation.
+"""
+
+import io
+import math
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    FP32_TINY, Precision, SCALE_TARGET, TORCH_DTYPE, assert_bitwise_equal,
+    assert_same_optimizer_state, clone_params, decode_codes, fused_adam, make_params,
+    merge_remainder, near_ties, quantize_like_spec, run_precision_steps, split_master)
+
+STORAGE_CASES = {
+    # state name -> Precision that stores it in the format named by the id
+    "exp_avg-fp32": ("exp_avg", Precision(param="bf16", master="fp32")),
+    "exp_avg-bf16": ("exp_avg", Precision(param="bf16", exp_avg="bf16")),
+    "exp_avg-fp16": ("exp_avg", Precision(param="bf16", exp_avg="fp16")),
+    "exp_avg-fp8": ("exp_avg", Precision(param="bf16", exp_avg="fp8")),
+    "exp_avg_sq-bf16": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="bf16")),
+    "exp_avg_sq-fp16": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="fp16")),
+    "exp_avg_sq-fp8": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="fp8")),
+    "master_param-fp32": ("master_param", Precision(param="bf16", master="fp32")),
+    "master_param-fp16": ("master_param", Precision(param="bf16", master="fp16")),
+    "master_param-rem": ("master_param", Precision(param="bf16", master="rem")),
+}
+
+
+def stepped(cfg, shapes=((3, 4), (0,)), steps=3, seed=0):
+    params = make_params(cfg.param_dtypes(len(shapes)), shapes, seed=seed)
+    opt = fused_adam()(params, lr=1e-2, weight_decay=0.1, **cfg.optimizer_kwargs())
+    run_precision_steps(opt, params, cfg, None, steps, 1, seed=seed, what="setup",
+                        check=False)
+    return opt, params
+
+
+@pytest.mark.parametrize("case", list(STORAGE_CASES))
+def test_get_unscaled_state(case, backend):
+    """S5.2: fp32 true values (float(q) * s in fp32 for scaled storage), a copy for
+    non-fp32 storage; the raw int16 for remainders; the stored bf16 tensor itself with
+    skip_unscale (other formats ignore the flag)."""
+    name, cfg = STORAGE_CASES[case]
+    opt, params = stepped(cfg)
+    p = params[0]
+    stored = opt.state[p][name]
+    fmt = case.split("-")[1]
+    value = opt.get_unscaled_state(p, name)
+    if fmt == "rem":
+        assert_bitwise_equal(value, stored, "raw remainder")
+        return
+    assert value.dtype == torch.float32 and value.shape == p.shape
+    if fmt in SCALE_TARGET:
+        scale = opt.state[p][name + "_scale"]
+        expected = decode_codes(stored).float() * scale
+    else:
+        expected = stored.float()
+    assert_bitwise_equal(value, expected, f"get_unscaled_state({name})")
+    if fmt != "fp32":
+        # a copy: writing to it leaves the state alone
+        snapshot_ = stored.clone()
+        value.add_(1.0)
+        assert_bitwise_equal(opt.state[p][name], snapshot_, "state after editing the copy")
+    skipped = opt.get_unscaled_state(p, name, skip_unscale=True)
+    if fmt == "bf16":
+        assert skipped.dtype == torch.bfloat16 and skipped.data_ptr() == stored.data_ptr()
+    else:
+        assert_bitwise_equal(skipped, expected, "skip_unscale on a non-bf16 state")
+    assert opt.get_unscaled_state(params[1], name).shape == (0,)
+
+
+def first_elements(shape, count):
+    """A mask of the first `count` elements (in memory order) of a tensor of `shape`."""
+    return torch.arange(math.prod(shape)).reshape(shape) < count
+
+
+SET_VALUES = {
+    "random": lambda shape: torch.randn(shape) * 3,
+    "zeros": lambda shape: torch.zeros(shape),
+    "huge": lambda shape: torch.full(shape, 1e30),
+    "tiny": lambda shape: torch.full(shape, 1e-40),  # a / R below fp32 tiny: the floor
+    "with-inf": lambda shape: torch.where(first_elements(shape, 1), math.inf, 1.0),
+    "with-nan": lambda shape: torch.where(first_elements(shape, 2), math.nan, -2.0),
+}
+
+
+@pytest.mark.parametrize("values", list(SET_VALUES))
+@pytest.mark.parametrize("case", [c for c in STORAGE_CASES if not c.endswith("rem")])
+def test_set_scaled_state_stores_per_s2_3(case, values, backend):
+    """S5.3: fp32 values stored with a fresh scale (S2.3) and round to nearest even
+    (S2.4), bit for bit as evaluated here; the caller's tensor is neither modified nor
+    kept (the state does not alias it)."""
+    name, cfg = STORAGE_CASES[case]
+    fmt = case.split("-")[1]
+    opt, params = stepped(cfg)
+    p = params[0]
+    value = SET_VALUES[values](p.shape)
+    copy = value.clone()
+    opt.set_scaled_state(p, name, value)
+    assert_bitwise_equal(value, copy, "caller's tensor")
+    codes, scale = quantize_like_spec(value, fmt)
+    stored = opt.state[p][name]
+    assert_bitwise_equal(stored, codes, f"stored {name}")
+    if scale is not None:
+        assert opt.state[p][name + "_scale"].item() == scale
+        if values == "tiny":
+            assert scale == FP32_TINY
+        if values in ("zeros", "with-inf", "with-nan"):
+            assert scale == 1.0
+    value.fill_(7.0)
+    assert_bitwise_equal(opt.state[p][name], codes,
+                         f"{name} after editing the caller's tensor")
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_set_scaled_state_near_ties_bitwise(fmt, backend):
+    """S2.3 / S2.4 on values that sit next to rounding midpoints after division by the
+    scale: the codes are exactly round_to_nearest_even(fp32(u / s))."""
+    values, scale = near_ties(fmt, 1 << 16, seed=1)
+    params = [torch.nn.Parameter(torch.zeros(values.shape))]
+    opt = fused_adam()(params, exp_avg_dtype=TORCH_DTYPE[fmt])
+    opt.set_scaled_state(params[0], "exp_avg", values)
+    codes, expected = quantize_like_spec(values, fmt)
+    assert opt.state[params[0]]["exp_avg_scale"].item() == expected == scale
+    assert_bitwise_equal(opt.state[params[0]]["exp_avg"], codes, f"{fmt} codes")
+
+
+def test_set_scaled_state_remainder_and_empty(backend):
+    """S5.3: remainders take int16 as they are (the param keeps its bits); empty
+    parameters take empty values (scale 1 for scaled storage)."""
+    cfg = Precision(param="bf16", exp_avg="fp16", master="rem")
+    opt, params = stepped(cfg)
+    p, empty = params
+    bits = p.detach().clone()
+    remainder = torch.randint(-2 ** 15, 2 ** 15, p.shape, dtype=torch.int32).to(torch.int16)
+    opt.set_scaled_state(p, "master_param", remainder)
+    assert_bitwise_equal(opt.state[p]["master_param"], remainder, "stored remainder")
+    assert_bitwise_equal(p.detach(), bits, "param bits after setting a remainder")
+    opt.set_scaled_state(empty, "exp_avg", torch.zeros(0))
+    assert opt.state[empty]["exp_avg_scale"].item() == 1.0
+
+
+def test_set_scaled_state_non_contiguous_value(backend):
+    """A strided (transposed) fp32 value is stored by logical element, not by memory."""
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="bf16", master="fp32")
+    opt, params = stepped(cfg)
+    p = params[0]
+    value = (torch.randn(p.shape[1], p.shape[0]) * 5).t()
+    assert not value.is_contiguous()
+    for name, fmt in (("exp_avg", "fp16"), ("exp_avg_sq", "bf16"),
+                      ("master_param", "fp32")):
+        opt.set_scaled_state(p, name, value)
+        codes, _ = quantize_like_spec(value.contiguous(), fmt)
+        assert_bitwise_equal(opt.state[p][name], codes, f"{name} from a transposed value")
+
+
+def test_state_dict_layout_multi_group_and_param_names(backend):
+    """S5.4: torch's layout over several groups (indices continue across groups), the
+    group settings and int step, exactly the configured names per parameter, tensors
+    only; param_names kept when the optimizer was given named parameters."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model.to(torch.bfloat16)
+    named = list(model.named_parameters())
+    opt = fused_adam()([dict(params=named[:2]), dict(params=named[2:], lr=0.5)],
+                       master_weights=True, exp_avg_dtype=torch.uint8)
+    for _, p in named:
+        p.grad = torch.randn(p.shape).bfloat16()
+    opt.step()
+    sd = opt.state_dict()
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3]]
+    assert [g.get("param_names") for g in sd["param_groups"]] == \
+        [[n for n, _ in named[:2]], [n for n, _ in named[2:]]]
+    assert [g["lr"] for g in sd["param_groups"]] == [1e-3, 0.5]
+    assert [g["step"] for g in sd["param_groups"]] == [1, 1]
+    for g in sd["param_groups"]:
+        assert type(g["step"]) is int
+    for index, (_, p) in enumerate(named):
+        entry = sd["state"][index]
+        assert sorted(entry) == ["exp_avg", "exp_avg_sq", "master_param"]
+        for name, value in entry.items():
+            assert isinstance(value, torch.Tensor) and value.dtype == torch.float32, name
+            assert_bitwise_equal(value, opt.get_unscaled_state(p, name), name)
+
+
+def test_state_dict_of_fresh_optimizer_changes_nothing(backend):
+    """S1.6 / S6.3 for plain tensors: state_dict() right after construction exports the
+    initial state and writes nothing."""
+    cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="fp16")
+    params = make_params(cfg.param_dtypes(2), [(4,), (2, 3)], seed=3)
+    opt = fused_adam()(params, **cfg.optimizer_kwargs())
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        for key, value in before[id(p)].items():
+            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+        assert bool((sd["state"][i]["exp_avg"] == 0).all())
+        codes, scale = quantize_like_spec(p.detach().float(), "fp16")
+        assert_bitwise_equal(sd["state"][i]["master_param"],
+                             decode_codes(codes).float() * torch.tensor(scale),
+                             "exported seeded master")
+    assert sd["param_groups"][0]["step"] == 0
+
+
+CROSS_LOADS = [
+    (Precision(param="bf16", master="fp32"),
+     Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="rem")),
+    (Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="rem"),
+     Precision(param="bf16", master="fp32")),
+    (Precision(param="bf16", exp_avg="bf16", exp_avg_sq="bf16", master="fp16"),
+     Precision(param="bf16", exp_avg="fp16", exp_avg_sq="fp8", master="fp32")),
+    (Precision(param="fp16+bf16", exp_avg="fp16", master="fp32"),
+     Precision(param="fp16+bf16", exp_avg="bf16", master="fp16")),
+]
+
+
+@pytest.mark.parametrize("saved_cfg,loaded_cfg", CROSS_LOADS,
+                         ids=[f"{a.id}-to-{b.id}" for a, b in CROSS_LOADS])
+def test_load_state_dict_converts_to_configured_storage(saved_cfg, loaded_cfg, backend):
+    """S5.5: a checkpoint saved under one configuration loads into another: each state
+    is stored as configured (S2.3 on the saved fp32 values for scaled storage), never
+    as the parameter's dtype; masters move between fp32 and remainders losslessly."""
+    opt, params = stepped(saved_cfg, shapes=((5, 3), (7,)), steps=4, seed=4)
+    sd = opt.state_dict()
+    new_params = clone_params(params)
+    new_opt = fused_adam()(new_params, **loaded_cfg.optimizer_kwargs())
+    new_opt.load_state_dict(sd)
+    assert new_opt.param_groups[0]["step"] == 4
+    for i, (p, q) in enumerate(zip(params, new_params)):
+        saved = sd["state"][i]
+        for name, fmt in loaded_cfg.state_formats(q.dtype).items():
+            stored = new_opt.state[q][name]
+            value = saved[name]
+            if value.dtype == torch.int16:
+                value = merge_remainder(p, value)  # the saved fp32 master
+            if fmt == "rem":
+                # the param holds the master's high half so that the pair is the master
+                assert_bitwise_equal(merge_remainder(q, stored), value,
+                                     f"param {i}: master rebuilt from the remainder")
+                assert_bitwise_equal(q.detach(), split_master(value)[0],
+                                     f"param {i}: param bits of the split")
+                continue
+            codes, scale = quantize_like_spec(value, fmt)
+            assert_bitwise_equal(stored, codes, f"param {i} {name} as {fmt}")
+            if scale is not None:
+                assert new_opt.state[q][name + "_scale"].item() == scale
+
+
+def test_load_state_dict_restores_group_settings_and_step(backend):
+    """torch semantics: the saved hyper-parameters and step are restored."""
+    params = make_params([torch.float32], [(4,)], seed=5)
+    opt = fused_adam()(params, lr=0.1, betas=(0.8, 0.9), weight_decay=0.2)
+    params[0].grad = torch.ones(4)
+    opt.step()
+    sd = opt.state_dict()
+    other = fused_adam()(clone_params(params), lr=0.5)
+    other.load_state_dict(sd)
+    group = other.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["weight_decay"], group["step"]) == \
+        (0.1, (0.8, 0.9), 0.2, 1)
+
+
+ROUND_TRIP = [
+    Precision(param="bf16", exp_avg="bf16", exp_avg_sq="bf16", master="rem"),
+    Precision(param="fp16+bf16", exp_avg="bf16", exp_avg_sq="fp32", master="fp32"),
+    Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="fp16"),
+]
+
+
+@pytest.mark.parametrize("cfg", ROUND_TRIP, ids=[c.id for c in ROUND_TRIP])
+def test_torch_save_load_round_trip(cfg, backend):
+    """S5.4 / S5.6: the state dict survives torch.save / torch.load(weights_only=True)
+    (tensors and plain values only) and the resumed run continues exactly: bitwise for
+    fp32 / bf16 / remainder state; for scaled state the reload is S2.3 of the saved
+    values, and when that reproduces the storage the continuation is bitwise too."""
+    opt, params = stepped(cfg, shapes=((6, 5), (1,), (0,)), steps=5, seed=6)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    new_params = clone_params(params)
+    new_opt = fused_adam()(new_params, lr=1e-2, weight_decay=0.1, **cfg.optimizer_kwargs())
+    new_opt.load_state_dict(loaded)
+    same = True
+    for i, (p, q) in enumerate(zip(params, new_params)):
+        for name, fmt in cfg.state_formats(p.dtype).items():
+            if fmt in SCALE_TARGET:
+                codes, scale = quantize_like_spec(loaded["state"][i][name], fmt)
+                assert_bitwise_equal(new_opt.state[q][name], codes, name)
+                same = same and torch.equal(codes, opt.state[p][name]) and \
+                    scale == opt.state[p][name + "_scale"].item()
+            else:
+                assert_bitwise_equal(new_opt.state[q][name], opt.state[p][name], name)
+    if cfg.bitwise_round_trip:
+        assert same
+    for opt_, params_ in ((opt, params), (new_opt, new_params)):
+        run_precision_steps(opt_, params_, cfg, None, 3, 6, seed=7, what="continued",
+                            check=False)
+    if same:
+        assert_same_optimizer_state(opt, new_opt, params, new_params, "after reload")
+
+
+def test_load_into_stepped_optimizer_rewinds(backend):
+    """Loading an earlier checkpoint into an optimizer that has moved on replaces its
+    state (nothing cached from the later steps survives): it then continues exactly as
+    the run that was checkpointed."""
+    cfg = Precision(param="bf16", exp_avg="fp32", exp_avg_sq="bf16", master="fp32")
+    opt, params = stepped(cfg, steps=2, seed=8)
+    sd = opt.state_dict()
+    twin_params = clone_params(params)
+    run_precision_steps(opt, params, cfg, None, 3, 3, seed=9, what="moved on",
+                        check=False)
+    for p, q in zip(params, twin_params):
+        with torch.no_grad():
+            p.copy_(q)
+    opt.load_state_dict(sd)
+    twin = fused_adam()(twin_params, lr=1e-2, weight_decay=0.1, **cfg.optimizer_kwargs())
+    twin.load_state_dict(sd)
+    for opt_, params_ in ((opt, params), (twin, twin_params)):
+        run_precision_steps(opt_, params_, cfg, None, 2, 3, seed=10, what="resumed",
+                            check=False)
+    assert_same_optimizer_state(twin, opt, twin_params, params, "rewound vs fresh")
+
+
+def test_initialize_state_resets_remainder(backend):
+    """S5.1: initialize_state(param) recreates the state: zero moments, zero remainder
+    (the master is then the parameter's bf16 value), the parameter untouched."""
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="fp8", master="rem")
+    opt, params = stepped(cfg, steps=3, seed=11)
+    p = params[0]
+    bits = p.detach().clone()
+    opt.initialize_state(p)
+    assert_bitwise_equal(p.detach(), bits, "param after initialize_state")
+    assert bool((opt.state[p]["master_param"] == 0).all())
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert bool((opt.state[p][name] == 0).all())
+        assert opt.state[p][name + "_scale"].item() == 1.0
+    assert opt.param_groups[0]["step"] == 3
+    opt.initialize_state(p, store_param_remainders=True)  # agrees with the config
