@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "convert-inl.h"
 #include "element.h"
 #include "hwy/highway.h"
@@ -26,20 +28,36 @@ HWY_BEFORE_NAMESPACE();
 namespace shardadam {
 namespace HWY_NAMESPACE {
 
+// Stands for a divisor of exactly 1, which the ops object skips: x / 1 == x
+// bit for bit (NaN and -0 included). sqrt(1 - beta2^t) rounds to 1.0f without
+// bias correction and once beta2^t < 2^-24 (after ~16.6k steps at
+// beta2 = 0.999), which spares one of the update's three divider operations.
+struct UnitDivisor {};
+
+// StepConstants' fields as the ops object wants them, with the unit divisor.
+template <class Value>
+struct ConstantsUnitBc2 {
+  Value beta1, one_minus_beta1, beta2, one_minus_beta2, weight_decay, decay,
+      step_size;
+  UnitDivisor bias_correction2_sqrt;
+  Value eps;
+};
+
 // The ops object AdamElement expects, over full fp32 vectors.
+template <bool kUnitBc2>
 struct VecOps {
   using V = VF;
 #if HWY_HAVE_SCALABLE
   // Sizeless SVE vectors cannot be struct members: keep the scalars and
   // broadcast at each use (the compiler hoists it out of the loop).
-  using Consts = StepConstants;
+  using Consts = std::conditional_t<kUnitBc2, ConstantsUnitBc2<float>, StepConstants>;
   static V B(float x) { return hn::Set(DF(), x); }
   V Add(V a, float b) const { return hn::Add(a, B(b)); }
   V Mul(float a, V b) const { return hn::Mul(B(a), b); }
   V Mul(V a, float b) const { return hn::Mul(a, B(b)); }
   V Div(V a, float b) const { return hn::Div(a, B(b)); }
 #else
-  using Consts = BroadcastConstants<V>;
+  using Consts = std::conditional_t<kUnitBc2, ConstantsUnitBc2<V>, BroadcastConstants<V>>;
 #endif
   // Not HWY_INLINE: AdamElement is a template defined outside Highway's
   // per-target region, and forcing target code into it does not compile. The
@@ -48,25 +66,40 @@ struct VecOps {
   V Sub(V a, V b) const { return hn::Sub(a, b); }
   V Mul(V a, V b) const { return hn::Mul(a, b); }
   V Div(V a, V b) const { return hn::Div(a, b); }
+  V Div(V a, UnitDivisor) const { return a; }
   V Sqrt(V a) const { return hn::Sqrt(a); }
 };
 
-HWY_INLINE VecOps::Consts MakeConsts(const StepConstants& k) {
+template <bool kUnitBc2>
+HWY_INLINE typename VecOps<kUnitBc2>::Consts MakeConsts(const StepConstants& k) {
 #if HWY_HAVE_SCALABLE
-  return k;
+  if constexpr (kUnitBc2) {
+    return {k.beta1, k.one_minus_beta1, k.beta2, k.one_minus_beta2,
+            k.weight_decay, k.decay, k.step_size, UnitDivisor(), k.eps};
+  } else {
+    return k;
+  }
 #else
   const DF df;
-  return VecOps::Consts{hn::Set(df, k.beta1),        hn::Set(df, k.one_minus_beta1),
-                        hn::Set(df, k.beta2),        hn::Set(df, k.one_minus_beta2),
-                        hn::Set(df, k.weight_decay), hn::Set(df, k.decay),
-                        hn::Set(df, k.step_size),    hn::Set(df, k.bias_correction2_sqrt),
-                        hn::Set(df, k.eps)};
+  if constexpr (kUnitBc2) {
+    return {hn::Set(df, k.beta1),        hn::Set(df, k.one_minus_beta1),
+            hn::Set(df, k.beta2),        hn::Set(df, k.one_minus_beta2),
+            hn::Set(df, k.weight_decay), hn::Set(df, k.decay),
+            hn::Set(df, k.step_size),    UnitDivisor(),
+            hn::Set(df, k.eps)};
+  } else {
+    return {hn::Set(df, k.beta1),        hn::Set(df, k.one_minus_beta1),
+            hn::Set(df, k.beta2),        hn::Set(df, k.one_minus_beta2),
+            hn::Set(df, k.weight_decay), hn::Set(df, k.decay),
+            hn::Set(df, k.step_size),    hn::Set(df, k.bias_correction2_sqrt),
+            hn::Set(df, k.eps)};
+  }
 #endif
 }
 
-// internal::UpdateFn. `n` is a multiple of kGranule; the blocks are distinct
+// internal::UpdateFn. `n` is a multiple of the pair size; the blocks are distinct
 // buffers (scratch, or the caller's fp32 state updated in place).
-template <bool kAdamW>
+template <bool kAdamW, bool kUnitBc2>
 HWY_NOINLINE HWY_FLATTEN void UpdateBlock(const StepConstants& k,
                                           const float* HWY_RESTRICT g,
                                           float* HWY_RESTRICT w,
@@ -74,8 +107,8 @@ HWY_NOINLINE HWY_FLATTEN void UpdateBlock(const StepConstants& k,
                                           float* HWY_RESTRICT v, size_t n) {
   const DF df;
   const size_t L = hn::Lanes(df);
-  const VecOps ops;
-  const VecOps::Consts c = MakeConsts(k);
+  const VecOps<kUnitBc2> ops;
+  const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   for (size_t i = 0; i < n; i += L) {
     VF wi = hn::LoadU(df, w + i);
     VF mi = hn::LoadU(df, m + i);
@@ -90,7 +123,7 @@ HWY_NOINLINE HWY_FLATTEN void UpdateBlock(const StepConstants& k,
 // internal::ReduceFn. With kReduceW false and AdamW, w's new value is unused
 // and the compiler drops its sqrt / divisions; the caller then passes any
 // readable block as `w`.
-template <bool kAdamW, bool kReduceW>
+template <bool kAdamW, bool kReduceW, bool kUnitBc2>
 HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
                                           const float* HWY_RESTRICT g,
                                           const float* HWY_RESTRICT w,
@@ -100,8 +133,8 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
   const DF df;
   const DI di;
   const size_t L = hn::Lanes(df);
-  const VecOps ops;
-  const VecOps::Consts c = MakeConsts(k);
+  const VecOps<kUnitBc2> ops;
+  const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   VI acc_w = hn::Zero(di);
   VI acc_m = hn::Zero(di);
   VI acc_v = hn::Zero(di);
@@ -117,7 +150,7 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
   }
   if (i < valid) {
     // Lanes past `valid` hold padding whose update may be NaN: mask them out.
-    // The loads stay in bounds: blocks are whole granules.
+    // The loads stay in bounds: blocks are whole pairs of vectors.
     const auto keep = hn::RebindMask(di, hn::FirstN(df, valid - i));
     VF wi = hn::LoadU(df, w + i);
     VF mi = hn::LoadU(df, m + i);
@@ -139,13 +172,17 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
 const internal::KernelTable* GetKernelTable() {
   static const internal::KernelTable table = {
       HWY_TARGET,
+      2 * hn::Lanes(DF()),
       {DecodeF32, DecodeBF16, DecodeF16, DecodeF16Scaled, DecodeF8Scaled,
        DecodeRemainder},
       {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeF8Scaled,
        EncodeRemainder},
-      {UpdateBlock<false>, UpdateBlock<true>},
-      {{ReduceBlock<false, false>, ReduceBlock<false, true>},
-       {ReduceBlock<true, false>, ReduceBlock<true, true>}},
+      {{UpdateBlock<false, false>, UpdateBlock<false, true>},
+       {UpdateBlock<true, false>, UpdateBlock<true, true>}},
+      {{{ReduceBlock<false, false, false>, ReduceBlock<false, false, true>},
+        {ReduceBlock<false, true, false>, ReduceBlock<false, true, true>}},
+       {{ReduceBlock<true, false, false>, ReduceBlock<true, false, true>},
+        {ReduceBlock<true, true, false>, ReduceBlock<true, true, true>}}},
       AbsMaxBits,
   };
   return &table;

@@ -3,21 +3,21 @@
 // target through adam-inl.h (Highway's foreach_target), so everything here is
 // compiled for SSE4, AVX2, AVX-512, NEON, SVE...
 //
-// Each codec is bit-exact with torch 2.x on CPU (`tensor.to(dtype)`) and with
-// every other target:
-// - bf16: round to nearest even (torch's result for every number); a NaN keeps
-//   its sign and top payload bits and is made quiet. torch itself is not
-//   consistent here (0xFFFF from its vectorised path, 0x7FC0 from its scalar
-//   one); this is the hardware convention and the reference's. Highway 1.0.3's
-//   DemoteTo truncates, so the rounding is integer code here.
+// Every target produces the same bits, and every number converts exactly as
+// torch 2.x does on CPU (`tensor.to(dtype)`); NaN encodings are fixed below:
+// - bf16: round to nearest even. A NaN keeps its sign and top payload bits and
+//   is made quiet (the AVX512-BF16 / Arm BFCVT convention, and the
+//   reference's); torch is not consistent here (0xFFFF from its vectorised
+//   path, 0x7FC0 from its scalar one). Highway 1.0.3's DemoteTo truncates, so
+//   the rounding is integer code here.
 // - fp16: round to nearest even with subnormals, overflow to +-inf; a NaN keeps
-//   its sign and top payload bits and is made quiet (the F16C / AArch64 FCVT
-//   result, which torch stores). Hardware converts where the target has it;
-//   integer code reproduces it bit for bit elsewhere (SSE4).
-// - fp8 E4M3 "fn" (uint8 codes): c10's fp8e4m3fn_from_fp32_value: round to
+//   its sign and top payload bits and is made quiet, both ways (the F16C /
+//   AArch64 FCVT result, which torch stores). Hardware converts where the
+//   target has it; integer code reproduces it bit for bit elsewhere (SSE4).
+// - fp8 E4M3 "fn" (uint8 codes): as c10's fp8e4m3fn_from_fp32_value: round to
 //   nearest even; a magnitude that rounds above 448 (anything above 464),
 //   inf and NaN all become NaN (0x7F with the sign). No saturation to 448.
-//   Decoding NaN (0x7F / 0xFF) gives 0x7FF00000 / 0xFFF00000 like torch.
+//   Decoding gives torch's bits, 0x7FF00000 / 0xFFF00000 for the NaN codes.
 // - int16 remainder beside a bf16 param (S2.5): the fp32 master w is
 //   (param << 16) + sign-extended remainder, exactly; the split stores
 //   param = (w + 0x8000) >> 16 and remainder = low 16 bits of w.
@@ -379,7 +379,7 @@ HWY_INLINE void StoreRemainderx2(VF a, VF b, uint16_t* HWY_RESTRICT param,
 
 // ---------------------------------------------------------------------------
 // Block codecs with the signatures of internal::DecodeFn / EncodeFn. `n` is
-// always a multiple of internal::kGranule (a multiple of 2 * Lanes).
+// always a multiple of 2 * Lanes (internal::KernelTable::pair).
 
 float* DecodeF32(const void* src, const void* /*aux*/, size_t /*n*/,
                  float /*scale*/, float* /*scratch*/) {

@@ -17,12 +17,10 @@
 namespace shardadam {
 namespace internal {
 
-// Every element count handed to a codec or kernel is a multiple of this: the
-// widest group any target converts at once (a pair of vectors, up to 2 x 64
-// fp32 lanes on the widest SVE), and a multiple of 64 elements, which keeps
-// every buffer's work items cache-line aligned for every dtype. Only the last
-// elements of a tensor can break it; those are staged through small zero-padded
-// buffers.
+// Work items start on multiples of this, which is a multiple of every
+// target's KernelTable::pair (two vectors: up to 2 x 64 fp32 lanes on the
+// widest SVE) and of 64 elements, so every buffer's work items start on a cache
+// line for every dtype.
 inline constexpr size_t kGranule = 128;
 
 // Elements per cache-resident fp32 block: four 2 KiB streams stay in L1 while
@@ -41,13 +39,13 @@ enum Codec : int {
   kNumCodecs,
 };
 
-// Reads `n` elements (a multiple of kGranule) as fp32. Returns the block the
+// Reads `n` elements (a multiple of KernelTable::pair) as fp32. Returns the block the
 // kernels should use: `scratch`, or for kCodecF32 `src` itself, so that fp32
 // buffers are updated in place with no copy. `aux` is the int16 remainder for
 // kCodecRemainder and ignored otherwise; `scale` is ignored by unscaled codecs.
 using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
                             float scale, float* scratch);
-// Stores `n` fp32 values (a multiple of kGranule); scaled codecs store
+// Stores `n` fp32 values (a multiple of KernelTable::pair); scaled codecs store
 // round(x / scale). kCodecRemainder writes the bf16 param to `dst` and the
 // remainder to `aux`.
 using EncodeFn = void (*)(const float* x, size_t n, float scale, void* dst,
@@ -67,10 +65,15 @@ using AbsMaxBitsFn = uint32_t (*)(const float* x, size_t n);
 
 struct KernelTable {
   int64_t target;  // HWY_* bit of the target that filled the table
+  // Element counts the codecs and kernels accept are multiples of this (two
+  // vectors of fp32 lanes; divides kGranule). Only tensor tails smaller than
+  // it need staging.
+  size_t pair;
   DecodeFn decode[kNumCodecs];
   EncodeFn encode[kNumCodecs];
-  UpdateFn update[2];     // [adam_w_mode]
-  ReduceFn reduce[2][2];  // [adam_w_mode][reduce_w]
+  // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
+  UpdateFn update[2][2];
+  ReduceFn reduce[2][2][2];  // [adam_w_mode][reduce_w][same]
   AbsMaxBitsFn abs_max_bits;
 };
 
@@ -87,7 +90,8 @@ const KernelTable& ActiveKernels();
 //   shardadam::internal::SetTargetForTest(0);
 //
 // HWY_* bits of every target compiled into the core that this CPU can run,
-// best first. Unaffected by SetTargetForTest and by Highway's own test mocks.
+// best first (hwy::TargetName names them). Unaffected by SetTargetForTest;
+// Highway's own SetSupportedTargetsForTest mock does narrow it.
 std::vector<int64_t> CompiledTargets();
 // Pins every entry point to `target` (one of CompiledTargets()); 0 restores
 // the dispatcher's choice. Returns false, changing nothing, for any other value.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <system_error>
 
 #if defined(__linux__)
 #include <sched.h>
@@ -68,12 +69,22 @@ void ThreadPool::Run(int num_threads, const std::function<void(int)>& body) {
     return;
   }
   std::lock_guard<std::mutex> run_lock(run_mutex_);
-  const int helpers = num_threads - 1;
+  int helpers = num_threads - 1;
   {
     std::unique_lock<std::mutex> lock(mutex_);
     while (static_cast<int>(workers_.size()) < helpers) {
       const int index = static_cast<int>(workers_.size());
-      workers_.emplace_back([this, index] { WorkerLoop(index); });
+      try {
+        workers_.emplace_back([this, index] { WorkerLoop(index); });
+      } catch (const std::system_error&) {
+        break;  // out of threads: run with the workers we have
+      }
+    }
+    helpers = std::min(helpers, static_cast<int>(workers_.size()));
+    if (helpers == 0) {
+      lock.unlock();
+      body(0);
+      return;
     }
     body_ = &body;
     active_ = helpers;

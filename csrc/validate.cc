@@ -3,11 +3,13 @@
 // Python layer can pass it on unchanged.
 #include "validate.h"
 
+#include <algorithm>
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace shardadam {
 namespace internal {
@@ -215,6 +217,69 @@ bool CheckSlot(int64_t i, const TensorSlot& s, Error* error) {
   return true;
 }
 
+// Buffers of different tensors may not overlap either: work items of
+// different tensors run on different threads. Gradients, only ever read, may
+// be shared. Sorting by address finds any overlap in O(n log n).
+bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* error) {
+  struct Interval {
+    uintptr_t begin, end;
+    int64_t tensor;
+    const char* name;
+    bool written;
+  };
+  std::vector<Interval> intervals;
+  intervals.reserve(static_cast<size_t>(count) * 5);
+  for (int64_t i = 0; i < count; ++i) {
+    const TensorSlot& s = slots[i];
+    if (s.numel == 0) continue;
+    const struct {
+      const char* name;
+      const void* data;
+      DType dtype;
+      bool written;
+    } buffers[5] = {{"param", s.param, s.param_dtype, true},
+                    {"grad", s.grad, s.grad_dtype, false},
+                    {"exp_avg", s.exp_avg, s.exp_avg_dtype, true},
+                    {"exp_avg_sq", s.exp_avg_sq, s.exp_avg_sq_dtype, true},
+                    {"master_param", s.master_param, s.master_dtype, true}};
+    for (const auto& b : buffers) {
+      if (b.dtype == DType::kNone) continue;
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data);
+      const uintptr_t bytes = static_cast<uintptr_t>(s.numel * ItemSize(b.dtype));
+      intervals.push_back({begin, begin + bytes, i, b.name, b.written});
+    }
+  }
+  std::sort(intervals.begin(), intervals.end(), [](const Interval& a, const Interval& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.tensor < b.tensor;
+  });
+  // The earlier interval reaching furthest, among all and among written ones.
+  const Interval* reach_all = nullptr;
+  const Interval* reach_written = nullptr;
+  for (const Interval& cur : intervals) {
+    const Interval* hit = cur.written ? reach_all : reach_written;
+    if (hit != nullptr && cur.begin < hit->end) {
+      // Same-tensor overlaps were rejected per slot, so this pair spans two
+      // tensors; blame the later one.
+      const Interval& first = hit->tensor < cur.tensor ? *hit : cur;
+      const Interval& second = hit->tensor < cur.tensor ? cur : *hit;
+      return Fail(error, second.tensor,
+                  Format("%s [%p, +%" PRIu64 " bytes) overlaps tensor %" PRId64
+                         "'s %s [%p, +%" PRIu64
+                         " bytes); tensors must not share memory (only gradients "
+                         "may be shared)",
+                         second.name, reinterpret_cast<void*>(second.begin),
+                         static_cast<uint64_t>(second.end - second.begin),
+                         first.tensor, first.name, reinterpret_cast<void*>(first.begin),
+                         static_cast<uint64_t>(first.end - first.begin)));
+    }
+    if (reach_all == nullptr || cur.end > reach_all->end) reach_all = &cur;
+    if (cur.written && (reach_written == nullptr || cur.end > reach_written->end)) {
+      reach_written = &cur;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int ItemSize(DType dtype) {
@@ -271,7 +336,7 @@ bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& para
   for (int64_t i = 0; i < count; ++i) {
     if (!CheckSlot(i, slots[i], error)) return false;
   }
-  return true;
+  return count < 2 || CheckCrossTensorOverlap(slots, count, error);
 }
 
 bool ValidateConvert(const void* src, DType src_dtype, const void* dst,

@@ -1,7 +1,9 @@
-"""Command line: ``python -m shardadam info`` (more commands join as they land)."""
+"""Command line: ``python -m shardadam demo | info``."""
 
 import argparse
 import sys
+
+from shardadam.demo import cli as demo_cli
 
 
 def _info(_args):
@@ -26,11 +28,30 @@ def _info(_args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument in one line on stderr (exit status 2), not usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m shardadam",
         description="shardadam: fused Adam/AdamW for sharded training with a C++ core.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo = commands.add_parser(
+        "demo", help="train a small transformer with FSDP2 on CPU ranks: torch AdamW vs "
+                     "FusedAdam, checkpoint, resume on another rank count, report",
+        description="Trains a small decoder-only transformer (byte tokens, the Python "
+                    "standard library's source as text) with FSDP2 on gloo CPU ranks, "
+                    "twice from the same seed: torch.optim.AdamW(fused=True) with fp32 "
+                    "state, and shardadam.FusedAdam with small state. The shardadam run "
+                    "saves a DCP checkpoint mid-way, which is resumed on another number "
+                    "of ranks and checked against the uninterrupted run. Writes demo.json "
+                    "and demo.png to --out.")
+    demo_cli.add_arguments(demo)
+    demo.set_defaults(run=demo_cli.run)
     commands.add_parser("info", help="version, SIMD target, threads and built backends") \
         .set_defaults(run=_info)
     args = parser.parse_args(argv)

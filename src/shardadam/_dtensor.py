@@ -1,20 +1,37 @@
-"""Every DTensor concern of the optimizer, in one place.
+"""Every DTensor concern of the optimizer, in one place (SEMANTICS S1.4, S2.6, S3.3).
 
-The arithmetic only ever sees local tensors: ``to_local`` gives the local view of a
-parameter, gradient or state, ``wrap_like`` gives a local tensor back the parameter's
-distributed layout, and the ``*_layout_error`` checks say (as a sentence, or None) why a
-layout cannot be used. For plain tensors every helper is the identity or finds nothing
-wrong. This build accepts plain tensors only: a DTensor parameter is rejected with a
-clear error until the DTensor path lands here.
+The arithmetic only ever sees local tensors. A parameter's distributed layout is a
+``Layout`` (mesh, placements, global shape and stride) or ``PLAIN`` for a plain tensor;
+the rest of the optimizer holds one per parameter and asks it to wrap a local state
+tensor back into the parameter's layout (``wrap``) or to say why a tensor does not fit
+it (``*_error``: a sentence, or None). ``to_local`` gives the local tensor of anything.
+
+Nothing here communicates: no redistribution, no ``run_check``, no ``full_tensor``.
+
+Private torch APIs, used here only:
+
+* ``DTensor(local, DTensorSpec(...), requires_grad=False)``: the public
+  ``DTensor.from_local`` moves the local tensor to the mesh's device type, which would
+  move the states of a CPU-offloaded parameter (FSDP2 keeps CPU local tensors under a
+  CUDA mesh) to the GPU; the constructor wraps the local tensor as it is.
+* ``DTensor._local_tensor`` / ``DTensor._spec`` on the per-step path: what the public
+  ``to_local()`` returns under ``torch.no_grad()`` and what ``placements`` /
+  ``device_mesh`` read, without a Python call per parameter per step.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
 
+# Private attributes read on the per-step path (see the module docstring).
+_local_tensor_of = operator.attrgetter("_local_tensor")
+_spec_of = operator.attrgetter("_spec")
+
 _dtensor_type = None
+_spec_types = None
 
 
 def _dtensor_class():
@@ -30,28 +47,31 @@ def _dtensor_class():
     return _dtensor_type
 
 
+def _spec_classes():
+    """``(DTensorSpec, TensorMeta)``: private, see the module docstring."""
+    global _spec_types
+    if _spec_types is None:
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        _spec_types = (DTensorSpec, TensorMeta)
+    return _spec_types
+
+
 def is_dtensor(tensor) -> bool:
     return isinstance(tensor, _dtensor_class())
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local tensor the kernels work on (the tensor itself when plain)."""
+    """The local tensor the kernels work on (the tensor itself when plain).
+
+    Under ``no_grad`` ``to_local()`` returns the stored local tensor itself -- for FSDP2 a
+    view into its flat shard buffer, which the update must write in place -- instead of
+    an autograd view that in-place writes would refuse.
+    """
     if type(tensor) is torch.Tensor or not is_dtensor(tensor):
         return tensor
-    return tensor.to_local()
-
-
-def wrap_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """``local`` with ``param``'s distributed layout (``local`` itself when plain).
-
-    The global shape and stride come from the parameter, never from the local shard,
-    whose size differs between ranks when the parameter is sharded unevenly.
-    """
-    if not is_dtensor(param):
-        return local
-    return _dtensor_class().from_local(
-        local, device_mesh=param.device_mesh, placements=param.placements,
-        shape=param.shape, stride=param.stride(), run_check=False)
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def any_dtensor(tensors) -> bool:
@@ -61,28 +81,198 @@ def any_dtensor(tensors) -> bool:
 
 def local_data_ptrs(params, plain: bool) -> list:
     """Data pointers of the parameters' local tensors (they change when storage is
-    replaced). ``plain``: the caller knows none is a DTensor (the per-step fast path)."""
+    replaced, e.g. FSDP2 re-pointing a parameter at a new shard buffer). ``plain``: the
+    caller knows none is a DTensor."""
     if plain:
         return list(map(torch.Tensor.data_ptr, params))
-    return [to_local(p).data_ptr() for p in params]
+    try:  # all DTensors (the usual case): no Python frame per parameter
+        return list(map(torch.Tensor.data_ptr, map(_local_tensor_of, params)))
+    except AttributeError:  # plain and DTensor parameters mixed
+        return [to_local(p).data_ptr() for p in params]
 
+
+# ---------------------------------------------------------------------------
+# Layouts.
+
+def _mesh_text(mesh) -> str:
+    # DeviceMesh's repr omits the ranks; two meshes of one shape differ only there.
+    names = f", dims {tuple(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+    return f"{mesh.device_type} mesh {mesh.mesh.tolist()}{names}"
+
+
+def describe(tensor) -> str:
+    """A tensor's layout in words (mesh ranks, placements, global shape), for errors."""
+    if not is_dtensor(tensor):
+        return f"a plain tensor of shape {list(tensor.shape)}"
+    return (f"a DTensor on {_mesh_text(tensor.device_mesh)} with placements "
+            f"{tuple(tensor.placements)} and global shape {list(tensor.shape)}")
+
+
+class _Plain:
+    """The layout of a plain-tensor parameter: wrapping is the identity."""
+
+    is_dtensor = False
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def state_error(self, stored) -> Optional[str]:
+        if is_dtensor(stored):
+            return f"is {describe(stored)} but the parameter is a plain tensor"
+        return None
+
+
+PLAIN = _Plain()
+
+
+class Layout:
+    """A DTensor parameter's layout; states are wrapped in exactly this (S2.6)."""
+
+    is_dtensor = True
+
+    def __init__(self, param):
+        self.mesh = param.device_mesh
+        self.placements = tuple(param.placements)
+        self.shape = param.shape
+        self.stride = param.stride()
+        self.spec = param._spec  # gradients built from the same spec skip the compares
+        self._specs = {}  # local dtype -> DTensorSpec shared by the states of that dtype
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (local shape, on its own device) as a DTensor of this layout, with
+        the parameter's global shape and stride: never derived from the local shard,
+        whose size differs between ranks when the parameter is sharded unevenly."""
+        spec = self._specs.get(local.dtype)
+        if spec is None:
+            spec_type, meta_type = _spec_classes()
+            spec = spec_type(self.mesh, self.placements,
+                             tensor_meta=meta_type(self.shape, self.stride, local.dtype))
+            self._specs[local.dtype] = spec
+        # Private constructor: DTensor.from_local would move `local` to the mesh's device.
+        return _dtensor_class()(local, spec, requires_grad=False)
+
+    def fits(self, tensor) -> bool:
+        """Whether DTensor ``tensor`` has this mesh, placements and global shape (S3.3)."""
+        spec = tensor._spec
+        if spec is self.spec:
+            return True
+        return ((spec.mesh is self.mesh or spec.mesh == self.mesh)
+                and tuple(spec.placements) == self.placements and tensor.shape == self.shape)
+
+    def describe(self) -> str:
+        return (f"a DTensor on {_mesh_text(self.mesh)} with placements {self.placements} "
+                f"and global shape {list(self.shape)}")
+
+    def state_error(self, stored) -> Optional[str]:
+        """Why ``stored`` cannot be this parameter's state (S2.6, S3.3), or None."""
+        if not is_dtensor(stored):
+            return f"is a plain tensor but the parameter is {self.describe()}"
+        if not self.fits(stored) or stored.stride() != self.stride:
+            return (f"is {describe(stored)} (global stride {stored.stride()}) but the "
+                    f"parameter is {self.describe()} (global stride {self.stride})")
+        return None
+
+
+def layout_of(param: torch.Tensor):
+    """``PLAIN`` or the ``Layout`` of a DTensor parameter."""
+    return Layout(param) if is_dtensor(param) else PLAIN
+
+
+def known_specs(layouts: list) -> list:
+    """Per parameter, a gradient spec known to fit its layout (to start: the parameter's
+    own, which FSDP2 gives its gradients); ``local_grads`` remembers newer ones."""
+    return [layout.spec if layout.is_dtensor else None for layout in layouts]
+
+
+def local_grads(layouts: list, grads: list, known: list) -> Optional[list]:
+    """The local tensors of a batch's gradients when every one is None or a DTensor that
+    fits its parameter's layout (S3.3); else None, and the caller checks each in full.
+
+    ``known`` (from ``known_specs``, updated here) makes the usual step cheap: gradients
+    whose spec object is one already checked need no comparison.
+    """
+    try:
+        specs = list(map(_spec_of, grads))
+    except AttributeError:  # a None or plain gradient somewhere
+        return _local_grads_each(layouts, grads)
+    if not all(map(operator.is_, specs, known)):
+        dtensor = _dtensor_class()
+        for i, (layout, grad, spec) in enumerate(zip(layouts, grads, specs)):
+            if spec is known[i]:
+                continue
+            if not (layout.is_dtensor and isinstance(grad, dtensor) and layout.fits(grad)):
+                return None
+            known[i] = spec
+    return list(map(_local_tensor_of, grads))
+
+
+def _local_grads_each(layouts: list, grads: list) -> Optional[list]:
+    dtensor = _dtensor_class()
+    out = []
+    for layout, grad in zip(layouts, grads):
+        if grad is None:
+            out.append(None)
+        elif layout.is_dtensor and isinstance(grad, dtensor) and layout.fits(grad):
+            out.append(grad._local_tensor)
+        else:
+            return None
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Checks (S1.4, S3.3, S5.3, S5.5).
 
 def param_layout_error(param: torch.Tensor) -> Optional[str]:
-    if is_dtensor(param):
-        return (f"DTensor parameters are not supported by this build yet (placements "
-                f"{tuple(param.placements)}); pass plain tensors")
+    """Why a DTensor parameter's placements cannot be stepped locally, or None."""
+    if not is_dtensor(param):
+        return None
+    bad = [p for p in param.placements if not (p.is_shard() or p.is_replicate())]
+    if bad:
+        return (f"DTensor parameters must have Shard(d) or Replicate placements (rule S1.4: "
+                f"a Partial parameter still needs a reduction, which the optimizer does "
+                f"not perform), got placements {tuple(param.placements)} on "
+                f"{_mesh_text(param.device_mesh)}")
+    local = to_local(param)
+    if local.layout is not torch.strided:
+        return f"sparse local tensors are not supported (layout {local.layout})"
     return None
 
 
 def grad_layout_error(param: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
-    if is_dtensor(grad) and not is_dtensor(param):
-        return (f"the gradient is a DTensor (placements {tuple(grad.placements)}) but the "
-                f"parameter is a plain tensor")
+    """Why ``grad``'s layout cannot update ``param`` (S3.3), or None."""
+    if is_dtensor(param):
+        layout = Layout(param)
+        if not is_dtensor(grad):
+            return (f"the gradient is {describe(grad)} but the parameter is "
+                    f"{layout.describe()} (rule S3.3: a DTensor parameter needs a DTensor "
+                    f"gradient of the same mesh, placements and global shape)")
+        if not layout.fits(grad):
+            return (f"the gradient is {describe(grad)} but the parameter is "
+                    f"{layout.describe()} (rule S3.3: same mesh, placements and global "
+                    f"shape; the optimizer does not redistribute)")
+        return None
+    if is_dtensor(grad):
+        return (f"the gradient is {describe(grad)} but the parameter is a plain tensor of "
+                f"shape {list(param.shape)} (rule S3.3: a plain parameter needs a plain "
+                f"gradient)")
     return None
 
 
 def value_layout_error(param: torch.Tensor, value: torch.Tensor) -> Optional[str]:
-    """Why ``value`` cannot be stored as ``param``'s state (a DTensor for a plain one)."""
-    if is_dtensor(value) and not is_dtensor(param):
-        return "a DTensor value was given for a plain-tensor parameter"
+    """Why ``value`` cannot be stored as ``param``'s state (S5.3, S5.5), or None.
+
+    A DTensor value must have the parameter's mesh, placements and global shape (its
+    local tensor is then this rank's part). A plain value is taken as this rank's local
+    part; its shape is checked against the local shape by the caller, so a full-size
+    plain value for a sharded parameter is refused unless the shard is the whole tensor.
+    """
+    if is_dtensor(value):
+        if not is_dtensor(param):
+            return (f"the value is {describe(value)} but the parameter is a plain tensor "
+                    f"of shape {list(param.shape)}")
+        layout = Layout(param)
+        if not layout.fits(value):
+            return (f"the value is {describe(value)} but the parameter is "
+                    f"{layout.describe()} (rule: same mesh, placements and global shape; "
+                    f"the optimizer does not redistribute)")
     return None

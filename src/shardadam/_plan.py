@@ -1,10 +1,12 @@
 """What step() gathers for one parameter group, cached between steps.
 
 A ``GroupPlan`` holds the group's static picture: its parameters split by device into
-``DeviceBatch`` objects, and (once bound) each parameter's state tensors. It stays valid
-while the group holds the same parameters with the same storage, the state containers
-saw no write, and the state configuration is unchanged; ``is_current`` checks exactly
-that, so a step re-reads only what changes every step: the gradients.
+``DeviceBatch`` objects, each parameter's local tensor and layout (``_dtensor``), and
+(once bound) its local state tensors and scales. It stays valid while the group holds
+the same parameters with the same local storage, the state and scale containers saw no
+write, and the state configuration is unchanged; ``is_current`` checks exactly that, so
+a step re-reads only what changes every step: the gradients (for DTensor parameters,
+checked against the cached layouts and unwrapped to local tensors).
 
 Building a plan only reads (it is part of validation); ``bind`` is the one place that
 creates or converts state, and runs after every group has been validated.
@@ -21,27 +23,31 @@ from . import _dtensor, _state, _tracked, _validate
 from ._state import FLOAT_KINDS
 
 _Tensor = torch.Tensor
+_grad_of = operator.attrgetter("grad")
 
 
 class Entry:
-    """One parameter of a batch: its local tensor and its state storage."""
+    """One parameter of a batch: its local tensor, layout and local state storage."""
 
-    __slots__ = ("index", "param", "local", "numel", "param_kind", "exp_avg",
+    __slots__ = ("index", "param", "local", "layout", "numel", "param_kind", "exp_avg",
                  "exp_avg_kind", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_kind",
                  "exp_avg_sq_scale", "master", "master_kind", "master_scale")
 
-    def __init__(self, index: int, param: torch.Tensor, local: torch.Tensor):
+    def __init__(self, index: int, param: torch.Tensor):
         self.index = index
         self.param = param
-        self.local = local
-        self.numel = local.numel()
-        self.param_kind = FLOAT_KINDS[local.dtype]
+        self.local = _dtensor.to_local(param)
+        self.layout = _dtensor.layout_of(param)
+        self.numel = self.local.numel()
+        self.param_kind = FLOAT_KINDS[self.local.dtype]
 
-    def bind(self, specs: tuple, entry: dict) -> None:
-        """Remember the storage of ``entry`` (which holds exactly ``specs``)."""
+    def bind(self, specs: tuple, entry: dict, scales: Optional[dict]) -> None:
+        """Remember the local storage of ``entry`` and its ``scales`` (which hold
+        exactly ``specs``)."""
         self.master, self.master_kind, self.master_scale = None, _state.KIND_NONE, None
         for spec in specs:
-            stored, scale = entry[spec.name], entry.get(spec.scale_key)
+            stored = _dtensor.to_local(entry[spec.name])
+            scale = scales.get(spec.name) if scales else None
             if spec.name == "exp_avg":
                 self.exp_avg, self.exp_avg_kind, self.exp_avg_scale = stored, spec.kind, scale
             elif spec.name == "exp_avg_sq":
@@ -60,6 +66,9 @@ class DeviceBatch:
         self.entries = entries
         self.params = [e.param for e in entries]
         self.shapes = [e.local.shape for e in entries]
+        self.layouts = [e.layout for e in entries]
+        self.plain = not any(layout.is_dtensor for layout in self.layouts)
+        self.grad_specs = _dtensor.known_specs(self.layouts)
         # Left for the backends to fill (e.g. the C++ path's slot rows); dropped with
         # the plan, so never stale.
         self.backend_cache = {}
@@ -69,24 +78,27 @@ class GroupPlan:
     """One group's parameters by device, their state once bound, and what it was built
     from (to tell when it is stale)."""
 
-    def __init__(self, group: dict, params: list, config: _state.StateConfig, state):
+    def __init__(self, group: dict, params: list, config: _state.StateConfig, state,
+                 scales):
         self.group = group
         self.params = params
         self.plain = not _dtensor.any_dtensor(params)
         self.param_ptrs = _dtensor.local_data_ptrs(params, self.plain)
         self.config = config
         self.state = state
+        self.scales = scales
         self.epoch = None  # set by bind()
-        self.entries = [Entry(i, p, _dtensor.to_local(p)) for i, p in enumerate(params)]
+        self.entries = [Entry(i, p) for i, p in enumerate(params)]
         by_device = {}
         for entry in self.entries:
             by_device.setdefault(entry.local.device, []).append(entry)
         self.batches = [DeviceBatch(device, entries) for device, entries in by_device.items()]
 
-    def is_current(self, group: dict, config, state) -> bool:
+    def is_current(self, group: dict, config, state, scales) -> bool:
         params = group["params"]
         return (self.epoch == _tracked.state_epoch() and self.group is group
-                and self.state is state and self.config == config
+                and self.state is state and self.scales is scales
+                and self.config == config
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
                 and _dtensor.local_data_ptrs(params, self.plain) == self.param_ptrs)
@@ -95,16 +107,18 @@ class GroupPlan:
     def bound(self) -> bool:
         return self.epoch is not None
 
-    def bind(self, state) -> None:
+    def bind(self) -> None:
         """Create or convert each parameter's state to match the configuration, then
         remember the storage. Runs after validation: this is a mutation."""
+        state, scales = self.state, self.scales
         for entry in self.entries:
             specs = self.config.specs(entry.local.dtype)
-            param_state = state[entry.param]
-            writes = _state.plan_entry(specs, param_state, entry.local)
-            if len(writes) > 1 or writes[None] is not None:  # leave a settled entry alone
-                _state.apply_entry(param_state, writes, entry.local)
-            entry.bind(specs, param_state)
+            writes = _state.plan_entry(specs, state.get(entry.param), scales.get(entry.param),
+                                       entry.local, entry.layout)
+            if not writes.empty():  # leave a settled entry alone
+                _state.apply_entry(state, scales, entry.param, writes, entry.local,
+                                   entry.layout)
+            entry.bind(specs, state[entry.param], scales.get(entry.param))
         for batch in self.batches:
             batch.backend_cache.clear()
         self.epoch = _tracked.state_epoch()
@@ -118,18 +132,18 @@ def settle(plans: list) -> None:
         plan.epoch = epoch
 
 
-def build_plan(group: dict, group_index: int, config, state) -> GroupPlan:
+def build_plan(group: dict, group_index: int, config, state, scales) -> GroupPlan:
     """A new plan for ``group`` after checking its parameters and existing state.
 
     Reads only: raises before anything is written.
     """
     params = list(group["params"])
     _validate.check_params(params, group_index, group)
-    plan = GroupPlan(group, params, config, state)
+    plan = GroupPlan(group, params, config, state, scales)
     for entry in plan.entries:
         existing = state.get(entry.param)
         error = _state.consistency_error(config.specs(entry.local.dtype), existing,
-                                         entry.local)
+                                         entry.local, entry.layout)
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
                                  name=_validate.param_name(group, entry.index))
@@ -155,10 +169,13 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
     if use_decoupled_grad:
         grads = [getattr(p, "decoupled_grad", None) for p in batch.params]
     else:
-        grads = [p.grad for p in batch.params]
-    kinds = _fast_kinds(grads, batch)
-    if kinds is not None:
-        return BatchGrads(batch, grads, kinds, True)
+        grads = list(map(_grad_of, batch.params))  # no Python frame per parameter
+    local_grads = grads if batch.plain else _dtensor.local_grads(batch.layouts, grads,
+                                                                  batch.grad_specs)
+    if local_grads is not None:
+        kinds = _fast_kinds(local_grads, batch)
+        if kinds is not None:
+            return BatchGrads(batch, local_grads, kinds, True)
     kinds, dense, local_grads = [], True, []
     for entry, grad in zip(batch.entries, grads):
         if grad is None:

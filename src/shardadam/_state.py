@@ -2,10 +2,15 @@
 
 A parameter's state lives in ``optimizer.state[param]`` as storage tensors under
 ``exp_avg``, ``exp_avg_sq`` and (when SEMANTICS S2.1 gives one) ``master_param``, in
-their storage dtype, and for fp16 / fp8 storage the fp32 scale beside each one as a
-0-dim tensor under ``<name>_scale`` (S2.2). Storage is self-describing: its dtype and
-the presence of a scale say how to decode it, so state written under one configuration
-can be converted to another.
+their storage dtype and nothing else there: torch's checkpoint tools iterate those keys
+and expect a saved value for each. For fp16 / fp8 storage the fp32 scale of each state
+is a 0-dim tensor in ``optimizer._scales[param][name]`` (S2.2, the RFC's 3.3.3 layout).
+Storage is self-describing: its dtype and the presence of a scale say how to decode it,
+so state written under one configuration can be converted to another.
+
+Everything here works on local tensors; a DTensor parameter's states are wrapped in its
+layout (``_dtensor``) only when they are put into ``optimizer.state``, and unwrapped when
+read from it.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import _dtensor, _tracked
+
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
-SCALE_KEYS = {name: name + "_scale" for name in STATE_NAMES}
 
 # Storage kinds; the numbers are the C++ core's DType tags (csrc/include/shardadam/adam.h).
 KIND_NONE = 0
@@ -56,10 +62,6 @@ class StateSpec(NamedTuple):
     @property
     def scaled(self) -> bool:
         return self.kind in _SCALE_TARGET
-
-    @property
-    def scale_key(self) -> str:
-        return SCALE_KEYS[self.name]
 
 
 class StateConfig(NamedTuple):
@@ -138,7 +140,8 @@ def split_remainder(master: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------
-# Reading and writing whole entries.
+# Reading and writing whole entries. ``entry`` is ``optimizer.state[param]`` (storage,
+# possibly DTensors), ``scales`` is ``optimizer._scales.get(param)`` (or None).
 
 def storage_kind(stored: torch.Tensor) -> int:
     """The kind a stored tensor holds, from its dtype (the storage is self-describing)."""
@@ -148,17 +151,16 @@ def storage_kind(stored: torch.Tensor) -> int:
     return KIND_NONE
 
 
-def read_value(entry: dict, name: str) -> torch.Tensor:
-    """The true value of ``entry[name]``: fp32, or the raw int16 for remainders.
-
-    fp32 storage is returned itself; every other kind as a new fp32 tensor.
+def read_value(entry: dict, scales: Optional[dict], name: str) -> torch.Tensor:
+    """The true value of ``entry[name]`` as a local tensor: fp32, or the raw int16 for
+    remainders. fp32 storage is returned itself; every other kind as a new fp32 tensor.
     """
-    stored = entry[name]
+    stored = _dtensor.to_local(entry[name])
     kind = storage_kind(stored)
     if kind in (KIND_FLOAT32, KIND_INT16_REMAINDER):
         return stored
     if kind in _SCALE_TARGET:
-        scale = entry.get(SCALE_KEYS[name])
+        scale = scales.get(name) if scales else None
         if scale is None:
             scale = torch.ones((), dtype=torch.float32, device=stored.device)
         return dequantize(stored, kind, scale.to(stored.device))
@@ -174,9 +176,9 @@ def as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
                 scale: Optional[torch.Tensor]) -> None:
-    """Store ``value`` (fp32, int16 for remainders) into existing ``stored`` / ``scale``.
-
-    The caller's ``value`` is never modified. Scaled kinds get a fresh scale (S2.3).
+    """Store ``value`` (fp32, int16 for remainders) into existing local ``stored`` /
+    ``scale``. The caller's ``value`` is never modified. Scaled kinds get a fresh scale
+    (S2.3), measured over this local tensor only.
     """
     value = value.to(stored.device)
     if spec.scaled:
@@ -188,7 +190,8 @@ def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
 
 
 def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
-    """Fresh storage (and scale) for ``spec`` holding ``value``, shaped like ``like``."""
+    """Fresh local storage (and scale) for ``spec`` holding ``value``, allocated like the
+    local tensor ``like`` (its shape and device; S2.6)."""
     stored = torch.empty(like.shape, dtype=spec.dtype, device=like.device)
     scale = None
     if spec.scaled:
@@ -206,11 +209,12 @@ def initial_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
     return param.detach().float()
 
 
-def converted_value(spec: StateSpec, entry: dict, param: torch.Tensor):
+def converted_value(spec: StateSpec, entry: dict, scales: Optional[dict],
+                    param: torch.Tensor):
     """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),
     plus the bf16 bits the parameter must take when an fp32 master becomes a remainder.
     """
-    value = read_value(entry, spec.name)
+    value = read_value(entry, scales, spec.name)
     if spec.kind != KIND_INT16_REMAINDER:
         return as_fp32(value, param), None
     if value.dtype == torch.int16:
@@ -219,92 +223,151 @@ def converted_value(spec: StateSpec, entry: dict, param: torch.Tensor):
     return low, high
 
 
-def entry_matches(spec: StateSpec, entry: dict, param: torch.Tensor) -> bool:
-    """Whether ``entry`` already stores ``spec`` usably for ``param``'s local tensor."""
+def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
+                  param: torch.Tensor, layout) -> bool:
+    """Whether ``entry`` already stores ``spec`` usably for the local tensor ``param``
+    whose parameter has ``layout``."""
     stored = entry.get(spec.name)
-    if stored is None or stored.dtype != spec.dtype or stored.device != param.device:
+    if stored is None or layout.state_error(stored) is not None:
+        return False
+    stored = _dtensor.to_local(stored)
+    if stored.dtype != spec.dtype or stored.device != param.device:
         return False
     if stored.shape != param.shape or not stored.is_contiguous():
         return False
     if not spec.scaled:
         return True
-    scale = entry.get(spec.scale_key)
-    return (scale is not None and scale.dtype == torch.float32 and scale.dim() == 0
+    scale = scales.get(spec.name) if scales else None
+    return (isinstance(scale, torch.Tensor) and not _dtensor.is_dtensor(scale)
+            and scale.dtype == torch.float32 and scale.dim() == 0
             and scale.device == param.device)
 
 
-def plan_entry(specs: tuple, entry: Optional[dict], param: torch.Tensor) -> dict:
-    """The writes that make ``entry`` hold exactly ``specs`` for ``param`` (local tensor).
+class EntryWrites:
+    """The changes that make one parameter's state what it must be, prepared before any
+    is applied: local storage by name, scales by name (None removes either), and the
+    bf16 bits the parameter must take (or None)."""
 
-    Returns ``{key: tensor or None}`` (None removes the key) plus, under ``None``, the
-    bf16 bits the parameter must take (or None). Pure: nothing is written, so callers
-    can prepare every change before they apply any.
+    __slots__ = ("stored", "scales", "param_bits")
+
+    def __init__(self):
+        self.stored = {}
+        self.scales = {}
+        self.param_bits = None
+
+    def empty(self) -> bool:
+        return not self.stored and not self.scales and self.param_bits is None
+
+
+def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
+               param: torch.Tensor, layout) -> EntryWrites:
+    """The writes that make ``entry`` / ``scales`` hold exactly ``specs`` for ``param``
+    (the local tensor of a parameter with ``layout``). Pure: nothing is written, so
+    callers can prepare every change before they apply any.
     """
     entry = entry if entry is not None else {}
-    writes = {}
-    param_bits = None
+    scales = scales if scales is not None else {}
+    writes = EntryWrites()
     wanted = {spec.name for spec in specs}
     for spec in specs:
-        if entry_matches(spec, entry, param):
-            if spec.scaled or spec.scale_key not in entry:
-                continue
-            writes[spec.scale_key] = None  # a stale scale of an unscaled kind
+        if entry_matches(spec, entry, scales, param, layout):
+            if not spec.scaled and spec.name in scales:
+                writes.scales[spec.name] = None  # a stale scale of an unscaled kind
             continue
-        if spec.name in entry and entry[spec.name].shape == param.shape:
-            value, bits = converted_value(spec, entry, param)
-            param_bits = bits if bits is not None else param_bits
+        stored = entry.get(spec.name)
+        if stored is not None and _dtensor.to_local(stored).shape == param.shape:
+            value, bits = converted_value(spec, entry, scales, param)
+            writes.param_bits = bits if bits is not None else writes.param_bits
         else:
             value = initial_value(spec, param)
-        stored, scale = new_entry(spec, value, param)
-        writes[spec.name] = stored
-        writes[spec.scale_key] = scale
+        writes.stored[spec.name], writes.scales[spec.name] = new_entry(spec, value, param)
     for name in STATE_NAMES:
         if name not in wanted:
-            for key in (name, SCALE_KEYS[name]):
-                if key in entry:
-                    writes[key] = None
-    writes[None] = param_bits
+            if name in entry:
+                writes.stored[name] = None
+            if name in scales:
+                writes.scales[name] = None
     return writes
 
 
-def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> dict:
-    """Writes (as ``plan_entry`` returns) that store exported ``values`` in fresh storage.
+def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> EntryWrites:
+    """Writes that store exported ``values`` (local tensors) in fresh storage.
 
     ``values`` hold true values in any floating dtype, or int16 remainders; they pass
     through fp32 (S5.5), so state saved under other dtypes loads. Nothing aliases them.
     """
-    writes = {None: None}
+    writes = EntryWrites()
     for spec in specs:
         value = values[spec.name]
         if spec.kind == KIND_INT16_REMAINDER and value.dtype != torch.int16:
-            writes[None], value = split_remainder(value.float())
+            writes.param_bits, value = split_remainder(value.float())
         elif spec.kind != KIND_INT16_REMAINDER:
             value = as_fp32(value, param)
-        writes[spec.name], writes[spec.scale_key] = new_entry(spec, value, param)
+        writes.stored[spec.name], writes.scales[spec.name] = new_entry(spec, value, param)
     return writes
 
 
-def apply_entry(entry: dict, writes: dict, param: torch.Tensor) -> None:
-    """Apply what ``plan_entry`` prepared (including the parameter's new bf16 bits)."""
-    for key, value in writes.items():
-        if key is None:
-            if value is not None:
-                with torch.no_grad():  # the parameter is a leaf that requires grad
-                    param.copy_(value)
-        elif value is None:
-            entry.pop(key, None)
+def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
+                layout) -> None:
+    """Apply what ``plan_entry`` / ``entry_from_values`` prepared for ``param``: storage
+    into ``state[param]`` (wrapped in the parameter's layout), scales into
+    ``scales[param]`` (dropped when none is left), then the parameter's new bf16 bits
+    into its local tensor. ``state`` and ``scales`` are tracked containers."""
+    entry = state[param]
+    for name, stored in writes.stored.items():
+        if stored is None:
+            entry.pop(name, None)
         else:
-            entry[key] = value
+            entry[name] = layout.wrap(stored)
+    if writes.scales:
+        param_scales = scales.get(param)
+        for name, scale in writes.scales.items():
+            if scale is not None:
+                if param_scales is None:
+                    param_scales = scales[param] = _tracked.ParamState()
+                param_scales[name] = scale
+            elif param_scales is not None:
+                param_scales.pop(name, None)
+        if param_scales is not None and not param_scales:
+            del scales[param]
+    if writes.param_bits is not None:
+        with torch.no_grad():  # the parameter is a leaf that requires grad
+            local.copy_(writes.param_bits)
 
 
-def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor):
-    """A sentence if ``entry`` holds a state whose shape cannot belong to ``param``."""
+def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout):
+    """A sentence if ``entry`` holds a state that cannot belong to the local tensor
+    ``param`` of a parameter with ``layout`` (S3.3: a DTensor parameter's states are
+    DTensors of its layout, a plain one's are plain)."""
     if not entry:
         return None
     for spec in specs:
         stored = entry.get(spec.name)
-        if stored is not None and tuple(stored.shape) != tuple(param.shape):
-            return (f"state {spec.name!r} has shape {tuple(stored.shape)} but the parameter "
-                    f"has shape {tuple(param.shape)}; call initialize_state(param) to "
+        if stored is None:
+            continue
+        error = layout.state_error(stored)
+        if error is None:
+            local = _dtensor.to_local(stored)
+            if tuple(local.shape) != tuple(param.shape):
+                error = (f"has local shape {tuple(local.shape)} but the parameter's local "
+                         f"shape is {tuple(param.shape)}")
+        if error is not None:
+            return (f"state {spec.name!r} {error}; call initialize_state(param) to "
                     f"recreate it")
     return None
+
+
+def migrate_scales(state, scales) -> None:
+    """Move scales kept beside their state under ``<name>_scale`` (an older layout of
+    ``optimizer.state``, e.g. in a pickled optimizer) into ``scales``."""
+    for param, entry in state.items():
+        for name in STATE_NAMES:
+            scale = entry.get(name + "_scale") if isinstance(entry, dict) else None
+            if scale is None:
+                continue
+            entry.pop(name + "_scale")
+            if name in entry:
+                param_scales = scales.get(param)
+                if param_scales is None:
+                    param_scales = scales[param] = _tracked.ParamState()
+                param_scales[name] = scale

@@ -1,9 +1,9 @@
 """``optimizer.state`` containers that count their writes.
 
-step() caches the pointers of each group's state between steps (``_plan``). The cache
-must notice when an entry is added, replaced or removed, by the optimizer or by anyone
-holding ``optimizer.state``; these dict types advance ``state_epoch()`` on every write
-while reads stay native dict reads.
+step() caches the pointers of each group's state and scales between steps (``_plan``).
+The cache must notice when an entry is added, replaced or removed, by the optimizer or
+by anyone holding ``optimizer.state`` or ``optimizer._scales``; these dict types advance
+``state_epoch()`` on every write while reads stay native dict reads.
 """
 
 from __future__ import annotations
@@ -73,6 +73,25 @@ class OptimizerState(_CountsWrites, defaultdict):
 
     def __copy__(self):
         return type(self)(self)
+
+
+class Scales(_CountsWrites, dict):
+    """``optimizer._scales``: ``{param: ParamState(state name -> 0-dim fp32 scale)}``,
+    counting its writes (a plain dict: reading a missing parameter creates nothing)."""
+
+    def __copy__(self):
+        return type(self)(self)
+
+
+def tracked_scales(scales) -> Scales:
+    """``scales`` as a ``Scales`` whose entries count their writes (a copy if foreign)."""
+    if not isinstance(scales, Scales):
+        _touch()
+        scales = Scales(scales or {})
+    for key, entry in list(scales.items()):
+        if not isinstance(entry, ParamState):
+            scales[key] = ParamState(entry)
+    return scales
 
 
 def tracked(state, param=None) -> OptimizerState:

@@ -189,5 +189,10 @@ def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
         raise RuntimeError(f"{where_}: state {spec.name!r} must be dense, "
                            f"got layout {local.layout}")
     if tuple(local.shape) != tuple(local_param.shape):
+        hint = ""
+        if _dtensor.is_dtensor(param) and not _dtensor.is_dtensor(value):
+            hint = (" (a plain value for a DTensor parameter is this rank's local part; "
+                    "pass that, or a DTensor of the parameter's layout)")
         raise RuntimeError(f"{where_}: state {spec.name!r} has shape {tuple(local.shape)}, "
-                           f"the parameter's local shape is {tuple(local_param.shape)}")
+                           f"the parameter's local shape is {tuple(local_param.shape)}"
+                           + hint)

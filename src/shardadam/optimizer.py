@@ -4,6 +4,11 @@ SEMANTICS.md is the contract; rule numbers (S3.1, ...) below point into it.
 ``step()`` only orchestrates: validate every group, then hand each group's tensors on
 each device to one backend call (``_backend``). State layout and codecs live in
 ``_state``, checks in ``_validate``, DTensor handling in ``_dtensor``.
+
+``optimizer.state[param]`` holds exactly the storage tensors ``exp_avg``, ``exp_avg_sq``
+and ``master_param`` (where S2.1 gives one), DTensors like the parameter for a DTensor
+parameter (S2.6); the fp32 scale of each fp16 / fp8 state is a local 0-dim tensor in
+``optimizer._scales[param][name]`` (S2.3).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.store_param_remainders = bool(store_param_remainders
                                            and master_weight_dtype == torch.float32)
         self.set_grad_none = set_grad_none
+        self._scales = _tracked.Scales()
         self._plans = []
         self._param_index = {}
         super().__init__(params, defaults)
@@ -84,14 +90,18 @@ class FusedAdam(torch.optim.Optimizer):
                 stacklevel=2)
 
     def __getstate__(self) -> dict:
-        # torch pickles defaults, state and groups only; the configuration goes too.
+        # torch pickles defaults, state and groups only; the configuration and the
+        # scales go too (one pickle, so parameters stay shared between the three).
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in _CONFIG_ATTRIBUTES})
+        state["_scales"] = self._scales
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.state = _tracked.tracked(self.state)
+        self._scales = _tracked.tracked_scales(state.get("_scales"))
+        _state.migrate_scales(self.state, self._scales)
         self._plans = []
         self._param_index = {}
 
@@ -113,11 +123,11 @@ class FusedAdam(torch.optim.Optimizer):
         group.setdefault("step", 0)
         config = self._config()
         for param in group["params"]:
-            local = _dtensor.to_local(param)
+            local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
             self.state = _tracked.tracked(self.state, param)
-            entry = self.state[param]
-            writes = _state.plan_entry(config.specs(local.dtype), entry, local)
-            _state.apply_entry(entry, writes, local)
+            writes = _state.plan_entry(config.specs(local.dtype), self.state.get(param),
+                                       self._scales.get(param), local, layout)
+            _state.apply_entry(self.state, self._scales, param, writes, local, layout)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
@@ -147,7 +157,7 @@ class FusedAdam(torch.optim.Optimizer):
         for group, (plan, hyper, batches) in zip(self.param_groups, work):
             group["step"] += 1  # every group, even with no gradient (S2.8)
             if not plan.bound:
-                plan.bind(self.state)
+                plan.bind()
             for batch_grads in batches:
                 _backend.step(batch_grads, hyper)
         _plan.settle([plan for plan, _, _ in work])
@@ -171,9 +181,11 @@ class FusedAdam(torch.optim.Optimizer):
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
-        if plan is None or not plan.is_current(group, config, self.state):
+        if plan is None or not plan.is_current(group, config, self.state, self._scales):
             self.state = _tracked.tracked(self.state)
-            plan = self._plans[index] = _plan.build_plan(group, index, config, self.state)
+            self._scales = _tracked.tracked_scales(self._scales)
+            plan = self._plans[index] = _plan.build_plan(group, index, config, self.state,
+                                                         self._scales)
         return plan
 
     # ------------------------------------------------------------------ grads
@@ -241,7 +253,7 @@ class FusedAdam(torch.optim.Optimizer):
         if error is not None:
             raise RuntimeError(f"{where}: {error}")
         config = self._config()
-        local = _dtensor.to_local(param)
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         implied = config.uses_remainders(local.dtype)
         if store_param_remainders is not None and bool(store_param_remainders) != implied:
             raise RuntimeError(
@@ -250,12 +262,13 @@ class FusedAdam(torch.optim.Optimizer):
                 f"master_weight_dtype, store_param_remainders and a bf16 parameter; "
                 f"implied {implied})")
         self.state = _tracked.tracked(self.state, param)
-        entry = self.state.get(param)
-        writes = _state.plan_entry(config.specs(local.dtype), None, local)
-        if entry is not None:
-            for key in entry:
-                writes.setdefault(key, None)  # a fresh entry holds nothing else
-        _state.apply_entry(self.state[param], writes, local)
+        writes = _state.plan_entry(config.specs(local.dtype), None, None, local, layout)
+        # A fresh entry holds nothing else.
+        for key in self.state.get(param, ()):
+            writes.stored.setdefault(key, None)
+        for key in self._scales.get(param, ()):
+            writes.scales.setdefault(key, None)
+        _state.apply_entry(self.state, self._scales, param, writes, local, layout)
 
     def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False):
         """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
@@ -265,16 +278,17 @@ class FusedAdam(torch.optim.Optimizer):
         entry = self.state.get(param)
         if entry is None or state_name not in entry:
             raise KeyError(f"{where}: no state {state_name!r} yet")
-        stored = entry[state_name]
+        stored = _dtensor.to_local(entry[state_name])
         if skip_unscale and stored.dtype == torch.bfloat16:
             return stored
-        return _state.read_value(entry, state_name)
+        return _state.read_value(entry, self._scales.get(param), state_name)
 
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
         """Stores true values (fp32; int16 for remainders) with a fresh scale (S5.3).
 
-        ``unscaled_state`` may be plain or a DTensor of the parameter's layout; it is
-        not modified.
+        ``unscaled_state`` may be a DTensor of the parameter's layout (mesh, placements,
+        global shape) or a plain tensor of the parameter's local shape (this rank's
+        part); it is not modified. The scale is measured over the local part (S2.3).
         """
         where, spec = self._spec(param, state_name)
         _validate.check_value(param, spec, unscaled_state, where)
@@ -283,20 +297,19 @@ class FusedAdam(torch.optim.Optimizer):
         if value.dtype != wanted:
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
                                f"got {value.dtype}")
-        local = _dtensor.to_local(param)
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         self.state = _tracked.tracked(self.state, param)
-        entry = self.state.get(param)
-        if entry is not None and _state.entry_matches(spec, entry, local):
-            # In place: the storage (and every cached pointer to it) stays valid.
-            _state.write_value(spec, value, entry[state_name], entry.get(spec.scale_key))
+        entry, scales = self.state.get(param), self._scales.get(param)
+        if entry is not None and _state.entry_matches(spec, entry, scales, local, layout):
+            # In place: the storage, its DTensor wrapper and every cached pointer to
+            # them stay valid.
+            _state.write_value(spec, value, _dtensor.to_local(entry[state_name]),
+                               scales.get(state_name) if scales else None)
             return
-        stored, scale = _state.new_entry(spec, value, local)
-        entry = self.state[param]
-        entry[state_name] = stored
-        if scale is not None:
-            entry[spec.scale_key] = scale
-        else:
-            entry.pop(spec.scale_key, None)
+        writes = _state.EntryWrites()
+        writes.stored[state_name], writes.scales[state_name] = \
+            _state.new_entry(spec, value, local)
+        _state.apply_entry(self.state, self._scales, param, writes, local, layout)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -323,17 +336,18 @@ class FusedAdam(torch.optim.Optimizer):
         return state_dict
 
     def _exported_state(self, param, config) -> dict:
-        local = _dtensor.to_local(param)
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param) or {}
+        scales = self._scales.get(param)
         exported = {}
         for spec in config.specs(local.dtype):
             if spec.name in entry:
-                value, _ = _state.converted_value(spec, entry, local)
+                value, _ = _state.converted_value(spec, entry, scales, local)
             else:  # what initialisation would create (state may have been cleared)
                 value = _state.initial_value(spec, local)
             if spec.kind != KIND_INT16_REMAINDER and value.dtype != torch.float32:
                 value = value.float()
-            exported[spec.name] = _dtensor.wrap_like(param, value)
+            exported[spec.name] = layout.wrap(value)
         return exported
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -348,13 +362,14 @@ class FusedAdam(torch.optim.Optimizer):
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
-        new_state = _tracked.OptimizerState()
-        for param, local, writes in prepared:
-            _state.apply_entry(new_state[param], writes, local)
+        new_state, new_scales = _tracked.OptimizerState(), _tracked.Scales()
+        for param, local, layout, writes in prepared:
+            _state.apply_entry(new_state, new_scales, param, writes, local, layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
         self.param_groups = [dict(group, **saved, params=group["params"])
                              for group, saved in zip(self.param_groups, saved_groups)]
         self.state = new_state
+        self._scales = new_scales
         self._plans = []
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -392,7 +407,10 @@ class FusedAdam(torch.optim.Optimizer):
         return prepared
 
     def _prepare_param_load(self, param, values: dict, config, here: str):
-        local = _dtensor.to_local(param)
+        """The new state of one parameter from its saved ``values`` (S5.5): a DTensor
+        value must have the parameter's layout, a plain one is taken as this rank's local
+        part and must have the local shape."""
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         error = _validate.param_error(param)
         if error is not None:
             raise RuntimeError(f"{here}: {error}")
@@ -411,4 +429,5 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError(f"{here}: state {spec.name!r} must hold floating "
                                    f"point values (or int16 remainders), got {value.dtype}")
             loaded[spec.name] = value.to(local.device)
-        return param, local, _state.entry_from_values(config.specs(local.dtype), loaded, local)
+        return (param, local, layout,
+                _state.entry_from_values(config.specs(local.dtype), loaded, local))

@@ -181,6 +181,31 @@ def storage_format(tensor):
     return NAME_OF_DTYPE[tensor.dtype]
 
 
+def scale_of(opt, param, name):
+    """The 0-dim fp32 scale of `param`'s state `name`, or None when it has none.
+
+    The package keeps scales beside the state, in ``optimizer._scales[param][name]``
+    (TE's and the RFC's layout), so that ``optimizer.state[param]`` holds exactly the
+    state names torch's checkpoint tools iterate; ``optimizer.state[param][name +
+    "_scale"]`` is read as well. Every test reads scales through here only.
+    """
+    scales = getattr(opt, "_scales", None)
+    if scales is not None and param in scales and name in scales[param]:
+        return scales[param][name]
+    return opt.state[param].get(name + "_scale")
+
+
+def state_tensors(opt, param):
+    """Every tensor the optimizer keeps for `param`, by name: the state entries and,
+    as ``<name>_scale``, their scales."""
+    tensors = {k: v for k, v in opt.state[param].items() if isinstance(v, torch.Tensor)}
+    for name in STATE_NAMES:
+        scale = scale_of(opt, param, name)
+        if scale is not None:
+            tensors[name + "_scale"] = scale
+    return tensors
+
+
 def true_state(opt, param, name):
     """Float64 true value of a state (S2.2), decoded here from the raw storage."""
     state = opt.state[param]
@@ -190,7 +215,7 @@ def true_state(opt, param, name):
         return merge_remainder(param, stored).double()
     values = decode_codes(stored)
     if fmt in SCALE_TARGET:
-        values = values * state[name + "_scale"].double()
+        values = values * scale_of(opt, param, name).double()
     return values
 
 
@@ -542,15 +567,12 @@ class StepInputs:
 
 
 def capture_inputs(opt, params):
-    inputs = []
-    for p in params:
-        state = opt.state[p]
-        inputs.append(StepInputs(
-            w=weight_of(opt, p), m=true_state(opt, p, "exp_avg"),
-            v=true_state(opt, p, "exp_avg_sq"), param_bits=p.detach().clone(),
-            state_bits={k: t.clone() for k, t in state.items()
-                        if isinstance(t, torch.Tensor)}))
-    return inputs
+    """StepInputs of every parameter, read before a step (with copies of all their
+    tensors, scales included, for the parameters the step must leave alone)."""
+    return [StepInputs(w=weight_of(opt, p), m=true_state(opt, p, "exp_avg"),
+                       v=true_state(opt, p, "exp_avg_sq"), param_bits=p.detach().clone(),
+                       state_bits={k: t.clone() for k, t in state_tensors(opt, p).items()})
+            for p in params]
 
 
 def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
@@ -562,19 +584,20 @@ def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
         state = opt.state[p]
         if g is None:
             assert_bitwise_equal(p.detach(), before.param_bits, f"{label}: skipped param")
+            now = state_tensors(opt, p)
             for key, t in before.state_bits.items():
-                assert_bitwise_equal(state[key], t, f"{label}: skipped state {key}")
+                assert_bitwise_equal(now[key], t, f"{label}: skipped state {key}")
             continue
         ref = adam_reference(before.w, before.m, before.v, g.double(), hyper, step, lr)
         for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
                                    ("exp_avg_sq", ref.v, ref.v_bound)):
             fmt = storage_format(state[name])
-            scale = state[name + "_scale"].item() if fmt in SCALE_TARGET else None
+            scale = scale_of(opt, p, name).item() if fmt in SCALE_TARGET else None
             stored = true_state(opt, p, name)
             tolerance = stored_bound(fmt, stored, value, bound, scale)
             assert_close_bounded(stored, value, tolerance, f"{label}: {name} ({fmt})")
             if scale is not None:
-                check_scale(state[name], state[name + "_scale"], value, bound,
+                check_scale(state[name], scale_of(opt, p, name), value, bound,
                             f"{label}: {name} scale")
         param_fmt = NAME_OF_DTYPE[p.dtype]
         param_now = p.detach().double()
@@ -584,7 +607,8 @@ def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
         if "master_param" in state:
             fmt = storage_format(state["master_param"])
             master = true_state(opt, p, "master_param")
-            scale = state["master_param_scale"].item() if fmt in SCALE_TARGET else None
+            scale = (scale_of(opt, p, "master_param").item() if fmt in SCALE_TARGET
+                     else None)
             assert_close_bounded(master, ref.w,
                                  stored_bound(fmt, master, ref.w, ref.w_bound, scale),
                                  f"{label}: master_param ({fmt})")
@@ -593,7 +617,7 @@ def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
                 assert_bitwise_equal(p.detach(), state["master_param"].to(p.dtype),
                                      f"{label}: param vs rounded fp32 master")
             if scale is not None:
-                check_scale(state["master_param"], state["master_param_scale"], ref.w,
+                check_scale(state["master_param"], scale_of(opt, p, "master_param"), ref.w,
                             ref.w_bound, f"{label}: master_param scale")
 
 
@@ -624,6 +648,10 @@ def snapshot(opt, extra_params=()):
         "state_keys": [id(p) for p in opt.state],
         "state": [(p, {k: _clone(v) for k, v in opt.state[p].items()})
                   for p in params if p in opt.state],
+        "scales": [(p, {k: _clone(v) for k, v in state_tensors(opt, p).items()
+                        if k.endswith("_scale")})
+                   for p in params if p in opt.state],
+        "scale_keys": [id(p) for p in getattr(opt, "_scales", {})],
         "groups": [{k: (_clone(v) if k != "params" else [id(q) for q in v])
                     for k, v in group.items()} for group in opt.param_groups],
     }
@@ -656,6 +684,12 @@ def assert_unchanged(opt, before, what="optimizer"):
             _assert_same_value(new, old, f"{what}: {key} of param {i}")
     assert after["state_keys"] == before["state_keys"], \
         f"{what}: optimizer.state keys changed"
+    assert after["scale_keys"] == before["scale_keys"], f"{what}: scale entries changed"
+    for (p, old), (q, new) in zip(before["scales"], after["scales"]):
+        assert p is q
+        assert sorted(new) == sorted(old), f"{what}: scales {sorted(new)} != {sorted(old)}"
+        for key in old:
+            _assert_same_value(new[key], old[key], f"{what}: {key}")
     for (p, old), (q, new) in zip(before["state"], after["state"]):
         assert p is q
         assert sorted(new) == sorted(old), \
@@ -673,11 +707,10 @@ def assert_same_optimizer_state(a, b, params_a, params_b, what):
     """Two optimizers hold bitwise the same params, state and group steps."""
     for i, (p, q) in enumerate(zip(params_a, params_b)):
         assert_bitwise_equal(q.detach(), p.detach(), f"{what}: param {i}")
-        sa, sb = a.state[p], b.state[q]
+        sa, sb = state_tensors(a, p), state_tensors(b, q)
         assert sorted(sa) == sorted(sb), f"{what}: param {i} state names"
         for key in sa:
-            if isinstance(sa[key], torch.Tensor):
-                assert_bitwise_equal(sb[key], sa[key], f"{what}: param {i} {key}")
+            assert_bitwise_equal(sb[key], sa[key], f"{what}: param {i} {key}")
     for i, (ga, gb) in enumerate(zip(a.param_groups, b.param_groups)):
         assert ga["step"] == gb["step"], \
             f"{what}: group {i} step {gb['step']} != {ga['step']}"

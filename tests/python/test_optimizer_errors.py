@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    assert_bitwise_equal, assert_unchanged, fused_adam, snapshot)
+    assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, fused_adam,
+    snapshot)
 
 
 def facts(*patterns):
@@ -289,10 +290,7 @@ def test_step_recovers_after_a_rejected_call(backend):
     params[3].decoupled_grad = good
     opt.step()
     twin.step()
-    for i, (p, q) in enumerate(zip(params, twin_params)):
-        assert_bitwise_equal(p.detach(), q.detach(), f"param {i}")
-        for key, value in twin.state[q].items():
-            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+    assert_same_optimizer_state(twin, opt, twin_params, params, "after recovering")
     assert [g["step"] for g in opt.param_groups] == [3, 3]
 
 
@@ -328,13 +326,12 @@ def remainder_optimizer():
 FOREIGN = torch.nn.Parameter(torch.randn(4))
 
 
-def call(method, *args, **kwargs):
+def call(method, target, *args, **kwargs):
+    """`opt.<method>(param, *args, **kwargs)` where `target` is the parameter's index in
+    the test's list, or "foreign" for a tensor the optimizer does not hold."""
     def apply(opt, params):
-        resolved = [params[a] if isinstance(a, int) and not isinstance(a, bool) else a
-                    for a in args[:1]] + list(args[1:])
-        if resolved and resolved[0] == "foreign":
-            resolved[0] = FOREIGN
-        getattr(opt, method)(*resolved, **kwargs)
+        param = FOREIGN if target == "foreign" else params[target]
+        getattr(opt, method)(param, *args, **kwargs)
     return apply
 
 

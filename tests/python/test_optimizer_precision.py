@@ -22,7 +22,8 @@ from _optimizer_testing import (
     SCALE_TARGET, SHAPES, Hyper, Precision, TORCH_DTYPE, adam_reference,
     assert_bitwise_equal, assert_close_bounded, assert_same_optimizer_state,
     backend_context, clone_params, decode_codes, fused_adam, have_core, make_params,
-    quantize_like_spec, run_precision_steps, storage_format, stored_bound, true_state)
+    quantize_like_spec, run_precision_steps, scale_of, storage_format, stored_bound,
+    true_state)
 
 MATRIX = [
     # bf16 parameters with an fp32 or fp16 master
@@ -86,10 +87,12 @@ def check_initial_state(opt, params, cfg):
     for i, p in enumerate(params):
         formats = cfg.state_formats(p.dtype)
         state = opt.state[p]
-        expected_keys = set(formats) | {f"{n}_scale" for n, f in formats.items()
-                                        if f in SCALE_TARGET}
-        assert set(state) == expected_keys, \
-            f"param {i} ({p.dtype}): state keys {sorted(state)}"
+        names = {k for k in state if not k.endswith("_scale")}
+        assert names == set(formats), f"param {i} ({p.dtype}): state names {sorted(state)}"
+        for name, fmt in formats.items():
+            has_scale = scale_of(opt, p, name) is not None
+            assert has_scale == (fmt in SCALE_TARGET), \
+                f"param {i} {name} ({fmt}): scale {'present' if has_scale else 'missing'}"
         for name, fmt in formats.items():
             stored = state[name]
             expected_dtype = torch.int16 if fmt == "rem" else TORCH_DTYPE[fmt]
@@ -98,14 +101,14 @@ def check_initial_state(opt, params, cfg):
             if name != "master_param":
                 assert bool((decode_codes(stored) == 0).all()), f"param {i} {name} not zero"
                 if fmt in SCALE_TARGET:
-                    assert state[name + "_scale"].item() == 1.0
+                    assert scale_of(opt, p, name).item() == 1.0
             elif fmt == "rem":
                 assert bool((stored == 0).all()), f"param {i}: initial remainder not zero"
             else:
                 codes, scale = quantize_like_spec(p.detach().float(), fmt)
                 assert_bitwise_equal(stored, codes, f"param {i}: seeded master")
                 if scale is not None:
-                    assert state["master_param_scale"].item() == scale
+                    assert scale_of(opt, p, "master_param").item() == scale
 
 
 def check_state_dict_layout(opt, params, cfg, sd):
@@ -142,10 +145,10 @@ def check_reloaded(opt, new_opt, params, new_params, cfg, sd):
             if fmt in SCALE_TARGET:
                 codes, scale = quantize_like_spec(sd["state"][i][name], fmt)
                 assert_bitwise_equal(new, codes, f"param {i} {name}: reloaded codes")
-                new_scale = new_opt.state[q][name + "_scale"]
+                new_scale = scale_of(new_opt, q, name)
                 assert new_scale.item() == scale, f"param {i} {name}: reloaded scale"
                 same = same and torch.equal(new, old) and torch.equal(
-                    new_scale, opt.state[p][name + "_scale"])
+                    new_scale, scale_of(opt, p, name))
             else:
                 assert_bitwise_equal(new, old, f"param {i} {name}: reloaded storage")
     return same
@@ -238,7 +241,7 @@ def test_scaled_state_guards(fmt, backend):
     opt.step()
     for p in params:
         for name in ("exp_avg", "exp_avg_sq"):
-            assert opt.state[p][name + "_scale"].item() == 1.0
+            assert scale_of(opt, p, name).item() == 1.0
             assert bool((true_state(opt, p, name) == 0).all())
     assert storage_format(opt.state[params[0]]["exp_avg"]) == fmt
 
@@ -262,9 +265,12 @@ def test_non_finite_moment_gets_unit_scale(fmt, backend):
     for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
                                ("exp_avg_sq", ref.v, ref.v_bound)):
         state = opt.state[params[0]]
-        assert state[name + "_scale"].item() == 1.0, f"{name}: scale"
+        assert scale_of(opt, params[0], name).item() == 1.0, f"{name}: scale"
         codes = decode_codes(state[name])
-        assert (codes[4].item() == math.inf) if fmt == "fp16" else math.isnan(codes[4].item())
+        if fmt == "fp16":
+            assert codes[4].item() == math.inf
+        else:
+            assert math.isnan(codes[4].item())
         stored = codes[finite]
         assert_close_bounded(stored, value, stored_bound(fmt, stored, value, bound, 1.0),
                              f"{name} finite elements")

@@ -15,7 +15,8 @@ import torch
 from _optimizer_testing import (
     FP32_TINY, Precision, SCALE_TARGET, TORCH_DTYPE, assert_bitwise_equal,
     assert_same_optimizer_state, clone_params, decode_codes, fused_adam, make_params,
-    merge_remainder, near_ties, quantize_like_spec, run_precision_steps, split_master)
+    merge_remainder, near_ties, quantize_like_spec, run_precision_steps, scale_of,
+    split_master, state_tensors)
 
 STORAGE_CASES = {
     # state name -> Precision that stores it in the format named by the id
@@ -56,7 +57,7 @@ def test_get_unscaled_state(case, backend):
         return
     assert value.dtype == torch.float32 and value.shape == p.shape
     if fmt in SCALE_TARGET:
-        scale = opt.state[p][name + "_scale"]
+        scale = scale_of(opt, p, name)
         expected = decode_codes(stored).float() * scale
     else:
         expected = stored.float()
@@ -107,7 +108,7 @@ def test_set_scaled_state_stores_per_s2_3(case, values, backend):
     stored = opt.state[p][name]
     assert_bitwise_equal(stored, codes, f"stored {name}")
     if scale is not None:
-        assert opt.state[p][name + "_scale"].item() == scale
+        assert scale_of(opt, p, name).item() == scale
         if values == "tiny":
             assert scale == FP32_TINY
         if values in ("zeros", "with-inf", "with-nan"):
@@ -126,7 +127,7 @@ def test_set_scaled_state_near_ties_bitwise(fmt, backend):
     opt = fused_adam()(params, exp_avg_dtype=TORCH_DTYPE[fmt])
     opt.set_scaled_state(params[0], "exp_avg", values)
     codes, expected = quantize_like_spec(values, fmt)
-    assert opt.state[params[0]]["exp_avg_scale"].item() == expected == scale
+    assert scale_of(opt, params[0], "exp_avg").item() == expected == scale
     assert_bitwise_equal(opt.state[params[0]]["exp_avg"], codes, f"{fmt} codes")
 
 
@@ -142,7 +143,7 @@ def test_set_scaled_state_remainder_and_empty(backend):
     assert_bitwise_equal(opt.state[p]["master_param"], remainder, "stored remainder")
     assert_bitwise_equal(p.detach(), bits, "param bits after setting a remainder")
     opt.set_scaled_state(empty, "exp_avg", torch.zeros(0))
-    assert opt.state[empty]["exp_avg_scale"].item() == 1.0
+    assert scale_of(opt, empty, "exp_avg").item() == 1.0
 
 
 def test_set_scaled_state_non_contiguous_value(backend):
@@ -193,11 +194,13 @@ def test_state_dict_of_fresh_optimizer_changes_nothing(backend):
     cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="fp16")
     params = make_params(cfg.param_dtypes(2), [(4,), (2, 3)], seed=3)
     opt = fused_adam()(params, **cfg.optimizer_kwargs())
-    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    before = {id(p): {k: v.clone() for k, v in state_tensors(opt, p).items()}
+              for p in params}
     sd = opt.state_dict()
     for i, p in enumerate(params):
+        now = state_tensors(opt, p)
         for key, value in before[id(p)].items():
-            assert_bitwise_equal(opt.state[p][key], value, f"param {i} {key}")
+            assert_bitwise_equal(now[key], value, f"param {i} {key}")
         assert bool((sd["state"][i]["exp_avg"] == 0).all())
         codes, scale = quantize_like_spec(p.detach().float(), "fp16")
         assert_bitwise_equal(sd["state"][i]["master_param"],
@@ -247,7 +250,7 @@ def test_load_state_dict_converts_to_configured_storage(saved_cfg, loaded_cfg, b
             codes, scale = quantize_like_spec(value, fmt)
             assert_bitwise_equal(stored, codes, f"param {i} {name} as {fmt}")
             if scale is not None:
-                assert new_opt.state[q][name + "_scale"].item() == scale
+                assert scale_of(new_opt, q, name).item() == scale
 
 
 def test_load_state_dict_restores_group_settings_and_step(backend):
@@ -292,7 +295,7 @@ def test_torch_save_load_round_trip(cfg, backend):
                 codes, scale = quantize_like_spec(loaded["state"][i][name], fmt)
                 assert_bitwise_equal(new_opt.state[q][name], codes, name)
                 same = same and torch.equal(codes, opt.state[p][name]) and \
-                    scale == opt.state[p][name + "_scale"].item()
+                    scale == scale_of(opt, p, name).item()
             else:
                 assert_bitwise_equal(new_opt.state[q][name], opt.state[p][name], name)
     if cfg.bitwise_round_trip:
@@ -338,6 +341,6 @@ def test_initialize_state_resets_remainder(backend):
     assert bool((opt.state[p]["master_param"] == 0).all())
     for name in ("exp_avg", "exp_avg_sq"):
         assert bool((opt.state[p][name] == 0).all())
-        assert opt.state[p][name + "_scale"].item() == 1.0
+        assert scale_of(opt, p, name).item() == 1.0
     assert opt.param_groups[0]["step"] == 3
     opt.initialize_state(p, store_param_remainders=True)  # agrees with the config

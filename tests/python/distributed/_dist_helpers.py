@@ -317,6 +317,46 @@ def check_state_layout(state, param, dtype, what):
     assert local.dtype == dtype, f"{what}: local dtype {local.dtype}, configured {dtype}"
 
 
+def check_raw_entry(opt, param, preset, what):
+    """RFC 3.3.3 / S2.3: ``optimizer.state[param]`` holds exactly the storage tensors (no
+    scales: DCP's flattened load expects a saved value for every key there), and
+    ``optimizer._scales[param]`` holds a plain 0-dim fp32 scale, on the local tensor's
+    device, for exactly the fp16 / fp8 states (per local shard, never a DTensor)."""
+    names = preset.state_names(param.dtype)
+    assert sorted(opt.state.get(param, {})) == sorted(names), \
+        f"{what}: optimizer.state keys {sorted(opt.state.get(param, {}))}, expected {names}"
+    scaled = sorted(n for n in names if preset.is_scaled(n))
+    scales = opt._scales.get(param, {})
+    assert sorted(scales) == scaled, \
+        f"{what}: optimizer._scales keys {sorted(scales)}, expected {scaled}"
+    for name, scale in scales.items():
+        assert type(scale) is torch.Tensor and scale.dtype == torch.float32 \
+            and scale.dim() == 0 and scale.device == local_of(param).device, \
+            f"{what}: scale of {name} must be a plain local 0-dim fp32 tensor, got " \
+            f"{type(scale).__name__} {getattr(scale, 'dtype', None)} " \
+            f"{tuple(getattr(scale, 'shape', ()))}"
+
+
+def raw_state(opt, param):
+    """Every stored tensor of a parameter, local: the storage in ``optimizer.state`` under
+    its name, and each scale in ``optimizer._scales`` under ``scale:<name>``."""
+    out = {k: local_of(v) for k, v in opt.state.get(param, {}).items()
+           if isinstance(v, torch.Tensor)}
+    for k, v in opt._scales.get(param, {}).items():
+        out[f"scale:{k}"] = v
+    return out
+
+
+def set_raw_state(opt, param, raw):
+    """Clones of ``raw_state`` tensors into a plain-tensor optimizer of the same
+    configuration (its storage and scales, which already exist, are replaced)."""
+    for key, value in raw.items():
+        if key.startswith("scale:"):
+            opt._scales[param][key[len("scale:"):]] = value.clone()
+        else:
+            opt.state[param][key] = value.clone()
+
+
 # ------------------------------------------------------------------ collective counting
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -538,6 +578,7 @@ class ManualRun:
                 check_state_layout(self.opt.state.get(p, {}).get(sname), p,
                                    self.preset.storage_dtype(sname),
                                    f"optimizer.state[{name}][{sname!r}]")
+            check_raw_entry(self.opt, p, self.preset, name)
 
     def gather(self, use_full_tensor=False):
         """Full parameters, full ``state_dict()`` values and group steps, on every rank.
@@ -622,9 +663,7 @@ class PlainReference:
         scale re-derived from already rounded values may differ by an ulp from the one
         the sharded optimizer derived while loading."""
         for n in self.names:
-            for key, value in run.opt.state[run.params[n]].items():
-                if isinstance(value, torch.Tensor):
-                    self.opt.state[self.params[n]][key] = local_of(value).clone()
+            set_raw_state(self.opt, self.params[n], raw_state(run.opt, run.params[n]))
 
     def step(self, grads, skip=()):
         for n in self.names:
@@ -639,8 +678,8 @@ class PlainReference:
         for i, n in enumerate(self.names):
             out["state"][n] = {k: v.clone() for k, v in sd["state"][i].items()}
             if raw:  # every stored tensor, scales included
-                out["raw"][n] = {k: v.clone() for k, v in self.opt.state[self.params[n]].items()
-                                 if isinstance(v, torch.Tensor)}
+                out["raw"][n] = {k: v.clone()
+                                 for k, v in raw_state(self.opt, self.params[n]).items()}
         return out
 
 
@@ -653,9 +692,7 @@ def local_snapshot(run):
         out["params"][n] = local_of(p).clone()
         out["state"][n] = {k: local_of(v).clone()
                            for k, v in sd["state"].get(i, {}).items()}
-        out["raw"][n] = {k: local_of(v).clone()
-                         for k, v in run.opt.state.get(p, {}).items()
-                         if isinstance(v, torch.Tensor)}
+        out["raw"][n] = {k: v.clone() for k, v in raw_state(run.opt, p).items()}
     return out
 
 

@@ -16,9 +16,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 import _dist_cases
 from _dist_helpers import (
     OPT_DEFAULTS, ManualRun, ParamSpec, PlainReference, Preset, assert_bitwise,
-    assert_snapshots_bitwise, check_state_layout, compare_full, count_collectives, full_grad,
-    full_param, fused_adam, layout_specs, local_of, local_snapshot, mixed_specs,
-    same_on_all_ranks, seed_of, symmetric)
+    assert_snapshots_bitwise, check_raw_entry, check_state_layout, compare_full,
+    count_collectives, full_grad, full_param, fused_adam, layout_specs, local_of,
+    local_snapshot, mixed_specs, raw_state, same_on_all_ranks, seed_of, set_raw_state,
+    symmetric)
 
 
 def run(ctx):
@@ -525,9 +526,7 @@ def fsdp2_dcp_resume(ctx, case):
     # Same stored codes and scales too: a scale re-derived from already rounded values
     # may differ by an ulp from the one derived while loading.
     for p, r in zip(model.parameters(), refs):
-        for key, value in opt.state[p].items():
-            if isinstance(value, torch.Tensor):
-                ref.state[r][key] = local_of(value).clone()
+        set_raw_state(ref, r, raw_state(opt, p))
     gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
     for step in (3, 4):
         _fsdp2_backward(model, gen)
@@ -549,12 +548,11 @@ def _check_fsdp2_step(step, names, params, opt, refs, ref, adamw_refs, ptrs, pre
                                f"{what}: optimizer.state {name}.{sname}")
             assert_bitwise(local_of(sd["state"][i][sname]), ref_sd["state"][i][sname],
                            f"{what}: state_dict() {name}.{sname}")
-        raw = {k: v for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
-        ref_raw = ref.state[r]
+        check_raw_entry(opt, p, preset, f"{what}: {name}")
+        raw, ref_raw = raw_state(opt, p), raw_state(ref, r)
         assert sorted(raw) == sorted(ref_raw), \
             f"{what}: {name} raw state names {sorted(raw)} != {sorted(ref_raw)}"
         for k, v in raw.items():
-            v = local_of(v)
             assert_bitwise(v, ref_raw[k], f"{what}: raw {name}.{k} (scales included)")
         if adamw_refs is not None:
             torch.testing.assert_close(local, adamw_refs[i].detach(), rtol=1e-5, atol=1e-6,
@@ -745,10 +743,12 @@ def state_access(ctx, case):
                                        f"optimizer.state[{name}][{sname!r}] after set")
                     assert_bitwise(run.opt.get_unscaled_state(p, sname), exported,
                                    f"{what} after set_scaled_state")
+            check_raw_entry(run.opt, p, preset, f"{name} after set_scaled_state")
             run.opt.initialize_state(p)
             for sname in preset.state_names(p.dtype):
                 check_state_layout(run.opt.state[p][sname], p, preset.storage_dtype(sname),
                                    f"optimizer.state[{name}][{sname!r}] after initialize_state")
+            check_raw_entry(run.opt, p, preset, f"{name} after initialize_state")
             moments = run.opt.get_unscaled_state(p, "exp_avg")
             assert not moments.any(), f"initialize_state({name}) left exp_avg non-zero"
 

@@ -1,0 +1,74 @@
+"""The demo's named choices: optimizer-state presets (``--state``) and model sizes
+(``--model``).
+
+Kept free of torch imports so that the command line can reject a bad choice at once;
+dtypes are spelled as ``torch`` attribute names and resolved in the worker.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StatePreset:
+    name: str
+    summary: str
+    param_dtype: str            # dtype of the sharded parameters the model trains
+    exp_avg_dtype: str          # "uint8" means fp8 E4M3 codes with a per-tensor scale
+    exp_avg_sq_dtype: str
+    master_weights: bool = False
+    store_param_remainders: bool = False
+
+    def fused_adam_kwargs(self):
+        """Keyword arguments for ``shardadam.FusedAdam`` (dtypes resolved here)."""
+        import torch
+
+        return {"master_weights": self.master_weights,
+                "master_weight_dtype": torch.float32,
+                "store_param_remainders": self.store_param_remainders,
+                "exp_avg_dtype": getattr(torch, self.exp_avg_dtype),
+                "exp_avg_sq_dtype": getattr(torch, self.exp_avg_sq_dtype)}
+
+
+PRESETS = {p.name: p for p in (
+    StatePreset("remainder-bf16",
+                "bf16 params + int16 remainders (exact fp32 master), bf16 moments",
+                "bfloat16", "bfloat16", "bfloat16", master_weights=True,
+                store_param_remainders=True),
+    StatePreset("master-bf16", "bf16 params + fp32 master, bf16 moments",
+                "bfloat16", "bfloat16", "bfloat16", master_weights=True),
+    # fp8 for exp_avg only: |exp_avg| / sqrt(exp_avg_sq) stays near 1, so an element
+    # flushed to zero by the per-tensor scale just skips an update. fp8 exp_avg_sq
+    # (squared gradients span far more than E4M3's range) flushes small entries to zero
+    # and blows their updates up: the small model diverges within 15 steps.
+    StatePreset("remainder-fp8",
+                "bf16 params + int16 remainders, fp8 E4M3 exp_avg (per-tensor scale), "
+                "bf16 exp_avg_sq",
+                "bfloat16", "uint8", "bfloat16", master_weights=True,
+                store_param_remainders=True),
+    StatePreset("fp32", "fp32 params, fp32 moments (same state as torch's AdamW)",
+                "float32", "float32", "float32"),
+)}
+
+# bf16 moments keep fp32's exponent range (no per-tensor scale to under- or overflow),
+# and the remainder makes the fp32 master exact for 2 bytes: 6 state bytes per
+# parameter, 8 with the bf16 parameter itself, against 12 for fp32 + AdamW.
+DEFAULT_PRESET = "remainder-bf16"
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    dim: int
+    layers: int
+    heads: int
+    seq_len: int
+    rows: int            # sequences in the global batch of one step
+    lr: float            # peak learning rate
+    corpus_bytes: int    # how much standard-library source to train on
+
+
+SIZES = {
+    "small": ModelSize(dim=128, layers=4, heads=4, seq_len=128, rows=16, lr=3e-3,
+                       corpus_bytes=8 << 20),
+    "tiny": ModelSize(dim=32, layers=2, heads=2, seq_len=32, rows=8, lr=1e-2,
+                      corpus_bytes=1 << 20),
+}

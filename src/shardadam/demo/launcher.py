@@ -1,0 +1,119 @@
+"""Starts the ranks of one demo phase as real processes and watches them.
+
+Ranks are forked from a multiprocessing fork server that has imported torch once, so a
+phase starts in about a second instead of every rank importing torch again (seconds of
+CPU each on a 2-core machine). They meet through a ``FileStore`` in the run's private
+temporary folder, so concurrent demos never share a rendezvous.
+
+Nothing is left behind: the first rank that exits non-zero stops the phase and every
+other rank is killed; a phase that outlives its deadline is killed; each rank asks the
+kernel to kill it if the fork server goes away, and the fork server exits with this
+process.
+"""
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+
+# Modules the fork server imports once for all ranks of all phases.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+            "torch.distributed.fsdp", "torch.distributed.checkpoint", "shardadam",
+            "shardadam.demo.worker"]
+# Time the other ranks get to end on their own once one has failed, before being killed.
+_GRACE_S = 1.0
+_context = None
+
+
+class RankFailure(RuntimeError):
+    """A rank of a phase failed (or the phase ran past its deadline)."""
+
+
+def _fork_server_context(threads):
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+        # torch sizes its thread pools from this at import, in the fork server.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    return _context
+
+
+def _die_with_parent():
+    """Linux: deliver SIGKILL to this process when its parent (the fork server) ends."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the launcher's own kill on failure has to do
+
+
+def _rank_entry(rank, world_size, store_path, config):
+    _die_with_parent()
+    from . import worker  # preloaded in the fork server: no import cost here
+
+    worker.main(rank, world_size, store_path, config)
+
+
+def _exit_reason(process):
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _stop(processes):
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=10)
+
+
+def run_phase(config, world_size, workdir, deadline_s):
+    """Runs ``world_size`` ranks of the phase described by ``config``; returns when all
+    exited 0, else raises ``RankFailure`` naming the first rank that failed."""
+    context = _fork_server_context(config["threads"])
+    store_path = os.path.join(workdir, f"store-{config['phase']}")
+    processes = [context.Process(target=_rank_entry, name=f"{config['phase']}-rank{rank}",
+                                 args=(rank, world_size, store_path, config))
+                 for rank in range(world_size)]
+    try:
+        for process in processes:
+            process.start()
+        _watch(processes, config, world_size, deadline_s)
+    finally:
+        _stop(processes)
+
+
+def _watch(processes, config, world_size, deadline_s):
+    deadline = time.monotonic() + deadline_s
+    running = {process.sentinel: rank for rank, process in enumerate(processes)}
+    while running:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = sorted(running.values())
+            raise RankFailure(f"the {config['phase']} phase ran past its deadline of "
+                              f"{deadline_s:.0f} s; rank(s) {late} of {world_size} killed")
+        for sentinel in multiprocessing.connection.wait(list(running), timeout=remaining):
+            rank = running.pop(sentinel)
+            process = processes[rank]
+            process.join()
+            if process.exitcode != 0:
+                time.sleep(_GRACE_S)  # let the peers notice and write their logs
+                raise RankFailure(_failure_message(config, rank, world_size, process))
+
+
+def _failure_message(config, rank, world_size, process):
+    results, phase = config["results"], config["phase"]
+    try:
+        with open(os.path.join(results, f"{phase}-rank{rank}.error")) as f:
+            reason = f.read().strip()
+    except OSError:
+        reason = "no error recorded: the process died"
+    log = os.path.join(results, f"{phase}-rank{rank}.log")
+    return (f"rank {rank} of {world_size} failed in the {phase} phase "
+            f"({_exit_reason(process)}): {reason}; all ranks stopped; log: {log}")
