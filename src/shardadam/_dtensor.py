@@ -4,7 +4,8 @@ The arithmetic only ever sees local tensors. A parameter's distributed layout is
 ``Layout`` (mesh, placements, global shape and stride) or ``PLAIN`` for a plain tensor;
 the rest of the optimizer holds one per parameter and asks it to wrap a local state
 tensor back into the parameter's layout (``wrap``) or to say why a tensor does not fit
-it (``*_error``: a sentence, or None). ``to_local`` gives the local tensor of anything.
+it (``*_error``: a sentence, or None). ``to_local`` gives the local tensor of anything;
+``GradCheck`` checks and unwraps a batch's gradients at every step.
 
 Nothing here communicates: no redistribution, no ``run_check``, no ``full_tensor``.
 
@@ -14,13 +15,16 @@ Private torch APIs, used here only:
   ``DTensor.from_local`` moves the local tensor to the mesh's device type, which would
   move the states of a CPU-offloaded parameter (FSDP2 keeps CPU local tensors under a
   CUDA mesh) to the GPU; the constructor wraps the local tensor as it is.
-* ``DTensor._local_tensor`` / ``DTensor._spec`` on the per-step path: what the public
-  ``to_local()`` returns under ``torch.no_grad()`` and what ``placements`` /
-  ``device_mesh`` read, without a Python call per parameter per step.
+* ``DTensor._local_tensor`` / ``DTensor._spec`` (and the spec's ``mesh``,
+  ``placements``, ``tensor_meta``) on the per-step path: what the public ``to_local()``
+  returns under ``torch.no_grad()`` and what ``device_mesh`` / ``placements`` /
+  ``shape`` read, without a Python call per parameter per step (attribute reads on a
+  DTensor cost several times more than on a plain tensor).
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Optional
 
@@ -29,6 +33,9 @@ import torch
 # Private attributes read on the per-step path (see the module docstring).
 _local_tensor_of = operator.attrgetter("_local_tensor")
 _spec_of = operator.attrgetter("_spec")
+_mesh_of = operator.attrgetter("mesh")
+_placements_of = operator.attrgetter("placements")
+_shape_of = operator.attrgetter("tensor_meta.shape")
 
 _dtensor_type = None
 _spec_types = None
@@ -153,11 +160,17 @@ class Layout:
 
     def fits(self, tensor) -> bool:
         """Whether DTensor ``tensor`` has this mesh, placements and global shape (S3.3)."""
-        spec = tensor._spec
+        return self.fits_spec(tensor._spec)
+
+    def fits_spec(self, spec) -> bool:
+        # Reads the spec only: attribute reads on a DTensor itself cost several times
+        # more than on a plain object, and this runs per gradient per step.
         if spec is self.spec:
             return True
+        meta = spec.tensor_meta
         return ((spec.mesh is self.mesh or spec.mesh == self.mesh)
-                and tuple(spec.placements) == self.placements and tensor.shape == self.shape)
+                and tuple(spec.placements) == self.placements
+                and meta is not None and meta.shape == self.shape)
 
     def describe(self) -> str:
         return (f"a DTensor on {_mesh_text(self.mesh)} with placements {self.placements} "
@@ -178,32 +191,49 @@ def layout_of(param: torch.Tensor):
     return Layout(param) if is_dtensor(param) else PLAIN
 
 
-def known_specs(layouts: list) -> list:
-    """Per parameter, a gradient spec known to fit its layout (to start: the parameter's
-    own, which FSDP2 gives its gradients); ``local_grads`` remembers newer ones."""
-    return [layout.spec if layout.is_dtensor else None for layout in layouts]
+class GradCheck:
+    """One batch's gradients against its parameters' layouts (S3.3), cheaply per step.
 
-
-def local_grads(layouts: list, grads: list, known: list) -> Optional[list]:
-    """The local tensors of a batch's gradients when every one is None or a DTensor that
-    fits its parameter's layout (S3.3); else None, and the caller checks each in full.
-
-    ``known`` (from ``known_specs``, updated here) makes the usual step cheap: gradients
-    whose spec object is one already checked need no comparison.
+    Works on the gradients' specs with C-level ``map``s rather than a Python loop per
+    gradient, and remembers the last specs that fitted: FSDP2 gives every gradient its
+    parameter's own spec object, which then needs no comparison at all.
     """
-    try:
-        specs = list(map(_spec_of, grads))
-    except AttributeError:  # a None or plain gradient somewhere
-        return _local_grads_each(layouts, grads)
-    if not all(map(operator.is_, specs, known)):
-        dtensor = _dtensor_class()
-        for i, (layout, grad, spec) in enumerate(zip(layouts, grads, specs)):
-            if spec is known[i]:
-                continue
-            if not (layout.is_dtensor and isinstance(grad, dtensor) and layout.fits(grad)):
+
+    def __init__(self, layouts: list):
+        self.layouts = layouts
+        self.all_dtensor = all(layout.is_dtensor for layout in layouts)
+        self.known = [layout.spec if layout.is_dtensor else None for layout in layouts]
+        if self.all_dtensor:
+            self.meshes = [layout.mesh for layout in layouts]
+            self.placements = [layout.placements for layout in layouts]
+            self.shapes = [layout.shape for layout in layouts]
+
+    def local_grads(self, grads: list) -> Optional[list]:
+        """The local tensors of ``grads`` when every one is None or a DTensor that fits
+        its parameter's layout; else None, and the caller checks each in full."""
+        try:
+            specs = list(map(_spec_of, grads))
+        except AttributeError:  # a None or plain gradient somewhere
+            return _local_grads_each(self.layouts, grads)
+        if not all(map(operator.is_, specs, self.known)):
+            if not self._fit(specs, grads):
                 return None
-            known[i] = spec
-    return list(map(_local_tensor_of, grads))
+            self.known = specs
+        return list(map(_local_tensor_of, grads))
+
+    def _fit(self, specs: list, grads: list) -> bool:
+        dtensor = _dtensor_class()
+        if not all(map(isinstance, grads, itertools.repeat(dtensor))):
+            return False
+        if not self.all_dtensor:
+            return all(layout.is_dtensor and layout.fits_spec(spec)
+                       for layout, spec in zip(self.layouts, specs))
+        try:  # list equality compares elements by identity first, then ==
+            return (list(map(_mesh_of, specs)) == self.meshes
+                    and list(map(_placements_of, specs)) == self.placements
+                    and list(map(_shape_of, specs)) == self.shapes)
+        except AttributeError:  # a spec without tensor_meta
+            return False
 
 
 def _local_grads_each(layouts: list, grads: list) -> Optional[list]:

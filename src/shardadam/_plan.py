@@ -68,7 +68,7 @@ class DeviceBatch:
         self.shapes = [e.local.shape for e in entries]
         self.layouts = [e.layout for e in entries]
         self.plain = not any(layout.is_dtensor for layout in self.layouts)
-        self.grad_specs = _dtensor.known_specs(self.layouts)
+        self.grad_check = None if self.plain else _dtensor.GradCheck(self.layouts)
         # Left for the backends to fill (e.g. the C++ path's slot rows); dropped with
         # the plan, so never stale.
         self.backend_cache = {}
@@ -170,8 +170,7 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
         grads = [getattr(p, "decoupled_grad", None) for p in batch.params]
     else:
         grads = list(map(_grad_of, batch.params))  # no Python frame per parameter
-    local_grads = grads if batch.plain else _dtensor.local_grads(batch.layouts, grads,
-                                                                  batch.grad_specs)
+    local_grads = grads if batch.plain else batch.grad_check.local_grads(grads)
     if local_grads is not None:
         kinds = _fast_kinds(local_grads, batch)
         if kinds is not None:
