@@ -37,7 +37,7 @@ $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) | system-deps
 	touch $@
 
 demo: build/.package-stamp
-	$(PY) -m shardadam info
+	$(PY) -m shardadam demo
 
 test: test-cpp test-python
 

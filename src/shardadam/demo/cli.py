@@ -30,26 +30,39 @@ class DemoError(Exception):
     """A problem with the demo's input or environment, reported in one line."""
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _int_at_least(minimum):
+    """argparse type: a whole number >= ``minimum``."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") \
+                from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _fresh_folder(base):
+    """``base``, or ``base-2``, ``base-3``, ... if taken: runs never share a folder."""
+    path, n = base, 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
 
 
 def add_arguments(parser):
     presets = "; ".join(f"{name}: {p.summary}" for name, p in PRESETS.items())
-    parser.add_argument("--ranks", type=_positive_int, default=2,
+    parser.add_argument("--ranks", type=_int_at_least(1), default=2,
                         help="processes (gloo, CPU mesh) for the two full runs (default 2)")
-    parser.add_argument("--resume-ranks", type=_positive_int, default=3,
+    parser.add_argument("--resume-ranks", type=_int_at_least(1), default=3,
                         help="processes that resume the shardadam run from its mid-way "
                              "checkpoint; differ from --ranks to reshard (default 3)")
-    parser.add_argument("--steps", type=_positive_int, default=120,
+    parser.add_argument("--steps", type=_int_at_least(2), default=100,
                         help="training steps of each full run; the checkpoint is taken "
-                             "after steps // 2 (default 120, at least 2)")
+                             "after steps // 2 (default 100)")
     parser.add_argument("--state", choices=list(PRESETS), default=DEFAULT_PRESET,
                         metavar="PRESET",
                         help=f"shardadam state preset (default {DEFAULT_PRESET}). {presets}")
@@ -57,7 +70,7 @@ def add_arguments(parser):
                         help="small: 4 layers, width 128, 128-byte context, 16 sequences "
                              "per step; tiny: a few seconds' worth, for tests "
                              "(default small)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=_int_at_least(0), default=0,
                         help="seed of the initial weights and of the data order (default 0)")
     parser.add_argument("--out", default=None,
                         help="folder for demo.json, demo.png and the rank logs "
@@ -68,8 +81,6 @@ def add_arguments(parser):
 
 def _check(args):
     rows = SIZES[args.model].rows
-    if args.steps < 2:
-        raise DemoError(f"--steps must be at least 2 (a checkpoint mid-way), got {args.steps}")
     for flag, ranks in (("--ranks", args.ranks), ("--resume-ranks", args.resume_ranks)):
         if ranks > rows:
             raise DemoError(f"{flag} {ranks} exceeds the {rows} sequences of a "
@@ -81,7 +92,7 @@ def _check(args):
             raise DemoError(f"--fail-at expects RANK:STEP, got {args.fail_at!r}") from None
         args.fail_at = (rank, step)
     if args.out is None:
-        args.out = os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S"))
+        args.out = _fresh_folder(os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     try:
         os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
         with tempfile.TemporaryFile(dir=args.out):
@@ -92,8 +103,12 @@ def _check(args):
 
 
 def _threads_per_rank(ranks):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // ranks)
+    """Cores this process may use, shared out: ranks never oversubscribe the CPU."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return max(1, cores // ranks)
 
 
 def phase_config(args, workdir, corpus, phase, **extra):
@@ -119,6 +134,41 @@ def _read_phase(results, phase, world_size):
     return ranks
 
 
+def _phases(args, mid):
+    """(phase, ranks, label, config overrides) of the three phases, in order."""
+    return [
+        ("adamw", args.ranks, f"torch AdamW fp32 x{args.ranks}",
+         {"optimizer": "adamw", "preset": "fp32"}),
+        ("shardadam", args.ranks, f"shardadam {args.state} x{args.ranks}",
+         {"save_at": mid}),
+        ("resume", args.resume_ranks, f"resumed x{args.resume_ranks}",
+         {"start_step": mid}),
+    ]
+
+
+def _train(args, workdir, corpus_path):
+    """Runs the phases one after another; returns their ranks' records and wall times."""
+    from . import launcher
+
+    mid = args.steps // 2
+    phases, walls = {}, {}
+    for phase, ranks, label, extra in _phases(args, mid):
+        if phase == "resume":  # shown beside each resumed step
+            extra["reference"] = {str(r["step"]): r["loss"]
+                                  for r in phases["shardadam"][0]["steps"]}
+        config = phase_config(args, workdir, corpus_path, phase, label=label,
+                              threads=_threads_per_rank(ranks), **extra)
+        print(f"phase {phase}: {label}, {config['threads']} thread(s) per rank"
+              + (f", from the checkpoint of step {mid}" if phase == "resume" else ""),
+              flush=True)
+        began = time.monotonic()
+        deadline = _PHASE_STARTUP_S + _PHASE_PER_STEP_S * (args.steps - config["start_step"])
+        launcher.run_phase(config, ranks, workdir, deadline)
+        walls[phase] = time.monotonic() - began
+        phases[phase] = _read_phase(config["results"], phase, ranks)
+    return phases, walls
+
+
 def run(args):
     """The demo; returns the process exit status."""
     try:
@@ -126,46 +176,28 @@ def run(args):
     except DemoError as error:
         print(f"shardadam demo: error: {error}", file=sys.stderr)
         return 2
-    from . import launcher, report
-    from .corpus import build_corpus
+    from . import report
+    from .corpus import CorpusError, build_corpus
+    from .launcher import RankFailure
 
     began = time.monotonic()
-    mid = args.steps // 2
-    with tempfile.TemporaryDirectory(prefix="shardadam-demo-") as workdir:
-        corpus_path = os.path.join(workdir, "corpus.bin")
-        corpus = build_corpus(corpus_path, SIZES[args.model].corpus_bytes)
-        print(f"shardadam demo: {args.model} transformer, {args.steps} steps, seed "
-              f"{args.seed}; corpus: {corpus['bytes'] / 2**20:.1f} MiB of Python source "
-              f"from {corpus['files']} files under {corpus['source']}", flush=True)
-        plan = [
-            ("adamw", args.ranks, f"torch AdamW fp32 x{args.ranks}",
-             {"optimizer": "adamw", "preset": "fp32"}),
-            ("shardadam", args.ranks, f"shardadam {args.state} x{args.ranks}",
-             {"save_at": mid}),
-            ("resume", args.resume_ranks, f"resumed x{args.resume_ranks}",
-             {"start_step": mid}),
-        ]
-        phases = {}
-        for phase, ranks, label, extra in plan:
-            if phase == "resume":
-                extra["reference"] = {str(r["step"]): r["loss"]
-                                      for r in phases["shardadam"][0]["steps"]}
-            config = phase_config(args, workdir, corpus_path, phase, label=label,
-                                  threads=_threads_per_rank(ranks), **extra)
-            print(f"phase {phase}: {label} ({config['threads']} thread(s) per rank)"
-                  + (f", from the checkpoint of step {mid}" if phase == "resume" else ""),
-                  flush=True)
-            steps_to_run = args.steps - config["start_step"]
-            try:
-                launcher.run_phase(config, ranks, workdir,
-                                   _PHASE_STARTUP_S + _PHASE_PER_STEP_S * steps_to_run)
-            except launcher.RankFailure as failure:
-                print(f"shardadam demo: error: {failure}", file=sys.stderr)
-                return 1
-            phases[phase] = _read_phase(config["results"], phase, ranks)
-    figures = report.summarize(args, corpus, phases, time.monotonic() - began)
+    try:
+        with tempfile.TemporaryDirectory(prefix="shardadam-demo-") as workdir:
+            corpus_path = os.path.join(workdir, "corpus.bin")
+            corpus = build_corpus(corpus_path, SIZES[args.model].corpus_bytes)
+            print(f"shardadam demo: {args.model} transformer, {args.steps} steps, seed "
+                  f"{args.seed}; text: {corpus['bytes'] / 2**20:.1f} MiB of Python source "
+                  f"({corpus['files']} files under {corpus['source']})", flush=True)
+            phases, walls = _train(args, workdir, corpus_path)
+    except (RankFailure, CorpusError) as failure:
+        print(f"shardadam demo: error: {failure}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("shardadam demo: interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    figures = report.summarize(args, corpus, phases, walls, time.monotonic() - began)
     json_path, png_path = report.write(args.out, figures)
     print(report.table(figures))
-    print(f"wrote {json_path}\n      {png_path}\n      (rank logs in "
-          f"{os.path.join(args.out, 'logs')})")
+    print(f"wrote {json_path}\n      {png_path}\n      rank logs in "
+          f"{os.path.join(args.out, 'logs')}")
     return 0 if figures["resume_check"]["passed"] else 1

@@ -12,6 +12,10 @@ import sysconfig
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+class CorpusError(RuntimeError):
+    """Not enough readable Python source to train on."""
+
+
 def _stdlib_sources(root):
     """Paths of the standard library's .py files, in a fixed (sorted) order."""
     for dirpath, dirnames, filenames in os.walk(root):
@@ -42,7 +46,7 @@ def build_corpus(path, max_bytes):
             break
     data = b"".join(chunks)
     if len(data) < 1 << 16:
-        raise RuntimeError(f"found only {len(data)} bytes of Python source under {root}")
+        raise CorpusError(f"found only {len(data)} bytes of Python source under {root}")
     with open(path, "wb") as f:
         f.write(data)
     return {"source": root, "files": files, "bytes": len(data),

@@ -30,13 +30,14 @@ class RankFailure(RuntimeError):
     """A rank of a phase failed (or the phase ran past its deadline)."""
 
 
-def _fork_server_context(threads):
+def _fork_server_context():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
-        # torch sizes its thread pools from this at import, in the fork server.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        # The server only imports; one OpenMP thread there, and each rank sets its own
+        # count (cores / ranks) with torch.set_num_threads.
+        os.environ["OMP_NUM_THREADS"] = "1"
     return _context
 
 
@@ -76,7 +77,8 @@ def _stop(processes):
 def run_phase(config, world_size, workdir, deadline_s):
     """Runs ``world_size`` ranks of the phase described by ``config``; returns when all
     exited 0, else raises ``RankFailure`` naming the first rank that failed."""
-    context = _fork_server_context(config["threads"])
+    context = _fork_server_context()
+    _clear_previous(config["results"], config["phase"])
     store_path = os.path.join(workdir, f"store-{config['phase']}")
     processes = [context.Process(target=_rank_entry, name=f"{config['phase']}-rank{rank}",
                                  args=(rank, world_size, store_path, config))
@@ -87,6 +89,15 @@ def run_phase(config, world_size, workdir, deadline_s):
         _watch(processes, config, world_size, deadline_s)
     finally:
         _stop(processes)
+
+
+def _clear_previous(results, phase):
+    """Removes what an earlier demo in the same folder left for this phase, so that a
+    stale error or figure file is never read as this run's."""
+    prefix = f"{phase}-rank"
+    for name in os.listdir(results):
+        if name.startswith(prefix) and name.endswith((".json", ".error", ".log")):
+            os.remove(os.path.join(results, name))
 
 
 def _watch(processes, config, world_size, deadline_s):
@@ -115,5 +126,6 @@ def _failure_message(config, rank, world_size, process):
     except OSError:
         reason = "no error recorded: the process died"
     log = os.path.join(results, f"{phase}-rank{rank}.log")
+    where = f"log: {log}" if os.path.exists(log) else "it ended before opening its log"
     return (f"rank {rank} of {world_size} failed in the {phase} phase "
-            f"({_exit_reason(process)}): {reason}; all ranks stopped; log: {log}")
+            f"({_exit_reason(process)}): {reason}; all ranks stopped; {where}")

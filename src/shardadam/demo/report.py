@@ -7,20 +7,27 @@ import json
 import os
 import statistics
 
-# Resume check. Phase 3 restarts from the checkpoint with the parameters and optimizer
-# state restored exactly (bf16 parameters, bf16 moments and int16 remainders round-trip
-# bitwise; fp8 moments within a rounding of the re-derived per-shard scale) and trains on
-# the same tokens at every step; what changes with the rank count is only the order of
-# floating-point sums (each rank's partial loss and gradient sums, and the gradient
-# reduce-scatter). Such round-off differences start near fp32's epsilon (~1e-7) and
-# grow step by step as training amplifies them, yet stay far below the per-step loss
-# noise of different batches. A broken resume (wrong data order, lost or reset state,
-# parameters not restored) instead moves the loss by at least that batch noise.
-# Measured on the small model over 60 resumed steps: at most ~1e-3 (fp32 / bf16 /
-# remainder presets). Tolerance: the first resumed step within FIRST_STEP_TOL (only the
-# summation order of one forward pass differs), every step within SEGMENT_TOL.
-FIRST_STEP_TOL = 1e-3
-SEGMENT_TOL = 2e-2
+# Resume check: the resumed curve against the same steps of the uninterrupted run.
+#
+# The resumed run restores parameters and optimizer state from the checkpoint (fp32,
+# bf16 and int16-remainder state round-trip bitwise; fp8 state is re-quantized with
+# scales re-derived over each new, differently sized local shard) and trains on the
+# same tokens at every step. With the rank count only the order of floating-point sums
+# changes (each rank's share of the loss and gradient sums, the reduce-scatter). The
+# loss is an fp32 mean of 3 nats over >= 256 tokens: its ulp is 2.4e-7, so summation
+# order shows as a few 1e-7 at first, and grows as training compounds it.
+#
+# EARLY_TOL bounds the first EARLY_STEPS resumed steps, before that growth; SEGMENT_TOL
+# bounds every resumed step. Small model, seed 0, 2 -> 3 ranks, 30 to 60 resumed steps:
+#   legitimate    exact state (fp32, bf16, remainders): first steps <= 3e-7, all <= 2e-5
+#                 fp8 exp_avg (re-quantized, up to half an E4M3 step per value): first
+#                 steps <= 1e-4, all <= 1.3e-3
+#   broken        step count reset (bias correction restarts): 6.5e-3 after one update
+#                 moments lost: 5.4e-2 after one update
+#                 data order shifted: 0.25 at once, later up to ~0.4 (batch spread)
+EARLY_STEPS = 5
+EARLY_TOL = 1e-3
+SEGMENT_TOL = 1e-2
 
 
 def _run_figures(ranks):
@@ -41,6 +48,9 @@ def _run_figures(ranks):
         "state_bytes_per_param": sum(r["state_bytes"] for r in ranks) / params,
         "param_bytes_per_param": sum(r["param_bytes"] for r in ranks) / params,
         "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
+        # Growth of the highest rank over its RSS before training (torch alone).
+        "training_rss_mib": max(r["peak_rss_bytes"] - (r["start_rss_bytes"] or 0)
+                                for r in ranks) / 2**20,
         "opt_ms_mean": statistics.fmean(timed),
         "opt_ms_median": statistics.median(timed),
         "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps),
@@ -51,19 +61,23 @@ def resume_check(uninterrupted, resumed):
     """Compares the resumed segment with the same steps of the uninterrupted run."""
     reference = dict(zip(uninterrupted["step"], uninterrupted["loss"]))
     diffs = [loss - reference[step] for step, loss in zip(resumed["step"], resumed["loss"])]
-    first, worst = abs(diffs[0]), max(abs(d) for d in diffs)
+    early = max(abs(d) for d in diffs[:EARLY_STEPS])
+    worst = max(abs(d) for d in diffs)
     return {
         "from_step": resumed["step"][0] - 1,
         "ranks": [uninterrupted["ranks"], resumed["ranks"]],
         "diff": diffs,
-        "first_step_abs_diff": first, "max_abs_diff": worst,
-        "first_step_tolerance": FIRST_STEP_TOL, "tolerance": SEGMENT_TOL,
-        "passed": first <= FIRST_STEP_TOL and worst <= SEGMENT_TOL,
+        "early_steps": min(EARLY_STEPS, len(diffs)),
+        "early_max_abs_diff": early, "early_tolerance": EARLY_TOL,
+        "max_abs_diff": worst, "tolerance": SEGMENT_TOL,
+        "passed": early <= EARLY_TOL and worst <= SEGMENT_TOL,
     }
 
 
-def summarize(args, corpus, phases, wall_s):
+def summarize(args, corpus, phases, phase_wall_s, wall_s):
     runs = {name: _run_figures(ranks) for name, ranks in phases.items()}
+    for name, seconds in phase_wall_s.items():
+        runs[name]["wall_s"] = seconds
     return {
         "config": {"ranks": args.ranks, "resume_ranks": args.resume_ranks,
                    "steps": args.steps, "state": args.state, "model": args.model,
@@ -77,25 +91,31 @@ def summarize(args, corpus, phases, wall_s):
 
 def table(figures):
     runs, check = figures["runs"], figures["resume_check"]
-    header = (f"{'run':<30} {'ranks':>5} {'loss':>15} {'state B/param':>13} "
-              f"{'param B/param':>13} {'peak RSS':>10} {'opt step':>9}")
+    header = (f"{'run':<28} {'ranks':>5} {'loss first -> final':>19} "
+              f"{'state B/param':>13} {'param B/param':>13} {'peak RSS MiB':>14} "
+              f"{'opt step ms':>11} {'(median)':>8}")
     lines = [header, "-" * len(header)]
     for run in runs.values():
         loss = f"{run['first_loss']:.3f} -> {run['final_loss']:.3f}"
-        lines.append(f"{run['label']:<30} {run['ranks']:>5} {loss:>15} "
+        rss = f"{run['peak_rss_mib']:.0f} (+{run['training_rss_mib']:.0f})"
+        lines.append(f"{run['label']:<28} {run['ranks']:>5} {loss:>19} "
                      f"{run['state_bytes_per_param']:>13.2f} "
-                     f"{run['param_bytes_per_param']:>13.2f} "
-                     f"{run['peak_rss_mib']:>6.0f} MiB {run['opt_ms_mean']:>6.2f} ms")
+                     f"{run['param_bytes_per_param']:>13.2f} {rss:>14} "
+                     f"{run['opt_ms_mean']:>11.2f} {run['opt_ms_median']:>8.2f}")
     verdict = "PASS" if check["passed"] else "FAIL"
-    lines.append(
-        f"resume check ({check['ranks'][0]} -> {check['ranks'][1]} ranks at step "
-        f"{check['from_step']}): {verdict}: first step |diff| "
-        f"{check['first_step_abs_diff']:.1e} (<= {check['first_step_tolerance']:.0e}), "
-        f"max |diff| {check['max_abs_diff']:.1e} (<= {check['tolerance']:.0e})")
-    lines.append("loss: first -> final step; state: optimizer state tensors summed over "
-                 "ranks; peak RSS: highest rank; opt step: mean per step after the first, "
-                 "mean over ranks")
-    lines.append(f"wall time {figures['wall_s']:.0f} s")
+    lines += [
+        f"resume check, {check['ranks'][0]} -> {check['ranks'][1]} ranks from step "
+        f"{check['from_step']}: {verdict}  (max |loss diff| first {check['early_steps']} "
+        f"steps {check['early_max_abs_diff']:.1e} <= {check['early_tolerance']:.0e}, "
+        f"all {len(check['diff'])} steps {check['max_abs_diff']:.1e} <= "
+        f"{check['tolerance']:.0e})",
+        "state B/param: optimizer state bytes, all ranks, per model parameter.",
+        "peak RSS: highest rank (+ its growth while training: at this model size mostly "
+        "torch's working memory; the shardadam run also saves the checkpoint).",
+        "opt step: optimizer.step() time, mean (median) over the steps after the first, "
+        "ranks averaged.",
+        f"wall time {figures['wall_s']:.0f} s after the argument check",
+    ]
     return "\n".join(lines)
 
 
@@ -122,7 +142,8 @@ def plot(path, figures):
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
                                       gridspec_kw={"height_ratios": [2, 1]})
     for name, run in runs.items():
-        top.plot(run["step"], run["loss"], label=run["label"], linewidth=1.2,
+        label = f"{run['label']} ({run['state_bytes_per_param']:.0f} B/param state)"
+        top.plot(run["step"], run["loss"], label=label, linewidth=1.2,
                  **styles.get(name, {}))
         bottom.plot(run["step"], run["opt_ms"], label=run["label"], linewidth=1.0,
                     **styles.get(name, {}))
@@ -130,9 +151,9 @@ def plot(path, figures):
         axis.axvline(check["from_step"], color="gray", linewidth=0.8, linestyle=":")
         axis.grid(alpha=0.3)
     verdict = "pass" if check["passed"] else "FAIL"
-    top.set_title(f"{figures['config']['model']} transformer, FSDP2 on CPU: loss "
-                  f"(checkpoint at step {check['from_step']}, resume {verdict}, "
-                  f"max |diff| {check['max_abs_diff']:.1e})", fontsize=10)
+    top.set_title(f"{figures['config']['model']} transformer, FSDP2 on CPU; checkpoint "
+                  f"at step {check['from_step']} resumed on {check['ranks'][1]} ranks: "
+                  f"{verdict}, max |loss diff| {check['max_abs_diff']:.1e}", fontsize=10)
     top.set_ylabel("training loss (nats/byte)")
     top.legend()
     bottom.set_ylabel("optimizer step (ms)")

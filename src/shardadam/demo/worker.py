@@ -1,8 +1,8 @@
 """One rank of one demo phase: train the FSDP2-sharded transformer, optionally save or
 resume a DCP checkpoint, and write this rank's figures as JSON.
 
-The launcher (``launcher``) starts ``world_size`` of these with the same ``config``
-(a plain dict, described in ``launcher.phase_config``). Rank 0 prints one line per step.
+``launcher`` starts ``world_size`` of these with the same ``config``, a plain dict
+(``cli.phase_config``). Rank 0 prints one line per step.
 """
 
 import json
@@ -24,8 +24,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import shardadam
 
-from .data import VOCAB_SIZE, Batches
 from .config import PRESETS, SIZES
+from .data import VOCAB_SIZE, Batches
 from .model import Transformer
 
 BETAS = (0.9, 0.95)
@@ -161,7 +161,7 @@ def train(rank, world_size, config):
         records.append({"step": step, "loss": loss, "lr": lr, "opt_ms": opt_ms,
                         "step_s": step_s, "tokens_per_s": global_tokens / step_s})
         if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}")
+            raise FloatingPointError(f"training diverged: loss is {loss} at step {step}")
         if rank == 0:
             print(_progress_line(config, step, loss, global_tokens / step_s, opt_ms),
                   flush=True)
@@ -179,8 +179,18 @@ def train(rank, world_size, config):
         "state_bytes": state_bytes,
         # Linux reports the high-water mark in KiB.
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "start_rss_bytes": config["start_rss_bytes"],
         "steps": records if rank == 0 else [],
     }
+
+
+def _current_rss():
+    """Resident bytes now (Linux), before training: torch and the interpreter alone."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _init_process_group(rank, world_size, store_path, config, log):
@@ -207,6 +217,7 @@ def main(rank, world_size, store_path, config):
         os.dup2(log.fileno(), 1)
         sys.stdout = log
     torch.set_num_threads(config["threads"])
+    config = dict(config, start_rss_bytes=_current_rss())
     try:
         _init_process_group(rank, world_size, store_path, config, log)
         figures = train(rank, world_size, config)
