@@ -2,7 +2,7 @@
 #   make demo    run the main job
 #   make test    C++ tests (ctest) + Python tests (pytest)
 #   make setup   system packages, .venv with pinned deps, editable package, C++ tests
-#   make bench   kernel benchmark
+#   make bench   side-by-side benchmark (BENCH.md): table, build/bench/bench.{json,png}
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPP_BUILD := build/cpp
@@ -47,8 +47,10 @@ test-cpp: $(CPP_BUILD)/.build-stamp
 test-python: build/.package-stamp
 	$(PY) -m pytest -q
 
+# Full side-by-side run (about 3 minutes; add BENCH_FLAGS=--quick for under 2).
 bench: setup
-	$(CPP_BUILD)/benchmarks/kernel_bench
+	mkdir -p build/bench
+	$(PY) -m shardadam bench $(BENCH_FLAGS) --json build/bench/bench.json --png build/bench/bench.png
 
 clean:
 	rm -rf build $(VENV)

@@ -1,8 +1,9 @@
-"""Command line: ``python -m shardadam demo | info``."""
+"""Command line: ``python -m shardadam demo | bench | info``."""
 
 import argparse
 import sys
 
+from shardadam.bench import cli as bench_cli
 from shardadam.demo import cli as demo_cli
 
 
@@ -52,6 +53,17 @@ def main(argv=None):
                     "and demo.png to --out.")
     demo_cli.add_arguments(demo)
     demo.set_defaults(run=demo_cli.run)
+    bench = commands.add_parser(
+        "bench", help="time one Adam step on CPU: FusedAdam vs torch, DeepSpeed and the "
+                      "multi-pass path, with a bandwidth probe; table, JSON, PNG",
+        description="Times one optimizer step side by side (interleaved repetitions, "
+                    "medians with min/max) for each state preset on large tensors, a "
+                    "transformer's parameter list, 2,000 small tensors and DTensor "
+                    "parameters on 2 gloo ranks; reports elements/s, GB/s, the fraction "
+                    "of a bandwidth probe with the step's access pattern, ratios between "
+                    "contenders and each step's peak extra memory (BENCH.md).")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(run=bench_cli.run)
     commands.add_parser("info", help="version, SIMD target, threads and built backends") \
         .set_defaults(run=_info)
     args = parser.parse_args(argv)

@@ -1,0 +1,177 @@
+"""``python -m shardadam bench``: arguments and the order of a run.
+
+1. ``kernel_bench`` (the C++ benchmark, when built) at the large cases' size: its probe
+   is a second, C++ ceiling for the same access pattern.
+2. Each case: every contender and the probe, interleaved, on identical tensors.
+3. Peak extra memory of one step, one fresh subprocess per contender.
+4. Table on stdout, ``--json`` and ``--png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import platform
+import sys
+import time
+
+from .timing import SETTLE_S
+
+_KINDS = ("large", "transformer", "many", "dtensor")
+_MEMORY_JOBS = 2  # memory subprocesses at a time
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _kinds(text):
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(_KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown case kind(s) {unknown or text!r}; choose from {','.join(_KINDS)}")
+    return kinds
+
+
+def add_arguments(parser):
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller tensors and fewer repetitions (~2 minutes on 2 "
+                             "cores): 7M-element large cases, d_model 256, 7 reps. "
+                             "Default: full (25M elements, d_model 512, 15 reps)")
+    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
+    parser.add_argument("--png", metavar="PATH", help="draw the results as a PNG chart")
+    parser.add_argument("--cases", type=_kinds, default=list(_KINDS), metavar="KINDS",
+                        help=f"comma-separated subset of {','.join(_KINDS)} (default all)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="intra-op threads for every contender and probe "
+                             "(default: torch's current setting)")
+    parser.add_argument("--reps", type=_positive_int, default=None,
+                        help="timed repetitions per contender (default 7 quick, 15 full)")
+    parser.add_argument("--scale", type=_positive_float, default=1.0,
+                        help="multiply every tensor size (e.g. 0.001 for a smoke test; "
+                             "results at other scales are not comparable)")
+    parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S,
+                        help="idle gap before each timed call so no contender starts "
+                             "while another's thread pool still spins (default "
+                             f"{1e3 * SETTLE_S:g})")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory subprocesses")
+    parser.add_argument("--no-kernel-bench", action="store_true",
+                        help="do not run build/cpp/benchmarks/kernel_bench even if built")
+
+
+def _meta(args, mode, threads, size):
+    import torch
+
+    import shardadam
+
+    try:
+        from shardadam import _C
+
+        simd = _C.info()["simd_target"]
+    except ImportError:
+        simd = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"mode": mode, "scale": args.scale, "threads": threads, "reps": size["reps"],
+            "warmup": size["warmup"], "settle_s": size["settle_s"], "cpu": cpu,
+            "logical_cpus": os.cpu_count(),
+            "torch": torch.__version__, "shardadam": shardadam.__version__,
+            "simd_target": simd, "load_average_start": list(os.getloadavg()),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "allocation": "every buffer allocated by torch (64-byte aligned, fresh "
+                          "mappings for large tensors), one allocation per tensor",
+            "probe": "same arrays' dtypes and sizes; grad read, the step's arrays "
+                     "updated in place with integer adds, in cache-sized blocks, torch "
+                     "intra-op threads as the contenders; interleaved with them"}
+
+
+_START = time.monotonic()
+
+
+def _log(message):
+    print(f"[{time.monotonic() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    import torch
+
+    from . import cases, memory, probe, report, runner
+
+    mode = "quick" if args.quick else "full"
+    size = cases.settings(mode)
+    if args.reps:
+        size["reps"] = args.reps
+    size["settle_s"] = max(0.0, args.settle_ms / 1e3)
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    meta = _meta(args, mode, threads, size)
+    selected = cases.build_cases(mode, args.scale, args.cases)
+
+    kernel_rows = None
+    large = [c for c in selected if c.kind == "large"]
+    path = None if args.no_kernel_bench or not large else probe.find_kernel_bench()
+    meta["kernel_bench"] = path
+    if path:
+        _log(f"kernel_bench: {path} --numel {large[0].numel}")
+        kernel_rows = probe.kernel_bench_figures(path, large[0].numel, size["reps"], threads)
+        if "error" in kernel_rows:
+            meta["kernel_bench_error"] = kernel_rows.pop("error")
+
+    records = []
+    for case in selected:
+        _log(f"timing {case.id}: {len(case.shapes)} tensors, {case.numel} elements")
+        records += runner.time_case(case, size, threads, kernel_rows)
+
+    peaks = {}
+    if not args.no_memory:
+        by_contender = {}
+        for case in selected:
+            if case.kind != "dtensor":
+                for name in case.contenders:
+                    by_contender.setdefault(name, []).append(case.id)
+        _log(f"memory: one fresh subprocess per contender ({', '.join(by_contender)})")
+        # After all timing, so they may overlap: each measures only its own RSS.
+        with concurrent.futures.ThreadPoolExecutor(_MEMORY_JOBS) as pool:
+            jobs = {name: pool.submit(memory.measure, name, case_ids, mode, args.scale,
+                                      threads)
+                    for name, case_ids in by_contender.items()}
+            for name, job in jobs.items():
+                for case_id, result in job.result().items():
+                    peaks[(case_id, name)] = result
+    runner.add_memory(records, peaks)
+
+    meta["load_average_end"] = list(os.getloadavg())
+    print(f"shardadam bench ({mode}, scale {args.scale}): {meta['cpu']}, {threads} "
+          f"threads, SIMD {meta['simd_target']}, torch {meta['torch']}; load average "
+          f"{meta['load_average_start'][0]:.2f} at start, "
+          f"{meta['load_average_end'][0]:.2f} at end")
+    print(report.table(records))
+    if args.json:
+        report.write_json(args.json, meta, records)
+    if args.png:
+        report.write_png(args.png, meta, records)
+    return 0

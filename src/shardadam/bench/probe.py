@@ -1,0 +1,104 @@
+"""The machine's ceiling for one step's access pattern, measured beside the contenders.
+
+``Probe`` owns arrays of the preset's dtypes and sizes (allocated by torch, like every
+contender's) and, per call, reads the grad once and updates in place exactly the arrays
+the step updates (bytewise integer adds: same bytes, no conversions, so the probe is
+never compute-bound), and only writes the param where a master is the read copy. Every
+stream is walked in cache-sized blocks so each element crosses the memory bus once per
+call, as in a fused step; a whole-array op per stream would re-read the grad once per
+stream. It is timed interleaved with the contenders like one of them. Each op is a
+separate OpenMP region, so on a loaded machine this probe suffers more than a kernel
+with one parallel region: read it beside the C++ probe.
+
+``kernel_bench_figures`` folds in the C++ probe of ``benchmarks/kernel_bench`` (same
+pattern, own buffers, separate process, same thread count) when that binary is built.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+
+import torch
+
+# Elements per block: a block of every stream (<= 16 MiB for 16 bytes per element)
+# stays inside the 32 MiB last-level cache of the machines here, and the Python cost per
+# block (a few op launches) stays small beside moving it; measured best of 64K-1M.
+BLOCK = 1 << 20
+
+
+class Probe:
+    """Callable: one pass of the preset's access pattern over the case's arrays."""
+
+    def __init__(self, case, block=BLOCK):
+        preset = case.preset
+        self.block = block
+        master_dtype = {None: None, "fp32": torch.float32,
+                        "remainder": torch.int16}[preset.master]
+        self.tensors = []
+        for shape in case.shapes:
+            numel = math.prod(shape)
+            grad = torch.zeros(numel, dtype=preset.param_dtype)
+            param = torch.zeros(numel, dtype=preset.param_dtype)
+            moments = [torch.zeros(numel, dtype=preset.moment_dtype) for _ in range(2)]
+            master = None if master_dtype is None else torch.zeros(numel, dtype=master_dtype)
+            if preset.master == "fp32":
+                # The param is only written; the master is read and written.
+                updated, written = [master, *moments], [param]
+            else:
+                updated, written = [param, *moments] + ([master] if master is not None
+                                                        else []), []
+            self.tensors.append((numel, grad, updated, written))
+
+    def __call__(self):
+        for numel, grad, updated, written in self.tensors:
+            for start in range(0, numel, self.block):
+                end = min(numel, start + self.block)
+                g = _bytes(grad, start, end)
+                # The grad's bytes are added into the first updated stream (read once);
+                # everything else is a trivial byte add (read + write) or a fill (write).
+                first = _bytes(updated[0], start, end)
+                first[:g.numel()].add_(g)
+                if first.numel() > g.numel():
+                    first[g.numel():].add_(1)
+                for stream in updated[1:]:
+                    _bytes(stream, start, end).add_(1)
+                for stream in written:
+                    _bytes(stream, start, end).fill_(1)
+
+
+def _bytes(tensor, start, end):
+    """Elements [start, end) of a 1-D tensor as its raw bytes."""
+    size = tensor.element_size()
+    return tensor.view(torch.uint8)[start * size:end * size]
+
+
+def find_kernel_bench():
+    """``build/cpp/benchmarks/kernel_bench`` of a source checkout, if built."""
+    candidates = [os.environ.get("SHARDADAM_KERNEL_BENCH", ""),
+                  os.path.join(os.getcwd(), "build/cpp/benchmarks/kernel_bench")]
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates.append(os.path.join(here, "../../../build/cpp/benchmarks/kernel_bench"))
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return os.path.normpath(path)
+    return None
+
+
+def kernel_bench_figures(path, numel, reps, threads, timeout_s=600):
+    """``{preset label: row}`` from one kernel_bench run (probe and bare C++ kernel
+    seconds), or ``{"error": why}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "kernel_bench.json")
+        command = [path, "--numel", str(numel), "--reps", str(reps), "--threads",
+                   str(threads), "--json", out]
+        try:
+            subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
+            with open(out) as f:
+                rows = json.load(f)
+        except (OSError, subprocess.SubprocessError, ValueError) as error:
+            return {"error": f"{' '.join(command)}: {error}"}
+    return {row["preset"]: row for row in rows}

@@ -1,0 +1,110 @@
+"""The run's outputs: a text table, the JSON file and the PNG chart.
+
+JSON: ``{"meta": {...}, "results": [record, ...]}``, one record per (case, contender):
+case, kind, contender, description, preset (dtype combo), dtypes, numel, tensors,
+threads, ranks, status ("ok", "unavailable", "unsupported", "error") and reason,
+seconds {median, min, max}, reps, elements_per_s, gb_per_s (BENCH.md minimum bytes),
+bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe (probe median /
+this median), fraction_of_kernel_bench_probe, ratio_to {contender: its median / this
+median; > 1 means this one is faster}, peak_extra_bytes and
+peak_extra_fraction_of_state.
+"""
+
+from __future__ import annotations
+
+import json
+
+_MIB = 1 << 20
+
+
+def _reference(case_records):
+    names = {r["contender"] for r in case_records if r["seconds"]}
+    return "plain" if "plain" in names else "shardadam" if "shardadam" in names else None
+
+
+def _fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def table(records) -> str:
+    """One line per record, grouped by case. "/probe": fraction of the torch probe on
+    the same arrays; "/cpp": of kernel_bench's C++ probe; "t/ref": this median over the
+    reference contender's (shardadam; plain for the DTensor case), above 1 is slower."""
+    header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
+              f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
+              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'extra MiB':>9} {'%state':>7}")
+    lines = [header, "-" * len(header)]
+    case_ids = list(dict.fromkeys(r["case"] for r in records))
+    for case_id in case_ids:
+        rows = [r for r in records if r["case"] == case_id]
+        ref = _reference(rows)
+        ref_median = next((r["seconds"]["median"] for r in rows
+                           if r["contender"] == ref and r["seconds"]), None)
+        lines.append(f"{case_id}   [{rows[0]['preset']}]")
+        for r in rows:
+            if not r["seconds"]:
+                lines.append(f"{'':<28} {r['contender']:<20} {r['status']}: {r['reason']}")
+                continue
+            s = r["seconds"]
+            spread = f"({s['min'] * 1e3:.2f}-{s['max'] * 1e3:.2f})"
+            vs_ref = s["median"] / ref_median if ref_median else None
+            extra = r["peak_extra_bytes"]
+            fraction = r["peak_extra_fraction_of_state"]
+            lines.append(
+                f"{'':<28} {r['contender']:<20} {r['tensors']:>7} {r['numel']:>11} "
+                f"{s['median'] * 1e3:>10.2f} {spread:>17} "
+                f"{r['elements_per_s'] / 1e9:>8.3f} {r['gb_per_s']:>7.2f} "
+                f"{_fmt(r['fraction_of_probe'], '6.2f'):>6} "
+                f"{_fmt(r['fraction_of_kernel_bench_probe'], '5.2f'):>5} "
+                f"{_fmt(vs_ref, '6.2f'):>6} "
+                f"{_fmt(None if extra is None else extra / _MIB, '9.2f'):>9} "
+                f"{_fmt(None if fraction is None else 100 * fraction, '7.3f'):>7}")
+    return "\n".join(lines)
+
+
+def write_json(path, meta, records) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": records}, f, indent=1)
+        f.write("\n")
+
+
+_COLORS = {"shardadam": "tab:blue", "torch-fused": "tab:orange",
+           "torch-foreach": "tab:green", "deepspeed": "tab:purple",
+           "rfc-multipass": "tab:red", "probe": "0.55", "kernel_bench-probe": "0.75",
+           "kernel_bench-kernel": "tab:cyan", "dtensor": "tab:blue", "plain": "tab:olive"}
+
+
+def write_png(path, meta, records) -> None:
+    """Left: GB/s (BENCH.md minimum bytes) per contender, grouped by case, min-max as
+    error bars. Right: peak extra bytes of one step as % of the state bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in records if r["seconds"]]
+    labels = [f"{r['case']}  {r['contender']}" for r in timed]
+    fig, (speed, mem) = plt.subplots(
+        1, 2, figsize=(14, 0.28 * len(timed) + 1.8), sharey=True,
+        gridspec_kw={"width_ratios": [3, 1]})
+    y = list(range(len(timed)))[::-1]
+    colors = [_COLORS.get(r["contender"], "tab:gray") for r in timed]
+    gbs = [r["gb_per_s"] for r in timed]
+    bytes_ = [r["numel"] * r["bytes_per_element"]["minimum"] / 1e9 for r in timed]
+    # Clamped: rounding can put a median a hair outside [min, max] in GB/s.
+    low = [max(0.0, g - b / r["seconds"]["max"]) for g, b, r in zip(gbs, bytes_, timed)]
+    high = [max(0.0, b / r["seconds"]["min"] - g) for g, b, r in zip(gbs, bytes_, timed)]
+    speed.barh(y, gbs, color=colors, xerr=[low, high], error_kw={"elinewidth": 0.8})
+    speed.set_yticks(y, labels, fontsize=7)
+    speed.set_xlabel("GB/s (bytes the step must move, BENCH.md minimum); bars: median, "
+                     "whiskers: min-max")
+    peak = [100 * (r["peak_extra_fraction_of_state"] or 0) for r in timed]
+    mem.barh(y, peak, color=colors)
+    mem.set_xlabel("peak extra memory in step(), % of state")
+    title = (f"shardadam bench ({meta['mode']}, scale {meta['scale']}): "
+             f"{meta['threads']} threads, {meta['cpu']}, load avg at start "
+             f"{meta['load_average_start'][0]:.2f}")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

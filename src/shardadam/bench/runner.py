@@ -1,0 +1,138 @@
+"""Runs the cases: times every contender and the probe, then turns samples into records.
+
+One record per (case, contender): the JSON's rows (see ``report`` for the fields).
+"""
+
+from __future__ import annotations
+
+import gc
+
+from . import cases, contenders, distributed, timing
+from .probe import Probe
+
+PROBES = ("probe", "kernel_bench-probe")
+KERNEL_BENCH_ROWS = {"kernel_bench-probe": "probe_s", "kernel_bench-kernel": "kernel_s"}
+
+
+def _base_record(case, contender, threads, ranks=1):
+    return {"case": case.id, "kind": case.kind, "note": case.note, "contender": contender,
+            "description": contenders.DESCRIPTIONS.get(contender, contender),
+            "preset": case.preset.label, "preset_name": case.preset.name,
+            "dtypes": case.preset.dtypes, "numel": case.numel,
+            "tensors": len(case.shapes), "threads": threads, "ranks": ranks,
+            "state_bytes": case.state_bytes,
+            "bytes_per_element": {"minimum": case.preset.minimum_bytes,
+                                  "effective": case.preset.effective_bytes},
+            "status": "ok", "reason": None, "seconds": None, "reps": 0,
+            "elements_per_s": None, "gb_per_s": None, "fraction_of_probe": None,
+            "fraction_of_kernel_bench_probe": None, "ratio_to": {},
+            "peak_extra_bytes": None, "peak_extra_fraction_of_state": None}
+
+
+def _timed(record, samples):
+    seconds = timing.summary(samples)
+    record.update(seconds=seconds, reps=len(samples),
+                  elements_per_s=record["numel"] / seconds["median"],
+                  gb_per_s=record["numel"] * record["bytes_per_element"]["minimum"]
+                  / seconds["median"] / 1e9)
+    return record
+
+
+def _time_local(case, size, threads):
+    """Contenders of a single-process case and its probe, interleaved."""
+    steps, records = {}, {}
+    for name in case.contenders:
+        record = _base_record(case, name, threads)
+        try:
+            steps[name] = contenders.make(name, cases.make_params(case), case.preset)
+        except contenders.Unavailable as error:
+            record.update(status="unavailable", reason=str(error))
+        records[name] = record
+    steps["probe"] = Probe(case)
+    records["probe"] = _base_record(case, "probe", threads)
+    samples = timing.interleaved(steps, size["reps"], size["warmup"], size["settle_s"])
+    for name, times in samples.items():
+        _timed(records[name], times)
+    del steps
+    gc.collect()
+    return list(records.values())
+
+
+def _time_distributed(case, size):
+    records = []
+    for name, result in distributed.run(case, size["reps"], size["warmup"],
+                                                  size["settle_s"]).items():
+        record = _base_record(case, name, threads=1, ranks=distributed.WORLD_SIZE)
+        if "error" in result:
+            record.update(status=result.get("status", "error"), reason=result["error"])
+        else:
+            _timed(record, result["samples"])
+            # Memory is per rank, so the state it is compared with is too.
+            record.update(peak_extra_bytes=result["peak_extra_bytes"],
+                          memory_method=result["memory_method"],
+                          local_numel=result["local_numel"],
+                          state_bytes=max(result["local_numel"])
+                          * case.preset.state_bytes_per_element)
+        records.append(record)
+    return records
+
+
+def _kernel_bench_records(case, rows, threads):
+    """The C++ benchmark's probe and bare kernel for this preset, as records."""
+    row = rows.get(case.preset.label)
+    if row is None or row.get("numel") != case.numel:
+        return []
+    records = []
+    for name, key in KERNEL_BENCH_ROWS.items():
+        record = _base_record(case, name, row.get("threads", threads))
+        record["description"] = ("benchmarks/kernel_bench, separate process, own buffers: "
+                                 + ("probe" if key == "probe_s" else "C++ AdamStep alone"))
+        stats = row[key]
+        record.update(seconds=stats, reps=None,
+                      elements_per_s=case.numel / stats["median"],
+                      gb_per_s=case.numel * case.preset.minimum_bytes / stats["median"] / 1e9)
+        records.append(record)
+    return records
+
+
+def time_case(case, size, threads, kernel_rows=None) -> list:
+    if case.kind == "dtensor":
+        records = _time_distributed(case, size)
+    else:
+        records = _time_local(case, size, threads)
+        if kernel_rows:
+            records += _kernel_bench_records(case, kernel_rows, threads)
+    _relate(records)
+    return records
+
+
+def _relate(records):
+    """Fractions of each probe and ratios between contenders of one case."""
+    timed = {r["contender"]: r for r in records if r["seconds"]}
+    for record in timed.values():
+        median = record["seconds"]["median"]
+        for probe, field in (("probe", "fraction_of_probe"),
+                             ("kernel_bench-probe", "fraction_of_kernel_bench_probe")):
+            if probe in timed:
+                record[field] = timed[probe]["seconds"]["median"] / median
+        # ratio_to[other] = other's median / this median: > 1 means this one is faster.
+        record["ratio_to"] = {name: other["seconds"]["median"] / median
+                              for name, other in timed.items()
+                              if name != record["contender"] and name not in PROBES}
+
+
+def add_memory(records, peaks):
+    """Fold ``{(case id, contender): memory result}`` into the records."""
+    for record in records:
+        result = peaks.get((record["case"], record["contender"]))
+        if result is None:
+            continue
+        if "error" in result:
+            record["memory_error"] = result["error"]
+            continue
+        record.update(peak_extra_bytes=result["peak_extra_bytes"],
+                      memory_method=result["memory_method"])
+    for record in records:
+        if record["peak_extra_bytes"] is not None and record["state_bytes"]:
+            record["peak_extra_fraction_of_state"] = (record["peak_extra_bytes"]
+                                                      / record["state_bytes"])

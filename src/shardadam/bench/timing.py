@@ -1,0 +1,39 @@
+"""Interleaved repetitions (A B C A B C ...) after a warm-up, and their statistics.
+
+On a shared machine the load drifts during a run; interleaving spreads that drift over
+every contender alike, so the ratios of medians from one run stay meaningful.
+
+Each timed call starts after a short idle gap (``settle_s``): torch's bundled OpenMP
+runtime keeps its workers spinning for a few milliseconds after a parallel region, and
+a contender with its own thread pool (shardadam's C++ core) started inside that window
+shares its cores with them (measured here: 7 ms -> 11 ms for a 7M-element fp32 step
+right after a torch op). The gap lets every contender start on idle cores.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+SETTLE_S = 0.02
+
+
+def interleaved(steps: dict, reps: int, warmup: int, settle_s: float = SETTLE_S) -> dict:
+    """``{name: [seconds per repetition]}`` for ``{name: zero-argument callable}``."""
+    for _ in range(warmup):  # first touch, thread pools, lazy state and caches
+        for step in steps.values():
+            step()
+    samples = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, step in steps.items():
+            time.sleep(settle_s)
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def summary(samples: list) -> dict:
+    return {"median": statistics.median(samples), "min": min(samples),
+            "max": max(samples)}

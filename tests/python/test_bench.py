@@ -1,0 +1,143 @@
+"""``python -m shardadam bench``: runs end to end on tiny sizes and writes well-formed
+JSON and PNG. Checks the shape of the results, never their speed (BENCH.md: benchmarks
+do not gate CI)."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+# Every case kind with the contenders it must report (probes included).
+_FP32 = {"shardadam", "torch-fused", "torch-foreach", "deepspeed", "probe"}
+_LOW_PRECISION = {"shardadam", "rfc-multipass", "probe"}
+_PRESETS = {"fp32", "bf16-master-fp32", "bf16-master-bf16m", "bf16-remainder-bf16m",
+            "bf16-master-fp8m"}
+_RECORD_TYPES = {
+    "case": str, "kind": str, "contender": str, "description": str, "preset": str,
+    "preset_name": str, "dtypes": dict, "numel": int, "tensors": int, "threads": int,
+    "ranks": int, "state_bytes": int, "bytes_per_element": dict, "status": str,
+    "ratio_to": dict,
+}
+_TIMED_FIELDS = ("elements_per_s", "gb_per_s")
+# A contender may be missing from this machine (DeepSpeed) or reject a layout (DTensor
+# support): then it says so instead of timing.
+_MAY_BE_ABSENT = {"deepspeed": "unavailable", "dtensor": "unsupported"}
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "shardadam", "bench", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    # One thread, two repetitions: on a shared 2-core runner thread hand-offs, not
+    # work, dominate tiny steps.
+    done = _run("--quick", "--scale", "0.001", "--threads", "1", "--reps", "2",
+                "--json", str(json_path), "--png", str(png_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(json_path) as f:
+        return done.stdout, json.load(f), png_path
+
+
+def test_help_and_bad_arguments(capsys):
+    from shardadam.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    for flag in ("--quick", "--json", "--png", "--scale", "--cases", "--threads"):
+        assert flag in usage
+    with pytest.raises(SystemExit) as bad:
+        main(["bench", "--scale", "0"])
+    assert bad.value.code == 2 and "--scale" in capsys.readouterr().err
+
+
+def test_table_is_printed(tiny_run):
+    stdout, _, _ = tiny_run
+    assert "median ms" in stdout and "large/fp32" in stdout
+
+
+def test_meta(tiny_run):
+    _, data, _ = tiny_run
+    meta = data["meta"]
+    assert meta["mode"] == "quick" and meta["scale"] == 0.001 and meta["threads"] == 1
+    assert len(meta["load_average_start"]) == 3
+    assert isinstance(meta["probe"], str) and isinstance(meta["torch"], str)
+
+
+def test_every_case_and_contender_is_reported(tiny_run):
+    _, data, _ = tiny_run
+    by_case = {}
+    for record in data["results"]:
+        by_case.setdefault((record["kind"], record["preset_name"]), set()).add(
+            record["contender"])
+    for preset in _PRESETS:
+        expected = _FP32 if preset == "fp32" else _LOW_PRECISION
+        assert expected <= by_case[("large", preset)], preset
+    assert _FP32 <= by_case[("transformer", "fp32")]
+    assert _FP32 <= by_case[("many", "fp32")]
+    assert by_case[("dtensor", "fp32")] == {"dtensor", "plain"}
+
+
+def test_records_have_the_documented_fields(tiny_run):
+    _, data, _ = tiny_run
+    for record in data["results"]:
+        where = f"{record.get('case')} {record.get('contender')}"
+        for key, kind in _RECORD_TYPES.items():
+            assert isinstance(record[key], kind), (where, key)
+        assert record["numel"] > 0 and record["tensors"] > 0, where
+        assert set(record["bytes_per_element"]) == {"minimum", "effective"}, where
+        assert record["bytes_per_element"]["minimum"] <= \
+            record["bytes_per_element"]["effective"], where
+        for key in ("seconds", "fraction_of_probe", "peak_extra_bytes",
+                    "peak_extra_fraction_of_state", "reason"):
+            assert key in record, (where, key)
+
+
+def test_timings_are_positive_and_ordered(tiny_run):
+    _, data, _ = tiny_run
+    for record in data["results"]:
+        where = f"{record['case']} {record['contender']}"
+        if record["status"] != "ok":
+            assert record["status"] == _MAY_BE_ABSENT.get(record["contender"]), where
+            assert isinstance(record["reason"], str) and record["reason"], where
+            continue
+        seconds = record["seconds"]
+        assert 0 < seconds["min"] <= seconds["median"] <= seconds["max"], where
+        for key in _TIMED_FIELDS:
+            assert record[key] > 0, (where, key)
+        if record["kind"] != "dtensor":
+            assert record["fraction_of_probe"] > 0, where
+        for other, ratio in record["ratio_to"].items():
+            assert ratio > 0 and other != record["contender"], where
+
+
+def test_peak_memory_is_measured_per_contender(tiny_run):
+    _, data, _ = tiny_run
+    for record in data["results"]:
+        if record["status"] != "ok" or "probe" in record["contender"] \
+                or record["contender"].startswith("kernel_bench"):
+            continue
+        where = f"{record['case']} {record['contender']}"
+        assert "memory_error" not in record, (where, record.get("memory_error"))
+        assert isinstance(record["peak_extra_bytes"], int), where
+        assert record["peak_extra_bytes"] >= 0, where
+        assert record["peak_extra_fraction_of_state"] >= 0, where
+
+
+def test_png_is_a_valid_image(tiny_run):
+    _, _, png_path = tiny_run
+    data = png_path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+    from matplotlib import image
+
+    assert image.imread(str(png_path)).shape[:2] == (height, width)
