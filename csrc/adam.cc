@@ -68,8 +68,6 @@ std::atomic<const KernelTable*> g_pinned{nullptr};
 // Whole tensors up to this size run pass 1 and pass 2 on one thread while
 // their inputs are still in L2.
 constexpr int64_t kSmallScaledMax = 32768;
-// Work item size for large tensors (a multiple of kGranule).
-constexpr int64_t kChunk = 16384;
 // Below this many elements of work per thread, waking another thread costs
 // more than it saves.
 constexpr int64_t kMinWorkPerThread = 32768;
@@ -319,8 +317,10 @@ struct WorkItem {
 
 void AppendChunks(int64_t tensor, int64_t numel, Pass pass,
                   std::vector<WorkItem>& items) {
-  for (int64_t begin = 0; begin < numel; begin += kChunk) {
-    items.push_back({tensor, begin, std::min(numel, begin + kChunk), pass});
+  const int64_t chunks = NumChunks(numel);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const ChunkRange r = ChunkAt(numel, c);
+    items.push_back({tensor, r.begin, r.end, pass});
   }
 }
 
@@ -473,6 +473,17 @@ void ConvertSpan(const char* src, int src_size, DecodeFn decode,
 
 }  // namespace
 
+int64_t NumChunks(int64_t numel) {
+  // numel / kChunk rounded up, without forming numel + kChunk - 1.
+  return numel <= 0 ? 0 : numel / kChunk + (numel % kChunk != 0 ? 1 : 0);
+}
+
+ChunkRange ChunkAt(int64_t numel, int64_t index) {
+  const int64_t begin = index * kChunk;
+  // Compared as a distance so begin + kChunk is never formed past numel.
+  return {begin, numel - begin < kChunk ? numel : begin + kChunk};
+}
+
 const KernelTable& ActiveKernels() {
   const KernelTable* pinned = g_pinned.load(std::memory_order_acquire);
   if (pinned != nullptr) return *pinned;
@@ -550,11 +561,12 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
   const bool dst_f32 = dst_dtype == DType::kFloat32;
   const char* from = static_cast<const char*>(src);
   char* to = static_cast<char*>(dst);
-  const size_t chunks = static_cast<size_t>((numel + kChunk - 1) / kChunk);
+  const size_t chunks = static_cast<size_t>(NumChunks(numel));
   RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
            [&](size_t index, Scratch& s) {
-             const int64_t begin = static_cast<int64_t>(index) * kChunk;
-             const int64_t end = std::min(numel, begin + kChunk);
+             const ChunkRange r = ChunkAt(numel, static_cast<int64_t>(index));
+             const int64_t begin = r.begin;
+             const int64_t end = r.end;
              const size_t n = static_cast<size_t>(end - begin);
              const size_t whole = n / kt.pair * kt.pair;
              ConvertSpan(from + begin * src_size, src_size, decode,
@@ -578,12 +590,11 @@ float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) 
   if (!IsScaled(dtype) || u == nullptr || numel <= 0) return 1.0f;
   const KernelTable& kt = ActiveKernels();
   std::atomic<uint32_t> best{0};
-  const size_t chunks = static_cast<size_t>((numel + kChunk - 1) / kChunk);
+  const size_t chunks = static_cast<size_t>(NumChunks(numel));
   RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
            [&](size_t index, Scratch&) {
-             const int64_t begin = static_cast<int64_t>(index) * kChunk;
-             const int64_t end = std::min(numel, begin + kChunk);
-             AtomicMax(best, kt.abs_max_bits(u + begin, static_cast<size_t>(end - begin)));
+             const ChunkRange r = ChunkAt(numel, static_cast<int64_t>(index));
+             AtomicMax(best, kt.abs_max_bits(u + r.begin, static_cast<size_t>(r.end - r.begin)));
            });
   return ScaleFromAbsMaxBits(best.load(), ScaleTarget(dtype));
 }

@@ -27,6 +27,22 @@ inline constexpr size_t kGranule = 128;
 // they are decoded, updated and encoded.
 inline constexpr size_t kBlock = 512;
 
+// Work item size for large tensors and conversions (a multiple of kGranule).
+inline constexpr int64_t kChunk = 16384;
+
+// The element range [begin, end) of one work item.
+struct ChunkRange {
+  int64_t begin;
+  int64_t end;
+};
+
+// How a buffer of `numel` elements is split into kChunk-element work items:
+// the item count, and item `index`'s range. Declared here rather than kept
+// file-local in adam.cc so that a test can check the 64-bit index math for
+// numel above 2^31 without allocating such a buffer.
+int64_t NumChunks(int64_t numel);
+ChunkRange ChunkAt(int64_t numel, int64_t index);
+
 // Storage codecs. fp16 appears twice: parameters are plain casts, scaled states
 // (fp16 master, fp16 moments) multiply / divide by their per-tensor scale.
 enum Codec : int {

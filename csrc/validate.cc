@@ -219,7 +219,11 @@ bool CheckSlot(int64_t i, const TensorSlot& s, Error* error) {
 
 // Buffers of different tensors may not overlap either: work items of
 // different tensors run on different threads. Gradients, only ever read, may
-// be shared. Sorting by address finds any overlap in O(n log n).
+// be shared. Scale slots are read before the step and written after it, so
+// one lying in another tensor's data (or shared by two tensors) would make the
+// result depend on the order of work; they count as written 4-byte buffers,
+// also for empty tensors, whose scales are still written. Sorting by address
+// finds any overlap in O(n log n).
 bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* error) {
   struct Interval {
     uintptr_t begin, end;
@@ -228,9 +232,21 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
     bool written;
   };
   std::vector<Interval> intervals;
-  intervals.reserve(static_cast<size_t>(count) * 5);
+  intervals.reserve(static_cast<size_t>(count) * 8);
   for (int64_t i = 0; i < count; ++i) {
     const TensorSlot& s = slots[i];
+    const struct {
+      const char* name;
+      const float* slot;
+      DType dtype;
+    } scales[3] = {{"exp_avg_scale", s.exp_avg_scale, s.exp_avg_dtype},
+                   {"exp_avg_sq_scale", s.exp_avg_sq_scale, s.exp_avg_sq_dtype},
+                   {"master_scale", s.master_scale, s.master_dtype}};
+    for (const auto& scale : scales) {
+      if (!IsScaled(scale.dtype)) continue;  // not read or written
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(scale.slot);
+      intervals.push_back({begin, begin + sizeof(float), i, scale.name, true});
+    }
     if (s.numel == 0) continue;
     const struct {
       const char* name;

@@ -717,6 +717,17 @@ std::vector<ErrorCase> ErrorCases() {
                      // half of tensor 1's param (40 fp16 elements, 80 bytes).
                      (*s)[2].exp_avg = (*t)[1].param.data() + 40;
                    }});
+  // A scale slot is written after the step: it may not lie in another
+  // tensor's data or be another tensor's scale slot.
+  cases.push_back({"scale_slot_in_other_tensor_data", 2, "overlap",
+                   [](Slots* s, StepParams*, Tensors* t) {
+                     (*s)[2].exp_avg_scale =
+                         reinterpret_cast<float*>((*t)[0].param.data() + 8);
+                   }});
+  cases.push_back({"scale_slot_shared_across_tensors", 2, "overlap",
+                   [](Slots* s, StepParams*, Tensors*) {
+                     (*s)[2].exp_avg_scale = (*s)[1].exp_avg_scale;
+                   }});
   // Hyper-parameters (tensor index -1).
   param_case("negative_lr", "lr", [](StepParams* p) { p->lr = -1e-3; });
   param_case("nan_lr", "lr", [](StepParams* p) { p->lr = NAN; });

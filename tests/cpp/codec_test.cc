@@ -348,7 +348,7 @@ void ExpectSimdConvert(const ConvertCase& c, int threads) {
       << c.scale << " numel " << c.numel << " threads " << threads;
   // E4M3 has exactly two NaN codes and torch keeps the sign (S2.4): there
   // the comparison is strictly bitwise.
-  if (c.dst_dtype == DType::kFloat8E4M3) {
+  if (c.dst_dtype == DType::kFloat8E4M3 && bytes > 0) {  // empty: want.data() may be null
     EXPECT_EQ(std::memcmp(c.want.data(), got.data(), bytes), 0)
         << DTypeName(c.src_dtype) << " -> fp8: NaN codes differ in sign";
   }

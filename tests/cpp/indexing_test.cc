@@ -1,0 +1,140 @@
+// 64-bit index math for tensors of more than 2^31 elements, checked without
+// allocating them: the work-item split (kernels.h's NumChunks / ChunkAt) and
+// validation's byte-range and overlap arithmetic, which only compares
+// addresses and never touches the memory behind them. A 32-bit product or sum
+// anywhere in either would show up here as a wrong range or a missed overlap.
+#include <cstdint>
+#include <limits>
+
+#include "gtest/gtest.h"
+#include "kernels.h"
+#include "shardadam/adam.h"
+#include "validate.h"
+
+namespace shardadam {
+namespace {
+
+using internal::ChunkAt;
+using internal::ChunkRange;
+using internal::kChunk;
+using internal::NumChunks;
+
+constexpr int64_t kHuge = 3000000000;  // 3e9 elements: above 2^31 and 2^32 / 4
+
+// Splits of sizes around 2^31 and 2^32 and the largest numel validation
+// accepts: the items cover [0, numel) exactly, in order, each kChunk long but
+// the last.
+TEST(ChunkSplitTest, CoversHugeTensorsExactly) {
+  const int64_t sizes[] = {int64_t{1} << 31,       (int64_t{1} << 31) + 1,
+                           kHuge,                  kHuge + 5,
+                           (int64_t{1} << 32) + 7, INT64_MAX / 8};
+  for (int64_t numel : sizes) {
+    SCOPED_TRACE("numel " + std::to_string(numel));
+    const int64_t chunks = NumChunks(numel);
+    ASSERT_EQ(chunks, (numel - 1) / kChunk + 1);
+    // Every item's begin is index * kChunk; check the first few, those
+    // around 2^31 elements, and the last few rather than all of them.
+    const int64_t around = (int64_t{1} << 31) / kChunk;
+    for (int64_t c : {int64_t{0}, int64_t{1}, around - 1, around, around + 1,
+                      chunks - 2, chunks - 1}) {
+      if (c < 0 || c >= chunks) continue;
+      const ChunkRange r = ChunkAt(numel, c);
+      EXPECT_EQ(r.begin, c * kChunk);
+      EXPECT_EQ(r.end, c + 1 < chunks ? r.begin + kChunk : numel);
+      EXPECT_LT(r.begin, r.end);
+      if (c + 1 < chunks) EXPECT_EQ(ChunkAt(numel, c + 1).begin, r.end);
+    }
+  }
+  EXPECT_EQ(NumChunks(0), 0);
+  EXPECT_EQ(NumChunks(1), 1);
+  EXPECT_EQ(NumChunks(kChunk), 1);
+  EXPECT_EQ(NumChunks(kChunk + 1), 2);
+}
+
+// Addresses only: nothing below is ever dereferenced. They sit far apart in
+// the user half of the x86-64 / AArch64 address space.
+void* At(uint64_t address) { return reinterpret_cast<void*>(address); }
+constexpr uint64_t kBase = uint64_t{1} << 44;
+constexpr uint64_t kStride = uint64_t{1} << 36;  // 64 GiB > 12e9 bytes
+
+// A 3e9-element fp32 tensor whose five buffers are kStride apart.
+TensorSlot HugeSlot(uint64_t first) {
+  TensorSlot s;
+  s.numel = kHuge;
+  s.param_dtype = DType::kFloat32;
+  s.grad_dtype = DType::kFloat32;
+  s.exp_avg_dtype = DType::kFloat32;
+  s.exp_avg_sq_dtype = DType::kFloat32;
+  s.param = At(first);
+  s.grad = At(first + kStride);
+  s.exp_avg = At(first + 2 * kStride);
+  s.exp_avg_sq = At(first + 3 * kStride);
+  return s;
+}
+
+TEST(HugeValidationTest, DisjointHugeBuffersAreAccepted) {
+  TensorSlot slots[2] = {HugeSlot(kBase), HugeSlot(kBase + 4 * kStride)};
+  Error error;
+  EXPECT_TRUE(internal::ValidateStep(slots, 2, StepParams(), &error))
+      << error.message;
+  // The same with 2-byte states, whose byte counts are also above 2^32.
+  slots[0].param_dtype = DType::kBFloat16;
+  slots[0].master_dtype = DType::kInt16Remainder;
+  slots[0].master_param = At(kBase + 4 * kStride - (uint64_t{1} << 33));
+  slots[1].param = At(kBase + 8 * kStride);
+  EXPECT_TRUE(internal::ValidateStep(slots, 2, StepParams(), &error))
+      << error.message;
+}
+
+// Buffers 6e9 bytes apart: disjoint if byte counts were truncated to 32 bits
+// (12e9 mod 2^32 is about 3.4e9), overlapping in truth (fp32: 12e9 bytes).
+TEST(HugeValidationTest, OverlapBeyondFourGiBIsRejected) {
+  TensorSlot slot = HugeSlot(kBase);
+  slot.grad = At(kBase + 6000000000ull);
+  Error error;
+  // AdamStep itself: validation rejects before any kernel could touch memory.
+  EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 1, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("overlaps"), std::string::npos) << error.message;
+
+  // The last byte of exp_avg_sq is shared with the next one: off by one.
+  slot = HugeSlot(kBase);
+  slot.exp_avg_sq = At(kBase + 2 * kStride + 4 * static_cast<uint64_t>(kHuge) - 1);
+  EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 1, &error), Status::kInvalidArgument);
+  slot.exp_avg_sq = At(kBase + 2 * kStride + 4 * static_cast<uint64_t>(kHuge));
+  EXPECT_TRUE(internal::ValidateStep(&slot, 1, StepParams(), &error))
+      << error.message;
+}
+
+// Across tensors: tensor 1's param starts 11e9 bytes into tensor 0's
+// exp_avg (12e9 bytes long).
+TEST(HugeValidationTest, CrossTensorOverlapBeyondFourGiBIsRejected) {
+  TensorSlot slots[2] = {HugeSlot(kBase), HugeSlot(kBase + 4 * kStride)};
+  slots[1].param = At(kBase + 2 * kStride + 11000000000ull);
+  Error error;
+  EXPECT_EQ(AdamStep(slots, 2, StepParams(), 1, &error), Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 1);
+  EXPECT_NE(error.message.find("overlaps"), std::string::npos) << error.message;
+}
+
+TEST(HugeValidationTest, ConvertRangesAreSixtyFourBit) {
+  Error error;
+  // fp32 -> bf16 of 3e9 elements: src is 12e9 bytes, dst starts 8e9 in.
+  EXPECT_FALSE(internal::ValidateConvert(At(kBase), DType::kFloat32,
+                                         At(kBase + 8000000000ull),
+                                         DType::kBFloat16, kHuge, 1.0f, &error));
+  EXPECT_TRUE(internal::ValidateConvert(At(kBase), DType::kFloat32,
+                                        At(kBase + 12000000000ull),
+                                        DType::kBFloat16, kHuge, 1.0f, &error))
+      << error.message;
+  // The largest accepted numel and the first rejected one.
+  EXPECT_TRUE(internal::ValidateConvert(At(kBase), DType::kFloat8E4M3,
+                                        At(kBase), DType::kFloat8E4M3,
+                                        INT64_MAX / 8, 1.0f, &error))
+      << error.message;
+  EXPECT_FALSE(internal::ValidateConvert(At(kBase), DType::kFloat32, At(kBase),
+                                         DType::kFloat32, INT64_MAX / 8 + 1,
+                                         1.0f, &error));
+}
+
+}  // namespace
+}  // namespace shardadam

@@ -1,0 +1,118 @@
+// The persistent thread pool under contention: every worker runs its share,
+// jobs of different widths follow each other, and several caller threads
+// share the process-wide pool (Run serialises them) while AdamStep runs on
+// it. Small sizes on purpose: these tests exist mostly for ThreadSanitizer.
+#include "thread_pool.h"
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "reference.h"
+#include "shardadam/adam.h"
+
+namespace shardadam {
+namespace {
+
+using internal::ThreadPool;
+
+TEST(ThreadPoolTest, EveryIndexRunsOncePerJob) {
+  // The global pool: a ThreadPool's workers are never joined, so one must
+  // not be destroyed.
+  ThreadPool& pool = ThreadPool::Global();
+  for (int width : {4, 1, 7, 2, 7, 3}) {
+    std::vector<int> hits(static_cast<size_t>(width), 0);
+    const std::function<void(int)> body = [&](int i) { ++hits[static_cast<size_t>(i)]; };
+    pool.Run(width, body);
+    for (int i = 0; i < width; ++i) EXPECT_EQ(hits[static_cast<size_t>(i)], 1) << i;
+  }
+}
+
+TEST(ThreadPoolTest, ConcurrentCallersShareTheGlobalPool) {
+  std::atomic<int64_t> total{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&total, c] {
+      for (int job = 0; job < 20; ++job) {
+        const std::function<void(int)> body = [&](int i) { total += i + 1; };
+        ThreadPool::Global().Run(2 + (c + job) % 3, body);
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  // Widths 2, 3, 4 cycle; each job adds 1 + ... + width.
+  int64_t want = 0;
+  for (int c = 0; c < 4; ++c) {
+    for (int job = 0; job < 20; ++job) {
+      const int width = 2 + (c + job) % 3;
+      want += width * (width + 1) / 2;
+    }
+  }
+  EXPECT_EQ(total.load(), want);
+}
+
+// Several threads each step their own fp32 tensor with 3 pool threads; large
+// enough (2^17 elements) that AdamStep really splits the work.
+TEST(ThreadPoolTest, ConcurrentAdamStepsMatchReference) {
+  constexpr int64_t kNumel = int64_t{1} << 17;
+  constexpr int kCallers = 3;
+  struct Buffers {
+    std::vector<float> p, g, m, v;
+  };
+  const auto make = [](int seed) {
+    Buffers b{std::vector<float>(kNumel), std::vector<float>(kNumel),
+              std::vector<float>(kNumel), std::vector<float>(kNumel)};
+    for (int64_t i = 0; i < kNumel; ++i) {
+      b.p[i] = static_cast<float>((i * 7 + seed) % 101) * 0.01f - 0.5f;
+      b.g[i] = static_cast<float>((i * 13 + seed) % 97) * 0.02f - 1.0f;
+      b.m[i] = 0.0f;
+      b.v[i] = 0.0f;
+    }
+    return b;
+  };
+  const auto slot_of = [](Buffers& b) {
+    TensorSlot s;
+    s.numel = kNumel;
+    s.param = b.p.data();
+    s.grad = b.g.data();
+    s.exp_avg = b.m.data();
+    s.exp_avg_sq = b.v.data();
+    return s;
+  };
+  std::vector<Buffers> got, want;
+  for (int c = 0; c < kCallers; ++c) {
+    got.push_back(make(c));
+    want.push_back(make(c));
+  }
+  std::vector<std::thread> callers;
+  std::vector<Status> status(kCallers, Status::kInvalidArgument);
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      TensorSlot s = slot_of(got[static_cast<size_t>(c)]);
+      for (int64_t step = 1; step <= 3; ++step) {
+        StepParams params;
+        params.step = step;
+        status[static_cast<size_t>(c)] = AdamStep(&s, 1, params, 3, nullptr);
+      }
+    });
+  }
+  for (std::thread& t : callers) t.join();
+  for (int c = 0; c < kCallers; ++c) {
+    ASSERT_EQ(status[static_cast<size_t>(c)], Status::kOk);
+    TensorSlot s = slot_of(want[static_cast<size_t>(c)]);
+    for (int64_t step = 1; step <= 3; ++step) {
+      StepParams params;
+      params.step = step;
+      reference::AdamStep(&s, 1, params);
+    }
+    ASSERT_EQ(got[static_cast<size_t>(c)].p, want[static_cast<size_t>(c)].p);
+    ASSERT_EQ(got[static_cast<size_t>(c)].m, want[static_cast<size_t>(c)].m);
+    ASSERT_EQ(got[static_cast<size_t>(c)].v, want[static_cast<size_t>(c)].v);
+  }
+}
+
+}  // namespace
+}  // namespace shardadam

@@ -1,0 +1,216 @@
+"""What a non-finite gradient does, on the C++ path and on the torch path.
+
+Policy, as implemented (there is no skip and no error: S3.8 leaves overflow handling to
+the caller, e.g. GradScaler, and the step count advances as for any step, S2.8):
+
+* The update is elementwise (S3.6): a NaN gradient element makes that element's
+  exp_avg, exp_avg_sq, fp32 weight (master or parameter) and parameter NaN. A +-inf
+  gradient element gives exp_avg = +-inf, exp_avg_sq = +inf and a NaN weight
+  (inf / inf). fp8 E4M3 has no infinity: an infinite moment is stored as a NaN code,
+  as ``tensor.to(torch.float8_e4m3fn)`` does (S2.4). The damage is sticky: later finite
+  steps keep that element NaN.
+* Unscaled storage (fp32 / bf16 moments, fp32 masters, remainders): every other
+  element, of that tensor and of every other parameter, is bitwise what it would have
+  been had the bad element's gradient been finite.
+* Scaled storage (fp16 / fp8 moments, fp16 masters): the absmax is not finite, so the
+  whole tensor is stored with scale 1 (S2.3), from then on (the NaN stays). The other
+  elements are then stored on the format's unscaled grid: values below its smallest
+  subnormal flush to zero, and finite values above its largest finite value become inf
+  (fp16, above 65504) or NaN (fp8, above 448). A single bad gradient element can thus
+  corrupt finite elements of the same state tensor. This follows S2.3 to the letter;
+  it is a hazard of the rule, not of the implementation, and is tested as such below.
+  Other tensors keep their own scales and are not affected.
+* The NaN bit patterns (sign, payload) are not part of the policy: the C++ and torch
+  paths may produce differently signed NaNs, and only "is NaN" is checked here.
+"""
+
+import math
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    SCALE_TARGET, TORCH_DTYPE, Precision, fused_adam, scale_of, true_state)
+
+BAD_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+BAD = 3  # flat index of the poisoned gradient element
+SHAPE = (7,)
+
+UNSCALED = [
+    Precision(),
+    Precision(param="fp32", exp_avg="bf16", exp_avg_sq="bf16"),
+    Precision(param="bf16", master="fp32"),
+    Precision(param="bf16", grad="fp32", master="rem"),
+    Precision(param="fp16", exp_avg="bf16", exp_avg_sq="fp32", master="fp32"),
+    Precision(param="bf16", master="none"),
+]
+
+
+def build(cfg, adam_w_mode=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    dtype = TORCH_DTYPE[cfg.param]
+    params = [torch.nn.Parameter((torch.randn(SHAPE, generator=generator) + 2).to(dtype))
+              for _ in range(2)]
+    opt = fused_adam()(params, lr=0.05, weight_decay=0.1, adam_w_mode=adam_w_mode,
+                       **cfg.optimizer_kwargs())
+    return opt, params
+
+
+def grads_for(cfg, params, step, bad=None, magnitude=1.0):
+    """Finite gradients for `step`; with `bad`, element BAD of the first param's
+    gradient is replaced by that value."""
+    generator = torch.Generator().manual_seed(100 + step)
+    grads = []
+    for p in params:
+        g = torch.randn(p.shape, generator=generator) * magnitude
+        grads.append(g)
+    if bad is not None:
+        grads[0][BAD] = bad
+    return [g.to(cfg.grad_dtype(p.dtype)) for g, p in zip(grads, params)]
+
+
+def take_step(opt, cfg, params, grads):
+    for p, g in zip(params, grads):
+        if cfg.decoupled:
+            p.decoupled_grad = g
+        else:
+            p.grad = g
+    opt.step()
+
+
+def values(opt, p):
+    """Float64 param and true states (decoded, S2.2) of `p`."""
+    out = {"param": p.detach().double()}
+    for name in opt.state[p]:
+        out[name] = true_state(opt, p, name)
+    return out
+
+
+def others(t):
+    keep = torch.ones(t.numel(), dtype=torch.bool)
+    keep[BAD] = False
+    return t.reshape(-1)[keep]
+
+
+def run_pair(cfg, bad, adam_w_mode=True, steps_after=2):
+    """The same run twice, step 2 with and without the bad element; returns both
+    optimizers and parameter lists after `steps_after` further finite steps."""
+    runs = []
+    for value in (bad, None):
+        opt, params = build(cfg, adam_w_mode)
+        take_step(opt, cfg, params, grads_for(cfg, params, 1))
+        take_step(opt, cfg, params, grads_for(cfg, params, 2, bad=value))
+        for step in range(3, 3 + steps_after):
+            take_step(opt, cfg, params, grads_for(cfg, params, step))
+        runs.append((opt, params))
+    return runs
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("bad", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("cfg", UNSCALED, ids=lambda c: c.id)
+@pytest.mark.parametrize("steps_after", [0, 2], ids=["at", "after"])
+def test_unscaled_storage_confines_the_damage_to_the_element(
+        backend, cfg, bad, adam_w_mode, steps_after):
+    (opt, params), (clean, clean_params) = run_pair(cfg, BAD_VALUES[bad], adam_w_mode,
+                                                    steps_after)
+    assert [g["step"] for g in opt.param_groups] == [2 + steps_after]
+    hit = values(opt, params[0])
+    reference = values(clean, clean_params[0])
+    for name, t in hit.items():
+        # every other element: bitwise the clean run's (compared through float64,
+        # which is exact for every storage format here)
+        assert torch.equal(others(t), others(reference[name])), name
+    bad_value = BAD_VALUES[bad]
+    weight_names = ["param"] + [n for n in ("master_param",) if n in hit]
+    for name in weight_names:
+        assert math.isnan(hit[name].reshape(-1)[BAD].item()), name
+    m = hit["exp_avg"].reshape(-1)[BAD].item()
+    v = hit["exp_avg_sq"].reshape(-1)[BAD].item()
+    if math.isnan(bad_value) or (steps_after and not adam_w_mode):
+        # NaN in, or (L2) a later step adds wd times the NaN weight to the gradient
+        assert math.isnan(m) and math.isnan(v)
+    else:
+        # inf in: beta * inf + finite stays inf at this and later (AdamW) steps
+        assert m == bad_value and v == math.inf
+    # the other parameter of the group is untouched by the bad element
+    for name, t in values(opt, params[1]).items():
+        assert torch.equal(t, values(clean, clean_params[1])[name]), f"param 1 {name}"
+
+
+SCALED = [
+    ("exp_avg", Precision(exp_avg="fp16")),
+    ("exp_avg", Precision(exp_avg="fp8")),
+    ("exp_avg_sq", Precision(exp_avg_sq="fp16")),
+    ("exp_avg_sq", Precision(exp_avg_sq="fp8")),
+    ("master_param", Precision(param="bf16", master="fp16")),
+]
+
+
+def code_of(values32, fmt):
+    """S2.4 storage of fp32 values at scale 1."""
+    if fmt == "fp16":
+        return values32.to(torch.float16)
+    return values32.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+@pytest.mark.parametrize("bad", list(BAD_VALUES), ids=list(BAD_VALUES))
+@pytest.mark.parametrize("name,cfg", SCALED, ids=lambda x: x if isinstance(x, str)
+                         else x.id)
+def test_nonfinite_absmax_stores_the_whole_tensor_at_scale_one(backend, name, cfg, bad):
+    # the bad step is the first one, so that an fp32-state run of the same step gives
+    # the exact fp32 values u the scaled run had to store (S2.3: q = rne(u / 1))
+    fmt = getattr(cfg, "master" if name == "master_param" else name)
+    fp32_cfg = Precision(param=cfg.param, master="fp32" if cfg.master != "none" else "none")
+    runs = []
+    for c in (cfg, fp32_cfg):
+        opt, params = build(c)
+        take_step(opt, c, params, grads_for(c, params, 1, bad=BAD_VALUES[bad]))
+        runs.append((opt, params))
+    (opt, params), (exact, exact_params) = runs
+    stored = opt.state[params[0]][name]
+    assert scale_of(opt, params[0], name).item() == 1.0
+    if name != "master_param":
+        # (the fp16 master starts from a scaled copy of the parameter, so the fp32
+        # run does not give its exact u; its scale is checked alone)
+        expected = code_of(exact.state[exact_params[0]][name], fmt)
+        assert torch.equal(others(stored), others(expected))
+    assert math.isnan(true_state(opt, params[0], name).reshape(-1)[BAD].item()) or (
+        fmt == "fp16" and name != "master_param"
+        and math.isinf(true_state(opt, params[0], name).reshape(-1)[BAD].item()))
+    # the other parameter keeps a regular S2.3 scale
+    other = scale_of(opt, params[1], name).item()
+    target = SCALE_TARGET[fmt]
+    assert other != 1.0
+    assert true_state(opt, params[1], name).abs().max().item() == pytest.approx(
+        other * target, rel=2 ** -10)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+def test_scale_one_lets_large_finite_elements_overflow(backend, fmt):
+    """The hazard of S2.3's scale 1: a finite element of the same state tensor whose
+    value exceeds the format's range is stored as inf (fp16) or NaN (fp8), and one
+    below its smallest subnormal as zero."""
+    cfg = Precision(exp_avg=fmt, exp_avg_sq=fmt)
+    opt, params = build(cfg)
+    grads = grads_for(cfg, params, 1)
+    big, small = 0, 1
+    grads[0][big] = 3e4  # exp_avg 0.1 * 3e4 = 3e3 (> 448), exp_avg_sq 1e-3 * 9e8
+    grads[0][small] = 1e-6  # exp_avg_sq 1e-15: below both formats' subnormals
+    grads[0][BAD] = math.nan
+    take_step(opt, cfg, params, grads)
+    m = true_state(opt, params[0], "exp_avg").reshape(-1)
+    v = true_state(opt, params[0], "exp_avg_sq").reshape(-1)
+    if fmt == "fp16":
+        assert m[big].item() == pytest.approx(3e3, rel=1e-3)  # fits fp16
+        assert v[big].item() == math.inf
+    else:
+        assert math.isnan(m[big].item()) and math.isnan(v[big].item())
+    assert v[small].item() == 0.0
+    # without the NaN, the same values are stored finitely with a proper scale
+    clean, clean_params = build(cfg)
+    grads[0][BAD] = 0.5
+    take_step(clean, cfg, clean_params, grads)
+    assert bool(torch.isfinite(true_state(clean, clean_params[0], "exp_avg_sq")).all())
+    assert true_state(clean, clean_params[0], "exp_avg_sq").reshape(-1)[big].item() \
+        == pytest.approx(9e5, rel=0.07)
