@@ -17,6 +17,7 @@
 #include "kernels.h"
 #include "reference.h"
 #include "shardadam/adam.h"
+#include "validate.h"
 
 namespace shardadam {
 namespace testing {
@@ -51,27 +52,12 @@ inline std::string DTypeName(DType dtype) {
   return "dtype" + std::to_string(static_cast<int>(dtype));
 }
 
-inline size_t ElementSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16Remainder:
-      return 2;
-    case DType::kFloat8E4M3:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
 // Whether a stored element is NaN. The NaN bit patterns are not part of the
 // contract (torch itself writes 0x7FC0 or 0xFFFF for a bf16 NaN depending on
 // the code path), so comparisons accept any NaN for any NaN.
 inline bool IsNaNElement(const uint8_t* element, DType dtype) {
   uint32_t bits = 0;
-  std::memcpy(&bits, element, ElementSize(dtype));
+  std::memcpy(&bits, element, internal::ItemSize(dtype));
   switch (dtype) {
     case DType::kFloat32:
       return (bits & 0x7FFFFFFF) > 0x7F800000;
@@ -91,7 +77,7 @@ inline bool IsNaNElement(const uint8_t* element, DType dtype) {
 inline ::testing::AssertionResult SameElements(const void* want,
                                                const void* got, DType dtype,
                                                int64_t numel) {
-  const size_t size = ElementSize(dtype);
+  const size_t size = internal::ItemSize(dtype);
   const auto* a = static_cast<const uint8_t*>(want);
   const auto* b = static_cast<const uint8_t*>(got);
   int64_t mismatches = 0, first = -1;
