@@ -6,10 +6,14 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "shardadam/adam.h"
+#if defined(SHARDADAM_WITH_CUDA)
+#include "shardadam/adam_cuda.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -38,12 +42,10 @@ void ThrowIfFailed(Status status, const Error& error) {
   if (status != Status::kOk) throw nb::value_error(error.message.c_str());
 }
 
-void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1,
-                      double beta2, double eps, double weight_decay, bool adam_w_mode,
-                      bool bias_correction, int64_t step, int num_threads) {
+std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int64_t>& slots) {
   if (slots.size() % kSlotColumns != 0) {
-    throw nb::value_error(("adam_step: slots holds " + std::to_string(slots.size()) +
-                           " values, not a multiple of " +
+    throw nb::value_error((std::string(caller) + ": slots holds " +
+                           std::to_string(slots.size()) + " values, not a multiple of " +
                            std::to_string(static_cast<int>(kSlotColumns)))
                               .c_str());
   }
@@ -66,6 +68,12 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
     t.master_dtype = Tag(row[kMasterDtype]);
     t.master_scale = Pointer<float>(row[kMasterScale]);
   }
+  return tensors;
+}
+
+StepParams MakeParams(double lr, double beta1, double beta2, double eps,
+                      double weight_decay, bool adam_w_mode, bool bias_correction,
+                      int64_t step) {
   StepParams params;
   params.lr = lr;
   params.beta1 = beta1;
@@ -75,6 +83,15 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
   params.adam_w_mode = adam_w_mode;
   params.bias_correction = bias_correction;
   params.step = step;
+  return params;
+}
+
+void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1,
+                      double beta2, double eps, double weight_decay, bool adam_w_mode,
+                      bool bias_correction, int64_t step, int num_threads) {
+  const std::vector<TensorSlot> tensors = SlotsFromList("adam_step", slots);
+  const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+                                       bias_correction, step);
   Error error;
   Status status;
   {
@@ -84,6 +101,27 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
   }
   ThrowIfFailed(status, error);
 }
+
+#if defined(SHARDADAM_WITH_CUDA)
+void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double beta1,
+                          double beta2, double eps, double weight_decay, bool adam_w_mode,
+                          bool bias_correction, int64_t step, int64_t workspace,
+                          int64_t workspace_bytes, int64_t stream) {
+  const std::vector<TensorSlot> tensors = SlotsFromList("adam_step_cuda", slots);
+  const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+                                       bias_correction, step);
+  Error error;
+  Status status;
+  {
+    nb::gil_scoped_release release;
+    status = AdamStepCuda(tensors.data(), static_cast<int64_t>(tensors.size()), params,
+                          Pointer<void>(workspace), workspace_bytes,
+                          Pointer<void>(stream), &error);
+  }
+  if (status == Status::kDeviceError) throw std::runtime_error(error.message);
+  ThrowIfFailed(status, error);
+}
+#endif
 
 void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t dst_dtype,
                          int64_t numel, float scale, int num_threads) {
@@ -111,7 +149,15 @@ nb::dict Info() {
   info["simd_target"] = ChosenTarget();
   info["supported_targets"] = SupportedTargets();
   info["default_threads"] = DefaultThreads();
+#if defined(SHARDADAM_WITH_CUDA)
+  info["cuda"] = true;
+  info["cuda_archs"] = CudaArchitectures();
+  info["cuda_devices"] = CudaDeviceCount();
+#else
   info["cuda"] = false;
+  info["cuda_archs"] = "";
+  info["cuda_devices"] = 0;
+#endif
   return info;
 }
 
@@ -142,5 +188,17 @@ NB_MODULE(_C, m) {
   m.def("measure_scale", &MeasureScaleFromPointer, nb::arg("src"), nb::arg("numel"),
         nb::arg("dtype"), nb::arg("num_threads"),
         "The per-tensor scale for storing fp32 values as `dtype`.");
+#if defined(SHARDADAM_WITH_CUDA)
+  m.def("adam_step_cuda", &AdamStepCudaFromList, nb::arg("slots"), nb::arg("lr"),
+        nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
+        nb::arg("adam_w_mode"), nb::arg("bias_correction"), nb::arg("step"),
+        nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("stream"),
+        "adam_step for tensors in the current CUDA device's memory, enqueued on "
+        "`stream` (a cudaStream_t as int) without waiting. `workspace` points to "
+        "cuda_workspace_bytes(n) bytes of device scratch. Raises ValueError (nothing "
+        "enqueued) on bad input, RuntimeError if the CUDA runtime refuses a launch.");
+  m.def("cuda_workspace_bytes", &CudaWorkspaceBytes, nb::arg("count"),
+        "Device scratch bytes adam_step_cuda needs for `count` tensors.");
+#endif
   m.def("info", &Info, "Version, SIMD target, threads and built backends.");
 }

@@ -75,13 +75,15 @@ bool Overlap(uintptr_t a, int64_t a_bytes, uintptr_t b, int64_t b_bytes) {
 }
 
 bool CheckScale(int64_t tensor, const char* name, DType dtype,
-                const char* buffer, const float* scale, Error* error) {
+                const char* buffer, const float* scale, ScaleValues values,
+                Error* error) {
   if (!IsScaled(dtype)) return true;
   if (scale == nullptr) {
     return Fail(error, tensor,
                 Format("%s is null; an %s %s needs a scale slot", name,
                        DTypeName(dtype), buffer));
   }
+  if (values == ScaleValues::kSkip) return true;
   const float value = *scale;
   if (!std::isfinite(value) || !(value > 0.0f)) {
     return Fail(error, tensor,
@@ -91,7 +93,7 @@ bool CheckScale(int64_t tensor, const char* name, DType dtype,
   return true;
 }
 
-bool CheckSlot(int64_t i, const TensorSlot& s, Error* error) {
+bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error) {
   if (s.numel < 0) {
     return Fail(error, i, Format("numel %" PRId64 " is negative; expected >= 0", s.numel));
   }
@@ -140,11 +142,11 @@ bool CheckSlot(int64_t i, const TensorSlot& s, Error* error) {
   const bool has_master = s.master_dtype != DType::kNone;
 
   if (!CheckScale(i, "exp_avg_scale", s.exp_avg_dtype, "exp_avg", s.exp_avg_scale,
-                  error) ||
+                  values, error) ||
       !CheckScale(i, "exp_avg_sq_scale", s.exp_avg_sq_dtype, "exp_avg_sq",
-                  s.exp_avg_sq_scale, error) ||
+                  s.exp_avg_sq_scale, values, error) ||
       !CheckScale(i, "master_scale", s.master_dtype, "master_param", s.master_scale,
-                  error)) {
+                  values, error)) {
     return false;
   }
 
@@ -332,7 +334,7 @@ const char* DTypeName(DType dtype) {
 }
 
 bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
-                  Error* error) {
+                  Error* error, ScaleValues scale_values) {
   if (count < 0) {
     return Fail(error, -1, Format("count %" PRId64 " is negative; expected >= 0", count));
   }
@@ -350,7 +352,7 @@ bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& para
                        params.step));
   }
   for (int64_t i = 0; i < count; ++i) {
-    if (!CheckSlot(i, slots[i], error)) return false;
+    if (!CheckSlot(i, slots[i], scale_values, error)) return false;
   }
   return count < 2 || CheckCrossTensorOverlap(slots, count, error);
 }

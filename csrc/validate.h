@@ -20,10 +20,15 @@ inline bool IsScaled(DType dtype) {
   return dtype == DType::kFloat16 || dtype == DType::kFloat8E4M3;
 }
 
+// Whether validation may read the values held in scale slots: not when they
+// live in device memory.
+enum class ScaleValues { kCheck, kSkip };
+
 // Checks the hyper-parameters and every slot of an AdamStep call. On failure
 // fills `error` (if non-null) with the first broken rule and returns false.
 bool ValidateStep(const TensorSlot* slots, int64_t count,
-                  const StepParams& params, Error* error);
+                  const StepParams& params, Error* error,
+                  ScaleValues scale_values = ScaleValues::kCheck);
 
 // Checks a Convert call the same way.
 bool ValidateConvert(const void* src, DType src_dtype, const void* dst,

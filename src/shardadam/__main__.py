@@ -24,9 +24,24 @@ def _info(_args):
     print(f"SIMD target:    {info['simd_target']} (supported: {info['supported_targets']})")
     print(f"threads:        {torch.get_num_threads()} used by step() "
           f"({info['default_threads']} hardware threads)")
-    backends = ["cpu (C++)"] + (["cuda (C++)"] if info["cuda"] else []) + ["torch (other devices)"]
+    print(f"CUDA backend:   {_cuda_line(info)}")
+    cuda_steps = info.get("cuda", False) and info.get("cuda_devices", 0) > 0
+    backends = (["cpu (C++)"] + (["cuda (C++)"] if cuda_steps else [])
+                + ["torch (other devices)"])
     print(f"backends:       {', '.join(backends)}")
     return 0
+
+
+def _cuda_line(info: dict) -> str:
+    """Whether the extension has CUDA kernels, for which GPUs, and whether step()
+    uses them here (it needs a device the CUDA runtime sees)."""
+    if not info.get("cuda", False):
+        return "not compiled (CUDA tensors take the torch path)"
+    devices = info.get("cuda_devices", 0)
+    archs = info.get("cuda_archs", "?")
+    if devices == 0:
+        return f"compiled (archs {archs}), no device visible (CUDA tensors: torch path)"
+    return f"compiled (archs {archs}), {devices} device(s) visible, used for CUDA tensors"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,7 +79,8 @@ def main(argv=None):
                     "contenders and each step's peak extra memory (BENCH.md).")
     bench_cli.add_arguments(bench)
     bench.set_defaults(run=bench_cli.run)
-    commands.add_parser("info", help="version, SIMD target, threads and built backends") \
+    commands.add_parser("info", help="version, SIMD target, threads, CUDA backend and "
+                                     "built backends") \
         .set_defaults(run=_info)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -1,8 +1,11 @@
-"""Chooses how a batch is stepped: the C++ core for CPU tensors, torch ops otherwise.
+"""Chooses how a batch is stepped (SEMANTICS S7): the C++ core for CPU tensors, its
+CUDA build for CUDA tensors where the extension has one and sees a device, torch ops
+otherwise.
 
-Both implementations take ``(work: BatchGrads, hyper: Hyper)`` and fulfil the same
-contract (SEMANTICS S3.6) bit for bit on CPU. ``use_backend("torch")`` forces the
-torch path everywhere (tests compare the two; devices without a C++ build use it).
+Every implementation takes ``(work: BatchGrads, hyper: Hyper)`` and fulfils the same
+contract (S3.6): the C++ core gives the same bits on CPU and on CUDA, and the torch
+path gives them too on CPU. ``use_backend("torch")`` forces the torch path everywhere
+(tests compare the paths; devices without a C++ build use it).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
-from . import _cpu_path, _torch_path
+from . import _cpu_path, _cuda_path, _torch_path
 
 _BACKENDS = ("auto", "torch")
 _mode = "auto"
@@ -32,7 +35,8 @@ class Hyper(NamedTuple):
 @contextlib.contextmanager
 def use_backend(name: str):
     """Within the block, step with ``name``: ``"auto"`` (C++ for CPU tensors when the
-    extension is importable, torch ops otherwise) or ``"torch"`` (torch ops only)."""
+    extension is importable and for CUDA tensors when it has CUDA and sees a device,
+    torch ops otherwise) or ``"torch"`` (torch ops only)."""
     global _mode
     if name not in _BACKENDS:
         raise ValueError(f"shardadam: unknown backend {name!r}; expected one of {_BACKENDS}")
@@ -45,7 +49,13 @@ def use_backend(name: str):
 
 def step(work, hyper: Hyper) -> None:
     """Update one batch (one group's parameters on one device)."""
-    if work.batch.is_cpu and _mode == "auto" and _cpu_path.available():
-        _cpu_path.step(work, hyper)
-    else:
-        _torch_path.step(work, hyper)
+    if _mode == "auto":
+        batch = work.batch
+        if batch.is_cpu:
+            if _cpu_path.available():
+                _cpu_path.step(work, hyper)
+                return
+        elif batch.is_cuda and _cuda_path.available():
+            _cuda_path.step(work, hyper)
+            return
+    _torch_path.step(work, hyper)

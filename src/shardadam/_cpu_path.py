@@ -1,117 +1,25 @@
 """CPU tensors: one call of the C++ core (``shardadam._C.adam_step``) per batch.
 
-The core takes a flat list of 14 integers per tensor (``_C.SLOT_COLUMNS``): sizes, data
-pointers and dtype tags. Everything but the gradient is fixed while the plan is valid,
-so each batch keeps its rows and a step only writes the gradients' pointers and tags.
+The batch's slot rows come from ``_slots``; the core splits the work over
+``torch.get_num_threads()`` threads and returns when every tensor is stepped.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _state
-
-try:
-    from . import _C
-except ImportError:  # not built: every batch takes the torch path
-    _C = None
-
-_COLUMNS = 14
-_GRAD, _GRAD_KIND, _PARAM = 3, 4, 1
-
-
-def _check_abi() -> None:
-    """Raw pointers cross this boundary: refuse an extension whose layout differs."""
-    expected = {"SLOT_COLUMNS": _COLUMNS, "DTYPE_NONE": _state.KIND_NONE,
-                "DTYPE_FLOAT32": _state.KIND_FLOAT32, "DTYPE_FLOAT16": _state.KIND_FLOAT16,
-                "DTYPE_BFLOAT16": _state.KIND_BFLOAT16,
-                "DTYPE_FLOAT8_E4M3": _state.KIND_FLOAT8_E4M3,
-                "DTYPE_INT16_REMAINDER": _state.KIND_INT16_REMAINDER}
-    found = {name: getattr(_C, name, None) for name in expected}
-    if found != expected:
-        raise ImportError(f"shardadam._C does not match this package (expected {expected}, "
-                          f"found {found}): rebuild the extension")
-
-
-if _C is not None:
-    _check_abi()
+from . import _slots
 
 
 def available() -> bool:
     """Whether the C++ extension is built and importable."""
-    return _C is not None
-
-
-def _ptr(tensor) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
-def _row(entry) -> list:
-    return [entry.numel,
-            entry.local.data_ptr(), entry.param_kind,
-            0, 0,  # the gradient, filled in at every step
-            entry.exp_avg.data_ptr(), entry.exp_avg_kind, _ptr(entry.exp_avg_scale),
-            entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_kind, _ptr(entry.exp_avg_sq_scale),
-            _ptr(entry.master), entry.master_kind, _ptr(entry.master_scale)]
-
-
-def _tensors(entry) -> tuple:
-    return (entry.local, entry.exp_avg, entry.exp_avg_scale, entry.exp_avg_sq,
-            entry.exp_avg_sq_scale, entry.master, entry.master_scale)
-
-
-class _Rows:
-    """A batch's static slot rows (non-empty tensors only) and their concatenation."""
-
-    def __init__(self, batch):
-        self.positions = [i for i, e in enumerate(batch.entries) if e.numel > 0]
-        self.rows = [_row(batch.entries[i]) for i in self.positions]
-        self.flat = [value for row in self.rows for value in row]
-        self.every_position = len(self.positions) == len(batch.entries)
-        # A non-contiguous parameter is stepped through a contiguous copy.
-        self.contiguous = all(batch.entries[i].local.is_contiguous() for i in self.positions)
-        # The rows hold raw pointers: keep their memory alive even if a tensor's storage
-        # is swapped behind the optimizer's back (`t.data = ...` is not seen by the plan).
-        self.storages = [t.untyped_storage() for i in self.positions
-                         for t in _tensors(batch.entries[i]) if t is not None]
+    return _slots.extension is not None
 
 
 def step(work, hyper) -> None:
-    batch = work.batch
-    rows = batch.backend_cache.get("cpu")
-    if rows is None:
-        rows = batch.backend_cache["cpu"] = _Rows(batch)
-    kinds = work.kinds
-    if rows.every_position and work.dense and rows.contiguous and 0 not in kinds:
-        # Every tensor steps: patch the gradient columns of the cached rows.
-        slots = rows.flat.copy()
-        slots[_GRAD::_COLUMNS] = [g.data_ptr() for g in work.grads]
-        slots[_GRAD_KIND::_COLUMNS] = kinds
-        _run(slots, hyper)
-        return
-    keep_alive, write_back, slots = [], [], []
-    for position, row in zip(rows.positions, rows.rows):
-        grad = work.grads[position]
-        if grad is None:
-            continue
-        row = row.copy()
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
-            keep_alive.append(grad)
-        row[_GRAD], row[_GRAD_KIND] = grad.data_ptr(), kinds[position]
-        local = batch.entries[position].local
-        if not local.is_contiguous():
-            copy = local.contiguous()
-            write_back.append((local, copy))
-            row[_PARAM] = copy.data_ptr()
-        slots.extend(row)
-    if slots:
-        _run(slots, hyper)
-    for local, copy in write_back:
-        local.copy_(copy)
-
-
-def _run(slots: list, hyper) -> None:
-    _C.adam_step(slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-                 hyper.adam_w_mode, hyper.bias_correction, hyper.step,
-                 torch.get_num_threads())
+    call = _slots.prepare(work)
+    if call.slots:
+        _slots.extension.adam_step(
+            call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+            hyper.adam_w_mode, hyper.bias_correction, hyper.step, torch.get_num_threads())
+    call.finish()

@@ -63,13 +63,14 @@ class DeviceBatch:
     def __init__(self, device: torch.device, entries: list):
         self.device = device
         self.is_cpu = device.type == "cpu"
+        self.is_cuda = device.type == "cuda"
         self.entries = entries
         self.params = [e.param for e in entries]
         self.shapes = [e.local.shape for e in entries]
         self.layouts = [e.layout for e in entries]
         self.plain = not any(layout.is_dtensor for layout in self.layouts)
         self.grad_check = None if self.plain else _dtensor.GradCheck(self.layouts)
-        # Left for the backends to fill (e.g. the C++ path's slot rows); dropped with
+        # Left for the backends to fill (e.g. the C++ paths' slot rows); dropped with
         # the plan, so never stale.
         self.backend_cache = {}
 

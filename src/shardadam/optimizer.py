@@ -36,8 +36,9 @@ class FusedAdam(torch.optim.Optimizer):
     for every parameter from construction; moments may be stored as fp32, bf16, fp16
     or fp8 (``torch.uint8``) with a per-tensor scale; fp16/bf16 parameters may keep an
     fp32 or fp16 master (``master_weights``), or for bf16 an int16 remainder
-    (``store_param_remainders``). CPU tensors step in the C++ core, other devices with
-    torch ops. ``amsgrad`` and ``capturable`` are not supported.
+    (``store_param_remainders``). CPU tensors step in the C++ core, CUDA tensors in its
+    CUDA build where there is one, other devices with torch ops. ``amsgrad`` and
+    ``capturable`` are not supported.
     """
 
     def __init__(

@@ -64,6 +64,7 @@ struct StepParams {
 enum class Status : int32_t {
   kOk = 0,
   kInvalidArgument = 1,  // a slot or a hyper-parameter broke a rule; nothing written
+  kDeviceError = 2,      // CUDA backend only: the runtime refused a call (message names it)
 };
 
 // Filled on failure: which tensor (-1 for a hyper-parameter or the call itself)

@@ -1,6 +1,7 @@
 """Small jobs that exercise the harness itself (test_dist_harness.py)."""
 
 import os
+import signal
 import time
 
 import torch
@@ -56,3 +57,26 @@ def raise_outside_case(ctx):
     ctx.run_case("passes", _sum_of_ranks)
     if ctx.rank == 0:
         raise RuntimeError("boom outside any case")
+
+
+def planned_death(ctx):
+    """Rank 1 kills itself inside a case (unless ``params["die"]`` is false); rank 0's
+    collective against the dead peer must raise promptly, not hang."""
+    def die_or_reach_a_dead_peer():
+        if ctx.rank == 1:
+            if ctx.params.get("die", True):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return
+        start = time.monotonic()
+        try:
+            _sum_of_ranks()
+        except RuntimeError as error:
+            print(f"all_reduce with a dead peer raised after {time.monotonic() - start:.2f}s: "
+                  f"{error}", flush=True)
+        else:
+            raise AssertionError("all_reduce with a dead peer returned")
+
+    ctx.run_case("passes", _sum_of_ranks)
+    ctx.run_case("dies", die_or_reach_a_dead_peer, dies=(1,))
+    if ctx.params.get("case_after"):
+        ctx.run_case("after-the-death", _sum_of_ranks)

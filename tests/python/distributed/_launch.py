@@ -20,7 +20,9 @@ Why the shape of this harness:
   deadline, after asking each for a stack dump (``SIGUSR1`` -> faulthandler) so the
   report shows where it hung.
 * A rank that dies takes the job down at once (its peers would only wait for it); the
-  report carries its traceback, exit code and log tail.
+  report carries its traceback, exit code and log tail. A job that tests surviving a
+  crash declares the death instead (``launch(expect_exit=...)``, ``run_case(dies=...)``):
+  the dying rank must exit with exactly that status, and the others carry on without it.
 """
 
 import argparse
@@ -66,9 +68,11 @@ class JobResult:
     seconds: float
     # case id -> {rank: record}; a record is {"ok": bool, "error": str, "seconds": float}
     cases: dict = field(default_factory=dict)
-    # None when every rank exited 0; otherwise a readable account (crash, timeout, ...)
+    # None when every rank exited as expected; otherwise a readable account (crash, ...)
     failure: str = None
     pids: list = field(default_factory=list)
+    # rank -> exit status it was meant to die with; such a rank records no case it died in
+    expect_exit: dict = field(default_factory=dict)
 
     def case_failure(self, case_id):
         """None if the case passed on every rank, else the text to fail its test with."""
@@ -83,9 +87,10 @@ class JobResult:
             for error, ranks in by_error.items():
                 parts.append(f"---------- rank(s) {ranks} ----------\n{error}")
             return "\n".join(parts)
-        if len(records) == self.world_size:
-            return None
         missing = sorted(set(range(self.world_size)) - set(records))
+        # A rank meant to die (the job checks it did) records nothing of the case it died in.
+        if records and not set(missing) - set(self.expect_exit):
+            return None
         return (f"case {case_id!r} did not finish on rank(s) {missing} "
                 f"(job {self.job}, world size {self.world_size}):\n"
                 f"{self.failure or 'the job ended without running it'}")
@@ -148,13 +153,16 @@ def _kill(proc):
             pass
 
 
-def launch(job, world_size, workdir, *, params=None, timeout_s=120.0):
+def launch(job, world_size, workdir, *, params=None, timeout_s=120.0, expect_exit=None):
     """Run ``job`` ("module:function") on ``world_size`` ranks; return a ``JobResult``.
 
     ``workdir`` must be a fresh folder: it holds the rendezvous file store (so concurrent
     jobs never share a port or a store), each rank's log and case records, and
-    ``params.json`` which the ranks read as ``ctx.params``.
+    ``params.json`` which the ranks read as ``ctx.params``. ``expect_exit`` maps ranks that
+    are meant to die to the exit status they must end with (``-signal.SIGKILL`` for a rank
+    that kills itself, as multiprocessing reports it); every other rank must exit 0.
     """
+    expect_exit = dict(expect_exit or {})
     os.makedirs(workdir, exist_ok=True)
     ctx = _context()
     timeout_s *= timeout_scale()
@@ -169,14 +177,15 @@ def launch(job, world_size, workdir, *, params=None, timeout_s=120.0):
                                args=(job, rank, world_size, workdir))
             proc.start()
             procs.append(proc)
-        failure = _watch(procs, start + timeout_s, timeout_s)
+        failure = _watch(procs, start + timeout_s, timeout_s, expect_exit)
     finally:
         for proc in procs:
             if proc.exitcode is None:
                 _kill(proc)
             proc.join()
     result = JobResult(job=job, world_size=world_size, workdir=workdir,
-                       seconds=time.monotonic() - start, pids=[p.pid for p in procs])
+                       seconds=time.monotonic() - start, pids=[p.pid for p in procs],
+                       expect_exit=expect_exit)
     for rank in range(world_size):
         path = os.path.join(workdir, f"rank{rank}.cases.jsonl")
         if os.path.exists(path):
@@ -198,22 +207,27 @@ def launch(job, world_size, workdir, *, params=None, timeout_s=120.0):
     return result
 
 
-def _watch(procs, deadline, timeout_s):
-    """Wait for the ranks; return None if all exited 0, else a description of what broke."""
+def _watch(procs, deadline, timeout_s, expect_exit):
+    """Wait for the ranks; return None if all exited as expected (0 unless ``expect_exit``
+    says otherwise), else a description of what broke."""
     first_death = None
     while True:
         codes = [p.exitcode for p in procs]
         if all(c is not None for c in codes):
-            bad = {r: c for r, c in enumerate(codes) if c != 0}
+            bad = {r: c for r, c in enumerate(codes) if c != expect_exit.get(r, 0)}
             if not bad:
                 return None
+            if expect_exit:
+                return (f"rank(s) exited with unexpected status: {bad} (expected 0, "
+                        f"except {expect_exit})")
             return f"rank(s) exited with non-zero status: {bad}"
         now = time.monotonic()
-        if first_death is None and any(c not in (None, 0) for c in codes):
+        # A planned death is not one: the survivors go on (they must cope without it).
+        dead = {r: c for r, c in enumerate(codes) if c not in (None, 0, expect_exit.get(r))}
+        if first_death is None and dead:
             first_death = now
         if first_death is not None and now - first_death > _GRACE_AFTER_DEATH_S:
             alive = [r for r, c in enumerate(codes) if c is None]
-            dead = {r: c for r, c in enumerate(codes) if c not in (None, 0)}
             _dump_stacks(procs)
             return (f"rank(s) died with status {dead}; killed the remaining rank(s) {alive}, "
                     f"which could only wait for them")
@@ -261,6 +275,7 @@ class Context:
         self._generation = 0
         self._meshes = {}
         self._case_index = 0
+        self._lost = ()  # ranks that died as planned: no collective can run after that
         self._records = open(os.path.join(workdir, f"rank{rank}.cases.jsonl"), "a")
         self._init_process_group()
 
@@ -306,31 +321,44 @@ class Context:
 
     # Cases --------------------------------------------------------------------------
 
-    def run_case(self, case_id, fn):
-        """Run ``fn()`` as one test case; record its outcome; keep the ranks in step."""
+    def run_case(self, case_id, fn, *, dies=()):
+        """Run ``fn()`` as one test case; record its outcome; keep the ranks in step.
+
+        ``dies``: ranks meant to die inside ``fn`` (declared to ``launch`` as
+        ``expect_exit``). The others meet without them and record their own outcome; the
+        process group has lost a member, so this must be the job's last case.
+        """
+        if self._lost:
+            raise RuntimeError(f"case {case_id!r}: rank(s) {list(self._lost)} died in an "
+                               f"earlier case; no case can run after that")
         start = time.monotonic()
         error = ""
         try:
             fn()
+            if self.rank in dies:
+                raise AssertionError(f"rank {self.rank} was meant to die in this case, "
+                                     f"but the case returned")
         except Exception:
             error = traceback.format_exc()
         ok_here = not error
         # A rank that passed while a peer failed records a pass; the test still fails
         # through the peer's record.
-        all_ok = self._meet(ok_here)
+        all_ok = self._meet(ok_here, absent=dies)
         rec = {"case": case_id, "ok": ok_here, "error": error,
                "seconds": round(time.monotonic() - start, 3)}
         self._records.write(json.dumps(rec) + "\n")
         self._records.flush()
-        if not all_ok:
+        if dies:
+            self._lost = tuple(dies)
+        elif not all_ok:
             self._rebuild_process_group()
         return ok_here
 
-    def _meet(self, ok_here):
+    def _meet(self, ok_here, absent=()):
         index = self._case_index
         self._case_index += 1
         self._sync_store.set(f"{index}/{self.rank}", "1" if ok_here else "0")
-        keys = [f"{index}/{r}" for r in range(self.world_size)]
+        keys = [f"{index}/{r}" for r in range(self.world_size) if r not in absent]
         try:
             self._sync_store.wait(keys, datetime.timedelta(seconds=self.case_sync_timeout_s))
         except Exception as error:

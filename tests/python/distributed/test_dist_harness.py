@@ -1,9 +1,11 @@
-"""The process harness itself: outcomes per case, tracebacks, timeouts, dead ranks.
+"""The process harness itself: outcomes per case, tracebacks, timeouts, dead ranks and
+planned deaths.
 
 These run without the optimizer, so they pass whatever state the package is in.
 """
 
 import os
+import signal
 import time
 
 import _launch
@@ -56,3 +58,30 @@ def test_error_outside_a_case_is_reported_with_its_traceback(tmp_path):
     assert result.failure is not None
     assert "RuntimeError: boom outside any case" in result.failure
     assert "raise_outside_case" in result.failure
+
+
+def test_planned_death_lets_the_survivors_finish(tmp_path):
+    start = time.monotonic()
+    result = _launch.launch("_dist_toy_jobs:planned_death", 2, str(tmp_path), timeout_s=120,
+                            params={"pg_timeout_s": 10}, expect_exit={1: -signal.SIGKILL})
+    assert time.monotonic() - start < 60
+    assert result.failure is None, result.failure
+    assert result.case_failure("passes") is None
+    assert result.case_failure("dies") is None, result.case_failure("dies")
+    assert sorted(result.cases["dies"]) == [0]  # the dead rank recorded nothing
+    with open(tmp_path / "rank0.log") as f:
+        assert "all_reduce with a dead peer raised" in f.read()
+    assert all(_gone(pid) for pid in result.pids)
+
+
+def test_planned_death_that_does_not_happen_fails_the_job(tmp_path):
+    # Rank 1 survives the case it was meant to die in, and the job then tries another
+    # case on a group that (as far as the ranks know) has lost a member.
+    result = _launch.launch("_dist_toy_jobs:planned_death", 2, str(tmp_path), timeout_s=120,
+                            params={"pg_timeout_s": 3, "die": False, "case_after": True},
+                            expect_exit={1: -signal.SIGKILL})
+    assert result.failure is not None and "unexpected status" in result.failure
+    assert "'dies' failed on rank(s) [1]" in result.case_failure("dies")
+    assert "meant to die in this case, but the case returned" in result.case_failure("dies")
+    assert "no case can run after that" in result.failure
+    assert all(_gone(pid) for pid in result.pids)

@@ -1,0 +1,272 @@
+// The CUDA backend: AdamStepCuda's launches. The per-element work lives in
+// slot_math.h (shared with the CPU tests); this file maps blocks to tensors,
+// reduces the absmax of scaled states, and orders the passes on the stream.
+//
+// A call packs up to kMaxSlots tensors into each launch's argument block (no
+// host-to-device copy, so nothing waits on the host). Tensors with a scaled
+// state (fp16/fp8 moments, fp16 master) need the new state's absmax before any
+// element is stored: pass 1 recomputes the update and only reduces |new value|
+// into the workspace, pass 2 recomputes it and stores with the new scale, and a
+// last tiny launch writes the scales. The cost is one extra read of the inputs,
+// no full-size temporary. Launches without scaled states run pass 2 alone.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cinttypes>
+#include <cstdio>
+#include <string>
+
+#include "cuda/slot_math.h"
+#include "shardadam/adam_cuda.h"
+#include "validate.h"
+
+namespace shardadam {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kUnroll = 4;        // elements each thread loads before computing
+// Caps registers at 64 per thread: 4 blocks (half the threads an SM holds) with
+// kUnroll loads each in flight.
+constexpr int kMinBlocksPerSm = 4;
+constexpr int64_t kChunk = 8192;  // elements per block: 32 per thread
+constexpr int kMaxSlots = 32;     // tensors per launch (argument block < 4 KiB)
+
+// One launch's tensors. Block b works on slot s where
+// first_block[s] <= b < first_block[s + 1], chunk b - first_block[s] of it.
+struct Launch {
+  DeviceSlot slots[kMaxSlots];
+  int64_t first_block[kMaxSlots + 1];
+  uint32_t* absmax;  // 3 per slot of this launch (kW, kM, kV), zeroed
+  int count;
+  bool any_scaled;
+};
+static_assert(sizeof(Launch) + sizeof(StepConstants) < 4000,
+              "kernel arguments must fit the portable 4 KiB limit");
+
+// The slot of this block: the last slot starting at or before it (empty slots
+// start where the next one does, so they are never chosen).
+__device__ __forceinline__ int SlotOfBlock(const Launch& launch, int64_t block) {
+  int lo = 0;
+  int hi = launch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (launch.first_block[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ uint32_t BlockMax(uint32_t value, uint32_t* shared) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value = max(value, __shfl_xor_sync(0xFFFFFFFFu, value, offset));
+  }
+  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = value;
+  __syncthreads();
+  uint32_t best = 0;
+  for (int w = 0; w < kWarps; ++w) best = max(best, shared[w]);
+  __syncthreads();  // `shared` is reused by the next call
+  return best;
+}
+
+// Loads elements base, base + kThreads, ... (those below `end`) before any is
+// computed or stored, so each thread has kUnroll loads of every stream in
+// flight: the loop is memory-bound and one load at a time leaves the memory
+// system idle between them.
+__device__ __forceinline__ void LoadUnrolled(const DeviceSlot& t, const Scales& old,
+                                             int64_t base, int64_t end, Inputs* e) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads;
+    if (i < end) e[u] = LoadInputs(t, old, i);
+  }
+}
+
+// Pass 1: the new state's absmax per scaled state, nothing stored.
+template <bool kAdamW>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+    MeasureKernel(const Launch launch, const StepConstants c) {
+  const int64_t block = blockIdx.x;
+  const int s = SlotOfBlock(launch, block);
+  const DeviceSlot t = launch.slots[s];
+  const Scales old = ReadScales(t);
+  const int64_t begin = (block - launch.first_block[s]) * kChunk;
+  const int64_t end = min(begin + kChunk, t.numel);
+  uint32_t best[3] = {0, 0, 0};
+  for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
+    Inputs e[kUnroll];
+    LoadUnrolled(t, old, base, end, e);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * kThreads >= end) break;
+      Update<kAdamW>(c, e[u]);
+      best[kW] = max(best[kW], AbsBits(e[u].w));
+      best[kM] = max(best[kM], AbsBits(e[u].m));
+      best[kV] = max(best[kV], AbsBits(e[u].v));
+    }
+  }
+  __shared__ uint32_t partial[kWarps];
+  for (int k = 0; k < 3; ++k) {
+    if (t.scale[k] == nullptr) continue;  // uniform across the block
+    const uint32_t block_best = BlockMax(best[k], partial);
+    if (threadIdx.x == 0 && block_best != 0) atomicMax(&launch.absmax[3 * s + k], block_best);
+  }
+}
+
+// Pass 2: the update, stored with the scales measured by pass 1.
+template <bool kAdamW>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+    StoreKernel(const Launch launch, const StepConstants c) {
+  const int64_t block = blockIdx.x;
+  const int s = SlotOfBlock(launch, block);
+  const DeviceSlot t = launch.slots[s];
+  const Scales old = ReadScales(t);
+  const Scales now = NewScales(t, launch.absmax + 3 * s);
+  const int64_t begin = (block - launch.first_block[s]) * kChunk;
+  const int64_t end = min(begin + kChunk, t.numel);
+  for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
+    Inputs e[kUnroll];
+    LoadUnrolled(t, old, base, end, e);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kThreads;
+      if (i >= end) break;
+      Update<kAdamW>(c, e[u]);
+      StoreElement(t, now, i, e[u]);
+    }
+  }
+}
+
+// After pass 2 (stream order): every scaled state's slot gets its new scale,
+// empty tensors' too (an absmax of 0 gives 1, as on the CPU).
+__global__ void WriteScalesKernel(const Launch launch) {
+  const int s = threadIdx.x;
+  if (s >= launch.count) return;
+  const DeviceSlot& t = launch.slots[s];
+  const Scales now = NewScales(t, launch.absmax + 3 * s);
+  for (int k = 0; k < 3; ++k) {
+    if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
+  }
+}
+
+Status DeviceFail(Error* error, const char* what, cudaError_t code) {
+  if (error != nullptr) {
+    error->tensor_index = -1;
+    error->message = std::string(what) + " failed: " + cudaGetErrorName(code) + " (" +
+                     cudaGetErrorString(code) + ")";
+  }
+  return Status::kDeviceError;
+}
+
+Status InvalidArgument(Error* error, const std::string& message) {
+  if (error != nullptr) {
+    error->tensor_index = -1;
+    error->message = message;
+  }
+  return Status::kInvalidArgument;
+}
+
+int64_t BlocksOf(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
+
+bool HasScaledState(const DeviceSlot& t) {
+  return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
+}
+
+template <bool kAdamW>
+Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream,
+               Error* error) {
+  const int64_t blocks = launch.first_block[launch.count];
+  if (launch.any_scaled && blocks > 0) {
+    MeasureKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+  }
+  if (blocks > 0) {
+    StoreKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+  }
+  if (launch.any_scaled) WriteScalesKernel<<<1, kMaxSlots, 0, stream>>>(launch);
+  const cudaError_t code = cudaGetLastError();
+  return code == cudaSuccess ? Status::kOk : DeviceFail(error, "kernel launch", code);
+}
+
+}  // namespace
+}  // namespace cuda
+
+int64_t CudaWorkspaceBytes(int64_t count) {
+  return count <= 0 ? 0 : count * 3 * static_cast<int64_t>(sizeof(uint32_t));
+}
+
+Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
+                    void* workspace, int64_t workspace_bytes, void* stream, Error* error) {
+  using namespace cuda;  // NOLINT(build/namespaces): file-local brevity
+  if (!internal::ValidateStep(slots, count, params, error, internal::ScaleValues::kSkip)) {
+    return Status::kInvalidArgument;
+  }
+  if (count == 0) return Status::kOk;
+  for (int64_t i = 0; i < count; ++i) {
+    if (BlocksOf(slots[i].numel) > INT_MAX) {
+      char message[160];
+      snprintf(message, sizeof(message),
+               "tensor %" PRId64 ": numel %" PRId64 " exceeds the CUDA backend's limit of %" PRId64,
+               i, slots[i].numel, static_cast<int64_t>(INT_MAX) * kChunk);
+      return InvalidArgument(error, message);
+    }
+  }
+  const int64_t needed = CudaWorkspaceBytes(count);
+  if (workspace == nullptr || workspace_bytes < needed) {
+    char message[160];
+    snprintf(message, sizeof(message),
+             "workspace holds %" PRId64 " bytes at %p; %" PRId64 " tensors need %" PRId64,
+             workspace == nullptr ? 0 : workspace_bytes, workspace, count, needed);
+    return InvalidArgument(error, message);
+  }
+  const StepConstants c = MakeStepConstants(params);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  uint32_t* absmax = static_cast<uint32_t*>(workspace);
+  const cudaError_t zeroed = cudaMemsetAsync(absmax, 0, static_cast<size_t>(needed), s);
+  if (zeroed != cudaSuccess) return DeviceFail(error, "cudaMemsetAsync of the workspace", zeroed);
+
+  Launch launch;
+  launch.count = 0;
+  int64_t first = 0;  // index of the launch's first tensor
+  for (int64_t i = 0; i <= count; ++i) {
+    const bool full = launch.count == kMaxSlots ||
+                      (i < count && launch.count > 0 &&
+                       launch.first_block[launch.count] + BlocksOf(slots[i].numel) > INT_MAX);
+    if (launch.count > 0 && (i == count || full)) {
+      launch.absmax = absmax + 3 * first;
+      const Status status = c.adam_w_mode ? Enqueue<true>(launch, c, s, error)
+                                          : Enqueue<false>(launch, c, s, error);
+      if (status != Status::kOk) return status;
+      launch.count = 0;
+    }
+    if (i == count) break;
+    if (launch.count == 0) {
+      first = i;
+      launch.first_block[0] = 0;
+      launch.any_scaled = false;
+    }
+    const DeviceSlot t = MakeDeviceSlot(slots[i]);
+    launch.slots[launch.count] = t;
+    launch.any_scaled = launch.any_scaled || HasScaledState(t);
+    launch.first_block[launch.count + 1] = launch.first_block[launch.count] + BlocksOf(t.numel);
+    ++launch.count;
+  }
+  return Status::kOk;
+}
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" error
+    return 0;
+  }
+  return count;
+}
+
+const char* CudaArchitectures() { return SHARDADAM_CUDA_ARCHITECTURES; }
+
+}  // namespace shardadam

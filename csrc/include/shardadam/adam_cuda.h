@@ -1,0 +1,39 @@
+// CUDA backend of the shardadam core: AdamStep (adam.h) for buffers in device
+// memory. Present only in builds with SHARDADAM_ENABLE_CUDA; the library then
+// links the CUDA runtime statically and still needs neither PyTorch nor Python.
+#ifndef SHARDADAM_ADAM_CUDA_H_
+#define SHARDADAM_ADAM_CUDA_H_
+
+#include <cstdint>
+#include <string>
+
+#include "shardadam/adam.h"
+
+namespace shardadam {
+
+// Bytes of device scratch an AdamStepCuda call over `count` tensors needs.
+int64_t CudaWorkspaceBytes(int64_t count);
+
+// AdamStep's contract for slots whose buffers and scale slots are in the
+// current CUDA device's memory, with the same bits as the CPU core. Enqueued on
+// `stream` (a cudaStream_t; null is the legacy default stream) and returns
+// without waiting for the device. `workspace` is device memory of at least
+// CudaWorkspaceBytes(count) bytes that the call may use until its work on
+// `stream` completes.
+//
+// Everything is validated on the host first, as for AdamStep, except the values
+// held in scale slots (they are on the device; reading them would synchronise).
+// Returns kInvalidArgument (nothing enqueued) on bad input, kDeviceError if the
+// CUDA runtime refused a launch.
+Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
+                    void* workspace, int64_t workspace_bytes, void* stream, Error* error);
+
+// Number of CUDA devices the runtime sees (0 without a driver or GPU).
+int CudaDeviceCount();
+
+// The GPU architectures compiled in, e.g. "80-real;90-real;90-virtual".
+const char* CudaArchitectures();
+
+}  // namespace shardadam
+
+#endif  // SHARDADAM_ADAM_CUDA_H_

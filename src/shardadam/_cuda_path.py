@@ -1,0 +1,48 @@
+"""CUDA tensors: one call of ``shardadam._C.adam_step_cuda`` per batch (SEMANTICS S7.1).
+
+The slot rows are the CPU path's (``_slots``), holding device pointers. The call only
+enqueues kernels on the device's current stream and returns, so ``step()`` never waits
+for the GPU: its scratch memory comes from torch's caching allocator (which reuses a
+block only in that stream's order), and contiguous copies are written back by copies
+queued behind the kernels on the same stream.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _slots
+
+_usable: Optional[bool] = None  # decided at the first CUDA batch
+
+
+def available() -> bool:
+    """Whether the extension was built with CUDA and its runtime sees a device.
+
+    Asked only for a batch of CUDA tensors (torch has initialised CUDA by then), so a
+    CPU-only job never starts the CUDA runtime through the extension."""
+    global _usable
+    if _usable is None:
+        core = _slots.extension
+        _usable = bool(core is not None and hasattr(core, "adam_step_cuda")
+                       and core.info().get("cuda_devices", 0) > 0)
+    return _usable
+
+
+def step(work, hyper) -> None:
+    device = work.batch.device
+    core = _slots.extension
+    # The extension launches on the current device: make the batch's device current.
+    with torch.cuda.device(device):
+        call = _slots.prepare(work)
+        if call.slots:
+            workspace = torch.empty(core.cuda_workspace_bytes(call.count),
+                                    dtype=torch.uint8, device=device)
+            core.adam_step_cuda(
+                call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction, hyper.step,
+                workspace.data_ptr(), workspace.numel(),
+                torch.cuda.current_stream(device).cuda_stream)
+        call.finish()

@@ -1,0 +1,124 @@
+"""The slot rows the C++ extension reads, shared by its CPU and CUDA entry points.
+
+``shardadam._C.adam_step`` and ``adam_step_cuda`` take one flat list of 14 integers
+per tensor (``_C.SLOT_COLUMNS``, bindings/module.cc ``Column``): its numel, then the
+data pointer and dtype tag of every buffer and the pointer of each scale. Everything
+but the gradient is fixed while the plan is valid, so each batch keeps its rows and a
+step only writes the gradients' pointers and tags.
+"""
+
+from __future__ import annotations
+
+from . import _state
+
+try:
+    from . import _C as extension
+except ImportError:  # not built: every batch takes the torch path
+    extension = None
+
+COLUMNS = 14
+_GRAD, _GRAD_KIND, _PARAM = 3, 4, 1
+
+
+def _check_abi() -> None:
+    """Raw pointers cross this boundary: refuse an extension whose layout differs."""
+    expected = {"SLOT_COLUMNS": COLUMNS, "DTYPE_NONE": _state.KIND_NONE,
+                "DTYPE_FLOAT32": _state.KIND_FLOAT32, "DTYPE_FLOAT16": _state.KIND_FLOAT16,
+                "DTYPE_BFLOAT16": _state.KIND_BFLOAT16,
+                "DTYPE_FLOAT8_E4M3": _state.KIND_FLOAT8_E4M3,
+                "DTYPE_INT16_REMAINDER": _state.KIND_INT16_REMAINDER}
+    found = {name: getattr(extension, name, None) for name in expected}
+    if found != expected:
+        raise ImportError(f"shardadam._C does not match this package (expected {expected}, "
+                          f"found {found}): rebuild the extension")
+
+
+if extension is not None:
+    _check_abi()
+
+
+def _ptr(tensor) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def _row(entry) -> list:
+    return [entry.numel,
+            entry.local.data_ptr(), entry.param_kind,
+            0, 0,  # the gradient, filled in at every step
+            entry.exp_avg.data_ptr(), entry.exp_avg_kind, _ptr(entry.exp_avg_scale),
+            entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_kind, _ptr(entry.exp_avg_sq_scale),
+            _ptr(entry.master), entry.master_kind, _ptr(entry.master_scale)]
+
+
+def _tensors(entry) -> tuple:
+    return (entry.local, entry.exp_avg, entry.exp_avg_scale, entry.exp_avg_sq,
+            entry.exp_avg_sq_scale, entry.master, entry.master_scale)
+
+
+class _Rows:
+    """A batch's static slot rows (non-empty tensors only) and their concatenation."""
+
+    def __init__(self, batch):
+        self.positions = [i for i, e in enumerate(batch.entries) if e.numel > 0]
+        self.rows = [_row(batch.entries[i]) for i in self.positions]
+        self.flat = [value for row in self.rows for value in row]
+        self.every_position = len(self.positions) == len(batch.entries)
+        # A non-contiguous parameter is stepped through a contiguous copy.
+        self.contiguous = all(batch.entries[i].local.is_contiguous() for i in self.positions)
+        # The rows hold raw pointers: keep their memory alive even if a tensor's storage
+        # is swapped behind the optimizer's back (`t.data = ...` is not seen by the plan).
+        self.storages = [t.untyped_storage() for i in self.positions
+                         for t in _tensors(batch.entries[i]) if t is not None]
+
+
+class Call:
+    """One step's slots for one extension call, the temporaries they point into, and
+    the non-contiguous parameters to update from their copies once the call is made."""
+
+    __slots__ = ("slots", "keep_alive", "write_back")
+
+    def __init__(self, slots: list, keep_alive: list, write_back: list):
+        self.slots = slots
+        self.keep_alive = keep_alive
+        self.write_back = write_back
+
+    @property
+    def count(self) -> int:
+        return len(self.slots) // COLUMNS
+
+    def finish(self) -> None:
+        """Copy stepped parameter copies back (queued behind the call on a device)."""
+        for local, copy in self.write_back:
+            local.copy_(copy)
+
+
+def prepare(work) -> Call:
+    """The slots of the tensors of ``work`` (a ``_plan.BatchGrads``) that step now."""
+    batch = work.batch
+    rows = batch.backend_cache.get("slots")
+    if rows is None:
+        rows = batch.backend_cache["slots"] = _Rows(batch)
+    kinds = work.kinds
+    if rows.every_position and work.dense and rows.contiguous and 0 not in kinds:
+        # Every tensor steps: patch the gradient columns of the cached rows.
+        slots = rows.flat.copy()
+        slots[_GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
+        slots[_GRAD_KIND::COLUMNS] = kinds
+        return Call(slots, [], [])
+    keep_alive, write_back, slots = [], [], []
+    for position, row in zip(rows.positions, rows.rows):
+        grad = work.grads[position]
+        if grad is None:
+            continue
+        row = row.copy()
+        if not grad.is_contiguous():
+            grad = grad.contiguous()
+            keep_alive.append(grad)
+        row[_GRAD], row[_GRAD_KIND] = grad.data_ptr(), kinds[position]
+        local = batch.entries[position].local
+        if not local.is_contiguous():
+            copy = local.contiguous()
+            write_back.append((local, copy))
+            row[_PARAM] = copy.data_ptr()
+        slots.extend(row)
+    return Call(slots, keep_alive, write_back)

@@ -1,0 +1,232 @@
+// AdamStepCuda. Validation runs everywhere (it is host code and touches no
+// device); the step itself runs where a GPU is, and must give the CPU core's
+// bits on every dtype combination, across the launch boundaries (tensors per
+// launch, elements per block) and with empty tensors anywhere in the list.
+#include "shardadam/adam_cuda.h"
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tensor_fixture.h"
+#include "test_util.h"
+
+namespace shardadam {
+namespace testing {
+namespace {
+
+// Device memory freed on scope exit.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&data_, bytes < 1 ? 1 : bytes), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+};
+
+// A Tensor's buffers and scales copied to the device, and back.
+struct DeviceTensor {
+  std::vector<std::unique_ptr<DeviceBuffer>> owned;
+  TensorSlot slot;
+
+  void* Upload(const void* host, size_t bytes) {
+    owned.push_back(std::make_unique<DeviceBuffer>(bytes));
+    EXPECT_EQ(cudaMemcpy(owned.back()->data(), host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return owned.back()->data();
+  }
+
+  explicit DeviceTensor(Tensor& t) {
+    slot = t.Slot();
+    slot.param = Upload(t.param.data(), t.param.size());
+    slot.grad = Upload(t.grad.data(), t.grad.size());
+    slot.exp_avg = Upload(t.exp_avg.data(), t.exp_avg.size());
+    slot.exp_avg_sq = Upload(t.exp_avg_sq.data(), t.exp_avg_sq.size());
+    slot.exp_avg_scale = static_cast<float*>(Upload(&t.exp_avg_scale, sizeof(float)));
+    slot.exp_avg_sq_scale = static_cast<float*>(Upload(&t.exp_avg_sq_scale, sizeof(float)));
+    if (t.config.master != DType::kNone) {
+      slot.master_param = Upload(t.master.data(), t.master.size());
+      slot.master_scale = static_cast<float*>(Upload(&t.master_scale, sizeof(float)));
+    }
+  }
+
+  void Download(Tensor* t) const {
+    const auto get = [](void* host, const void* device, size_t bytes) {
+      EXPECT_EQ(cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    };
+    get(t->param.data(), slot.param, t->param.size());
+    get(t->exp_avg.data(), slot.exp_avg, t->exp_avg.size());
+    get(t->exp_avg_sq.data(), slot.exp_avg_sq, t->exp_avg_sq.size());
+    get(&t->exp_avg_scale, slot.exp_avg_scale, sizeof(float));
+    get(&t->exp_avg_sq_scale, slot.exp_avg_sq_scale, sizeof(float));
+    if (t->config.master != DType::kNone) {
+      get(t->master.data(), slot.master_param, t->master.size());
+      get(&t->master_scale, slot.master_scale, sizeof(float));
+    }
+  }
+};
+
+// Steps `tensors` on the device (on a non-default stream) and on the CPU core
+// through the schedule and compares every buffer and scale after each step.
+void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w) {
+  std::mt19937 rng(11);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (const StepParams& params : Schedule(adam_w)) {
+    SCOPED_TRACE("step " + std::to_string(params.step));
+    for (Tensor& t : tensors) FillGrad(&t, &rng);
+    std::vector<Tensor> want = tensors;
+    std::vector<TensorSlot> want_slots = Slots(&want);
+    Error error;
+    ASSERT_EQ(AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params, 2,
+                       &error),
+              Status::kOk)
+        << error.message;
+    std::vector<Tensor> got = tensors;
+    std::vector<std::unique_ptr<DeviceTensor>> device;
+    std::vector<TensorSlot> slots;
+    for (Tensor& t : got) {
+      device.push_back(std::make_unique<DeviceTensor>(t));
+      slots.push_back(device.back()->slot);
+    }
+    const int64_t count = static_cast<int64_t>(slots.size());
+    DeviceBuffer workspace(static_cast<size_t>(CudaWorkspaceBytes(count)));
+    ASSERT_EQ(AdamStepCuda(slots.data(), count, params, workspace.data(),
+                           CudaWorkspaceBytes(count), stream, &error),
+              Status::kOk)
+        << error.message;
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (size_t k = 0; k < got.size(); ++k) device[k]->Download(&got[k]);
+    ASSERT_TRUE(SameTensors(want, got));
+    tensors = want;
+  }
+  cudaStreamDestroy(stream);
+}
+
+bool HaveDevice() { return CudaDeviceCount() > 0; }
+
+class CudaStepTest : public ::testing::TestWithParam<Config> {};
+
+TEST_P(CudaStepTest, MatchesCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(5);
+  std::vector<Tensor> tensors;
+  // 8192 elements per block: 8193 spans two blocks.
+  for (int64_t n : {0, 1, 17, 0, 8193, 1001, 0}) tensors.push_back(MakeTensor(GetParam(), n, &rng));
+  ExpectCudaMatchesCpu(tensors, GetParam().adam_w);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaStepTest, ::testing::ValuesIn(AllConfigs()),
+                         [](const ::testing::TestParamInfo<Config>& case_info) {
+                           return ConfigName(case_info.param);
+                         });
+
+TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  // 32 tensors per launch: 100 tensors take four, with empty ones anywhere.
+  std::mt19937 rng(6);
+  const std::vector<Config> configs = RepresentativeConfigs();
+  std::vector<Tensor> tensors;
+  for (int k = 0; k < 100; ++k) {
+    const int64_t n = k % 7 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 20000);
+    tensors.push_back(MakeTensor(configs[k % configs.size()], n, &rng));
+  }
+  ExpectCudaMatchesCpu(tensors, true);
+}
+
+TEST(CudaStepListTest, SeveralMiBMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937 rng(8);
+  std::vector<Tensor> tensors;
+  for (const Config& c : RepresentativeConfigs()) tensors.push_back(MakeTensor(c, 3 << 20, &rng));
+  ExpectCudaMatchesCpu(tensors, false);
+}
+
+// Validation is host-side: these run without a GPU and enqueue nothing.
+TEST(CudaValidationTest, BadSlotIsRejectedWithItsIndex) {
+  float buffers[4][8] = {};
+  TensorSlot s;
+  s.numel = 8;
+  s.param = buffers[0];
+  s.grad = buffers[1];
+  s.exp_avg = buffers[2];
+  s.exp_avg_sq = buffers[3];
+  s.exp_avg_sq_dtype = static_cast<DType>(9);
+  Error error;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 0);
+  EXPECT_NE(error.message.find("exp_avg_sq_dtype 9"), std::string::npos) << error.message;
+}
+
+TEST(CudaValidationTest, ScaleValuesAreNotRead) {
+  // A scale slot in device memory cannot be read on the host: only its
+  // presence is checked. An fp16 moment without a scale slot is still refused.
+  float buffers[3][8] = {};
+  uint16_t half[8] = {};
+  TensorSlot s;
+  s.numel = 8;
+  s.param = buffers[0];
+  s.grad = buffers[1];
+  s.exp_avg = buffers[2];
+  s.exp_avg_sq = half;
+  s.exp_avg_sq_dtype = DType::kFloat16;
+  Error error;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("exp_avg_sq_scale is null"), std::string::npos) << error.message;
+  float nan_scale = NAN;  // would be rejected by the CPU core's AdamStep
+  s.exp_avg_sq_scale = &nan_scale;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("workspace"), std::string::npos) << error.message;
+}
+
+TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
+  float buffers[4][8] = {};
+  TensorSlot s[2];
+  for (int k = 0; k < 2; ++k) {
+    s[k].numel = k == 0 ? 4 : 0;
+    s[k].param = buffers[0] + 4 * k;
+    s[k].grad = buffers[1] + 4 * k;
+    s[k].exp_avg = buffers[2] + 4 * k;
+    s[k].exp_avg_sq = buffers[3] + 4 * k;
+  }
+  Error error;
+  int dummy = 0;
+  EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), &dummy, CudaWorkspaceBytes(2) - 1, nullptr, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("workspace holds 23 bytes"), std::string::npos) << error.message;
+  EXPECT_EQ(CudaWorkspaceBytes(2), 24);
+  EXPECT_EQ(CudaWorkspaceBytes(0), 0);
+}
+
+TEST(CudaValidationTest, WithoutDeviceAValidCallReportsTheRuntimeError) {
+  if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present";
+  float buffers[4][8] = {};
+  TensorSlot s;
+  s.numel = 8;
+  s.param = buffers[0];
+  s.grad = buffers[1];
+  s.exp_avg = buffers[2];
+  s.exp_avg_sq = buffers[3];
+  Error error;
+  int dummy[4] = {};
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), dummy, sizeof(dummy), nullptr, &error),
+            Status::kDeviceError);
+  EXPECT_NE(error.message.find("failed: cuda"), std::string::npos) << error.message;
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace shardadam

@@ -1,0 +1,703 @@
+"""The CUDA backend: ``shardadam._C.adam_step_cuda`` and FusedAdam on CUDA tensors.
+
+With a GPU: the kernels store exactly the CPU core's bits (params, moments, masters,
+scales) for every dtype combination, AdamW and L2, with and without bias correction,
+for sizes from 0 to several MiB, for many tensors per call (across the kernel's
+tensors-per-launch packing, empty tensors anywhere) and for misaligned views; a call
+runs on the stream it is given and nothing in ``step()`` waits for the device;
+FusedAdam on CUDA parameters equals FusedAdam on CPU parameters bitwise; bad input
+raises ValueError and writes nothing.
+
+Without a GPU, where the extension has CUDA compiled in: validation is done on the host
+(a child process that sees no device still gets the ValueError naming the tensor and
+the rule), and the workspace size is sane. On any build: which path steps which batch
+(SEMANTICS S7.1, S7.2) and what ``python -m shardadam info`` says.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    SHAPES, Hyper, Precision, assert_bitwise_equal, attach_grads, backend_context,
+    decode_codes, fused_adam, make_grads, make_params, merge_remainder, state_tensors)
+from _slot_buffers import (
+    BAD_HYPER, COLUMNS, NAMES_TENSOR_1, NULL_CASES, PRESETS, Buffers, assert_guards_intact,
+    bad_slots, embed_buffers, embedded, make_bad_call, preset_id)
+
+_C = pytest.importorskip("shardadam._C", reason="C++ extension shardadam._C is not built")
+
+from shardadam import _backend, _cpu_path, _cuda_path, _torch_path  # noqa: E402
+
+INFO = _C.info()
+CUDA_BUILT = hasattr(_C, "adam_step_cuda")
+
+
+def _why_no_gpu():
+    if not CUDA_BUILT:
+        return ("shardadam._C was built without CUDA (no adam_step_cuda); it is built "
+                "with CUDA when nvcc is found")
+    if INFO.get("cuda_devices", 0) == 0:
+        return "the extension's CUDA runtime sees no device"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
+
+
+NO_GPU = _why_no_gpu()
+needs_cuda_build = pytest.mark.skipif(
+    not CUDA_BUILT, reason="shardadam._C was built without CUDA (no adam_step_cuda)")
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
+
+DEVICE = torch.device("cuda", 0)
+FIELDS = ("param", "grad", "exp_avg", "exp_avg_sq", "master")
+# Sizes around the kernel's work split (8192 elements per block today) and one of
+# several MiB; the tests do not rely on the block size.
+SIZES = (0, 1, 3, 255, 8191, 8192, 8193, 3 * 8192 + 5, 3 * 2 ** 20 + 7)
+# Cycles of torch.cuda._sleep that keep a stream busy far longer (about 0.1 s) than
+# a call takes to return.
+BUSY_CYCLES = 200_000_000
+
+
+def all_presets():
+    """Every valid (param, grad, exp_avg, exp_avg_sq, master) combination: 384."""
+    floats, moments = ("fp32", "bf16", "fp16"), ("fp32", "bf16", "fp16", "fp8")
+    for p in floats:
+        masters = {"fp32": ["none"], "fp16": ["none", "fp32", "fp16"],
+                   "bf16": ["none", "fp32", "fp16", "rem"]}[p]
+        for g in floats:
+            for m in moments:
+                for v in moments:
+                    for master in masters:
+                        yield (p, g, m, v, master)
+
+
+ALL_PRESETS = list(all_presets())
+
+
+# --------------------------------------------------------------------------------------
+# Calls on raw buffers: a CPU twin through adam_step, the GPU copy through adam_step_cuda
+
+
+def cpu_step(buffers, hyper, step):
+    rows = [value for b in buffers for value in b.row()]
+    beta1, beta2 = hyper.betas
+    _C.adam_step(rows, hyper.lr, beta1, beta2, hyper.eps, hyper.weight_decay,
+                 hyper.adam_w_mode, hyper.bias_correction, step, torch.get_num_threads())
+
+
+WORKSPACE_GUARD = 256  # bytes after the workspace that must stay untouched
+
+
+def cuda_step(buffers, hyper, step, stream=None):
+    """adam_step_cuda over GPU `buffers` on `stream` (default: the current one) with
+    exactly the workspace it asks for, followed by guard bytes. Returns (workspace,
+    bytes asked for) for assert_workspace_guard once the stream is done."""
+    rows = [value for b in buffers for value in b.row()]
+    need = _C.cuda_workspace_bytes(len(buffers))
+    workspace = torch.full((need + WORKSPACE_GUARD,), 0xA5, dtype=torch.uint8,
+                           device=DEVICE)
+    stream = torch.cuda.current_stream(DEVICE) if stream is None else stream
+    beta1, beta2 = hyper.betas
+    _C.adam_step_cuda(rows, hyper.lr, beta1, beta2, hyper.eps, hyper.weight_decay,
+                      hyper.adam_w_mode, hyper.bias_correction, step, workspace.data_ptr(),
+                      need, stream.cuda_stream)
+    return workspace, need
+
+
+def assert_workspace_guard(workspace, need):
+    assert bool((workspace[need:] == 0xA5).all()), \
+        f"adam_step_cuda wrote past the {need} workspace bytes it asked for"
+
+
+class Twin:
+    """One tensor's buffers on the CPU and an identical copy on the GPU, stepped with
+    identical gradients."""
+
+    def __init__(self, preset, numel, seed, magnitude=1.0):
+        self.preset = preset
+        self.cpu = Buffers(preset, numel, seed)
+        self.gpu = self.cpu.to(DEVICE)
+        self.magnitude = magnitude
+
+    def new_grad(self):
+        self.cpu.new_grad(self.magnitude)
+        self.gpu.grad = self.cpu.grad.to(DEVICE)
+
+    @property
+    def label(self):
+        return f"{preset_id(self.preset)} numel {self.cpu.param.numel()}"
+
+
+def step_twins(twins, hyper, step):
+    for twin in twins:
+        twin.new_grad()
+    cpu_step([t.cpu for t in twins], hyper, step)
+    workspace, need = cuda_step([t.gpu for t in twins], hyper, step)
+    torch.cuda.synchronize()
+    assert_workspace_guard(workspace, need)
+
+
+def assert_twins_equal(twins, what):
+    for i, twin in enumerate(twins):
+        for name, on_gpu, on_cpu in zip(twin.cpu.names(), twin.gpu.everything(),
+                                        twin.cpu.everything()):
+            assert_bitwise_equal(on_gpu.cpu(), on_cpu, f"{what}: tensor {i} ({twin.label}) "
+                                                       f"{name}, GPU vs CPU")
+
+
+HYPER = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+
+
+# --------------------------------------------------------------------------------------
+# The kernels give the CPU core's bits
+
+
+@needs_gpu
+@pytest.mark.parametrize("bias_correction", [True, False], ids=["bias-correction", "none"])
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+def test_every_dtype_combination_matches_cpu_bitwise(adam_w_mode, bias_correction):
+    """All 384 dtype combinations in one call (mixed presets share launches), with
+    gradient magnitudes 1e-2 to 1, over three steps (the scales move)."""
+    hyper = Hyper(**{**HYPER.__dict__, "adam_w_mode": adam_w_mode,
+                     "bias_correction": bias_correction})
+    sizes = (0, 1, 7, 8191, 8193, 20_001)
+    twins = [Twin(preset, sizes[i % len(sizes)], 1000 + i, 10.0 ** (i % 3 - 2))
+             for i, preset in enumerate(ALL_PRESETS)]
+    for step in (1, 2, 3):
+        step_twins(twins, hyper, step)
+        assert_twins_equal(twins, f"step {step}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("preset", PRESETS, ids=preset_id)
+def test_sizes_match_cpu_bitwise(preset):
+    twins = [Twin(preset, numel, 50 + i) for i, numel in enumerate(SIZES)]
+    for step in (1, 2, 3):
+        step_twins(twins, HYPER, step)
+        assert_twins_equal(twins, f"step {step}")
+
+
+def many_tensors(count, seed):
+    """`count` tensors of random presets and sizes, with empty ones at the edges of
+    32-tensor groups (the kernel's launch packing today), first, last and at random."""
+    rng = random.Random(seed)
+    empty = {0, count - 1, 31, 32, 33, 63, 64} | {i for i in range(count) if rng.random() < 0.1}
+    return [Twin(rng.choice(ALL_PRESETS),
+                 0 if i in empty else rng.choice((1, 2, 17, 300, 8193, 40_000)),
+                 seed * 1000 + i, 10.0 ** rng.randint(-3, 0))
+            for i in range(count)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("count", [31, 32, 33, 100, 257])
+def test_many_tensors_per_call_match_cpu_bitwise(count):
+    twins = many_tensors(count, count)
+    for step in (1, 2, 3):
+        step_twins(twins, HYPER, step)
+        assert_twins_equal(twins, f"{count} tensors, step {step}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", ["all-empty", "one-non-empty-last"])
+def test_calls_of_mostly_empty_tensors(shape):
+    """Empty scaled states get scale 1 (S2.3) even in a launch with no element."""
+    presets = [PRESETS[19], PRESETS[13], PRESETS[0]] * 34
+    twins = [Twin(preset, 0, 300 + i) for i, preset in enumerate(presets)]
+    if shape == "one-non-empty-last":
+        twins.append(Twin(PRESETS[19], 5000, 299))
+    for twin in twins:
+        for scale in list(twin.cpu.scales.values()) + list(twin.gpu.scales.values()):
+            scale.fill_(4.0)
+    for step in (1, 2):
+        step_twins(twins, HYPER, step)
+        assert_twins_equal(twins, f"{shape}, step {step}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("offset", [1, 3])
+@pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[7], PRESETS[10], PRESETS[13],
+                                    PRESETS[19]], ids=preset_id)
+def test_misaligned_views_match_cpu_and_stay_in_bounds(preset, offset):
+    """Views `offset` elements into larger buffers (not aligned for vector loads), of
+    lengths that leave every kind of tail: the CPU core's bits, nothing written
+    outside them."""
+    numels = (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 257, 1031, 8193)
+    twins = [Twin(preset, n, 70 + i) for i, n in enumerate(numels)]
+    guarded = [g for twin in twins for g in embed_buffers(twin.gpu, offset)]
+    for step in (1, 2, 3):
+        for twin in twins:
+            twin.new_grad()
+            twin.gpu.grad, whole = embedded(twin.gpu.grad, offset)
+            guarded.append(("grad", whole, offset + twin.gpu.grad.numel()))
+        cpu_step([t.cpu for t in twins], HYPER, step)
+        workspace, need = cuda_step([t.gpu for t in twins], HYPER, step)
+        torch.cuda.synchronize()
+        assert_workspace_guard(workspace, need)
+        assert_guards_intact(guarded, f"step {step}")
+        assert_twins_equal(twins, f"offset {offset}, step {step}")
+
+
+def nan_aware_fields(b):
+    """(name, stored tensor, NaN mask) of each buffer of `b`, on the CPU. A remainder
+    and its bf16 param are NaN where the fp32 master they hold together is."""
+    fields = {name: getattr(b, name).cpu() for name in FIELDS if getattr(b, name) is not None}
+    masks = {name: decode_codes(t).isnan() for name, t in fields.items()}
+    if b.formats["master"] == "rem":
+        masks["param"] = masks["master"] = \
+            merge_remainder(fields["param"], fields["master"]).isnan()
+    return [(name, fields[name], masks[name]) for name in fields]
+
+
+@needs_gpu
+@pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[6], PRESETS[7], PRESETS[10],
+                                    PRESETS[13], PRESETS[19]], ids=preset_id)
+def test_non_finite_gradients_match_cpu(preset):
+    """The non-finite policy on the GPU: the same elements become NaN/Inf and every
+    other element and every scale is bitwise the CPU core's. NaN payloads may differ
+    (x86 propagates an operand's payload, CUDA returns its canonical NaN)."""
+    twins = [Twin(preset, n, 90 + i) for i, n in enumerate((1, 100, 8193, 40_000))]
+    for step in (1, 2):
+        for i, twin in enumerate(twins):
+            twin.new_grad()
+            grad = twin.cpu.grad.float()
+            grad.view(-1)[::7] = (float("nan"), float("inf"), -float("inf"))[(i + step) % 3]
+            twin.cpu.grad = grad.to(twin.cpu.grad.dtype)
+            twin.gpu.grad = twin.cpu.grad.to(DEVICE)
+        cpu_step([t.cpu for t in twins], HYPER, step)
+        workspace, need = cuda_step([t.gpu for t in twins], HYPER, step)
+        torch.cuda.synchronize()
+        for i, twin in enumerate(twins):
+            what = f"step {step} tensor {i} ({twin.label})"
+            for (name, on_gpu, gpu_nan), (_, on_cpu, cpu_nan) in zip(
+                    nan_aware_fields(twin.gpu), nan_aware_fields(twin.cpu)):
+                assert torch.equal(gpu_nan, cpu_nan), f"{what}: {name} NaN positions differ"
+                assert_bitwise_equal(on_gpu[~gpu_nan], on_cpu[~cpu_nan], f"{what}: {name}")
+            for key in twin.cpu.scales:
+                assert_bitwise_equal(twin.gpu.scales[key].cpu(), twin.cpu.scales[key],
+                                     f"{what}: {key} scale")
+
+
+# --------------------------------------------------------------------------------------
+# Streams: launched where asked, never waited for
+
+
+def busy_stream_supported():
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("torch.cuda._sleep is not available in this torch")
+
+
+def load_kernels(stream):
+    """Runs once what a timed section runs (sleep, copy, fill, both step kernels, the
+    scale kernel): CUDA loads a kernel lazily at its first launch, and loading may
+    wait for the device, which the section must not mistake for the call waiting."""
+    twins = [Twin(PRESETS[0], 5, 1), Twin(PRESETS[19], 5, 2)]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1000)
+        for twin in twins:
+            twin.new_grad()
+            twin.gpu.grad.copy_(twin.gpu.grad.clone())
+        cuda_step([t.gpu for t in twins], HYPER, 1, stream=stream)
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_runs_on_the_given_stream_without_waiting():
+    """A long sleep is queued on a side stream, then the new gradients are written on
+    that stream behind it, then the step is called for that stream. Right after the
+    call returns the stream must still be busy (nothing waited for the device), and
+    the results must be those of the new gradients: kernels on any other stream would
+    have run at once, on the old ones."""
+    busy_stream_supported()
+    twins = [Twin(preset, numel, 110 + i)
+             for i, (preset, numel) in enumerate(zip(PRESETS, (5, 8193, 100_000) * 7))]
+    staged = []
+    for twin in twins:
+        twin.cpu.new_grad()
+        staged.append(twin.cpu.grad.to(DEVICE))
+    side = torch.cuda.Stream(DEVICE)
+    load_kernels(side)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(BUSY_CYCLES)
+        for twin, grad in zip(twins, staged):
+            twin.gpu.grad.copy_(grad)
+        workspace, need = cuda_step([t.gpu for t in twins], HYPER, 1, stream=side)
+        still_busy = not side.query()
+    assert still_busy, "the side stream was idle when adam_step_cuda returned: the " \
+                       "call (or the test's own setup) waited for the device"
+    cpu_step([t.cpu for t in twins], HYPER, 1)
+    torch.cuda.synchronize()
+    assert_workspace_guard(workspace, need)
+    assert_twins_equal(twins, "on a side stream")
+
+
+# --------------------------------------------------------------------------------------
+# FusedAdam on CUDA parameters
+
+OPTIMIZER_PRESETS = [
+    Precision(),
+    Precision(param="bf16", exp_avg="fp32", exp_avg_sq="fp32", master="fp32"),
+    Precision(param="bf16", exp_avg="bf16", exp_avg_sq="bf16", master="fp32"),
+    Precision(param="bf16", exp_avg="bf16", exp_avg_sq="bf16", master="rem"),
+    Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp8", master="fp32"),
+    Precision(param="fp16+bf16", grad="fp32", exp_avg="fp16", exp_avg_sq="fp8",
+              master="fp16"),
+]
+OPTIMIZER_SHAPES = SHAPES + [(257, 129), (8193,), (3, 0, 5), (33, 64)]
+TRANSPOSED = len(OPTIMIZER_SHAPES) - 1  # this parameter is a non-contiguous view
+
+
+@pytest.fixture
+def cuda_path_only(monkeypatch):
+    """Fails the test if a CUDA batch reaches the torch path (the CUDA backend must
+    have stepped it)."""
+    original = _torch_path.step
+
+    def guarded(work, hyper):
+        assert not work.batch.is_cuda, "a CUDA batch took the torch path"
+        original(work, hyper)
+
+    monkeypatch.setattr(_torch_path, "step", guarded)
+
+
+def optimizer_params(cfg, device, seed=7):
+    params = make_params(cfg.param_dtypes(len(OPTIMIZER_SHAPES)), OPTIMIZER_SHAPES, seed)
+    params = [torch.nn.Parameter(p.detach().to(device, copy=True)) for p in params]
+    # Stepped through a contiguous copy that is written back (_slots.Call.finish).
+    last = params[TRANSPOSED].detach()
+    params[TRANSPOSED] = torch.nn.Parameter(last.t().contiguous().t())
+    return params
+
+
+def step_grads(cfg, params, step, seed=8):
+    """The step's gradients, on the CPU, for parameters shaped like `params`: the first
+    one non-contiguous (read through a contiguous copy), the second None at step 3
+    (skipped, S3.2)."""
+    grads = make_grads(params, [cfg.grad_dtype(p.dtype) for p in params], step, seed)
+    grads[0] = grads[0].t().contiguous().t()  # SHAPES[0] is 2-D
+    if step == 3:
+        grads[1] = None
+    return grads
+
+
+def on_device(grads, device):
+    return [None if g is None else g.to(device, copy=True) for g in grads]
+
+
+def assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu, what):
+    for i, (p, q) in enumerate(zip(params_gpu, params_cpu)):
+        assert_bitwise_equal(p.detach().cpu(), q.detach(), f"{what}: param {i}")
+        on_gpu, on_cpu = state_tensors(opt_gpu, p), state_tensors(opt_cpu, q)
+        assert sorted(on_gpu) == sorted(on_cpu), f"{what}: param {i} state names"
+        for key in on_cpu:
+            assert on_gpu[key].device == p.device, f"{what}: param {i} {key} not on GPU"
+            assert_bitwise_equal(on_gpu[key].cpu(), on_cpu[key], f"{what}: param {i} {key}")
+    for i, (a, b) in enumerate(zip(opt_gpu.param_groups, opt_cpu.param_groups)):
+        assert a["step"] == b["step"], f"{what}: group {i} step"
+
+
+@needs_gpu
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("cfg", OPTIMIZER_PRESETS, ids=lambda c: c.id)
+def test_fused_adam_on_cuda_equals_fused_adam_on_cpu(cfg, adam_w_mode, cuda_path_only):
+    hyper = Hyper(**{**HYPER.__dict__, "adam_w_mode": adam_w_mode})
+    FusedAdam = fused_adam()
+    runs = {}
+    for device in ("cpu", DEVICE):
+        params = optimizer_params(cfg, device)
+        runs[device] = (FusedAdam(params, **hyper.optimizer_kwargs(),
+                                  **cfg.optimizer_kwargs()), params)
+    (opt_gpu, params_gpu), (opt_cpu, params_cpu) = runs[DEVICE], runs["cpu"]
+    assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu, f"{cfg.id}: initial")
+    for step in range(1, 6):
+        grads = step_grads(cfg, params_cpu, step)
+        attach_grads(params_cpu, grads, cfg.decoupled)
+        attach_grads(params_gpu, on_device(grads, DEVICE), cfg.decoupled)
+        opt_cpu.step()
+        opt_gpu.step()
+        torch.cuda.synchronize()
+        assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu,
+                                f"{cfg.id}: after step {step}")
+
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", [OPTIMIZER_PRESETS[0], OPTIMIZER_PRESETS[3],
+                                 OPTIMIZER_PRESETS[5]], ids=lambda c: c.id)
+def test_optimizer_step_never_waits_for_the_device(cfg, cuda_path_only):
+    """No host synchronisation anywhere in step(): torch's sync debug mode raises on
+    any torch-level sync (``.item()``, a copy to the host, a stream sync), and a step
+    queued behind a long sleep must return while the stream is still busy (which also
+    covers synchronisation inside the extension, which torch cannot see)."""
+    busy_stream_supported()
+    params = optimizer_params(cfg, DEVICE)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    cpu_shapes = [p.detach().cpu() for p in params]
+    grads = [on_device(step_grads(cfg, cpu_shapes, step), DEVICE) for step in (1, 2, 3)]
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        # The first step also builds and binds the plan; both load every kernel the
+        # third one launches (CUDA loads kernels lazily, which may wait for the device).
+        for step_grads_ in grads[:2]:
+            attach_grads(params, step_grads_, cfg.decoupled)
+            opt.step()
+        attach_grads(params, grads[2], cfg.decoupled)
+        torch.cuda._sleep(BUSY_CYCLES)
+        opt.step()
+        still_busy = not torch.cuda.current_stream(DEVICE).query()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert still_busy, "optimizer.step() returned only after the device was idle"
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_use_backend_torch_keeps_cuda_tensors_off_the_extension(monkeypatch):
+    def refuse(work, hyper):
+        raise AssertionError("use_backend('torch') reached the CUDA backend")
+
+    monkeypatch.setattr(_cuda_path, "step", refuse)
+    cfg = OPTIMIZER_PRESETS[2]
+    params = optimizer_params(cfg, DEVICE)
+    before = [p.detach().clone() for p in params]
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    attach_grads(params, on_device(step_grads(cfg, [b.cpu() for b in before], 1), DEVICE),
+                 cfg.decoupled)
+    with backend_context("torch"):
+        opt.step()
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_parameters_on_a_device_that_is_not_current(cuda_path_only):
+    """The backend makes the batch's device current for the call."""
+    cfg = OPTIMIZER_PRESETS[4]
+    other = torch.device("cuda", 1)
+    runs = {}
+    for device in ("cpu", other):
+        params = optimizer_params(cfg, device)
+        runs[device] = (fused_adam()(params, **HYPER.optimizer_kwargs(),
+                                     **cfg.optimizer_kwargs()), params)
+    with torch.cuda.device(0):
+        for step in (1, 2):
+            grads = step_grads(cfg, runs["cpu"][1], step)
+            attach_grads(runs["cpu"][1], grads, cfg.decoupled)
+            attach_grads(runs[other][1], on_device(grads, other), cfg.decoupled)
+            runs["cpu"][0].step()
+            runs[other][0].step()
+    torch.cuda.synchronize(other)
+    assert_optimizers_equal(runs[other][0], runs["cpu"][0], runs[other][1], runs["cpu"][1],
+                            "cuda:1 vs cpu")
+
+
+# --------------------------------------------------------------------------------------
+# Bad input on the GPU: ValueError, nothing written
+
+
+def assert_call_rejected(buffers, rows, pattern, **changes):
+    before = [t.clone() for b in buffers for t in b.everything()]
+    need = _C.cuda_workspace_bytes(len(rows) // COLUMNS)
+    workspace = torch.zeros(max(need, 1), dtype=torch.uint8, device=DEVICE)
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                adam_w_mode=True, bias_correction=True, step=1,
+                workspace=workspace.data_ptr(), workspace_bytes=need,
+                stream=torch.cuda.current_stream(DEVICE).cuda_stream)
+    args.update(changes)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError) as raised:
+        _C.adam_step_cuda(rows, **args)
+    torch.cuda.synchronize()
+    message = str(raised.value)
+    assert re.search(pattern, message, flags=re.IGNORECASE), message
+    after = [t for b in buffers for t in b.everything()]
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert_bitwise_equal(a, b, f"buffer {i} after a rejected adam_step_cuda")
+    assert bool((workspace == 0).all()), "the workspace was written by a rejected call"
+    return message
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", bad_slots(), ids=[c[0] for c in bad_slots()])
+def test_bad_slot_on_the_gpu_raises_and_writes_nothing(case):
+    _, preset, overrides, pattern = case
+    good, bad, rows = make_bad_call(preset, overrides, device=DEVICE)
+    message = assert_call_rejected((good, bad), rows, pattern)
+    assert re.search(NAMES_TENSOR_1, message), message
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", BAD_HYPER, ids=[c[0] for c in BAD_HYPER])
+def test_bad_hyper_parameter_on_the_gpu_raises_and_writes_nothing(case):
+    _, change, pattern = case
+    good = Buffers(("bf16", "bf16", "fp8", "fp16", "rem"), 40, 23)
+    good.new_grad()
+    good = good.to(DEVICE)
+    assert_call_rejected((good,), good.row(), pattern, **change)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["null", "too-small"])
+def test_bad_workspace_on_the_gpu_raises_and_writes_nothing(case):
+    good = Buffers(PRESETS[19], 40, 24)
+    good.new_grad()
+    good = good.to(DEVICE)
+    need = _C.cuda_workspace_bytes(1)
+    changes = {"workspace": 0} if case == "null" else {"workspace_bytes": need - 1}
+    assert_call_rejected((good,), good.row(), r"workspace", **changes)
+
+
+# --------------------------------------------------------------------------------------
+# Without a device: validation is host-side, the workspace size is sane
+
+
+@needs_cuda_build
+def test_workspace_bytes_is_sane():
+    sizes = [_C.cuda_workspace_bytes(n) for n in range(0, 300)]
+    assert all(isinstance(s, int) and s >= 0 for s in sizes), sizes[:10]
+    assert all(a <= b for a, b in zip(sizes, sizes[1:])), "not monotone in the count"
+    assert _C.cuda_workspace_bytes(100_000) <= 1024 * 100_000, "over 1 KiB per tensor"
+
+
+# The child sees no CUDA device (CUDA_VISIBLE_DEVICES is empty) and loads the extension
+# file directly. It is handed slot rows built in the parent: their pointers mean
+# nothing in the child, so any access to them, on the host or a device, would crash or
+# fail differently from the ValueError each call must raise.
+_NO_DEVICE_SCRIPT = r"""
+import importlib.machinery, importlib.util, json, sys
+loader = importlib.machinery.ExtensionFileLoader("_C", sys.argv[1])
+module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_C", loader))
+loader.exec_module(module)
+results = {"devices": module.info()["cuda_devices"]}
+for case_id, rows, args in json.load(sys.stdin):
+    try:
+        module.adam_step_cuda(rows, **args)
+        results[case_id] = {"raised": None}
+    except Exception as e:
+        results[case_id] = {"raised": type(e).__name__, "message": str(e)}
+print(json.dumps(results))
+"""
+
+_FAKE = 1 << 40  # a non-null address that is nobody's memory
+
+
+def _host_cases():
+    """(id, rows, argument changes, expected exception, message patterns)."""
+    cases = []
+    for case_id, preset, overrides, pattern in bad_slots():
+        _, _, rows = make_bad_call(preset, overrides)
+        cases.append((f"slot:{case_id}", rows, {}, "ValueError", [pattern, NAMES_TENSOR_1]))
+    fp32 = Buffers(PRESETS[0], 16, 25).row()
+    for case_id, change, pattern in BAD_HYPER:
+        cases.append((f"hyper:{case_id}", fp32, change, "ValueError", [pattern]))
+    for case_id, column in NULL_CASES.items():
+        row = [16, _FAKE, 1, _FAKE, 1, _FAKE, 1, 0, _FAKE, 1, 0, 0, 0, 0]
+        if column == 11:
+            row[2], row[12] = 3, 1  # bf16 param, fp32 master
+        row[column] = 0
+        cases.append((f"null:{case_id}", row, {}, "ValueError", [r"null|missing|absent"]))
+    cases.append(("slots-not-a-multiple-of-14", fp32 + [1], {}, "ValueError", [r"14"]))
+    cases.append(("workspace-null", fp32, {"workspace": 0}, "ValueError", [r"workspace"]))
+    cases.append(("workspace-too-small", fp32,
+                  {"workspace_bytes": _C.cuda_workspace_bytes(1) - 1}, "ValueError",
+                  [r"workspace"]))
+    # Valid input gets past validation and is refused by the runtime: no device.
+    cases.append(("valid-without-a-device", fp32, {}, "RuntimeError", [r"."]))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def no_device_results():
+    cases = _host_cases()
+    payload = []
+    for case_id, rows, change, _, _ in cases:
+        args = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                    adam_w_mode=True, bias_correction=True, step=1, workspace=_FAKE,
+                    workspace_bytes=_C.cuda_workspace_bytes(max(len(rows) // COLUMNS, 1)),
+                    stream=0)
+        args.update(change)
+        payload.append((case_id, rows, args))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-c", _NO_DEVICE_SCRIPT, _C.__file__],
+                          input=json.dumps(payload), capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, f"child crashed (rc {done.returncode}): {done.stderr[-2000:]}"
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    if results["devices"] != 0:
+        pytest.skip("the child still sees a CUDA device with CUDA_VISIBLE_DEVICES empty")
+    return results
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("case", _host_cases() if CUDA_BUILT else [],
+                         ids=lambda case: case[0])
+def test_rejected_on_the_host_without_a_device(case, no_device_results):
+    case_id, _, _, expected, patterns = case
+    result = no_device_results[case_id]
+    assert result["raised"] == expected, result
+    for pattern in patterns:
+        assert re.search(pattern, result["message"], flags=re.IGNORECASE), result
+
+
+# --------------------------------------------------------------------------------------
+# Which path steps a batch (S7.1, S7.2), on any build
+
+
+ROUTES = [
+    # (batch device, backend mode, C++ CPU available, CUDA backend available, path)
+    ("cpu", "auto", True, True, "cpu"),
+    ("cpu", "auto", False, True, "torch"),
+    ("cpu", "torch", True, True, "torch"),
+    ("cuda", "auto", True, True, "cuda"),
+    ("cuda", "auto", True, False, "torch"),
+    ("cuda", "torch", True, True, "torch"),
+    ("meta", "auto", True, True, "torch"),
+    ("xpu", "auto", True, True, "torch"),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: "-".join(map(str, r)))
+def test_backend_choice(route, monkeypatch):
+    device, mode, cpu_ok, cuda_ok, expected = route
+    taken = []
+    for name, module in (("cpu", _cpu_path), ("cuda", _cuda_path), ("torch", _torch_path)):
+        monkeypatch.setattr(module, "step", lambda work, hyper, name=name: taken.append(name))
+    monkeypatch.setattr(_cpu_path, "available", lambda: cpu_ok)
+    monkeypatch.setattr(_cuda_path, "available", lambda: cuda_ok)
+    batch = types.SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu",
+                                  is_cuda=device == "cuda")
+    with backend_context(mode):
+        _backend.step(types.SimpleNamespace(batch=batch), None)
+    assert taken == [expected]
+
+
+def test_cuda_backend_available_only_with_a_build_and_a_device(monkeypatch):
+    monkeypatch.setattr(_cuda_path, "_usable", None)
+    expected = CUDA_BUILT and INFO.get("cuda_devices", 0) > 0
+    assert _cuda_path.available() == expected
+
+
+def test_info_command_reports_the_cuda_backend(capsys):
+    from shardadam.__main__ import main
+
+    assert main(["info"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("CUDA backend:")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    if not INFO.get("cuda"):
+        assert "not compiled" in line, line
+    else:
+        assert INFO["cuda_archs"] in line, line
+        if INFO["cuda_devices"] == 0:
+            assert "no device" in line, line
+        else:
+            assert f"{INFO['cuda_devices']} device" in line, line

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# The GPU check, one command from the repository root of a CUDA machine (no internet
+# needed): build shardadam with its CUDA backend, run the CUDA tests (pytest, then the
+# C++ CUDA tests where tests/cpp has any), then the GPU benchmark. Everything lands in
+# $OUT (default build/gpu-check): env.txt, one log per stage, pytest.xml,
+# cuda_bench.json, summary.txt. Stays within GPU_CHECK_BUDGET_S seconds (default 470):
+# each stage is cut short so the later ones keep their share. Exits 1 if any stage
+# failed (a benchmark target that is missed is reported, not a failure).
+#
+# Highway, GoogleTest and pkg-config come from the machine where it has them, else
+# from the Debian packages tools/gpu_check_prepare.sh unpacks into .deps/.
+#
+#   PYTHON                 interpreter with torch, nanobind, scikit-build-core, pytest
+#                          (default python3)
+#   SHARDADAM_CUDA_ARCHS   CMAKE_CUDA_ARCHITECTURES to build (default: the GPU's own,
+#                          e.g. 90-real, which builds fastest)
+#   GPU_CHECK_BUDGET_S     total seconds (470)
+#   GPU_CHECK_FORCE_DEPS=1 use .deps/ even where the machine has its own copies
+#   GPU_CHECK_NO_GPU_OK=1  carry on without a GPU (tries the script itself: the GPU
+#                          tests then skip and the benchmark fails)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+ROOT=$PWD
+OUT=${OUT:-$ROOT/build/gpu-check}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PYTHON=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-470}
+START=$SECONDS
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardadam-gpu-check.XXXXXX")  # build tree, install
+SITE=$WORK/site
+BUILD_DIR=$WORK/build
+SUMMARY=()
+FAILED=0
+
+record() {
+  SUMMARY+=("$(printf '%-10s %s' "$1" "$2")")
+}
+
+# stage NAME CAP RESERVE SHOW -- COMMAND...: runs COMMAND with a time limit of CAP
+# seconds, or less so that RESERVE seconds of the budget stay for later stages; logs
+# to $OUT/NAME.log and prints its last SHOW lines (40 on failure).
+stage() {
+  local name=$1 cap=$2 reserve=$3 show=$4
+  shift 5
+  local limit=$((BUDGET - (SECONDS - START) - reserve))
+  ((limit > cap)) && limit=$cap
+  if ((limit < 10)); then
+    record "$name" "SKIPPED: out of time"
+    FAILED=1
+    return 1
+  fi
+  echo "== $name (limit ${limit}s)"
+  local began=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$? took=$((SECONDS - began))
+  if ((rc == 0)); then
+    record "$name" "ok (${took}s)"
+    ((show > 0)) && tail -n "$show" "$OUT/$name.log"
+    return 0
+  fi
+  if ((rc == 124 || rc == 137)); then
+    record "$name" "TIMED OUT after ${took}s (see $name.log)"
+  else
+    record "$name" "FAILED, exit status $rc after ${took}s (see $name.log)"
+  fi
+  FAILED=1
+  echo "---- last lines of $name.log"
+  tail -n 40 "$OUT/$name.log"
+  return 1
+}
+
+finish() {
+  {
+    echo "== summary ($((SECONDS - START))s of ${BUDGET}s)"
+    printf '%s\n' "${SUMMARY[@]}"
+  } | tee "$OUT/summary.txt"
+  rm -rf "$WORK"
+  exit "$FAILED"
+}
+
+# ---------------------------------------------------------------------------- machine
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(uname -srm)"
+  grep -m1 PRETTY_NAME /etc/os-release 2>/dev/null
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader \
+    2>&1 || echo "nvidia-smi: not available"
+  echo "nvcc: $(nvcc --version 2>&1 | grep -m1 release || echo missing)"
+  echo "cmake: $(cmake --version 2>&1 | head -n1)  ninja: $(ninja --version 2>&1)"
+  echo "c++: $(c++ --version 2>&1 | head -n1)"
+  "$PYTHON" - <<'EOF'
+import os, sys, sysconfig
+print("python:", sys.version.split()[0], sys.executable)
+include = sysconfig.get_paths()["include"]
+print("Python.h:", "found" if os.path.exists(os.path.join(include, "Python.h")) else "MISSING",
+      "in", include)
+for name in ("torch", "nanobind", "scikit_build_core", "pytest", "hypothesis", "numpy"):
+    try:
+        module = __import__(name)
+        print(f"{name}: {getattr(module, '__version__', '?')}")
+    except Exception as error:
+        print(f"{name}: MISSING ({error})")
+import torch
+print("torch cuda:", torch.version.cuda, "available:", torch.cuda.is_available(),
+      "devices:", torch.cuda.device_count())
+EOF
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ---------------------------------------------------------------------------- deps
+# Unpacked Debian packages (tools/gpu_check_prepare.sh); the .pc files name /usr as
+# their prefix, so copies pointing into .deps are made for pkg-config.
+DEPS=$ROOT/.deps/root
+case "$(uname -m)" in
+  x86_64) MULTIARCH=x86_64-linux-gnu DEB_ARCH=amd64 ;;
+  aarch64) MULTIARCH=aarch64-linux-gnu DEB_ARCH=arm64 ;;
+  *) MULTIARCH=unknown DEB_ARCH=unknown ;;
+esac
+DEPS_LIB=$DEPS/usr/lib/$MULTIARCH
+have_deps() {
+  [[ -d $DEPS ]] && [[ $(cat "$ROOT/.deps/ARCH" 2>/dev/null) == "$DEB_ARCH" ]]
+}
+if [[ -d $DEPS ]] && ! have_deps; then
+  echo "note: .deps/ holds $(cat "$ROOT/.deps/ARCH" 2>/dev/null) packages, this machine is $DEB_ARCH: not used"
+fi
+FORCE=${GPU_CHECK_FORCE_DEPS:-0}
+
+PKG_CONFIG_BIN=$(command -v pkg-config || command -v pkgconf || true)
+if { [[ -z $PKG_CONFIG_BIN ]] || [[ $FORCE == 1 ]]; } && have_deps; then
+  PKG_CONFIG_BIN=$DEPS/usr/bin/pkgconf
+  export LD_LIBRARY_PATH=$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+if [[ -z $PKG_CONFIG_BIN ]]; then
+  record deps "FAILED: no pkg-config; run tools/gpu_check_prepare.sh and pass .deps"
+  FAILED=1
+  finish
+fi
+export PKG_CONFIG=$PKG_CONFIG_BIN  # CMake's FindPkgConfig reads it
+
+if [[ $FORCE == 1 ]] || ! "$PKG_CONFIG_BIN" --exists libhwy 2>/dev/null; then
+  if ! have_deps || [[ ! -f $DEPS_LIB/pkgconfig/libhwy.pc ]]; then
+    record deps "FAILED: no Highway (libhwy); run tools/gpu_check_prepare.sh and pass .deps"
+    FAILED=1
+    finish
+  fi
+  mkdir -p "$WORK/pkgconfig"
+  for pc in "$DEPS_LIB"/pkgconfig/*.pc; do
+    sed "s|^prefix=.*|prefix=$DEPS/usr|" "$pc" >"$WORK/pkgconfig/$(basename "$pc")"
+  done
+  export PKG_CONFIG_PATH=$WORK/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
+  export LD_LIBRARY_PATH=$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  HWY_FROM=".deps"
+else
+  HWY_FROM="the machine"
+fi
+system_gtest() {
+  [[ -f /usr/include/gtest/gtest.h || -f /usr/local/include/gtest/gtest.h ]]
+}
+GTEST_DIR=""
+if [[ $FORCE == 1 ]] || ! system_gtest; then
+  if have_deps && [[ -f $DEPS_LIB/cmake/GTest/GTestConfig.cmake ]]; then
+    GTEST_DIR=$DEPS_LIB/cmake/GTest
+  fi
+fi
+GTEST_FROM="the machine (if it has it)"
+[[ -n $GTEST_DIR ]] && GTEST_FROM=".deps"
+record deps "ok: Highway $("$PKG_CONFIG_BIN" --modversion libhwy) from $HWY_FROM, GoogleTest from $GTEST_FROM"
+
+# ---------------------------------------------------------------------------- build
+ARCHS=${SHARDADAM_CUDA_ARCHS:-}
+if [[ -z $ARCHS ]]; then
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')
+  [[ -n $cap ]] && ARCHS="${cap}-real"
+fi
+CONFIG=(--config-settings=build-dir="$BUILD_DIR"
+        --config-settings=cmake.define.SHARDADAM_ENABLE_CUDA=ON
+        --config-settings=cmake.define.PKG_CONFIG_EXECUTABLE="$PKG_CONFIG_BIN")
+[[ -n $ARCHS ]] && CONFIG+=(--config-settings=cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCHS")
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+echo "building for CUDA architectures: ${ARCHS:-the project default}"
+if ! stage build 300 150 0 -- "$PYTHON" -m pip install --no-build-isolation --no-deps \
+    --no-index --target "$SITE" -v "${CONFIG[@]}" "$ROOT"; then
+  finish
+fi
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+
+# The fresh build must be the one imported, with the CUDA backend, seeing the GPU:
+# else every GPU test would skip and the benchmark would time the torch fallback.
+export SITE
+stage import 60 140 8 -- "$PYTHON" -c '
+import os, shardadam, shardadam._C as C
+from shardadam.__main__ import main
+print("shardadam from", shardadam.__file__)
+main(["info"])
+assert shardadam.__file__.startswith(os.environ["SITE"]), \
+    "another installed shardadam shadows the fresh build"
+info = C.info()
+assert info["cuda"], "the extension was built without CUDA"
+if info["cuda_devices"] == 0:
+    assert os.environ.get("GPU_CHECK_NO_GPU_OK") == "1", "the extension sees no CUDA device"
+    print("no CUDA device: carrying on (GPU_CHECK_NO_GPU_OK=1); GPU tests will skip")
+' || finish
+
+# ---------------------------------------------------------------------------- tests
+stage pytest 220 100 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py
+
+# C++ tests of the CUDA backend: tests/cpp/*cuda*_test.* and tests/cpp/cuda/*_test.*,
+# one executable each, run directly (their GoogleTest names need not say "cuda").
+shopt -s nullglob
+CUDA_TESTS=()
+for source in tests/cpp/*cuda*_test.cc tests/cpp/*cuda*_test.cu tests/cpp/cuda/*_test.cc \
+    tests/cpp/cuda/*_test.cu; do
+  name=$(basename "$source")
+  CUDA_TESTS+=("${name%.*}")
+done
+if ((${#CUDA_TESTS[@]} > 0)); then
+  # Reuses the wheel's build tree (the core is built already), adding the tests.
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  stage cpp-cuda 150 80 15 -- bash -c '
+    set -e
+    cmake -S "$1" -B "$2" -DSHARDADAM_BUILD_TESTS=ON ${3:+-DGTest_DIR=$3}
+    cmake --build "$2" --target "${@:4}"
+    for target in "${@:4}"; do
+      binary=$(find "$2" -type f -name "$target" -perm -u+x | head -n1)
+      echo "== $target ($binary)"
+      "$binary"
+    done
+  ' cpp-cuda "$ROOT" "$BUILD_DIR" "$GTEST_DIR" "${CUDA_TESTS[@]}"
+else
+  record cpp-cuda "none: no tests/cpp/*cuda*_test.* or tests/cpp/cuda/*_test.*"
+fi
+
+# ---------------------------------------------------------------------------- bench
+stage bench 200 0 40 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
+finish
