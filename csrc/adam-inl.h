@@ -169,7 +169,130 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
   }
 }
 
+// The fused kernels' streams: one load and one store policy per layout, chosen
+// at compile time (the block path's codecs, a pair of vectors at a time).
+template <int kGrad>
+HWY_INLINE void LoadGradx2(const void* g, size_t i, VF& a, VF& b) {
+  if constexpr (kGrad == internal::kFusedGradF32) {
+    LoadF32x2(static_cast<const float*>(g) + i, a, b);
+  } else {
+    LoadBF16x2(static_cast<const uint16_t*>(g) + i, a, b);
+  }
+}
+
+template <int kWeight>
+HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, VF& b) {
+  if constexpr (kWeight == internal::kFusedParamF32) {
+    LoadF32x2(static_cast<const float*>(param) + i, a, b);
+  } else if constexpr (kWeight == internal::kFusedMasterF32) {
+    LoadF32x2(static_cast<const float*>(master) + i, a, b);
+  } else {
+    LoadRemainderx2(static_cast<const uint16_t*>(param) + i,
+                    static_cast<const int16_t*>(master) + i, a, b);
+  }
+}
+
+// The param is rounded from the updated fp32 w, as in the block path.
+template <int kWeight>
+HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
+  if constexpr (kWeight == internal::kFusedParamF32) {
+    StoreF32x2(a, b, static_cast<float*>(param) + i);
+  } else if constexpr (kWeight == internal::kFusedMasterF32) {
+    StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
+    StoreF32x2(a, b, static_cast<float*>(master) + i);
+  } else {
+    StoreRemainderx2(a, b, static_cast<uint16_t*>(param) + i,
+                     static_cast<uint16_t*>(master) + i);
+  }
+}
+
+template <int kMoments>
+HWY_INLINE void LoadMomentx2(const void* p, size_t i, VF& a, VF& b) {
+  if constexpr (kMoments == internal::kFusedMomentsF32) {
+    LoadF32x2(static_cast<const float*>(p) + i, a, b);
+  } else {
+    LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
+  }
+}
+
+template <int kMoments>
+HWY_INLINE void StoreMomentx2(VF a, VF b, void* p, size_t i) {
+  if constexpr (kMoments == internal::kFusedMomentsF32) {
+    StoreF32x2(a, b, static_cast<float*>(p) + i);
+  } else {
+    StoreBF16x2(a, b, static_cast<uint16_t*>(p) + i);
+  }
+}
+
+// internal::FusedFn. Each stream is read once and written once, with nothing
+// staged in fp32 blocks: for the 16-bit layouts the block path's extra L1
+// stores and reloads cost more than the update's divisions.
+template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int kMoments>
+HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad,
+                                        void* param, void* master, void* m, void* v,
+                                        size_t n) {
+  const size_t L = hn::Lanes(DF());
+  const VecOps<kUnitBc2> ops;
+  const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
+  for (size_t i = 0; i < n; i += 2 * L) {
+    VF g0, g1, w0, w1, m0, m1, v0, v1;
+    LoadGradx2<kGrad>(grad, i, g0, g1);
+    LoadWx2<kWeight>(param, master, i, w0, w1);
+    LoadMomentx2<kMoments>(m, i, m0, m1);
+    LoadMomentx2<kMoments>(v, i, v0, v1);
+    AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
+    AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
+    StoreWx2<kWeight>(w0, w1, param, master, i);
+    StoreMomentx2<kMoments>(m0, m1, m, i);
+    StoreMomentx2<kMoments>(v0, v1, v, i);
+  }
+}
+
+// FusedSpan for every layout, in FusedTable order. Built at compile time: the
+// dispatcher's tests read every compiled target's table, and code of a target
+// this CPU lacks must not run.
+template <bool kAdamW, bool kUnitBc2, int kGrad>
+constexpr void FillFusedByWeight(
+    internal::FusedFn (&out)[internal::kNumFusedWeight][internal::kNumFusedMoments]) {
+  using internal::kFusedMasterF32;
+  using internal::kFusedMomentsBF16;
+  using internal::kFusedMomentsF32;
+  using internal::kFusedParamF32;
+  using internal::kFusedRemainder;
+  out[kFusedParamF32][kFusedMomentsF32] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedParamF32, kFusedMomentsF32>;
+  out[kFusedParamF32][kFusedMomentsBF16] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedParamF32, kFusedMomentsBF16>;
+  out[kFusedMasterF32][kFusedMomentsF32] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedMasterF32, kFusedMomentsF32>;
+  out[kFusedMasterF32][kFusedMomentsBF16] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedMasterF32, kFusedMomentsBF16>;
+  out[kFusedRemainder][kFusedMomentsF32] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedRemainder, kFusedMomentsF32>;
+  out[kFusedRemainder][kFusedMomentsBF16] =
+      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedRemainder, kFusedMomentsBF16>;
+}
+
+template <bool kAdamW, bool kUnitBc2>
+constexpr void FillFusedByGrad(internal::FusedTable& table) {
+  auto& by_grad = table.fn[kAdamW ? 1 : 0][kUnitBc2 ? 1 : 0];
+  FillFusedByWeight<kAdamW, kUnitBc2, internal::kFusedGradF32>(
+      by_grad[internal::kFusedGradF32]);
+  FillFusedByWeight<kAdamW, kUnitBc2, internal::kFusedGradBF16>(
+      by_grad[internal::kFusedGradBF16]);
+}
+
+constexpr internal::FusedTable MakeFusedTable() {
+  internal::FusedTable table{};
+  FillFusedByGrad<false, false>(table);
+  FillFusedByGrad<false, true>(table);
+  FillFusedByGrad<true, false>(table);
+  FillFusedByGrad<true, true>(table);
+  return table;
+}
+
 const internal::KernelTable* GetKernelTable() {
+  static constexpr internal::FusedTable kFused = MakeFusedTable();
   static const internal::KernelTable table = {
       HWY_TARGET,
       2 * hn::Lanes(DF()),
@@ -183,6 +306,7 @@ const internal::KernelTable* GetKernelTable() {
         {ReduceBlock<false, true, false>, ReduceBlock<false, true, true>}},
        {{ReduceBlock<true, false, false>, ReduceBlock<true, false, true>},
         {ReduceBlock<true, true, false>, ReduceBlock<true, true, true>}}},
+      kFused,
       AbsMaxBits,
   };
   return &table;

@@ -131,8 +131,33 @@ struct TensorPlan {
   float target[3] = {0.0f, 0.0f, 0.0f};  // 0: stream not scaled
   float* scale_slot[3] = {nullptr, nullptr, nullptr};
 
+  // KernelTable::fused indices when the layout has a fused kernel.
+  bool fused = false;
+  int fused_grad = 0, fused_weight = 0, fused_moments = 0;
+
   bool Scaled() const { return target[0] != 0 || target[1] != 0 || target[2] != 0; }
 };
+
+// Sets the plan's fused-kernel indices if the slot's layout has one.
+void ChooseFused(const TensorSlot& s, TensorPlan& p) {
+  if (s.grad_dtype != DType::kFloat32 && s.grad_dtype != DType::kBFloat16) return;
+  if (s.exp_avg_dtype != s.exp_avg_sq_dtype) return;
+  if (s.exp_avg_dtype != DType::kFloat32 && s.exp_avg_dtype != DType::kBFloat16) return;
+  if (s.param_dtype == DType::kFloat32 && s.master_dtype == DType::kNone) {
+    p.fused_weight = kFusedParamF32;
+  } else if (s.param_dtype == DType::kBFloat16 && s.master_dtype == DType::kFloat32) {
+    p.fused_weight = kFusedMasterF32;
+  } else if (s.param_dtype == DType::kBFloat16 &&
+             s.master_dtype == DType::kInt16Remainder) {
+    p.fused_weight = kFusedRemainder;
+  } else {
+    return;
+  }
+  p.fused_grad = s.grad_dtype == DType::kFloat32 ? kFusedGradF32 : kFusedGradBF16;
+  p.fused_moments =
+      s.exp_avg_dtype == DType::kFloat32 ? kFusedMomentsF32 : kFusedMomentsBF16;
+  p.fused = true;
+}
 
 TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   TensorPlan p;
@@ -177,6 +202,8 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   if (m_codec != kCodecF32) p.encode_m = kt.encode[m_codec];
   if (v_codec != kCodecF32) p.encode_v = kt.encode[v_codec];
 
+  ChooseFused(s, p);
+
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
   for (int i = 0; i < 3; ++i) {
@@ -199,8 +226,18 @@ struct alignas(64) Scratch {
 // of kt.pair.
 void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                 int64_t begin, size_t n, Scratch& s) {
-  const UpdateFn update =
-      kt.update[k.adam_w_mode ? 1 : 0][k.bias_correction2_sqrt == 1.0f ? 1 : 0];
+  const int adam_w = k.adam_w_mode ? 1 : 0;
+  const int unit_bc2 = k.bias_correction2_sqrt == 1.0f ? 1 : 0;
+  if (p.fused) {
+    const FusedFn fused =
+        kt.fused.fn[adam_w][unit_bc2][p.fused_grad][p.fused_weight][p.fused_moments];
+    fused(k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
+          p.master ? p.master + begin * p.master_size : nullptr,
+          p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+          n);
+    return;
+  }
+  const UpdateFn update = kt.update[adam_w][unit_bc2];
   for (size_t done = 0; done < n; done += kBlock) {
     const size_t c = std::min(kBlock, n - done);
     const int64_t e = begin + static_cast<int64_t>(done);

@@ -80,6 +80,29 @@ using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
 using ReduceFn = void (*)(const StepConstants& k, const float* g,
                           const float* w, const float* m, const float* v,
                           size_t valid, uint32_t* max_bits);
+// The whole step of `n` elements (a multiple of KernelTable::pair) of one
+// unscaled layout in a single pass over pairs of vectors: decode, update and
+// encode in registers, no fp32 blocks in between. Pointers are at the first
+// element; `master` is the fp32 master or the int16 remainder (else unused).
+using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
+                         void* master, void* m, void* v, size_t n);
+
+// The layouts with a fused kernel, by stream. Scaled states (fp16 / fp8 moments,
+// fp16 master) and fp16 params or grads take the block path.
+enum FusedGrad : int { kFusedGradF32 = 0, kFusedGradBF16, kNumFusedGrad };
+enum FusedWeight : int {
+  kFusedParamF32 = 0,   // fp32 param, no master
+  kFusedMasterF32,      // bf16 param + fp32 master
+  kFusedRemainder,      // bf16 param + int16 remainder
+  kNumFusedWeight,
+};
+enum FusedMoments : int { kFusedMomentsF32 = 0, kFusedMomentsBF16, kNumFusedMoments };
+
+// [adam_w_mode][unit bias_correction2_sqrt][grad][weight][moments (both)]
+struct FusedTable {
+  FusedFn fn[2][2][kNumFusedGrad][kNumFusedWeight][kNumFusedMoments];
+};
+
 // Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).
 using AbsMaxBitsFn = uint32_t (*)(const float* x, size_t n);
 
@@ -94,6 +117,7 @@ struct KernelTable {
   // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
   UpdateFn update[2][2];
   ReduceFn reduce[2][2][2];  // [adam_w_mode][reduce_w][same]
+  FusedTable fused;
   AbsMaxBitsFn abs_max_bits;
 };
 
