@@ -5,16 +5,18 @@
 // - validate every slot and hyper-parameter (validate.cc); nothing is written
 //   before this passes;
 // - per tensor, pick a decoder and an encoder per stream from the target's
-//   KernelTable once (no per-dtype-combination kernels);
+//   KernelTable once, or for the unscaled fp32/bf16 layouts (fp32 or bf16
+//   grad; fp32 param, bf16 param + fp32 master, or bf16 param + remainder;
+//   both moments fp32 or both bf16) one fused kernel;
 // - split the whole list of tensors into work items that start on multiples
 //   of kChunk elements (cache-line aligned for every dtype) and run them on the
-//   blocking thread pool; each item walks its range in kBlock-element fp32
-//   blocks: decode grad / w / m / v, one update body, encode what changed.
-//   fp32 buffers are used in place, never copied. Blocks stay separate loops
-//   on purpose: measured on Zen 3, loops that decode, update and encode each
-//   vector in one go were no faster (the sqrt / divide chains then leave too
-//   few independent operations in flight), so no dtype combination is
-//   specialised;
+//   blocking thread pool. A fused layout walks its range a pair of vectors at
+//   a time, each stream read and written once in registers. The others walk it
+//   in kBlock-element fp32 blocks: decode grad / w / m / v, one update body,
+//   encode what changed; fp32 buffers are used in place, never copied. Both are
+//   bound by the update's two divisions and square root on 2 AVX2 cores once
+//   the layout moves 20 bytes per element or fewer; blocks are short so the
+//   out-of-order core overlaps one block's divisions with the next one's loads;
 // - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
 //   need the absmax of the NEW state before anything can be encoded, so they
 //   take two passes without any full-size temporary: pass 1 decodes, updates

@@ -23,12 +23,12 @@ namespace internal {
 // line for every dtype.
 inline constexpr size_t kGranule = 128;
 
-// Elements per cache-resident fp32 block, decoded, updated and encoded in turn.
-// Small enough that the out-of-order core overlaps one block's divider-bound
-// update with the next block's loads: 512 left memory idle during each update
-// and reached 0.60 of the bandwidth probe for bf16 moments on Zen, 128 reaches
-// 0.81 (median of six interleaved runs, 20M elements, 2 threads). The smallest
-// whole number of granules, so a pair of vectors of any target divides it.
+// Elements per cache-resident fp32 block of the layouts without a fused kernel,
+// decoded, updated and encoded in turn. Short, so that the out-of-order core
+// overlaps one block's divider-bound update with the next block's loads (with
+// 512-element blocks memory sat idle during each update: 20% slower at 20M
+// elements on 2 Zen cores). The smallest whole number of granules, so a pair of
+// vectors of any target divides it.
 inline constexpr size_t kBlock = 128;
 
 // Work item size for large tensors and conversions (a multiple of kGranule).
