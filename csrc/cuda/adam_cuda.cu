@@ -87,16 +87,29 @@ __device__ __forceinline__ void LoadUnrolled(const DeviceSlot& t, const Scales& 
   }
 }
 
+// This block's tensor and element range.
+struct BlockWork {
+  int s;  // slot index in the launch
+  DeviceSlot t;
+  int64_t begin, end;
+};
+
+__device__ __forceinline__ BlockWork WorkOfBlock(const Launch& launch) {
+  const int64_t block = blockIdx.x;
+  BlockWork w;
+  w.s = SlotOfBlock(launch, block);
+  w.t = launch.slots[w.s];
+  w.begin = (block - launch.first_block[w.s]) * kChunk;
+  w.end = min(w.begin + kChunk, w.t.numel);
+  return w;
+}
+
 // Pass 1: the new state's absmax per scaled state, nothing stored.
 template <bool kAdamW>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     MeasureKernel(const Launch launch, const StepConstants c) {
-  const int64_t block = blockIdx.x;
-  const int s = SlotOfBlock(launch, block);
-  const DeviceSlot t = launch.slots[s];
+  const auto [s, t, begin, end] = WorkOfBlock(launch);
   const Scales old = ReadScales(t);
-  const int64_t begin = (block - launch.first_block[s]) * kChunk;
-  const int64_t end = min(begin + kChunk, t.numel);
   uint32_t best[3] = {0, 0, 0};
   for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
     Inputs e[kUnroll];
@@ -122,13 +135,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 template <bool kAdamW>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     StoreKernel(const Launch launch, const StepConstants c) {
-  const int64_t block = blockIdx.x;
-  const int s = SlotOfBlock(launch, block);
-  const DeviceSlot t = launch.slots[s];
+  const auto [s, t, begin, end] = WorkOfBlock(launch);
   const Scales old = ReadScales(t);
   const Scales now = NewScales(t, launch.absmax + 3 * s);
-  const int64_t begin = (block - launch.first_block[s]) * kChunk;
-  const int64_t end = min(begin + kChunk, t.numel);
   for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
     Inputs e[kUnroll];
     LoadUnrolled(t, old, base, end, e);

@@ -148,15 +148,22 @@ TEST(CudaStepListTest, SeveralMiBMatchCpuCore) {
   ExpectCudaMatchesCpu(tensors, false);
 }
 
+// An all-fp32 slot of `numel` elements over host buffers (validation only
+// compares addresses, so host memory stands in for device memory).
+TensorSlot Fp32Slot(float (&buffers)[4][8], int64_t numel = 8, int64_t offset = 0) {
+  TensorSlot s;
+  s.numel = numel;
+  s.param = buffers[0] + offset;
+  s.grad = buffers[1] + offset;
+  s.exp_avg = buffers[2] + offset;
+  s.exp_avg_sq = buffers[3] + offset;
+  return s;
+}
+
 // Validation is host-side: these run without a GPU and enqueue nothing.
 TEST(CudaValidationTest, BadSlotIsRejectedWithItsIndex) {
   float buffers[4][8] = {};
-  TensorSlot s;
-  s.numel = 8;
-  s.param = buffers[0];
-  s.grad = buffers[1];
-  s.exp_avg = buffers[2];
-  s.exp_avg_sq = buffers[3];
+  TensorSlot s = Fp32Slot(buffers);
   s.exp_avg_sq_dtype = static_cast<DType>(9);
   Error error;
   EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
@@ -168,15 +175,9 @@ TEST(CudaValidationTest, BadSlotIsRejectedWithItsIndex) {
 TEST(CudaValidationTest, ScaleValuesAreNotRead) {
   // A scale slot in device memory cannot be read on the host: only its
   // presence is checked. An fp16 moment without a scale slot is still refused.
-  float buffers[3][8] = {};
-  uint16_t half[8] = {};
-  TensorSlot s;
-  s.numel = 8;
-  s.param = buffers[0];
-  s.grad = buffers[1];
-  s.exp_avg = buffers[2];
-  s.exp_avg_sq = half;
-  s.exp_avg_sq_dtype = DType::kFloat16;
+  float buffers[4][8] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  s.exp_avg_sq_dtype = DType::kFloat16;  // fits in its fp32 buffer
   Error error;
   EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
             Status::kInvalidArgument);
@@ -190,14 +191,7 @@ TEST(CudaValidationTest, ScaleValuesAreNotRead) {
 
 TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   float buffers[4][8] = {};
-  TensorSlot s[2];
-  for (int k = 0; k < 2; ++k) {
-    s[k].numel = k == 0 ? 4 : 0;
-    s[k].param = buffers[0] + 4 * k;
-    s[k].grad = buffers[1] + 4 * k;
-    s[k].exp_avg = buffers[2] + 4 * k;
-    s[k].exp_avg_sq = buffers[3] + 4 * k;
-  }
+  TensorSlot s[2] = {Fp32Slot(buffers, 4, 0), Fp32Slot(buffers, 0, 4)};
   Error error;
   int dummy = 0;
   EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), &dummy, CudaWorkspaceBytes(2) - 1, nullptr, &error),
@@ -210,12 +204,7 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
 TEST(CudaValidationTest, WithoutDeviceAValidCallReportsTheRuntimeError) {
   if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present";
   float buffers[4][8] = {};
-  TensorSlot s;
-  s.numel = 8;
-  s.param = buffers[0];
-  s.grad = buffers[1];
-  s.exp_avg = buffers[2];
-  s.exp_avg_sq = buffers[3];
+  TensorSlot s = Fp32Slot(buffers);
   Error error;
   int dummy[4] = {};
   EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), dummy, sizeof(dummy), nullptr, &error),
