@@ -11,7 +11,6 @@
 // no full-size temporary. Launches without scaled states run pass 2 alone.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <climits>
 #include <cinttypes>
 #include <cstdio>
@@ -109,6 +108,8 @@ template <bool kAdamW>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     MeasureKernel(const Launch launch, const StepConstants c) {
   const auto [s, t, begin, end] = WorkOfBlock(launch);
+  // An unscaled tensor sharing the launch has nothing to measure (whole block).
+  if (!HasScaledState(t)) return;
   const Scales old = ReadScales(t);
   uint32_t best[3] = {0, 0, 0};
   for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
@@ -181,10 +182,6 @@ Status InvalidArgument(Error* error, const std::string& message) {
 }
 
 int64_t BlocksOf(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
-
-bool HasScaledState(const DeviceSlot& t) {
-  return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
-}
 
 template <bool kAdamW>
 Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream,

@@ -56,6 +56,10 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
   return d;
 }
 
+SHARDADAM_HOST_DEVICE inline bool HasScaledState(const DeviceSlot& t) {
+  return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
+}
+
 // Unscaled value of element i of a buffer of fp32/fp16/bf16/fp8 codes.
 SHARDADAM_HOST_DEVICE inline float LoadValue(const void* p, uint8_t dtype, int64_t i) {
   switch (static_cast<DType>(dtype)) {
