@@ -106,7 +106,7 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
 void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool adam_w_mode,
                           bool bias_correction, int64_t step, int64_t workspace,
-                          int64_t workspace_bytes, int64_t stream) {
+                          int64_t workspace_bytes, int64_t stream, int device) {
   const std::vector<TensorSlot> tensors = SlotsFromList("adam_step_cuda", slots);
   const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                                        bias_correction, step);
@@ -116,7 +116,7 @@ void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double b
     nb::gil_scoped_release release;
     status = AdamStepCuda(tensors.data(), static_cast<int64_t>(tensors.size()), params,
                           Pointer<void>(workspace), workspace_bytes,
-                          Pointer<void>(stream), &error);
+                          Pointer<void>(stream), device, &error);
   }
   if (status == Status::kDeviceError) throw std::runtime_error(error.message);
   ThrowIfFailed(status, error);
@@ -193,12 +193,16 @@ NB_MODULE(_C, m) {
         nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
         nb::arg("adam_w_mode"), nb::arg("bias_correction"), nb::arg("step"),
         nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("stream"),
-        "adam_step for tensors in the current CUDA device's memory, enqueued on "
-        "`stream` (a cudaStream_t as int) without waiting. `workspace` points to "
+        nb::arg("device") = -1,
+        "adam_step for tensors in CUDA device `device`'s memory (-1: the current "
+        "device), enqueued on `stream` (a cudaStream_t as int) without waiting. "
+        "`workspace` points to "
         "cuda_workspace_bytes(n) bytes of device scratch. Raises ValueError (nothing "
         "enqueued) on bad input, RuntimeError if the CUDA runtime refuses a launch.");
   m.def("cuda_workspace_bytes", &CudaWorkspaceBytes, nb::arg("count"),
         "Device scratch bytes adam_step_cuda needs for `count` tensors.");
+  m.def("cuda_kernels_run_on", &CudaKernelsRunOn, nb::arg("device"),
+        "Whether the compiled kernels fit CUDA device `device`'s architecture.");
 #endif
   m.def("info", &Info, "Version, SIMD target, threads and built backends.");
 }

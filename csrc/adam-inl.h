@@ -248,9 +248,7 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   }
 }
 
-// FusedSpan for every layout, in FusedTable order. Built at compile time: the
-// dispatcher's tests read every compiled target's table, and code of a target
-// this CPU lacks must not run.
+// FusedSpan for every layout, in FusedTable order, built at compile time.
 template <bool kAdamW, bool kUnitBc2, int kGrad>
 constexpr void FillFusedByWeight(
     internal::FusedFn (&out)[internal::kNumFusedWeight][internal::kNumFusedMoments]) {
@@ -291,11 +289,24 @@ constexpr internal::FusedTable MakeFusedTable() {
   return table;
 }
 
+// The dispatcher reads every compiled target's table (adam.cc), also of targets
+// this CPU lacks, so the table must be constant data whose reading runs no
+// target code: constexpr where the vector size is known at compile time. Only
+// scalable targets (SVE, RVV) learn it at run time, from code that any CPU
+// supporting the base architecture runs.
+#if HWY_HAVE_SCALABLE
+#define SHARDADAM_KERNEL_TABLE static const
+#define SHARDADAM_PAIR_LANES (2 * hn::Lanes(DF()))
+#else
+#define SHARDADAM_KERNEL_TABLE static constexpr
+#define SHARDADAM_PAIR_LANES (2 * hn::MaxLanes(DF()))
+#endif
+
 const internal::KernelTable* GetKernelTable() {
   static constexpr internal::FusedTable kFused = MakeFusedTable();
-  static const internal::KernelTable table = {
+  SHARDADAM_KERNEL_TABLE internal::KernelTable table = {
       HWY_TARGET,
-      2 * hn::Lanes(DF()),
+      SHARDADAM_PAIR_LANES,
       {DecodeF32, DecodeBF16, DecodeF16, DecodeF16Scaled, DecodeF8Scaled,
        DecodeRemainder},
       {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeF8Scaled,
@@ -311,6 +322,9 @@ const internal::KernelTable* GetKernelTable() {
   };
   return &table;
 }
+
+#undef SHARDADAM_KERNEL_TABLE
+#undef SHARDADAM_PAIR_LANES
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
 }  // namespace HWY_NAMESPACE

@@ -165,6 +165,7 @@ __global__ void WriteScalesKernel(const Launch launch) {
 }
 
 Status DeviceFail(Error* error, const char* what, cudaError_t code) {
+  cudaGetLastError();  // read, so the next call does not report it again
   if (error != nullptr) {
     error->tensor_index = -1;
     error->message = std::string(what) + " failed: " + cudaGetErrorName(code) + " (" +
@@ -206,7 +207,8 @@ int64_t CudaWorkspaceBytes(int64_t count) {
 }
 
 Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
-                    void* workspace, int64_t workspace_bytes, void* stream, Error* error) {
+                    void* workspace, int64_t workspace_bytes, void* stream, int device,
+                    Error* error) {
   using namespace cuda;  // NOLINT(build/namespaces): file-local brevity
   if (!internal::ValidateStep(slots, count, params, error, internal::ScaleValues::kSkip)) {
     return Status::kInvalidArgument;
@@ -231,11 +233,18 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   }
   const StepConstants c = MakeStepConstants(params);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The runtime's last error is per thread and sticks until read: drop one left
+  // by an earlier call so the launch check below reports only this call's.
+  cudaGetLastError();
+  if (device >= 0) {
+    const cudaError_t set = cudaSetDevice(device);
+    if (set != cudaSuccess) return DeviceFail(error, "cudaSetDevice", set);
+  }
   uint32_t* absmax = static_cast<uint32_t*>(workspace);
   const cudaError_t zeroed = cudaMemsetAsync(absmax, 0, static_cast<size_t>(needed), s);
   if (zeroed != cudaSuccess) return DeviceFail(error, "cudaMemsetAsync of the workspace", zeroed);
 
-  Launch launch;
+  Launch launch{};
   launch.count = 0;
   int64_t first = 0;  // index of the launch's first tensor
   for (int64_t i = 0; i <= count; ++i) {
@@ -271,6 +280,22 @@ int CudaDeviceCount() {
     return 0;
   }
   return count;
+}
+
+bool CudaKernelsRunOn(int device) {
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  // Fails (no kernel image for the device) where neither the machine code nor
+  // the PTX compiled in fits its architecture.
+  cudaFuncAttributes attributes;
+  const bool runs =
+      cudaFuncGetAttributes(&attributes, cuda::StoreKernel<true>) == cudaSuccess;
+  cudaGetLastError();
+  cudaSetDevice(previous);
+  return runs;
 }
 
 const char* CudaArchitectures() { return SHARDADAM_CUDA_ARCHITECTURES; }

@@ -55,7 +55,7 @@ def step(work, hyper: Hyper) -> None:
             if _cpu_path.available():
                 _cpu_path.step(work, hyper)
                 return
-        elif batch.is_cuda and _cuda_path.available():
+        elif batch.is_cuda and _cuda_path.available(batch.device):
             _cuda_path.step(work, hyper)
             return
     _torch_path.step(work, hyper)

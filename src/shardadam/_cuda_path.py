@@ -9,32 +9,36 @@ queued behind the kernels on the same stream.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import _slots
 
-_usable: Optional[bool] = None  # decided at the first CUDA batch
+_usable: dict = {}  # device index -> whether the kernels run there, asked once
 
 
-def available() -> bool:
-    """Whether the extension was built with CUDA and its runtime sees a device.
+def available(device: torch.device) -> bool:
+    """Whether the extension was built with CUDA, its runtime sees devices, and its
+    kernels fit ``device``'s architecture (else that device's batches take the torch
+    path rather than failing at launch, e.g. on GPUs older than the compiled archs).
 
     Asked only for a batch of CUDA tensors (torch has initialised CUDA by then), so a
     CPU-only job never starts the CUDA runtime through the extension."""
-    global _usable
-    if _usable is None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    usable = _usable.get(index)
+    if usable is None:
         core = _slots.extension
-        _usable = bool(core is not None and hasattr(core, "adam_step_cuda")
-                       and core.info().get("cuda_devices", 0) > 0)
-    return _usable
+        usable = _usable[index] = bool(
+            core is not None and hasattr(core, "adam_step_cuda")
+            and core.info().get("cuda_devices", 0) > 0
+            and core.cuda_kernels_run_on(index))
+    return usable
 
 
 def step(work, hyper) -> None:
     device = work.batch.device
     core = _slots.extension
-    # The extension launches on the current device: make the batch's device current.
+    # The batch's device is made current for torch's allocations and stream, and
+    # named to the extension (whose own CUDA runtime sets it too).
     with torch.cuda.device(device):
         call = _slots.prepare(work)
         if call.slots:
@@ -44,5 +48,5 @@ def step(work, hyper) -> None:
                 call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
                 hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction, hyper.step,
                 workspace.data_ptr(), workspace.numel(),
-                torch.cuda.current_stream(device).cuda_stream)
+                torch.cuda.current_stream(device).cuda_stream, workspace.device.index)
         call.finish()

@@ -671,7 +671,7 @@ def test_backend_choice(route, monkeypatch):
     for name, module in (("cpu", _cpu_path), ("cuda", _cuda_path), ("torch", _torch_path)):
         monkeypatch.setattr(module, "step", lambda work, hyper, name=name: taken.append(name))
     monkeypatch.setattr(_cpu_path, "available", lambda: cpu_ok)
-    monkeypatch.setattr(_cuda_path, "available", lambda: cuda_ok)
+    monkeypatch.setattr(_cuda_path, "available", lambda device: cuda_ok)
     batch = types.SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu",
                                   is_cuda=device == "cuda")
     with backend_context(mode):
@@ -680,9 +680,10 @@ def test_backend_choice(route, monkeypatch):
 
 
 def test_cuda_backend_available_only_with_a_build_and_a_device(monkeypatch):
-    monkeypatch.setattr(_cuda_path, "_usable", None)
-    expected = CUDA_BUILT and INFO.get("cuda_devices", 0) > 0
-    assert _cuda_path.available() == expected
+    monkeypatch.setattr(_cuda_path, "_usable", {})
+    expected = (CUDA_BUILT and INFO.get("cuda_devices", 0) > 0
+                and _C.cuda_kernels_run_on(0))
+    assert _cuda_path.available(torch.device("cuda", 0)) == expected
 
 
 def test_info_command_reports_the_cuda_backend(capsys):

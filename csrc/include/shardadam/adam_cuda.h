@@ -14,10 +14,11 @@ namespace shardadam {
 // Bytes of device scratch an AdamStepCuda call over `count` tensors needs.
 int64_t CudaWorkspaceBytes(int64_t count);
 
-// AdamStep's contract for slots whose buffers and scale slots are in the
-// current CUDA device's memory, with the same bits as the CPU core. Enqueued on
-// `stream` (a cudaStream_t; null is the legacy default stream) and returns
-// without waiting for the device. `workspace` is device memory of at least
+// AdamStep's contract for slots whose buffers and scale slots are in the memory
+// of CUDA device `device` (made current for the call; -1: the current device),
+// with the same bits as the CPU core. Enqueued on `stream` (a cudaStream_t of
+// that device; null is the legacy default stream) and returns without waiting
+// for the device. `workspace` is device memory of at least
 // CudaWorkspaceBytes(count) bytes that the call may use until its work on
 // `stream` completes.
 //
@@ -26,12 +27,18 @@ int64_t CudaWorkspaceBytes(int64_t count);
 // Returns kInvalidArgument (nothing enqueued) on bad input, kDeviceError if the
 // CUDA runtime refused a launch.
 Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
-                    void* workspace, int64_t workspace_bytes, void* stream, Error* error);
+                    void* workspace, int64_t workspace_bytes, void* stream, int device,
+                    Error* error);
 
 // Number of CUDA devices the runtime sees (0 without a driver or GPU).
 int CudaDeviceCount();
 
-// The GPU architectures compiled in, e.g. "80-real;90-real;90-virtual".
+// Whether the kernels compiled in can run on device `device` (machine code or
+// PTX for its architecture). Leaves the current device as it found it.
+bool CudaKernelsRunOn(int device);
+
+// The GPU architectures compiled in, space-separated, e.g.
+// "80-real 90-real 90-virtual".
 const char* CudaArchitectures();
 
 }  // namespace shardadam

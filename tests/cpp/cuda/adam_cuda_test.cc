@@ -99,7 +99,7 @@ void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w) {
     const int64_t count = static_cast<int64_t>(slots.size());
     DeviceBuffer workspace(static_cast<size_t>(CudaWorkspaceBytes(count)));
     ASSERT_EQ(AdamStepCuda(slots.data(), count, params, workspace.data(),
-                           CudaWorkspaceBytes(count), stream, &error),
+                           CudaWorkspaceBytes(count), stream, /*device=*/0, &error),
               Status::kOk)
         << error.message;
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -110,12 +110,12 @@ void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w) {
   cudaStreamDestroy(stream);
 }
 
-bool HaveDevice() { return CudaDeviceCount() > 0; }
+bool HaveDevice() { return CudaDeviceCount() > 0 && CudaKernelsRunOn(0); }
 
 // One test over every combination (not one per combination): without a GPU it
 // is a single skip.
 TEST(CudaStepTest, EveryDTypeCombinationMatchesCpuCoreBitwise) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   for (const Config& config : AllConfigs()) {
     SCOPED_TRACE(ConfigName(config));
     std::mt19937 rng(5);
@@ -128,7 +128,7 @@ TEST(CudaStepTest, EveryDTypeCombinationMatchesCpuCoreBitwise) {
 }
 
 TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   // 32 tensors per launch: 100 tensors take four, with empty ones anywhere.
   std::mt19937 rng(6);
   const std::vector<Config> configs = RepresentativeConfigs();
@@ -141,7 +141,7 @@ TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
 }
 
 TEST(CudaStepListTest, SeveralMiBMatchCpuCore) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device";
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   std::mt19937 rng(8);
   std::vector<Tensor> tensors;
   for (const Config& c : RepresentativeConfigs()) tensors.push_back(MakeTensor(c, 3 << 20, &rng));
@@ -166,7 +166,7 @@ TEST(CudaValidationTest, BadSlotIsRejectedWithItsIndex) {
   TensorSlot s = Fp32Slot(buffers);
   s.exp_avg_sq_dtype = static_cast<DType>(9);
   Error error;
-  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, -1, &error),
             Status::kInvalidArgument);
   EXPECT_EQ(error.tensor_index, 0);
   EXPECT_NE(error.message.find("exp_avg_sq_dtype 9"), std::string::npos) << error.message;
@@ -179,12 +179,12 @@ TEST(CudaValidationTest, ScaleValuesAreNotRead) {
   TensorSlot s = Fp32Slot(buffers);
   s.exp_avg_sq_dtype = DType::kFloat16;  // fits in its fp32 buffer
   Error error;
-  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, -1, &error),
             Status::kInvalidArgument);
   EXPECT_NE(error.message.find("exp_avg_sq_scale is null"), std::string::npos) << error.message;
   float nan_scale = NAN;  // would be rejected by the CPU core's AdamStep
   s.exp_avg_sq_scale = &nan_scale;
-  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, &error),
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), nullptr, 0, nullptr, -1, &error),
             Status::kInvalidArgument);
   EXPECT_NE(error.message.find("workspace"), std::string::npos) << error.message;
 }
@@ -194,7 +194,7 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   TensorSlot s[2] = {Fp32Slot(buffers, 4, 0), Fp32Slot(buffers, 0, 4)};
   Error error;
   int dummy = 0;
-  EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), &dummy, CudaWorkspaceBytes(2) - 1, nullptr, &error),
+  EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), &dummy, CudaWorkspaceBytes(2) - 1, nullptr, -1, &error),
             Status::kInvalidArgument);
   EXPECT_NE(error.message.find("workspace holds 23 bytes"), std::string::npos) << error.message;
   EXPECT_EQ(CudaWorkspaceBytes(2), 24);
@@ -207,9 +207,13 @@ TEST(CudaValidationTest, WithoutDeviceAValidCallReportsTheRuntimeError) {
   TensorSlot s = Fp32Slot(buffers);
   Error error;
   int dummy[4] = {};
-  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), dummy, sizeof(dummy), nullptr, &error),
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), dummy, sizeof(dummy), nullptr, -1, &error),
             Status::kDeviceError);
   EXPECT_NE(error.message.find("failed: cuda"), std::string::npos) << error.message;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), dummy, sizeof(dummy), nullptr, 0, &error),
+            Status::kDeviceError);
+  EXPECT_NE(error.message.find("cudaSetDevice failed"), std::string::npos) << error.message;
+  EXPECT_FALSE(CudaKernelsRunOn(0));
   for (int k = 0; k < 4; ++k) {
     for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
   }
