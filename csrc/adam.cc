@@ -13,10 +13,11 @@
 //   blocking thread pool. A fused layout walks its range a pair of vectors at
 //   a time, each stream read and written once in registers. The others walk it
 //   in kBlock-element fp32 blocks: decode grad / w / m / v, one update body,
-//   encode what changed; fp32 buffers are used in place, never copied. Both are
-//   bound by the update's two divisions and square root on 2 AVX2 cores once
-//   the layout moves 20 bytes per element or fewer; blocks are short so the
-//   out-of-order core overlaps one block's divisions with the next one's loads;
+//   encode what changed; fp32 buffers are used in place, never copied. On 2
+//   AVX2 cores both are compute-bound once the layout moves 20 bytes per
+//   element or fewer (the two divisions and the square root are about a sixth
+//   of it); blocks are short so the out-of-order core overlaps one block's
+//   update with the next one's loads;
 // - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
 //   need the absmax of the NEW state before anything can be encoded, so they
 //   take two passes without any full-size temporary: pass 1 decodes, updates

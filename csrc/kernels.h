@@ -25,9 +25,9 @@ inline constexpr size_t kGranule = 128;
 
 // Elements per cache-resident fp32 block of the layouts without a fused kernel,
 // decoded, updated and encoded in turn. Short, so that the out-of-order core
-// overlaps one block's divider-bound update with the next block's loads (with
-// 512-element blocks memory sat idle during each update: 20% slower at 20M
-// elements on 2 Zen cores). The smallest whole number of granules, so a pair of
+// overlaps one block's update (divisions, square root) with the next block's
+// loads (with 512-element blocks memory sat idle during each update: 20% slower
+// at 20M elements on 2 Zen cores). The smallest whole number of granules, so a pair of
 // vectors of any target divides it.
 inline constexpr size_t kBlock = 128;
 
