@@ -38,7 +38,17 @@ T* Pointer(int64_t address) {
 // with a message naming the tensor and buffer.
 DType Tag(int64_t value) { return static_cast<DType>(static_cast<int32_t>(value)); }
 
-void ThrowIfFailed(Status status, const Error& error) {
+// Runs `call(Error*)` -> Status with the GIL released, then turns a failure into
+// ValueError (bad input, nothing written) or RuntimeError (the CUDA runtime refused).
+template <class Call>
+void RunReleased(const Call& call) {
+  Error error;
+  Status status;
+  {
+    nb::gil_scoped_release release;
+    status = call(&error);
+  }
+  if (status == Status::kDeviceError) throw std::runtime_error(error.message);
   if (status != Status::kOk) throw nb::value_error(error.message.c_str());
 }
 
@@ -92,14 +102,10 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
   const std::vector<TensorSlot> tensors = SlotsFromList("adam_step", slots);
   const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                                        bias_correction, step);
-  Error error;
-  Status status;
-  {
-    nb::gil_scoped_release release;
-    status = AdamStep(tensors.data(), static_cast<int64_t>(tensors.size()), params,
-                      num_threads, &error);
-  }
-  ThrowIfFailed(status, error);
+  RunReleased([&](Error* error) {
+    return AdamStep(tensors.data(), static_cast<int64_t>(tensors.size()), params,
+                    num_threads, error);
+  });
 }
 
 #if defined(SHARDADAM_WITH_CUDA)
@@ -110,29 +116,20 @@ void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double b
   const std::vector<TensorSlot> tensors = SlotsFromList("adam_step_cuda", slots);
   const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
                                        bias_correction, step);
-  Error error;
-  Status status;
-  {
-    nb::gil_scoped_release release;
-    status = AdamStepCuda(tensors.data(), static_cast<int64_t>(tensors.size()), params,
-                          Pointer<void>(workspace), workspace_bytes,
-                          Pointer<void>(stream), device, &error);
-  }
-  if (status == Status::kDeviceError) throw std::runtime_error(error.message);
-  ThrowIfFailed(status, error);
+  RunReleased([&](Error* error) {
+    return AdamStepCuda(tensors.data(), static_cast<int64_t>(tensors.size()), params,
+                        Pointer<void>(workspace), workspace_bytes, Pointer<void>(stream),
+                        device, error);
+  });
 }
 #endif
 
 void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t dst_dtype,
                          int64_t numel, float scale, int num_threads) {
-  Error error;
-  Status status;
-  {
-    nb::gil_scoped_release release;
-    status = Convert(Pointer<const void>(src), Tag(src_dtype), Pointer<void>(dst),
-                     Tag(dst_dtype), numel, scale, num_threads, &error);
-  }
-  ThrowIfFailed(status, error);
+  RunReleased([&](Error* error) {
+    return Convert(Pointer<const void>(src), Tag(src_dtype), Pointer<void>(dst),
+                   Tag(dst_dtype), numel, scale, num_threads, error);
+  });
 }
 
 float MeasureScaleFromPointer(int64_t src, int64_t numel, int64_t dtype,
