@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include <type_traits>
+#include <utility>
 
 #include "convert-inl.h"
 #include "element.h"
@@ -206,86 +207,192 @@ HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   }
 }
 
+// A moment stream's decode factor: the old scale (fp8 codes decode to a fixed
+// fraction of their value, folded in here; the plan only picks the fused path
+// when the product is finite, see DecodeF8Scaled).
 template <int kMoments>
-HWY_INLINE void LoadMomentx2(const void* p, size_t i, VF& a, VF& b) {
-  if constexpr (kMoments == internal::kFusedMomentsF32) {
-    LoadF32x2(static_cast<const float*>(p) + i, a, b);
-  } else {
-    LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
-  }
+HWY_INLINE float MomentDecodeFactor(float old_scale) {
+  return kMoments == internal::kFusedMomentsF8Scaled ? old_scale * kF8RawFactor
+                                                     : old_scale;
 }
 
 template <int kMoments>
-HWY_INLINE void StoreMomentx2(VF a, VF b, void* p, size_t i) {
+HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b) {
+  if constexpr (kMoments == internal::kFusedMomentsF32) {
+    LoadF32x2(static_cast<const float*>(p) + i, a, b);
+  } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
+    LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
+  } else {
+    if constexpr (kMoments == internal::kFusedMomentsF16Scaled) {
+      LoadF16x2(static_cast<const uint16_t*>(p) + i, a, b);
+    } else {
+      LoadF8x2Raw(static_cast<const uint8_t*>(p) + i, a, b);
+    }
+    const VF f = hn::Set(DF(), factor);
+    a = hn::Mul(a, f);
+    b = hn::Mul(b, f);
+  }
+}
+
+// Scaled moments store round(x / new_scale), dividing as the block encoders do.
+template <int kMoments>
+HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
   if constexpr (kMoments == internal::kFusedMomentsF32) {
     StoreF32x2(a, b, static_cast<float*>(p) + i);
-  } else {
+  } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(p) + i);
+  } else {
+    const VF s = hn::Set(DF(), scale);
+    if constexpr (kMoments == internal::kFusedMomentsF16Scaled) {
+      StoreF16x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint16_t*>(p) + i);
+    } else {
+      StoreF8x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint8_t*>(p) + i);
+    }
   }
+}
+
+// One pair of vectors of a fused layout, decoded (then updated in place).
+struct FusedPair {
+  VF g0, g1, w0, w1, m0, m1, v0, v1;
+};
+
+template <int kGrad, int kWeight, int kMoments>
+HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* master,
+                          const void* m, const void* v, float m_factor,
+                          float v_factor, size_t i, FusedPair& p) {
+  LoadGradx2<kGrad>(grad, i, p.g0, p.g1);
+  LoadWx2<kWeight>(param, master, i, p.w0, p.w1);
+  LoadMomentx2<kMoments>(m, i, m_factor, p.m0, p.m1);
+  LoadMomentx2<kMoments>(v, i, v_factor, p.v0, p.v1);
+}
+
+template <int kWeight, int kMoments>
+HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
+                           void* param, void* master, void* m, void* v, size_t i) {
+  StoreWx2<kWeight>(p.w0, p.w1, param, master, i);
+  StoreMomentx2<kMoments>(p.m0, p.m1, s.m_new, m, i);
+  StoreMomentx2<kMoments>(p.v0, p.v1, s.v_new, v, i);
 }
 
 // internal::FusedFn. Each stream is read once and written once, with nothing
-// staged in fp32 blocks: for the 16-bit layouts the block path's extra L1
-// stores and reloads cost more than the update's divisions.
+// staged in fp32 blocks: for the 16-bit and 8-bit layouts the block path's
+// extra L1 stores and reloads cost more than the update's divisions. Software
+// pipelined: pair i + 1 is loaded and updated before pair i is encoded and
+// stored, so the core always has independent work beside the update's long
+// chain of divisions.
 template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int kMoments>
 HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad,
                                         void* param, void* master, void* m, void* v,
-                                        size_t n) {
-  const size_t L = hn::Lanes(DF());
+                                        const internal::FusedScales& s, size_t n) {
+  if (n == 0) return;
+  const size_t step = 2 * hn::Lanes(DF());
   const VecOps<kUnitBc2> ops;
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
+  const float m_factor = MomentDecodeFactor<kMoments>(s.m_old);
+  const float v_factor = MomentDecodeFactor<kMoments>(s.v_old);
+  // AdamElement is called here, not from a helper: HWY_FLATTEN inlines it
+  // only into the function that carries the attribute.
+  FusedPair current;
+  FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor, v_factor,
+                                      0, current);
+  AdamElement<kAdamW>(ops, c, current.g0, current.w0, current.m0, current.v0);
+  AdamElement<kAdamW>(ops, c, current.g1, current.w1, current.m1, current.v1);
+  size_t i = 0;
+  for (; i + step < n; i += step) {
+    FusedPair next;
+    FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor,
+                                        v_factor, i + step, next);
+    AdamElement<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0);
+    AdamElement<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1);
+    FusedStore<kWeight, kMoments>(current, s, param, master, m, v, i);
+    current = next;
+  }
+  FusedStore<kWeight, kMoments>(current, s, param, master, m, v, i);
+}
+
+// internal::FusedMeasureFn: FusedSpan's m and v, reduced instead of stored.
+// With AdamW, w's update is unused and the compiler drops it with its square
+// root and divisions.
+template <bool kAdamW, int kGrad, int kWeight, int kMoments>
+HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* grad,
+                                           const void* param, const void* master,
+                                           const void* m, const void* v,
+                                           const internal::FusedScales& s, size_t n,
+                                           uint32_t* max_bits) {
+  const DI di;
+  const size_t L = hn::Lanes(DF());
+  const VecOps<true> ops;
+  const typename VecOps<true>::Consts c = MakeConsts<true>(k);
+  const float m_factor = MomentDecodeFactor<kMoments>(s.m_old);
+  const float v_factor = MomentDecodeFactor<kMoments>(s.v_old);
+  VI acc_m = hn::Zero(di);
+  VI acc_v = hn::Zero(di);
   for (size_t i = 0; i < n; i += 2 * L) {
     VF g0, g1, w0, w1, m0, m1, v0, v1;
     LoadGradx2<kGrad>(grad, i, g0, g1);
-    LoadWx2<kWeight>(param, master, i, w0, w1);
-    LoadMomentx2<kMoments>(m, i, m0, m1);
-    LoadMomentx2<kMoments>(v, i, v0, v1);
+    if constexpr (kAdamW) {
+      w0 = g0;
+      w1 = g1;
+    } else {
+      LoadWx2<kWeight>(param, master, i, w0, w1);
+    }
+    LoadMomentx2<kMoments>(m, i, m_factor, m0, m1);
+    LoadMomentx2<kMoments>(v, i, v_factor, v0, v1);
     AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
     AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
-    StoreWx2<kWeight>(w0, w1, param, master, i);
-    StoreMomentx2<kMoments>(m0, m1, m, i);
-    StoreMomentx2<kMoments>(v0, v1, v, i);
+    acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
+    acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
+  }
+  const uint32_t bits_m = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m)));
+  const uint32_t bits_v = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v)));
+  if (bits_m > max_bits[1]) max_bits[1] = bits_m;
+  if (bits_v > max_bits[2]) max_bits[2] = bits_v;
+}
+
+template <bool kAdamW, int kGrad, int kWeight, int kMoments>
+constexpr internal::FusedMeasureFn FusedMeasureOrNull() {
+  if constexpr (internal::IsScaledMoments(kMoments)) {
+    return FusedMeasure<kAdamW, kGrad, kWeight, kMoments>;
+  } else {
+    return nullptr;
   }
 }
 
-// FusedSpan for every layout, in FusedTable order, built at compile time.
-template <bool kAdamW, bool kUnitBc2, int kGrad>
-constexpr void FillFusedByWeight(
-    internal::FusedFn (&out)[internal::kNumFusedWeight][internal::kNumFusedMoments]) {
-  using internal::kFusedMasterF32;
-  using internal::kFusedMomentsBF16;
-  using internal::kFusedMomentsF32;
-  using internal::kFusedParamF32;
-  using internal::kFusedRemainder;
-  out[kFusedParamF32][kFusedMomentsF32] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedParamF32, kFusedMomentsF32>;
-  out[kFusedParamF32][kFusedMomentsBF16] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedParamF32, kFusedMomentsBF16>;
-  out[kFusedMasterF32][kFusedMomentsF32] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedMasterF32, kFusedMomentsF32>;
-  out[kFusedMasterF32][kFusedMomentsBF16] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedMasterF32, kFusedMomentsBF16>;
-  out[kFusedRemainder][kFusedMomentsF32] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedRemainder, kFusedMomentsF32>;
-  out[kFusedRemainder][kFusedMomentsBF16] =
-      FusedSpan<kAdamW, kUnitBc2, kGrad, kFusedRemainder, kFusedMomentsBF16>;
+// Every layout's kernels, in FusedTable order, built at compile time.
+template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int... kMoments>
+constexpr void FillFusedMoments(internal::FusedTable& t,
+                                std::integer_sequence<int, kMoments...>) {
+  ((t.fn[kAdamW][kUnitBc2][kGrad][kWeight][kMoments] =
+        FusedSpan<kAdamW, kUnitBc2, kGrad, kWeight, kMoments>),
+   ...);
+  ((t.measure[kAdamW][kGrad][kWeight][kMoments] =
+        FusedMeasureOrNull<kAdamW, kGrad, kWeight, kMoments>()),
+   ...);
 }
 
-template <bool kAdamW, bool kUnitBc2>
-constexpr void FillFusedByGrad(internal::FusedTable& table) {
-  auto& by_grad = table.fn[kAdamW ? 1 : 0][kUnitBc2 ? 1 : 0];
-  FillFusedByWeight<kAdamW, kUnitBc2, internal::kFusedGradF32>(
-      by_grad[internal::kFusedGradF32]);
-  FillFusedByWeight<kAdamW, kUnitBc2, internal::kFusedGradBF16>(
-      by_grad[internal::kFusedGradBF16]);
+template <bool kAdamW, bool kUnitBc2, int kGrad, int... kWeight>
+constexpr void FillFusedWeights(internal::FusedTable& t,
+                                std::integer_sequence<int, kWeight...>) {
+  (FillFusedMoments<kAdamW, kUnitBc2, kGrad, kWeight>(
+       t, std::make_integer_sequence<int, internal::kNumFusedMoments>()),
+   ...);
+}
+
+template <bool kAdamW, bool kUnitBc2, int... kGrad>
+constexpr void FillFusedGrads(internal::FusedTable& t,
+                              std::integer_sequence<int, kGrad...>) {
+  (FillFusedWeights<kAdamW, kUnitBc2, kGrad>(
+       t, std::make_integer_sequence<int, internal::kNumFusedWeight>()),
+   ...);
 }
 
 constexpr internal::FusedTable MakeFusedTable() {
   internal::FusedTable table{};
-  FillFusedByGrad<false, false>(table);
-  FillFusedByGrad<false, true>(table);
-  FillFusedByGrad<true, false>(table);
-  FillFusedByGrad<true, true>(table);
+  constexpr auto grads = std::make_integer_sequence<int, internal::kNumFusedGrad>();
+  FillFusedGrads<false, false>(table, grads);
+  FillFusedGrads<false, true>(table, grads);
+  FillFusedGrads<true, false>(table, grads);
+  FillFusedGrads<true, true>(table, grads);
   return table;
 }
 

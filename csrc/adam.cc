@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cfloat>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -139,13 +140,26 @@ struct TensorPlan {
   int fused_grad = 0, fused_weight = 0, fused_moments = 0;
 
   bool Scaled() const { return target[0] != 0 || target[1] != 0 || target[2] != 0; }
+  FusedScales FusedScalesOf() const {
+    return {old_scale[1], old_scale[2], new_scale[1], new_scale[2]};
+  }
 };
 
-// Sets the plan's fused-kernel indices if the slot's layout has one.
+// The fused kernels' moment index of a state dtype.
+int FusedMomentsOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return kFusedMomentsF32;
+    case DType::kBFloat16: return kFusedMomentsBF16;
+    case DType::kFloat16: return kFusedMomentsF16Scaled;
+    default: return kFusedMomentsF8Scaled;
+  }
+}
+
+// Sets the plan's fused-kernel indices if the slot's layout has one. Needs the
+// plan's old scales.
 void ChooseFused(const TensorSlot& s, TensorPlan& p) {
   if (s.grad_dtype != DType::kFloat32 && s.grad_dtype != DType::kBFloat16) return;
   if (s.exp_avg_dtype != s.exp_avg_sq_dtype) return;
-  if (s.exp_avg_dtype != DType::kFloat32 && s.exp_avg_dtype != DType::kBFloat16) return;
   if (s.param_dtype == DType::kFloat32 && s.master_dtype == DType::kNone) {
     p.fused_weight = kFusedParamF32;
   } else if (s.param_dtype == DType::kBFloat16 && s.master_dtype == DType::kFloat32) {
@@ -157,8 +171,13 @@ void ChooseFused(const TensorSlot& s, TensorPlan& p) {
     return;
   }
   p.fused_grad = s.grad_dtype == DType::kFloat32 ? kFusedGradF32 : kFusedGradBF16;
-  p.fused_moments =
-      s.exp_avg_dtype == DType::kFloat32 ? kFusedMomentsF32 : kFusedMomentsBF16;
+  p.fused_moments = FusedMomentsOf(s.exp_avg_dtype);
+  // The fused fp8 decoder folds a power-of-two factor (at most 256) into the
+  // old scale; an absurdly large scale takes the block path, which does not.
+  if (p.fused_moments == kFusedMomentsF8Scaled &&
+      !(std::isfinite(p.old_scale[1] * 256.0f) && std::isfinite(p.old_scale[2] * 256.0f))) {
+    return;
+  }
   p.fused = true;
 }
 
@@ -205,8 +224,6 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   if (m_codec != kCodecF32) p.encode_m = kt.encode[m_codec];
   if (v_codec != kCodecF32) p.encode_v = kt.encode[v_codec];
 
-  ChooseFused(s, p);
-
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
   for (int i = 0; i < 3; ++i) {
@@ -215,6 +232,7 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
     p.scale_slot[i] = slots[i];
     p.old_scale[i] = *slots[i];  // read before any scale is written
   }
+  ChooseFused(s, p);
   return p;
 }
 
@@ -237,7 +255,7 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
     fused(k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
           p.master ? p.master + begin * p.master_size : nullptr,
           p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
-          n);
+          p.FusedScalesOf(), n);
     return;
   }
   const UpdateFn update = kt.update[adam_w][unit_bc2];
@@ -267,6 +285,17 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
 void ReduceSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                 int64_t begin, size_t n, size_t valid, Scratch& s,
                 uint32_t* max_bits) {
+  if (p.fused && valid == n) {
+    // Fused layouts never have a scaled master: only m and v are measured.
+    const FusedMeasureFn measure =
+        kt.fused.measure[k.adam_w_mode ? 1 : 0][p.fused_grad][p.fused_weight]
+                        [p.fused_moments];
+    measure(k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
+            p.master ? p.master + begin * p.master_size : nullptr,
+            p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+            p.FusedScalesOf(), n, max_bits);
+    return;
+  }
   const bool reduce_w = p.target[0] != 0;
   // In AdamW mode m and v do not depend on w: skip decoding it.
   const bool need_w = reduce_w || !k.adam_w_mode;

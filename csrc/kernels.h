@@ -80,15 +80,30 @@ using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
 using ReduceFn = void (*)(const StepConstants& k, const float* g,
                           const float* w, const float* m, const float* v,
                           size_t valid, uint32_t* max_bits);
-// The whole step of `n` elements (a multiple of KernelTable::pair) of one
-// unscaled layout in a single pass over pairs of vectors: decode, update and
-// encode in registers, no fp32 blocks in between. Pointers are at the first
-// element; `master` is the fp32 master or the int16 remainder (else unused).
-using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
-                         void* master, void* m, void* v, size_t n);
 
-// The layouts with a fused kernel, by stream. Scaled states (fp16 / fp8 moments,
-// fp16 master) and fp16 params or grads take the block path.
+// Per-tensor scales of the moments for a fused kernel: decode with the old
+// scales, encode with the new ones (ignored by unscaled moments).
+struct FusedScales {
+  float m_old, v_old, m_new, v_new;
+};
+
+// The whole step of `n` elements (a multiple of KernelTable::pair) of one
+// layout in a single pass over pairs of vectors: decode, update and encode in
+// registers, no fp32 blocks in between. Pointers are at the first element;
+// `master` is the fp32 master or the int16 remainder (else unused).
+using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
+                         void* master, void* m, void* v, const FusedScales& s,
+                         size_t n);
+// Pass 1 of a fused layout with scaled moments: the new m and v of all `n`
+// elements, stored nowhere, folded into max_bits[1..2] (see ReduceFn). Reads
+// w (param or master) only in L2 mode, where m and v depend on it.
+using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
+                                const void* param, const void* master,
+                                const void* m, const void* v, const FusedScales& s,
+                                size_t n, uint32_t* max_bits);
+
+// The layouts with a fused kernel, by stream. A scaled (fp16) master, fp16
+// params or grads, and moments of two different dtypes take the block path.
 enum FusedGrad : int { kFusedGradF32 = 0, kFusedGradBF16, kNumFusedGrad };
 enum FusedWeight : int {
   kFusedParamF32 = 0,   // fp32 param, no master
@@ -96,11 +111,23 @@ enum FusedWeight : int {
   kFusedRemainder,      // bf16 param + int16 remainder
   kNumFusedWeight,
 };
-enum FusedMoments : int { kFusedMomentsF32 = 0, kFusedMomentsBF16, kNumFusedMoments };
+// Both moments in one dtype.
+enum FusedMoments : int {
+  kFusedMomentsF32 = 0,
+  kFusedMomentsBF16,
+  kFusedMomentsF16Scaled,
+  kFusedMomentsF8Scaled,
+  kNumFusedMoments,
+};
+inline constexpr bool IsScaledMoments(int moments) {
+  return moments >= kFusedMomentsF16Scaled;
+}
 
-// [adam_w_mode][unit bias_correction2_sqrt][grad][weight][moments (both)]
 struct FusedTable {
+  // [adam_w_mode][unit bias_correction2_sqrt][grad][weight][moments]
   FusedFn fn[2][2][kNumFusedGrad][kNumFusedWeight][kNumFusedMoments];
+  // [adam_w_mode][grad][weight][moments]; null for unscaled moments.
+  FusedMeasureFn measure[2][kNumFusedGrad][kNumFusedWeight][kNumFusedMoments];
 };
 
 // Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).

@@ -154,6 +154,32 @@ TEST(AdamSpecialValuesTest, NonFiniteGradientsMatchReference) {
   }
 }
 
+// An fp8 state whose old scale is so large that scale * 256 overflows: the
+// fused fp8 decoder cannot fold its factor into it, so the step takes the
+// block path, which must still agree with the reference.
+TEST(AdamSpecialValuesTest, HugeOldFp8ScaleMatchesReference) {
+  const Config config = {DType::kBFloat16,   DType::kBFloat16, DType::kFloat8E4M3,
+                         DType::kFloat8E4M3, DType::kFloat32,  true};
+  std::mt19937 rng(6);
+  std::vector<Tensor> tensors = {MakeTensor(config, 1000, &rng),
+                                 MakeTensor(config, 70001, &rng)};
+  for (Tensor& t : tensors) {
+    // Codes near 1 now stand for values near 3e38 (finite: 2^8 * 3e38 is not).
+    t.exp_avg_scale = 3e38f / 448.0f * 200.0f;
+    t.exp_avg_sq_scale = FLT_MAX / 448.0f;
+  }
+  StepParams params;
+  std::vector<Tensor> want = tensors;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), 2, params);
+  ForEachTarget([&] {
+    std::vector<Tensor> got = tensors;
+    std::vector<TensorSlot> slots = Slots(&got);
+    ASSERT_EQ(AdamStep(slots.data(), 2, params, 2, nullptr), Status::kOk);
+    ASSERT_TRUE(SameTensors(want, got));
+  });
+}
+
 // Zero gradients and zero moments: the new moments are all zero and their scale
 // is 1 (S2.3), not 0 or NaN.
 TEST(AdamSpecialValuesTest, AllZeroStateGetsUnitScale) {

@@ -69,7 +69,9 @@ inline std::vector<Config> AllConfigs() {
   return configs;
 }
 
-// A few configurations that together touch every codec, for the costlier tests.
+// A few configurations that together touch every codec and every kind of
+// kernel (block path; fused with unscaled, fp8 and fp16 moments, in AdamW and
+// L2 mode), for the costlier tests.
 inline std::vector<Config> RepresentativeConfigs() {
   using D = DType;
   return {
@@ -81,6 +83,11 @@ inline std::vector<Config> RepresentativeConfigs() {
       {D::kFloat16, D::kFloat16, D::kFloat16, D::kBFloat16, D::kFloat16, true},
       {D::kFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone,
        false},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kFloat32,
+       true},
+      {D::kBFloat16, D::kFloat32, D::kFloat16, D::kFloat16, D::kInt16Remainder,
+       false},
+      {D::kFloat32, D::kFloat32, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone, false},
   };
 }
 
