@@ -171,22 +171,34 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
 }
 
 // The fused kernels' streams: one load and one store policy per layout, chosen
-// at compile time (the block path's codecs, a pair of vectors at a time).
-template <int kGrad>
+// at compile time (the block path's codecs, a pair of vectors at a time). The
+// layout whose streams are all 16-bit pairs its vectors in even/odd order
+// (convert-inl.h); the others in natural order.
+template <int kGrad, int kWeight, int kMoments>
+inline constexpr bool kEvenOdd = kGrad == internal::kFusedGradBF16 &&
+                                 kWeight == internal::kFusedRemainder &&
+                                 kMoments == internal::kFusedMomentsBF16;
+
+template <int kGrad, bool kEO>
 HWY_INLINE void LoadGradx2(const void* g, size_t i, VF& a, VF& b) {
   if constexpr (kGrad == internal::kFusedGradF32) {
     LoadF32x2(static_cast<const float*>(g) + i, a, b);
+  } else if constexpr (kEO) {
+    LoadBF16EvenOdd(static_cast<const uint16_t*>(g) + i, a, b);
   } else {
     LoadBF16x2(static_cast<const uint16_t*>(g) + i, a, b);
   }
 }
 
-template <int kWeight>
+template <int kWeight, bool kEO>
 HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, VF& b) {
   if constexpr (kWeight == internal::kFusedParamF32) {
     LoadF32x2(static_cast<const float*>(param) + i, a, b);
   } else if constexpr (kWeight == internal::kFusedMasterF32) {
     LoadF32x2(static_cast<const float*>(master) + i, a, b);
+  } else if constexpr (kEO) {
+    LoadRemainderEvenOdd(static_cast<const uint16_t*>(param) + i,
+                         static_cast<const int16_t*>(master) + i, a, b);
   } else {
     LoadRemainderx2(static_cast<const uint16_t*>(param) + i,
                     static_cast<const int16_t*>(master) + i, a, b);
@@ -194,13 +206,16 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
 }
 
 // The param is rounded from the updated fp32 w, as in the block path.
-template <int kWeight>
+template <int kWeight, bool kEO>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   if constexpr (kWeight == internal::kFusedParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
   } else if constexpr (kWeight == internal::kFusedMasterF32) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
+  } else if constexpr (kEO) {
+    StoreRemainderEvenOdd(a, b, static_cast<uint16_t*>(param) + i,
+                          static_cast<uint16_t*>(master) + i);
   } else {
     StoreRemainderx2(a, b, static_cast<uint16_t*>(param) + i,
                      static_cast<uint16_t*>(master) + i);
@@ -216,10 +231,12 @@ HWY_INLINE float MomentDecodeFactor(float old_scale) {
                                                      : old_scale;
 }
 
-template <int kMoments>
+template <int kMoments, bool kEO>
 HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b) {
   if constexpr (kMoments == internal::kFusedMomentsF32) {
     LoadF32x2(static_cast<const float*>(p) + i, a, b);
+  } else if constexpr (kEO) {
+    LoadBF16EvenOdd(static_cast<const uint16_t*>(p) + i, a, b);
   } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
     LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
   } else {
@@ -235,10 +252,12 @@ HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b
 }
 
 // Scaled moments store round(x / new_scale), dividing as the block encoders do.
-template <int kMoments>
+template <int kMoments, bool kEO>
 HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
   if constexpr (kMoments == internal::kFusedMomentsF32) {
     StoreF32x2(a, b, static_cast<float*>(p) + i);
+  } else if constexpr (kEO) {
+    StoreBF16EvenOdd(a, b, static_cast<uint16_t*>(p) + i);
   } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(p) + i);
   } else {
@@ -260,18 +279,20 @@ template <int kGrad, int kWeight, int kMoments>
 HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* master,
                           const void* m, const void* v, float m_factor,
                           float v_factor, size_t i, FusedPair& p) {
-  LoadGradx2<kGrad>(grad, i, p.g0, p.g1);
-  LoadWx2<kWeight>(param, master, i, p.w0, p.w1);
-  LoadMomentx2<kMoments>(m, i, m_factor, p.m0, p.m1);
-  LoadMomentx2<kMoments>(v, i, v_factor, p.v0, p.v1);
+  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
+  LoadGradx2<kGrad, kEO>(grad, i, p.g0, p.g1);
+  LoadWx2<kWeight, kEO>(param, master, i, p.w0, p.w1);
+  LoadMomentx2<kMoments, kEO>(m, i, m_factor, p.m0, p.m1);
+  LoadMomentx2<kMoments, kEO>(v, i, v_factor, p.v0, p.v1);
 }
 
-template <int kWeight, int kMoments>
+template <int kGrad, int kWeight, int kMoments>
 HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
                            void* param, void* master, void* m, void* v, size_t i) {
-  StoreWx2<kWeight>(p.w0, p.w1, param, master, i);
-  StoreMomentx2<kMoments>(p.m0, p.m1, s.m_new, m, i);
-  StoreMomentx2<kMoments>(p.v0, p.v1, s.v_new, v, i);
+  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
+  StoreWx2<kWeight, kEO>(p.w0, p.w1, param, master, i);
+  StoreMomentx2<kMoments, kEO>(p.m0, p.m1, s.m_new, m, i);
+  StoreMomentx2<kMoments, kEO>(p.v0, p.v1, s.v_new, v, i);
 }
 
 // internal::FusedFn. Each stream is read once and written once, with nothing
@@ -304,10 +325,10 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
                                         v_factor, i + step, next);
     AdamElement<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0);
     AdamElement<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1);
-    FusedStore<kWeight, kMoments>(current, s, param, master, m, v, i);
+    FusedStore<kGrad, kWeight, kMoments>(current, s, param, master, m, v, i);
     current = next;
   }
-  FusedStore<kWeight, kMoments>(current, s, param, master, m, v, i);
+  FusedStore<kGrad, kWeight, kMoments>(current, s, param, master, m, v, i);
 }
 
 // internal::FusedMeasureFn: FusedSpan's m and v, reduced instead of stored.
@@ -329,15 +350,16 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
   VI acc_v = hn::Zero(di);
   for (size_t i = 0; i < n; i += 2 * L) {
     VF g0, g1, w0, w1, m0, m1, v0, v1;
-    LoadGradx2<kGrad>(grad, i, g0, g1);
+    // Only scaled moments are measured: never the even/odd layout.
+    LoadGradx2<kGrad, false>(grad, i, g0, g1);
     if constexpr (kAdamW) {
       w0 = g0;
       w1 = g1;
     } else {
-      LoadWx2<kWeight>(param, master, i, w0, w1);
+      LoadWx2<kWeight, false>(param, master, i, w0, w1);
     }
-    LoadMomentx2<kMoments>(m, i, m_factor, m0, m1);
-    LoadMomentx2<kMoments>(v, i, v_factor, v0, v1);
+    LoadMomentx2<kMoments, false>(m, i, m_factor, m0, m1);
+    LoadMomentx2<kMoments, false>(v, i, v_factor, v0, v1);
     AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
     AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
     acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));

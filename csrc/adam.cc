@@ -4,31 +4,34 @@
 // Shape of one AdamStep call:
 // - validate every slot and hyper-parameter (validate.cc); nothing is written
 //   before this passes;
-// - per tensor, pick a decoder and an encoder per stream from the target's
-//   KernelTable once, or for the unscaled fp32/bf16 layouts (fp32 or bf16
+// - per tensor, pick one fused kernel when the layout has one (fp32 or bf16
 //   grad; fp32 param, bf16 param + fp32 master, or bf16 param + remainder;
-//   both moments fp32 or both bf16) one fused kernel;
+//   both moments fp32, bf16, fp16 or fp8), else a decoder and an encoder per
+//   stream from the target's KernelTable;
 // - split the whole list of tensors into work items that start on multiples
 //   of kChunk elements (cache-line aligned for every dtype) and run them on the
 //   blocking thread pool. A fused layout walks its range a pair of vectors at
-//   a time, each stream read and written once in registers. The others walk it
-//   in kBlock-element fp32 blocks: decode grad / w / m / v, one update body,
-//   encode what changed; fp32 buffers are used in place, never copied. On 2
-//   AVX2 cores both are compute-bound once the layout moves 20 bytes per
-//   element or fewer (the two divisions and the square root are about a sixth
-//   of it); blocks are short so the out-of-order core overlaps one block's
-//   update with the next one's loads;
+//   a time, each stream read and written once in registers, software
+//   pipelined (the next pair is loaded and updated before this one is stored)
+//   so that the core always has work independent of the update's chain of
+//   divisions. The others walk it in kBlock-element fp32 blocks: decode grad /
+//   w / m / v, one update body, encode what changed; fp32 buffers are used in
+//   place, never copied; blocks are short so the out-of-order core overlaps one
+//   block's update with the next one's loads. On 2 AVX2 cores every layout
+//   that moves 20 bytes per element or fewer is bound by instructions, not
+//   memory: the conversions cost more than the two divisions and the square root;
 // - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
 //   need the absmax of the NEW state before anything can be encoded, so they
 //   take two passes without any full-size temporary: pass 1 decodes, updates
 //   in registers and reduces the absmax (storing nothing); the scale follows;
 //   pass 2 recomputes the same bits and stores them. Pass 1 reads grad and the
 //   scaled moments, plus w when the master is scaled or in L2 mode: e.g. a bf16
-//   param with fp32 master and fp8 moments moves 18 bytes/element in one pass
-//   and 2 + 1 + 1 = 4 more in pass 1 (AdamW). A scaled tensor of at most
-//   kSmallScaledMax elements runs both passes back to back on one thread, so pass 2
-//   finds its inputs in cache; larger ones split each pass across threads with
-//   one barrier in between. Tensors without scaled state pay nothing extra.
+//   param with fp32 master and fp8 moments moves 16 bytes/element in one pass
+//   and 2 + 1 + 1 = 4 more in pass 1 (AdamW), so it can reach at most 16/20 of
+//   a one-pass probe. A scaled tensor of at most kSmallScaledMax elements runs
+//   both passes back to back on one thread, so pass 2 finds its inputs in
+//   cache; larger ones split each pass across threads with one barrier in
+//   between. Tensors without scaled state pay nothing extra.
 //
 // Results are bitwise identical for every thread count and split: the update
 // is elementwise and the absmax is a max of exact integer bit patterns.

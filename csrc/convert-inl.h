@@ -150,20 +150,22 @@ HWY_INLINE void StoreNarrowU8(VU a, VU b, uint8_t* HWY_RESTRICT p) {
 
 HWY_INLINE VF BF16ToF32(VU h) { return hn::BitCast(DF(), hn::ShiftLeft<16>(h)); }
 
-// fp32 -> bf16 bits in the low half of each lane.
-HWY_INLINE VU F32ToBF16(VF x) {
+// fp32 -> bf16 bits in the HIGH half of each lane (the low half is not
+// specified): round to nearest even; a NaN keeps its sign and top payload bits
+// and is made quiet (what AVX512-BF16 and Arm BFCVT store); rounding could
+// otherwise carry a NaN into inf. IsNaN, not Ne(x, x): Highway 1.0.3's Ne is
+// ordered on AVX2 but not on SSE4.
+HWY_INLINE VU F32ToBF16High(VF x) {
   const DU du;
   const VU bits = hn::BitCast(du, x);
-  const VU high = hn::ShiftRight<16>(bits);
-  const VU odd = hn::And(high, hn::Set(du, 1u));
-  const VU rounded =
-      hn::ShiftRight<16>(hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7FFFu))));
-  // NaN: sign and top payload bits kept, made quiet (what AVX512-BF16 and
-  // Arm BFCVT store); rounding could otherwise carry a NaN into inf. IsNaN,
-  // not Ne(x, x): Highway 1.0.3's Ne is ordered on AVX2 but not on SSE4.
+  const VU odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const VU rounded = hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7FFFu)));
   return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
-                        hn::Or(high, hn::Set(du, 0x40u)), rounded);
+                        hn::Or(bits, hn::Set(du, 0x00400000u)), rounded);
 }
+
+// fp32 -> bf16 bits in the low half of each lane.
+HWY_INLINE VU F32ToBF16(VF x) { return hn::ShiftRight<16>(F32ToBF16High(x)); }
 
 // fp16 bits (zero-extended) -> fp32, the hardware result without hardware.
 HWY_INLINE VF F16BitsToF32(VU h) {
@@ -375,6 +377,69 @@ HWY_INLINE void StoreRemainderx2(VF a, VF b, uint16_t* HWY_RESTRICT param,
   StoreNarrowU16(hn::ShiftRight<16>(hn::Add(ua, half)),
                  hn::ShiftRight<16>(hn::Add(ub, half)), param);
   StoreNarrowU16(hn::And(ua, low), hn::And(ub, low), rem);
+}
+
+// ---------------------------------------------------------------------------
+// Even/odd pair codecs, for the fused kernel of the layout whose streams are
+// all 16-bit (bf16 grad, bf16 param + int16 remainder, bf16 moments): 2 * Lanes
+// elements load as one vector of u32 lanes, element 2i in the low half of lane
+// i (little-endian), and the pair is (even elements, odd elements). Every
+// stream of that layout uses this order, so elements still line up; it needs
+// no widening shuffles or narrowing packs, only shifts, masks and 16-bit blends.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the even/odd codecs assume little-endian lanes"
+#endif
+
+using DU16Pairs = hn::Repartition<uint16_t, DF>;  // 2 * Lanes u16 lanes
+
+HWY_INLINE VU LoadU16Pairs(const void* HWY_RESTRICT p) {
+  return hn::LoadU(DU(), static_cast<const uint32_t*>(p));
+}
+
+// Stores the high halves of `even`'s lanes to the even elements and those of
+// `odd`'s lanes to the odd ones.
+HWY_INLINE void StoreHighHalvesEvenOdd(VU even, VU odd, void* HWY_RESTRICT p) {
+  const DU16Pairs d16;
+  const auto halves =
+      hn::OddEven(hn::BitCast(d16, odd), hn::BitCast(d16, hn::ShiftRight<16>(even)));
+  hn::StoreU(hn::BitCast(DU(), halves), DU(), static_cast<uint32_t*>(p));
+}
+
+HWY_INLINE void LoadBF16EvenOdd(const uint16_t* HWY_RESTRICT p, VF& even, VF& odd) {
+  const VU raw = LoadU16Pairs(p);
+  even = hn::BitCast(DF(), hn::ShiftLeft<16>(raw));
+  odd = hn::BitCast(DF(), hn::And(raw, hn::Set(DU(), 0xFFFF0000u)));
+}
+
+HWY_INLINE void StoreBF16EvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT p) {
+  StoreHighHalvesEvenOdd(F32ToBF16High(even), F32ToBF16High(odd), p);
+}
+
+// LoadRemainderx2 / StoreRemainderx2 in even/odd order.
+HWY_INLINE void LoadRemainderEvenOdd(const uint16_t* HWY_RESTRICT param,
+                                     const int16_t* HWY_RESTRICT rem, VF& even,
+                                     VF& odd) {
+  const DU du;
+  const DI di;
+  const VU p = LoadU16Pairs(param);
+  const VI r = hn::BitCast(di, LoadU16Pairs(rem));
+  const VU r_even = hn::BitCast(du, hn::ShiftRight<16>(hn::ShiftLeft<16>(r)));
+  const VU r_odd = hn::BitCast(du, hn::ShiftRight<16>(r));
+  even = hn::BitCast(DF(), hn::Add(hn::ShiftLeft<16>(p), r_even));
+  odd = hn::BitCast(DF(), hn::Add(hn::And(p, hn::Set(du, 0xFFFF0000u)), r_odd));
+}
+
+HWY_INLINE void StoreRemainderEvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT param,
+                                      uint16_t* HWY_RESTRICT rem) {
+  const DU du;
+  const DU16Pairs d16;
+  const VU e = hn::BitCast(du, even);
+  const VU o = hn::BitCast(du, odd);
+  const VU half = hn::Set(du, 0x8000u);
+  StoreHighHalvesEvenOdd(hn::Add(e, half), hn::Add(o, half), param);
+  const auto low_halves =
+      hn::OddEven(hn::BitCast(d16, hn::ShiftLeft<16>(o)), hn::BitCast(d16, e));
+  hn::StoreU(hn::BitCast(du, low_halves), du, reinterpret_cast<uint32_t*>(rem));
 }
 
 // ---------------------------------------------------------------------------
