@@ -205,13 +205,14 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
   }
 }
 
-// The param is rounded from the updated fp32 w, as in the block path.
-template <int kWeight, bool kEO>
+// The param is rounded from the updated fp32 w, as in the block path. kNoNaN:
+// a and b hold no NaN (see FusedStore).
+template <int kWeight, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   if constexpr (kWeight == internal::kFusedParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
   } else if constexpr (kWeight == internal::kFusedMasterF32) {
-    StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
+    StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
   } else if constexpr (kEO) {
     StoreRemainderEvenOdd(a, b, static_cast<uint16_t*>(param) + i,
@@ -252,14 +253,14 @@ HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b
 }
 
 // Scaled moments store round(x / new_scale), dividing as the block encoders do.
-template <int kMoments, bool kEO>
+template <int kMoments, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
   if constexpr (kMoments == internal::kFusedMomentsF32) {
     StoreF32x2(a, b, static_cast<float*>(p) + i);
   } else if constexpr (kEO) {
-    StoreBF16EvenOdd(a, b, static_cast<uint16_t*>(p) + i);
+    StoreBF16EvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
   } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
-    StoreBF16x2(a, b, static_cast<uint16_t*>(p) + i);
+    StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
   } else {
     const VF s = hn::Set(DF(), scale);
     if constexpr (kMoments == internal::kFusedMomentsF16Scaled) {
@@ -286,13 +287,30 @@ HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* maste
   LoadMomentx2<kMoments, kEO>(v, i, v_factor, p.v0, p.v1);
 }
 
+template <int kGrad, int kWeight, int kMoments, bool kNoNaN>
+HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s,
+                              void* param, void* master, void* m, void* v, size_t i) {
+  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
+  StoreWx2<kWeight, kEO, false>(p.w0, p.w1, param, master, i);
+  StoreMomentx2<kMoments, kEO, kNoNaN>(p.m0, p.m1, s.m_new, m, i);
+  StoreMomentx2<kMoments, kEO, kNoNaN>(p.v0, p.v1, s.v_new, v, i);
+}
+
+// bf16 rounding needs a NaN rule, which costs three instructions per vector;
+// a pair of bf16 moments that holds no NaN (their sum is not NaN: any NaN
+// makes it NaN, and inf - inf only sends a pair the exact way) skips it. Only
+// the moments: checking a bf16-rounded param too measured slower.
 template <int kGrad, int kWeight, int kMoments>
 HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
                            void* param, void* master, void* m, void* v, size_t i) {
-  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
-  StoreWx2<kWeight, kEO>(p.w0, p.w1, param, master, i);
-  StoreMomentx2<kMoments, kEO>(p.m0, p.m1, s.m_new, m, i);
-  StoreMomentx2<kMoments, kEO>(p.v0, p.v1, s.v_new, v, i);
+  if constexpr (kMoments == internal::kFusedMomentsBF16) {
+    const VF sum = hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1));
+    if (HWY_LIKELY(hn::AllFalse(DF(), hn::IsNaN(sum)))) {
+      FusedStoreAll<kGrad, kWeight, kMoments, true>(p, s, param, master, m, v, i);
+      return;
+    }
+  }
+  FusedStoreAll<kGrad, kWeight, kMoments, false>(p, s, param, master, m, v, i);
 }
 
 // internal::FusedFn. Each stream is read once and written once, with nothing

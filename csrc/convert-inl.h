@@ -154,18 +154,24 @@ HWY_INLINE VF BF16ToF32(VU h) { return hn::BitCast(DF(), hn::ShiftLeft<16>(h)); 
 // specified): round to nearest even; a NaN keeps its sign and top payload bits
 // and is made quiet (what AVX512-BF16 and Arm BFCVT store); rounding could
 // otherwise carry a NaN into inf. IsNaN, not Ne(x, x): Highway 1.0.3's Ne is
-// ordered on AVX2 but not on SSE4.
+// ordered on AVX2 but not on SSE4. kNoNaN: the caller has checked that `x`
+// holds no NaN, and the NaN rule is skipped.
+template <bool kNoNaN = false>
 HWY_INLINE VU F32ToBF16High(VF x) {
   const DU du;
   const VU bits = hn::BitCast(du, x);
   const VU odd = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
   const VU rounded = hn::Add(bits, hn::Add(odd, hn::Set(du, 0x7FFFu)));
+  if constexpr (kNoNaN) return rounded;
   return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
                         hn::Or(bits, hn::Set(du, 0x00400000u)), rounded);
 }
 
 // fp32 -> bf16 bits in the low half of each lane.
-HWY_INLINE VU F32ToBF16(VF x) { return hn::ShiftRight<16>(F32ToBF16High(x)); }
+template <bool kNoNaN = false>
+HWY_INLINE VU F32ToBF16(VF x) {
+  return hn::ShiftRight<16>(F32ToBF16High<kNoNaN>(x));
+}
 
 // fp16 bits (zero-extended) -> fp32, the hardware result without hardware.
 HWY_INLINE VF F16BitsToF32(VU h) {
@@ -287,8 +293,9 @@ HWY_INLINE void LoadBF16x2(const uint16_t* HWY_RESTRICT p, VF& a, VF& b) {
   b = BF16ToF32(LoadWideU16(p + hn::Lanes(DF())));
 }
 
+template <bool kNoNaN = false>
 HWY_INLINE void StoreBF16x2(VF a, VF b, uint16_t* HWY_RESTRICT p) {
-  StoreNarrowU16(F32ToBF16(a), F32ToBF16(b), p);
+  StoreNarrowU16(F32ToBF16<kNoNaN>(a), F32ToBF16<kNoNaN>(b), p);
 }
 
 HWY_INLINE void LoadF16x2(const uint16_t* HWY_RESTRICT p, VF& a, VF& b) {
@@ -411,8 +418,9 @@ HWY_INLINE void LoadBF16EvenOdd(const uint16_t* HWY_RESTRICT p, VF& even, VF& od
   odd = hn::BitCast(DF(), hn::And(raw, hn::Set(DU(), 0xFFFF0000u)));
 }
 
+template <bool kNoNaN = false>
 HWY_INLINE void StoreBF16EvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT p) {
-  StoreHighHalvesEvenOdd(F32ToBF16High(even), F32ToBF16High(odd), p);
+  StoreHighHalvesEvenOdd(F32ToBF16High<kNoNaN>(even), F32ToBF16High<kNoNaN>(odd), p);
 }
 
 // LoadRemainderx2 / StoreRemainderx2 in even/odd order.
