@@ -22,8 +22,9 @@
 //   (param << 16) + sign-extended remainder, exactly; the split stores
 //   param = (w + 0x8000) >> 16 and remainder = low 16 bits of w.
 //
-// Element order is natural everywhere (a decoded block lines up with every other
-// stream's block). Everything works on pairs of vectors: narrowing packs two
+// Element order is natural (a decoded block lines up with every other stream's
+// block), except in the even/odd codecs that only the all-16-bit fused layout
+// uses for all of its streams. Everything works on pairs of vectors: narrowing packs two
 // vectors at once where the target has pack instructions (one pack + one lane
 // fix-up per 16 bf16 on AVX2) instead of Highway's one-vector DemoteTo, which
 // pays that fix-up per 8 lanes; fp8 decodes through the fp16 converter.
