@@ -205,14 +205,13 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
   }
 }
 
-// The param is rounded from the updated fp32 w, as in the block path. kNoNaN:
-// a and b hold no NaN (see FusedStore).
-template <int kWeight, bool kEO, bool kNoNaN>
+// The param is rounded from the updated fp32 w, as in the block path.
+template <int kWeight, bool kEO>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   if constexpr (kWeight == internal::kFusedParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
   } else if constexpr (kWeight == internal::kFusedMasterF32) {
-    StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i);
+    StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
   } else if constexpr (kEO) {
     StoreRemainderEvenOdd(a, b, static_cast<uint16_t*>(param) + i,
@@ -253,6 +252,7 @@ HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b
 }
 
 // Scaled moments store round(x / new_scale), dividing as the block encoders do.
+// kNoNaN: a and b hold no NaN (see FusedStore).
 template <int kMoments, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
   if constexpr (kMoments == internal::kFusedMomentsF32) {
@@ -291,7 +291,7 @@ template <int kGrad, int kWeight, int kMoments, bool kNoNaN>
 HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s,
                               void* param, void* master, void* m, void* v, size_t i) {
   constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
-  StoreWx2<kWeight, kEO, false>(p.w0, p.w1, param, master, i);
+  StoreWx2<kWeight, kEO>(p.w0, p.w1, param, master, i);
   StoreMomentx2<kMoments, kEO, kNoNaN>(p.m0, p.m1, s.m_new, m, i);
   StoreMomentx2<kMoments, kEO, kNoNaN>(p.v0, p.v1, s.v_new, v, i);
 }
