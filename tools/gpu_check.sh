@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one command from the repository root of a CUDA machine (no internet
 # needed): build shardadam with its CUDA backend, run the CUDA tests (pytest, then the
-# C++ CUDA tests where tests/cpp has any), then the GPU benchmark. Everything lands in
+# C++ CUDA tests, and the CPU core's adam_test and codec_test on the host's SIMD
+# targets), then the GPU benchmark. Everything lands in
 # $OUT (default build/gpu-check): env.txt, one log per stage, pytest.xml,
 # cuda_bench.json, summary.txt. Stays within GPU_CHECK_BUDGET_S seconds (default 470):
 # each stage is cut short so the later ones keep their share. Exits 1 if any stage
@@ -206,30 +207,28 @@ stage pytest 220 100 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
   --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py
 
 # C++ tests of the CUDA backend: tests/cpp/*cuda*_test.* and tests/cpp/cuda/*_test.*,
-# one executable each, run directly (their GoogleTest names need not say "cuda").
+# one executable each, run directly (their GoogleTest names need not say "cuda"); and
+# the CPU core's own suites, which run every SIMD target the host supports: a GPU
+# host's CPU often has AVX-512, whose kernels no other machine here executes.
 shopt -s nullglob
-CUDA_TESTS=()
+CPP_TESTS=(adam_test codec_test)
 for source in tests/cpp/*cuda*_test.cc tests/cpp/*cuda*_test.cu tests/cpp/cuda/*_test.cc \
     tests/cpp/cuda/*_test.cu; do
   name=$(basename "$source")
-  CUDA_TESTS+=("${name%.*}")
+  CPP_TESTS+=("${name%.*}")
 done
-if ((${#CUDA_TESTS[@]} > 0)); then
-  # Reuses the wheel's build tree (the core is built already), adding the tests.
-  # shellcheck disable=SC2016  # expanded by the inner shell
-  stage cpp-cuda 150 80 15 -- bash -c '
-    set -e
-    cmake -S "$1" -B "$2" -DSHARDADAM_BUILD_TESTS=ON ${3:+-DGTest_DIR=$3}
-    cmake --build "$2" --target "${@:4}"
-    for target in "${@:4}"; do
-      binary=$(find "$2" -type f -name "$target" -perm -u+x | head -n1)
-      echo "== $target ($binary)"
-      "$binary"
-    done
-  ' cpp-cuda "$ROOT" "$BUILD_DIR" "$GTEST_DIR" "${CUDA_TESTS[@]}"
-else
-  record cpp-cuda "none: no tests/cpp/*cuda*_test.* or tests/cpp/cuda/*_test.*"
-fi
+# Reuses the wheel's build tree (the core is built already), adding the tests.
+# shellcheck disable=SC2016  # expanded by the inner shell
+stage cpp 150 80 15 -- bash -c '
+  set -e
+  cmake -S "$1" -B "$2" -DSHARDADAM_BUILD_TESTS=ON ${3:+-DGTest_DIR=$3}
+  cmake --build "$2" --target "${@:4}"
+  for target in "${@:4}"; do
+    binary=$(find "$2" -type f -name "$target" -perm -u+x | head -n1)
+    echo "== $target ($binary)"
+    "$binary" --gtest_brief=1
+  done
+' cpp "$ROOT" "$BUILD_DIR" "$GTEST_DIR" "${CPP_TESTS[@]}"
 
 # ---------------------------------------------------------------------------- bench
 stage bench 200 0 40 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"

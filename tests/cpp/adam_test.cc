@@ -167,7 +167,8 @@ TEST(AdamSpecialValuesTest, HugeOldFp8ScaleMatchesReference) {
   std::vector<Tensor> tensors = {MakeTensor(config, 1000, &rng),
                                  MakeTensor(config, 70001, &rng)};
   for (Tensor& t : tensors) {
-    // Codes near 1 now stand for values near 3e38 (finite: 2^8 * 3e38 is not).
+    // Finite scales that 256 times over overflow; most decoded moments become
+    // inf, which the reference handles as well (S2.3: the new scale is 1).
     t.exp_avg_scale = 3e38f / 448.0f * 200.0f;
     t.exp_avg_sq_scale = FLT_MAX / 448.0f;
   }
