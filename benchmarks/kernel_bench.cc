@@ -45,6 +45,8 @@ const Preset kPresets[] = {
      DType::kBFloat16, DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder},
     {"p=bf16 g=bf16 master=fp32 m=fp8 v=fp8", DType::kBFloat16, DType::kBFloat16,
      DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat32},
+    {"p=bf16 g=bf16 master=fp32 m=fp8 v=bf16", DType::kBFloat16, DType::kBFloat16,
+     DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32},
 };
 
 size_t Bytes(DType t) {
@@ -101,8 +103,8 @@ void ProbeRange(const G* g, W* w, M* m, V* v, P* p, bool param_write_only,
 }
 
 // The read-only pass of the two-pass probe over one range.
-template <class G, class M>
-uint32_t ReadRange(const G* g, const M* m, const M* v, size_t begin, size_t end) {
+template <class G, class M, class V>
+uint32_t ReadRange(const G* g, const M* m, const V* v, size_t begin, size_t end) {
   uint32_t acc = 0;
   for (size_t i = begin; i < end; ++i) acc ^= g[i] + m[i] + v[i];
   return acc;
@@ -225,8 +227,10 @@ struct Case {
         m[i] = static_cast<u16>(m[i] + x);
         v[i] = static_cast<u16>(v[i] + x);
       }
-    } else if (fp8) {
+    } else if (fp8 && Bytes(preset.exp_avg_sq) == 1) {
       ProbeTyped<u16, u32, u8, u8, u16>(begin, end);
+    } else if (fp8) {
+      ProbeTyped<u16, u32, u8, u16, u16>(begin, end);
     } else if (Bytes(preset.exp_avg) == 2) {
       ProbeTyped<u16, u32, u16, u16, u16>(begin, end);
     } else {
@@ -236,9 +240,12 @@ struct Case {
 
   void ReadRangeForPreset(size_t begin, size_t end) {
     uint32_t acc;
-    if (Bytes(preset.exp_avg) == 1) {
+    if (Bytes(preset.exp_avg) == 1 && Bytes(preset.exp_avg_sq) == 1) {
       acc = ReadRange(As<const uint16_t>(grad), As<const uint8_t>(exp_avg),
                       As<const uint8_t>(exp_avg_sq), begin, end);
+    } else if (Bytes(preset.exp_avg) == 1) {
+      acc = ReadRange(As<const uint16_t>(grad), As<const uint8_t>(exp_avg),
+                      As<const uint16_t>(exp_avg_sq), begin, end);
     } else {
       acc = ReadRange(As<const uint16_t>(grad), As<const uint16_t>(exp_avg),
                       As<const uint16_t>(exp_avg_sq), begin, end);

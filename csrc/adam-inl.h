@@ -224,23 +224,24 @@ HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
 
 // A moment stream's decode factor: the old scale (fp8 codes decode to a fixed
 // fraction of their value, folded in here; the plan only picks the fused path
-// when the product is finite, see DecodeF8Scaled).
-template <int kMoments>
+// when the product is finite, see DecodeF8Scaled). kStream: the stream's codec
+// (internal::ExpAvgStream / ExpAvgSqStream of the layout).
+template <int kStream>
 HWY_INLINE float MomentDecodeFactor(float old_scale) {
-  return kMoments == internal::kFusedMomentsF8Scaled ? old_scale * kF8RawFactor
-                                                     : old_scale;
+  return kStream == internal::kFusedMomentsF8Scaled ? old_scale * kF8RawFactor
+                                                    : old_scale;
 }
 
-template <int kMoments, bool kEO>
+template <int kStream, bool kEO>
 HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b) {
-  if constexpr (kMoments == internal::kFusedMomentsF32) {
+  if constexpr (kStream == internal::kFusedMomentsF32) {
     LoadF32x2(static_cast<const float*>(p) + i, a, b);
   } else if constexpr (kEO) {
     LoadBF16EvenOdd(static_cast<const uint16_t*>(p) + i, a, b);
-  } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
+  } else if constexpr (kStream == internal::kFusedMomentsBF16) {
     LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
   } else {
-    if constexpr (kMoments == internal::kFusedMomentsF16Scaled) {
+    if constexpr (kStream == internal::kFusedMomentsF16Scaled) {
       LoadF16x2(static_cast<const uint16_t*>(p) + i, a, b);
     } else {
       LoadF8x2Raw(static_cast<const uint8_t*>(p) + i, a, b);
@@ -253,17 +254,17 @@ HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b
 
 // Scaled moments store round(x / new_scale), dividing as the block encoders do.
 // kNoNaN: a and b hold no NaN (see FusedStore).
-template <int kMoments, bool kEO, bool kNoNaN>
+template <int kStream, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
-  if constexpr (kMoments == internal::kFusedMomentsF32) {
+  if constexpr (kStream == internal::kFusedMomentsF32) {
     StoreF32x2(a, b, static_cast<float*>(p) + i);
   } else if constexpr (kEO) {
     StoreBF16EvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
-  } else if constexpr (kMoments == internal::kFusedMomentsBF16) {
+  } else if constexpr (kStream == internal::kFusedMomentsBF16) {
     StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
   } else {
     const VF s = hn::Set(DF(), scale);
-    if constexpr (kMoments == internal::kFusedMomentsF16Scaled) {
+    if constexpr (kStream == internal::kFusedMomentsF16Scaled) {
       StoreF16x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint16_t*>(p) + i);
     } else {
       StoreF8x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint8_t*>(p) + i);
@@ -283,8 +284,8 @@ HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* maste
   constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
   LoadGradx2<kGrad, kEO>(grad, i, p.g0, p.g1);
   LoadWx2<kWeight, kEO>(param, master, i, p.w0, p.w1);
-  LoadMomentx2<kMoments, kEO>(m, i, m_factor, p.m0, p.m1);
-  LoadMomentx2<kMoments, kEO>(v, i, v_factor, p.v0, p.v1);
+  LoadMomentx2<internal::ExpAvgStream(kMoments), kEO>(m, i, m_factor, p.m0, p.m1);
+  LoadMomentx2<internal::ExpAvgSqStream(kMoments), kEO>(v, i, v_factor, p.v0, p.v1);
 }
 
 template <int kGrad, int kWeight, int kMoments, bool kNoNaN>
@@ -292,8 +293,10 @@ HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s
                               void* param, void* master, void* m, void* v, size_t i) {
   constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
   StoreWx2<kWeight, kEO>(p.w0, p.w1, param, master, i);
-  StoreMomentx2<kMoments, kEO, kNoNaN>(p.m0, p.m1, s.m_new, m, i);
-  StoreMomentx2<kMoments, kEO, kNoNaN>(p.v0, p.v1, s.v_new, v, i);
+  StoreMomentx2<internal::ExpAvgStream(kMoments), kEO, kNoNaN>(p.m0, p.m1, s.m_new, m,
+                                                                i);
+  StoreMomentx2<internal::ExpAvgSqStream(kMoments), kEO, kNoNaN>(p.v0, p.v1, s.v_new,
+                                                                  v, i);
 }
 
 // bf16 rounding needs a NaN rule, which costs three instructions per vector;
@@ -327,8 +330,8 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   const size_t step = 2 * hn::Lanes(DF());
   const VecOps<kUnitBc2> ops;
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
-  const float m_factor = MomentDecodeFactor<kMoments>(s.m_old);
-  const float v_factor = MomentDecodeFactor<kMoments>(s.v_old);
+  const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
+  const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
   // AdamElement is called here, not from a helper: HWY_FLATTEN inlines it
   // only into the function that carries the attribute.
   FusedPair current;
@@ -349,7 +352,7 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   FusedStore<kGrad, kWeight, kMoments>(current, s, param, master, m, v, i);
 }
 
-// internal::FusedMeasureFn: FusedSpan's m and v, reduced instead of stored.
+// internal::FusedMeasureFn: FusedSpan's scaled moments, reduced instead of stored.
 // With AdamW, w's update is unused and the compiler drops it with its square
 // root and divisions.
 template <bool kAdamW, int kGrad, int kWeight, int kMoments>
@@ -358,12 +361,14 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
                                            const void* m, const void* v,
                                            const internal::FusedScales& s, size_t n,
                                            uint32_t* max_bits) {
+  constexpr int kM = internal::ExpAvgStream(kMoments);
+  constexpr int kV = internal::ExpAvgSqStream(kMoments);
   const DI di;
   const size_t L = hn::Lanes(DF());
   const VecOps<true> ops;
   const typename VecOps<true>::Consts c = MakeConsts<true>(k);
-  const float m_factor = MomentDecodeFactor<kMoments>(s.m_old);
-  const float v_factor = MomentDecodeFactor<kMoments>(s.v_old);
+  const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
+  const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
   VI acc_m = hn::Zero(di);
   VI acc_v = hn::Zero(di);
   for (size_t i = 0; i < n; i += 2 * L) {
@@ -376,12 +381,17 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
     } else {
       LoadWx2<kWeight, false>(param, master, i, w0, w1);
     }
-    LoadMomentx2<kMoments, false>(m, i, m_factor, m0, m1);
-    LoadMomentx2<kMoments, false>(v, i, v_factor, v0, v1);
+    LoadMomentx2<kM, false>(m, i, m_factor, m0, m1);
+    LoadMomentx2<kV, false>(v, i, v_factor, v0, v1);
     AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
     AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
-    acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
-    acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
+    // An unscaled moment is not measured (with AdamW its update is then dead).
+    if constexpr (internal::IsScaledStream(kM)) {
+      acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
+    }
+    if constexpr (internal::IsScaledStream(kV)) {
+      acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
+    }
   }
   const uint32_t bits_m = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m)));
   const uint32_t bits_v = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v)));

@@ -6,8 +6,8 @@
 //   before this passes;
 // - per tensor, pick one fused kernel when the layout has one (fp32 or bf16
 //   grad; fp32 param, bf16 param + fp32 master, or bf16 param + remainder;
-//   both moments fp32, bf16, fp16 or fp8), else a decoder and an encoder per
-//   stream from the target's KernelTable;
+//   both moments fp32, bf16, fp16 or fp8, or fp8 exp_avg + bf16 exp_avg_sq),
+//   else a decoder and an encoder per stream from the target's KernelTable;
 // - split the whole list of tensors into work items that start on multiples
 //   of kChunk elements (cache-line aligned for every dtype) and run them on the
 //   blocking thread pool. A fused layout walks its range a pair of vectors at
@@ -148,9 +148,13 @@ struct TensorPlan {
   }
 };
 
-// The fused kernels' moment index of a state dtype.
-int FusedMomentsOf(DType dtype) {
-  switch (dtype) {
+// The fused kernels' moment layout of a pair of moment dtypes, or -1.
+int FusedMomentsOf(DType exp_avg, DType exp_avg_sq) {
+  if (exp_avg == DType::kFloat8E4M3 && exp_avg_sq == DType::kBFloat16) {
+    return kFusedMomentsF8BF16;
+  }
+  if (exp_avg != exp_avg_sq) return -1;
+  switch (exp_avg) {
     case DType::kFloat32: return kFusedMomentsF32;
     case DType::kBFloat16: return kFusedMomentsBF16;
     case DType::kFloat16: return kFusedMomentsF16Scaled;
@@ -162,7 +166,8 @@ int FusedMomentsOf(DType dtype) {
 // plan's old scales.
 void ChooseFused(const TensorSlot& s, TensorPlan& p) {
   if (s.grad_dtype != DType::kFloat32 && s.grad_dtype != DType::kBFloat16) return;
-  if (s.exp_avg_dtype != s.exp_avg_sq_dtype) return;
+  const int moments = FusedMomentsOf(s.exp_avg_dtype, s.exp_avg_sq_dtype);
+  if (moments < 0) return;
   if (s.param_dtype == DType::kFloat32 && s.master_dtype == DType::kNone) {
     p.fused_weight = kFusedParamF32;
   } else if (s.param_dtype == DType::kBFloat16 && s.master_dtype == DType::kFloat32) {
@@ -173,14 +178,17 @@ void ChooseFused(const TensorSlot& s, TensorPlan& p) {
   } else {
     return;
   }
-  p.fused_grad = s.grad_dtype == DType::kFloat32 ? kFusedGradF32 : kFusedGradBF16;
-  p.fused_moments = FusedMomentsOf(s.exp_avg_dtype);
   // The fused fp8 decoder folds a power-of-two factor (at most 256) into the
   // old scale; an absurdly large scale takes the block path, which does not.
-  if (p.fused_moments == kFusedMomentsF8Scaled &&
-      !(std::isfinite(p.old_scale[1] * 256.0f) && std::isfinite(p.old_scale[2] * 256.0f))) {
+  const auto folds = [](int stream, float old_scale) {
+    return stream != kFusedMomentsF8Scaled || std::isfinite(old_scale * 256.0f);
+  };
+  if (!folds(ExpAvgStream(moments), p.old_scale[1]) ||
+      !folds(ExpAvgSqStream(moments), p.old_scale[2])) {
     return;
   }
+  p.fused_grad = s.grad_dtype == DType::kFloat32 ? kFusedGradF32 : kFusedGradBF16;
+  p.fused_moments = moments;
   p.fused = true;
 }
 

@@ -94,16 +94,17 @@ struct FusedScales {
 using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
                          void* master, void* m, void* v, const FusedScales& s,
                          size_t n);
-// Pass 1 of a fused layout with scaled moments: the new m and v of all `n`
-// elements, stored nowhere, folded into max_bits[1..2] (see ReduceFn). Reads
-// w (param or master) only in L2 mode, where m and v depend on it.
+// Pass 1 of a fused layout with scaled moments: the new values of its scaled
+// moments over all `n` elements, stored nowhere, folded into max_bits[1] (m)
+// and max_bits[2] (v) (see ReduceFn). Reads w (param or master) only in L2
+// mode, where m and v depend on it.
 using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
                                 const void* param, const void* master,
                                 const void* m, const void* v, const FusedScales& s,
                                 size_t n, uint32_t* max_bits);
 
 // The layouts with a fused kernel, by stream. A scaled (fp16) master, fp16
-// params or grads, and moments of two different dtypes take the block path.
+// params or grads, and other pairs of moment dtypes take the block path.
 enum FusedGrad : int { kFusedGradF32 = 0, kFusedGradBF16, kNumFusedGrad };
 enum FusedWeight : int {
   kFusedParamF32 = 0,   // fp32 param, no master
@@ -111,16 +112,29 @@ enum FusedWeight : int {
   kFusedRemainder,      // bf16 param + int16 remainder
   kNumFusedWeight,
 };
-// Both moments in one dtype.
+// Moment layouts with a fused kernel: both moments in one dtype, or fp8 exp_avg
+// beside bf16 exp_avg_sq (fp8's range is narrow for exp_avg_sq).
 enum FusedMoments : int {
   kFusedMomentsF32 = 0,
   kFusedMomentsBF16,
   kFusedMomentsF16Scaled,
   kFusedMomentsF8Scaled,
+  kFusedMomentsF8BF16,
   kNumFusedMoments,
 };
+// The codec of each moment stream of a layout, as the FusedMoments value of a
+// layout with both moments in that codec.
+inline constexpr int ExpAvgStream(int moments) {
+  return moments == kFusedMomentsF8BF16 ? kFusedMomentsF8Scaled : moments;
+}
+inline constexpr int ExpAvgSqStream(int moments) {
+  return moments == kFusedMomentsF8BF16 ? kFusedMomentsBF16 : moments;
+}
+inline constexpr bool IsScaledStream(int stream) {
+  return stream == kFusedMomentsF16Scaled || stream == kFusedMomentsF8Scaled;
+}
 inline constexpr bool IsScaledMoments(int moments) {
-  return moments >= kFusedMomentsF16Scaled;
+  return IsScaledStream(ExpAvgStream(moments)) || IsScaledStream(ExpAvgSqStream(moments));
 }
 
 struct FusedTable {

@@ -159,29 +159,33 @@ INSTANTIATE_TEST_SUITE_P(Representative, AdamLargeTest,
 
 // An fp8 state whose old scale is so large that scale * 256 overflows: the
 // fused fp8 decoder cannot fold its factor into it, so the step takes the
-// block path, which must still agree with the reference.
+// block path, which must still agree with the reference. Both fused layouts
+// with fp8 moments.
 TEST(AdamSpecialValuesTest, HugeOldFp8ScaleMatchesReference) {
-  const Config config = {DType::kBFloat16,   DType::kBFloat16, DType::kFloat8E4M3,
-                         DType::kFloat8E4M3, DType::kFloat32,  true};
-  std::mt19937 rng(6);
-  std::vector<Tensor> tensors = {MakeTensor(config, 1000, &rng),
-                                 MakeTensor(config, 70001, &rng)};
-  for (Tensor& t : tensors) {
-    // Finite scales that 256 times over overflow; most decoded moments become
-    // inf, which the reference handles as well (S2.3: the new scale is 1).
-    t.exp_avg_scale = 3e38f / 448.0f * 200.0f;
-    t.exp_avg_sq_scale = FLT_MAX / 448.0f;
+  for (DType exp_avg_sq : {DType::kFloat8E4M3, DType::kBFloat16}) {
+    const Config config = {DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                           exp_avg_sq,       DType::kFloat32,  true};
+    SCOPED_TRACE(ConfigName(config));
+    std::mt19937 rng(6);
+    std::vector<Tensor> tensors = {MakeTensor(config, 1000, &rng),
+                                   MakeTensor(config, 70001, &rng)};
+    for (Tensor& t : tensors) {
+      // Finite scales that 256 times over overflow; most decoded moments become
+      // inf, which the reference handles as well (S2.3: the new scale is 1).
+      t.exp_avg_scale = 3e38f / 448.0f * 200.0f;
+      if (exp_avg_sq == DType::kFloat8E4M3) t.exp_avg_sq_scale = FLT_MAX / 448.0f;
+    }
+    StepParams params;
+    std::vector<Tensor> want = tensors;
+    std::vector<TensorSlot> want_slots = Slots(&want);
+    ref::AdamStep(want_slots.data(), 2, params);
+    ForEachTarget([&] {
+      std::vector<Tensor> got = tensors;
+      std::vector<TensorSlot> slots = Slots(&got);
+      ASSERT_EQ(AdamStep(slots.data(), 2, params, 2, nullptr), Status::kOk);
+      ASSERT_TRUE(SameTensors(want, got));
+    });
   }
-  StepParams params;
-  std::vector<Tensor> want = tensors;
-  std::vector<TensorSlot> want_slots = Slots(&want);
-  ref::AdamStep(want_slots.data(), 2, params);
-  ForEachTarget([&] {
-    std::vector<Tensor> got = tensors;
-    std::vector<TensorSlot> slots = Slots(&got);
-    ASSERT_EQ(AdamStep(slots.data(), 2, params, 2, nullptr), Status::kOk);
-    ASSERT_TRUE(SameTensors(want, got));
-  });
 }
 
 // Zero gradients and zero moments: the new moments are all zero and their scale

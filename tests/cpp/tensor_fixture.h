@@ -70,8 +70,8 @@ inline std::vector<Config> AllConfigs() {
 }
 
 // A few configurations that together touch every codec and every kind of
-// kernel (block path; fused with unscaled, fp8 and fp16 moments, in AdamW and
-// L2 mode; the even/odd all-16-bit layout), for the costlier tests.
+// kernel (block path; fused with unscaled, fp8, fp16 and fp8 + bf16 moments,
+// in AdamW and L2 mode; the even/odd all-16-bit layout), for the costlier tests.
 inline std::vector<Config> RepresentativeConfigs() {
   using D = DType;
   return {
@@ -90,6 +90,9 @@ inline std::vector<Config> RepresentativeConfigs() {
       {D::kFloat32, D::kFloat32, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone, false},
       {D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kInt16Remainder,
        true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kBFloat16, D::kFloat32, true},
+      {D::kBFloat16, D::kFloat32, D::kFloat8E4M3, D::kBFloat16, D::kInt16Remainder,
+       false},
   };
 }
 
