@@ -242,7 +242,7 @@ def meta(device) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
                     memory_bytes=props.total_memory, torch_cuda=torch.version.cuda)
-        info["step_backend"] = ("cuda (C++)" if _cuda_path.available()
+        info["step_backend"] = ("cuda (C++)" if _cuda_path.available(device)
                                 else "torch ops (the CUDA backend is not available)")
     return info
 

@@ -702,3 +702,19 @@ def test_info_command_reports_the_cuda_backend(capsys):
             assert "no device" in line, line
         else:
             assert f"{INFO['cuda_devices']} device" in line, line
+
+
+@needs_gpu
+def test_gpu_benchmark_metadata_names_the_step_backend():
+    """benchmarks/cuda_bench.py's report header (run only by the GPU check)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cuda_bench.py")
+    spec = importlib.util.spec_from_file_location("cuda_bench", path)
+    cuda_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cuda_bench)
+    info = cuda_bench.meta(torch.device("cuda", 0))
+    expected = ("cuda (C++)" if _cuda_path.available(torch.device("cuda", 0))
+                else "torch ops (the CUDA backend is not available)")
+    assert info["step_backend"] == expected
+    assert info["gpu"] == torch.cuda.get_device_properties(0).name
