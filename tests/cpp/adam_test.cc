@@ -27,28 +27,35 @@ namespace shardadam {
 namespace testing {
 namespace {
 
-// Steps `tensors` through the schedule; at each step the reference and, from
-// the same starting state, the SIMD kernels on every target must agree.
+// One step of `tensors` by the reference and, from the same starting state, by
+// the SIMD kernels on every target with `threads` threads: all must agree.
+// Returns the reference's result.
+std::vector<Tensor> ExpectStepMatchesReference(const std::vector<Tensor>& tensors,
+                                               const StepParams& params, int threads) {
+  std::vector<Tensor> want = tensors;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
+  ForEachTarget([&] {
+    std::vector<Tensor> got = tensors;
+    std::vector<TensorSlot> slots = Slots(&got);
+    Error error;
+    ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params,
+                       threads, &error),
+              Status::kOk)
+        << error.message;
+    ASSERT_TRUE(SameTensors(want, got));
+  });
+  return want;
+}
+
+// Steps `tensors` through the schedule, each step checked as above.
 void ExpectStepsMatchReference(std::vector<Tensor> tensors, bool adam_w,
                                int threads, uint32_t seed) {
   std::mt19937 rng(seed);
   for (const StepParams& params : Schedule(adam_w)) {
     SCOPED_TRACE("step " + std::to_string(params.step));
     for (Tensor& t : tensors) FillGrad(&t, &rng);
-    std::vector<Tensor> want = tensors;
-    std::vector<TensorSlot> want_slots = Slots(&want);
-    ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()),
-                  params);
-    ForEachTarget([&] {
-      std::vector<Tensor> got = tensors;
-      std::vector<TensorSlot> slots = Slots(&got);
-      Error error;
-      ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()),
-                         params, threads, &error),
-                Status::kOk)
-          << error.message;
-      ASSERT_TRUE(SameTensors(want, got));
-    });
+    std::vector<Tensor> want = ExpectStepMatchesReference(tensors, params, threads);
     if (::testing::Test::HasFatalFailure()) return;
     tensors = want;
   }
@@ -86,15 +93,7 @@ TEST_P(AdamDTypeTest, NonFiniteGradientsMatchReference) {
   ref::StoreElement(tensors[2].grad.data(), config.grad, 257, FloatOf(0xFFFFFFFFu));
   StepParams params;
   params.adam_w_mode = config.adam_w;
-  std::vector<Tensor> want = tensors;
-  std::vector<TensorSlot> want_slots = Slots(&want);
-  ref::AdamStep(want_slots.data(), 3, params);
-  ForEachTarget([&] {
-    std::vector<Tensor> got = tensors;
-    std::vector<TensorSlot> slots = Slots(&got);
-    ASSERT_EQ(AdamStep(slots.data(), 3, params, 1, nullptr), Status::kOk);
-    ASSERT_TRUE(SameTensors(want, got));
-  });
+  const std::vector<Tensor> want = ExpectStepMatchesReference(tensors, params, 1);
   if (ref::IsScaled(config.exp_avg)) {
     EXPECT_EQ(want[0].exp_avg_scale, 1.0f);
   }
@@ -175,16 +174,7 @@ TEST(AdamSpecialValuesTest, HugeOldFp8ScaleMatchesReference) {
       t.exp_avg_scale = 3e38f / 448.0f * 200.0f;
       if (exp_avg_sq == DType::kFloat8E4M3) t.exp_avg_sq_scale = FLT_MAX / 448.0f;
     }
-    StepParams params;
-    std::vector<Tensor> want = tensors;
-    std::vector<TensorSlot> want_slots = Slots(&want);
-    ref::AdamStep(want_slots.data(), 2, params);
-    ForEachTarget([&] {
-      std::vector<Tensor> got = tensors;
-      std::vector<TensorSlot> slots = Slots(&got);
-      ASSERT_EQ(AdamStep(slots.data(), 2, params, 2, nullptr), Status::kOk);
-      ASSERT_TRUE(SameTensors(want, got));
-    });
+    ExpectStepMatchesReference(tensors, StepParams(), 2);
   }
 }
 
