@@ -476,6 +476,8 @@ const internal::KernelTable* GetKernelTable() {
         {ReduceBlock<true, true, false>, ReduceBlock<true, true, true>}}},
       kFused,
       AbsMaxBits,
+      AbsMaxBits16,
+      AbsMaxCode8,
   };
   return &table;
 }

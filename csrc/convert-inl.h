@@ -40,6 +40,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "hwy/highway.h"
@@ -615,6 +616,41 @@ uint32_t AbsMaxBits(const float* HWY_RESTRICT x, size_t n) {
     if (bits > best) best = bits;
   }
   return best;
+}
+
+// Largest lane of v, through memory: Highway 1.0.3 has no 8-bit MaxOfLanes
+// on every target, and this runs once per call.
+template <class D>
+HWY_INLINE uint32_t MaxLane(D d, hn::Vec<D> v) {
+  HWY_ALIGN hn::TFromD<D> lanes[HWY_MAX_BYTES / sizeof(hn::TFromD<D>)];
+  hn::Store(v, d, lanes);
+  uint32_t best = 0;
+  for (size_t i = 0; i < hn::Lanes(d); ++i) best = std::max<uint32_t>(best, lanes[i]);
+  return best;
+}
+
+// Largest x[i] & mask over any n: for bf16 / fp16 bit patterns (mask 0x7FFF)
+// and E4M3 codes (0x7F) the largest magnitude, since both order magnitudes as
+// their bits.
+template <typename T>
+HWY_INLINE uint32_t MaskedMax(const T* HWY_RESTRICT x, size_t n, T mask) {
+  const hn::ScalableTag<T> d;
+  const size_t L = hn::Lanes(d);
+  const auto m = hn::Set(d, mask);
+  auto acc = hn::Zero(d);
+  size_t i = 0;
+  for (; i + L <= n; i += L) acc = hn::Max(acc, hn::And(hn::LoadU(d, x + i), m));
+  uint32_t best = MaxLane(d, acc);
+  for (; i < n; ++i) best = std::max<uint32_t>(best, x[i] & mask);
+  return best;
+}
+
+uint32_t AbsMaxBits16(const uint16_t* HWY_RESTRICT x, size_t n) {
+  return MaskedMax<uint16_t>(x, n, 0x7FFF);
+}
+
+uint32_t AbsMaxCode8(const uint8_t* HWY_RESTRICT x, size_t n) {
+  return MaskedMax<uint8_t>(x, n, 0x7F);
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)

@@ -84,6 +84,22 @@ SHARDADAM_HOST_DEVICE inline void AdamElement(const Ops& o, const typename Ops::
   w = o.Sub(w, o.Div(o.Mul(c.step_size, m), denom));
 }
 
+// Upper bounds of |new m| and |new v| over elements whose inputs have
+// magnitudes at most g, w, m, v (as AdamElement sees them: decoded, unscaled).
+// Rounding to nearest is monotone, so AdamElement's own operations on the
+// maxima bound its results: |RN(a + b)| <= RN(|a| + |b|) and
+// |RN(c * x)| = RN(|c| * |x|). A NaN input gives a NaN bound.
+struct MomentBounds {
+  float m, v;
+};
+
+inline MomentBounds NewMomentBounds(const StepConstants& c, float g, float w, float m,
+                                    float v) {
+  if (!c.adam_w_mode) g = g + std::fabs(c.weight_decay) * w;
+  return {std::fabs(c.beta1) * m + std::fabs(c.one_minus_beta1) * g,
+          std::fabs(c.beta2) * v + (std::fabs(c.one_minus_beta2) * g) * g};
+}
+
 }  // namespace shardadam
 
 #endif  // SHARDADAM_ELEMENT_H_

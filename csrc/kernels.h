@@ -146,6 +146,10 @@ struct FusedTable {
 
 // Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).
 using AbsMaxBitsFn = uint32_t (*)(const float* x, size_t n);
+// The same for bf16 / fp16 bit patterns (x & 0x7FFF) and E4M3 codes (x & 0x7F):
+// each format orders magnitudes as its bits.
+using AbsMaxBits16Fn = uint32_t (*)(const uint16_t* x, size_t n);
+using AbsMaxCode8Fn = uint32_t (*)(const uint8_t* x, size_t n);
 
 struct KernelTable {
   int64_t target;  // HWY_* bit of the target that filled the table
@@ -160,6 +164,8 @@ struct KernelTable {
   ReduceFn reduce[2][2][2];  // [adam_w_mode][reduce_w][same]
   FusedTable fused;
   AbsMaxBitsFn abs_max_bits;
+  AbsMaxBits16Fn abs_max_bits16;
+  AbsMaxCode8Fn abs_max_code8;
 };
 
 // The table every entry point uses now: the dispatcher's choice for this CPU,

@@ -27,27 +27,6 @@ namespace shardadam {
 namespace testing {
 namespace {
 
-// One step of `tensors` by the reference and, from the same starting state, by
-// the SIMD kernels on every target with `threads` threads: all must agree.
-// Returns the reference's result.
-std::vector<Tensor> ExpectStepMatchesReference(const std::vector<Tensor>& tensors,
-                                               const StepParams& params, int threads) {
-  std::vector<Tensor> want = tensors;
-  std::vector<TensorSlot> want_slots = Slots(&want);
-  ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
-  ForEachTarget([&] {
-    std::vector<Tensor> got = tensors;
-    std::vector<TensorSlot> slots = Slots(&got);
-    Error error;
-    ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params,
-                       threads, &error),
-              Status::kOk)
-        << error.message;
-    ASSERT_TRUE(SameTensors(want, got));
-  });
-  return want;
-}
-
 // Steps `tensors` through the schedule, each step checked as above.
 void ExpectStepsMatchReference(std::vector<Tensor> tensors, bool adam_w,
                                int threads, uint32_t seed) {

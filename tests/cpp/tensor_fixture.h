@@ -1,6 +1,7 @@
 // Test fixtures shared by the C++ suites that step whole tensors: dtype
-// configurations, caller-owned tensor buffers in a mid-training state, and the
-// bitwise (NaN-tolerant) comparison of two sets of tensors.
+// configurations, caller-owned tensor buffers (mid-training or from given
+// values), the bitwise (NaN-tolerant) comparison of two sets of tensors, and
+// the check that one step on every target equals the reference.
 #ifndef SHARDADAM_TESTS_CPP_TENSOR_FIXTURE_H_
 #define SHARDADAM_TESTS_CPP_TENSOR_FIXTURE_H_
 
@@ -158,9 +159,13 @@ inline void FillGrad(Tensor* t, std::mt19937* rng) {
   }
 }
 
-// A tensor mid-training: weights, non-zero moments, a master consistent with
-// the param as S2.5 / S3.6 leave it.
-inline Tensor MakeTensor(const Config& config, int64_t numel, std::mt19937* rng) {
+// A tensor holding the true values w (weights), m, v (moments) and g (grad),
+// each stored as its dtype rounds it (scaled states with the S2.3 scale, the
+// master consistent with the param as S2.5 / S3.6 leave it).
+inline Tensor TensorFromValues(const Config& config, const std::vector<float>& w,
+                               const std::vector<float>& m, const std::vector<float>& v,
+                               const std::vector<float>& g) {
+  const int64_t numel = static_cast<int64_t>(w.size());
   Tensor t;
   t.config = config;
   t.numel = numel;
@@ -170,10 +175,6 @@ inline Tensor MakeTensor(const Config& config, int64_t numel, std::mt19937* rng)
   t.exp_avg_sq = Buffer(config.exp_avg_sq, numel);
   t.master = Buffer(
       config.master == DType::kNone ? DType::kFloat32 : config.master, numel);
-  const std::vector<float> w = Normal(rng, numel, 1.0f);
-  std::vector<float> m = Normal(rng, numel, 0.05f),
-                     v = Normal(rng, numel, 0.02f);
-  for (float& x : v) x = x * x;
   if (config.master == DType::kInt16Remainder) {
     for (int64_t i = 0; i < numel; ++i) {
       ref::SplitMaster(w[i], reinterpret_cast<uint16_t*>(t.param.data()) + i,
@@ -189,8 +190,20 @@ inline Tensor MakeTensor(const Config& config, int64_t numel, std::mt19937* rng)
   }
   StoreState(m, config.exp_avg, &t.exp_avg, &t.exp_avg_scale);
   StoreState(v, config.exp_avg_sq, &t.exp_avg_sq, &t.exp_avg_sq_scale);
-  FillGrad(&t, rng);
+  for (int64_t i = 0; i < numel; ++i) {
+    ref::StoreElement(t.grad.data(), config.grad, i, g[i]);
+  }
   return t;
+}
+
+// A tensor mid-training: weights, non-zero moments and a fresh gradient.
+inline Tensor MakeTensor(const Config& config, int64_t numel, std::mt19937* rng) {
+  const std::vector<float> w = Normal(rng, numel, 1.0f);
+  std::vector<float> m = Normal(rng, numel, 0.05f),
+                     v = Normal(rng, numel, 0.02f);
+  for (float& x : v) x = x * x;
+  const std::vector<float> g = Normal(rng, numel, 0.5f);
+  return TensorFromValues(config, w, m, v, g);
 }
 
 inline std::vector<TensorSlot> Slots(std::vector<Tensor>* tensors) {
@@ -271,6 +284,27 @@ inline std::vector<StepParams> Schedule(bool adam_w) {
   p.step = 4;
   steps.push_back(p);
   return steps;
+}
+
+// One step of `tensors` by the reference and, from the same starting state, by
+// the SIMD kernels on every target with `threads` threads: all must agree.
+// Returns the reference's result.
+inline std::vector<Tensor> ExpectStepMatchesReference(
+    const std::vector<Tensor>& tensors, const StepParams& params, int threads) {
+  std::vector<Tensor> want = tensors;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
+  ForEachTarget([&] {
+    std::vector<Tensor> got = tensors;
+    std::vector<TensorSlot> slots = Slots(&got);
+    Error error;
+    ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params,
+                       threads, &error),
+              Status::kOk)
+        << error.message;
+    ASSERT_TRUE(SameTensors(want, got));
+  });
+  return want;
 }
 
 }  // namespace testing
