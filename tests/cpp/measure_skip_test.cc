@@ -5,19 +5,19 @@
 // the per-stream maxima kernels on every target, the bound against the
 // element formula itself, and whole steps whose largest new moment comes from
 // one element late in the tensor, raised by each input in turn.
-#include <cfloat>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
+#include <ostream>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "element.h"
 #include "gtest/gtest.h"
 #include "kernels.h"
-#include "reference.h"
 #include "tensor_fixture.h"
 #include "test_util.h"
 
