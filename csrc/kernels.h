@@ -97,7 +97,8 @@ using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
 // Pass 1 of a fused layout with scaled moments: the new values of its scaled
 // moments over all `n` elements, stored nowhere, folded into max_bits[1] (m)
 // and max_bits[2] (v) (see ReduceFn). Reads w (param or master) only in L2
-// mode, where m and v depend on it.
+// mode, where m and v depend on it. The driver calls it only on the blocks
+// whose bounds say they may raise max_bits (adam.cc, BlockMayRaiseMax).
 using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
                                 const void* param, const void* master,
                                 const void* m, const void* v, const FusedScales& s,
