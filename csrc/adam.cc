@@ -90,12 +90,22 @@ static_assert(kChunk % kGranule == 0 && kSmallScaledMax % kGranule == 0,
               "work items must start on granule boundaries");
 static_assert(kBlock % kGranule == 0, "blocks are whole granules");
 
+float FloatFromBits(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint32_t AbsBitsOf(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof(bits));
+  return bits & 0x7FFFFFFFu;
+}
+
 // Scale of a state whose largest magnitude has fp32 bits `bits` (S2.3).
 float ScaleFromAbsMaxBits(uint32_t bits, float target) {
   if (bits == 0 || bits >= 0x7F800000u) return 1.0f;  // zero, inf or NaN
-  float a;
-  memcpy(&a, &bits, sizeof(a));
-  const float s = a / target;
+  const float s = FloatFromBits(bits) / target;
   return s < FLT_MIN ? FLT_MIN : s;
 }
 
@@ -302,18 +312,6 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
 // granules, so whole pairs), each small enough to stay in L1 between the
 // bound and the measurement.
 constexpr size_t kBoundBlock = 8 * kGranule;
-
-float FloatFromBits(uint32_t bits) {
-  float f;
-  memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-uint32_t AbsBitsOf(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof(bits));
-  return bits & 0x7FFFFFFFu;
-}
 
 // An fp16 magnitude (bits <= 0x7FFF) as fp32, exactly.
 float HalfMagnitude(uint32_t bits) {

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
@@ -25,11 +24,7 @@ namespace shardadam {
 namespace testing {
 namespace {
 
-uint32_t AbsBits(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits & 0x7FFFFFFFu;
-}
+uint32_t AbsBits(float f) { return BitsOf(f) & 0x7FFFFFFFu; }
 
 // The largest x & mask, one element at a time.
 template <typename T>
@@ -75,9 +70,7 @@ TEST(MomentBoundTest, BoundsEveryElementOfTheBlock) {
   const auto value = [&] {
     uint32_t b = any_bits(rng);
     if (unit(rng) < 0.3) b = (b & 0x807FFFFFu) | ((120 + any_bits(rng) % 16) << 23);
-    float f;
-    std::memcpy(&f, &b, sizeof(f));
-    return f;
+    return FloatOf(b);
   };
   int checked = 0;
   for (int trial = 0; trial < 4000; ++trial) {
