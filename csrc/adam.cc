@@ -28,13 +28,15 @@
 //   scaled moments, plus w when the master is scaled or in L2 mode: e.g. a bf16
 //   param with fp32 master and fp8 moments moves 16 bytes/element in one pass
 //   and 2 + 1 + 1 = 4 more in pass 1 (AdamW), so it can reach at most 16/20 of
-//   a one-pass probe. A fused layout's pass 1 works in kBoundBlock-element
-//   blocks and skips the update of a block whose new moments provably cannot
+//   a one-pass probe. Pass 1 works in kBoundBlock-element blocks and skips
+//   the decoding and update of a block whose new moments provably cannot
 //   exceed the maxima found so far (BlockMayRaiseMax: bounds from the block's
 //   largest input magnitudes, one integer max per stream): still exact, and
 //   on normally distributed data ~80% of blocks are skipped (pass 1 then
 //   costs little more than reading its bytes); data whose every block raises
-//   the maximum pays ~4% more than measuring everything. A scaled tensor of
+//   the maximum pays ~4% more than measuring everything. A scaled master
+//   (its new w has no cheap bound) and a remainder in L2 mode measure every
+//   block. A scaled tensor of
 //   at most kSmallScaledMax elements runs both passes back to back on one
 //   thread, so pass 2 finds its inputs in cache; larger ones split each pass
 //   across threads with one barrier in between. Tensors without scaled state
@@ -143,6 +145,8 @@ struct TensorPlan {
   int param_size = 0, grad_size = 0, master_size = 0, exp_avg_size = 0,
       exp_avg_sq_size = 0;
 
+  Codec grad_codec = kCodecF32, w_codec = kCodecF32, m_codec = kCodecF32,
+        v_codec = kCodecF32;
   DecodeFn decode_grad = nullptr, decode_w = nullptr, decode_m = nullptr,
            decode_v = nullptr;
   bool w_from_master = false;  // else from param (+ remainder as aux)
@@ -220,37 +224,38 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   p.grad_size = ItemSize(s.grad_dtype);
   p.exp_avg_size = ItemSize(s.exp_avg_dtype);
   p.exp_avg_sq_size = ItemSize(s.exp_avg_sq_dtype);
-  p.decode_grad = kt.decode[CodecOf(s.grad_dtype, false)];
+  p.grad_codec = CodecOf(s.grad_dtype, false);
+  p.decode_grad = kt.decode[p.grad_codec];
 
   const Codec param_codec = CodecOf(s.param_dtype, false);
   switch (s.master_dtype) {
     case DType::kNone:
-      p.decode_w = kt.decode[param_codec];
+      p.w_codec = param_codec;
       if (param_codec != kCodecF32) p.encode_param = kt.encode[param_codec];
       break;
     case DType::kInt16Remainder:
       p.master = static_cast<char*>(s.master_param);
       p.master_size = 2;
-      p.decode_w = kt.decode[kCodecRemainder];
+      p.w_codec = kCodecRemainder;
       p.encode_param = kt.encode[kCodecRemainder];
       break;
     default: {  // fp32 or fp16 (scaled) master
-      const Codec master_codec = CodecOf(s.master_dtype, true);
       p.master = static_cast<char*>(s.master_param);
       p.master_size = ItemSize(s.master_dtype);
       p.w_from_master = true;
-      p.decode_w = kt.decode[master_codec];
+      p.w_codec = CodecOf(s.master_dtype, true);
       p.encode_param = kt.encode[param_codec];
-      if (master_codec != kCodecF32) p.encode_master = kt.encode[master_codec];
+      if (p.w_codec != kCodecF32) p.encode_master = kt.encode[p.w_codec];
       break;
     }
   }
-  const Codec m_codec = CodecOf(s.exp_avg_dtype, true);
-  const Codec v_codec = CodecOf(s.exp_avg_sq_dtype, true);
-  p.decode_m = kt.decode[m_codec];
-  p.decode_v = kt.decode[v_codec];
-  if (m_codec != kCodecF32) p.encode_m = kt.encode[m_codec];
-  if (v_codec != kCodecF32) p.encode_v = kt.encode[v_codec];
+  p.decode_w = kt.decode[p.w_codec];
+  p.m_codec = CodecOf(s.exp_avg_dtype, true);
+  p.v_codec = CodecOf(s.exp_avg_sq_dtype, true);
+  p.decode_m = kt.decode[p.m_codec];
+  p.decode_v = kt.decode[p.v_codec];
+  if (p.m_codec != kCodecF32) p.encode_m = kt.encode[p.m_codec];
+  if (p.v_codec != kCodecF32) p.encode_v = kt.encode[p.v_codec];
 
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
@@ -308,10 +313,11 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
   }
 }
 
-// Pass 1 of a fused layout works in blocks of this many elements (whole
-// granules, so whole pairs), each small enough to stay in L1 between the
-// bound and the measurement.
+// Pass 1 works in blocks of this many elements (whole granules, so whole
+// pairs), each small enough to stay in L1 between the bound and the
+// measurement.
 constexpr size_t kBoundBlock = 8 * kGranule;
+static_assert(kBoundBlock % kBlock == 0, "bound blocks are whole decode blocks");
 
 // An fp16 magnitude (bits <= 0x7FFF) as fp32, exactly.
 float HalfMagnitude(uint32_t bits) {
@@ -322,78 +328,75 @@ float HalfMagnitude(uint32_t bits) {
   return std::ldexp(mantissa + 1024.0f, exponent - 25);
 }
 
-// Largest decoded magnitude of a scaled moment stream over [begin, begin + n),
-// rounded as the fused kernels decode: RN(value * old scale).
-float ScaledStreamMax(const KernelTable& kt, int stream, const char* buffer,
-                      int64_t begin, size_t n, float old_scale) {
+// Largest decoded magnitude of a stream over [begin, begin + n), rounded as
+// every decoder rounds: RN(value * scale), the scale 1 for unscaled codecs.
+// Not for kCodecRemainder.
+float StreamMax(const KernelTable& kt, Codec codec, const char* buffer, int64_t begin,
+                size_t n, float scale) {
+  const auto bits16 = [&] {
+    return kt.abs_max_bits16(reinterpret_cast<const uint16_t*>(buffer) + begin, n);
+  };
   float value;
-  if (stream == kFusedMomentsF8Scaled) {
-    const uint32_t code =
-        kt.abs_max_code8(reinterpret_cast<const uint8_t*>(buffer) + begin, n);
-    // An E4M3 magnitude code shifted left by 7 is the fp16 pattern of value / 256.
-    value = code == 0x7Fu ? NAN : HalfMagnitude(code << 7) * 256.0f;
-  } else {
-    value = HalfMagnitude(
-        kt.abs_max_bits16(reinterpret_cast<const uint16_t*>(buffer) + begin, n));
+  switch (codec) {
+    case kCodecF32:
+      return FloatFromBits(
+          kt.abs_max_bits(reinterpret_cast<const float*>(buffer) + begin, n));
+    case kCodecBF16:
+      return FloatFromBits(bits16() << 16);
+    case kCodecF8Scaled: {
+      const uint32_t code =
+          kt.abs_max_code8(reinterpret_cast<const uint8_t*>(buffer) + begin, n);
+      // An E4M3 magnitude code shifted left by 7 is the fp16 pattern of value / 256.
+      value = code == 0x7Fu ? NAN : HalfMagnitude(code << 7) * 256.0f;
+      break;
+    }
+    default:  // kCodecF16, kCodecF16Scaled
+      value = HalfMagnitude(bits16());
+      break;
   }
-  return value * std::fabs(old_scale);
+  return value * std::fabs(scale);
 }
 
-// Whether the new moments of a fused layout's block [begin, begin + n) may
-// exceed the magnitudes in max_bits: NewMomentBounds on the largest input
-// magnitudes, found by one masked integer max per stream -- a small fraction of
-// pass 1's update, which a block that cannot raise the maxima skips. Exact:
-// blocks are only skipped, never estimated, so max_bits ends as before.
+// Whether the new moments of block [begin, begin + n) may exceed the
+// magnitudes in max_bits: NewMomentBounds on the largest input magnitudes,
+// found by one masked integer max per stream -- a small fraction of pass 1's
+// decoding and update, which a block that cannot raise the maxima skips.
+// Exact: blocks are only skipped, never estimated, so max_bits ends as before.
 bool BlockMayRaiseMax(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                       int64_t begin, size_t n, const uint32_t* max_bits) {
-  const auto f32_max = [&](const char* buffer) {
-    return FloatFromBits(kt.abs_max_bits(reinterpret_cast<const float*>(buffer) + begin, n));
-  };
+  if (p.target[0] != 0) return true;  // a scaled master's new w: no cheap bound
   float w = 0.0f;
   if (!k.adam_w_mode) {  // w enters the gradient
-    if (p.fused_weight == kFusedRemainder) return true;  // no cheap bound
-    w = f32_max(p.fused_weight == kFusedMasterF32 ? p.master : p.param);
+    if (p.w_codec == kCodecRemainder) return true;  // no cheap bound
+    w = StreamMax(kt, p.w_codec, p.w_from_master ? p.master : p.param, begin, n, 1.0f);
   }
-  const float g =
-      p.fused_grad == kFusedGradF32
-          ? f32_max(p.grad)
-          : FloatFromBits(
-                kt.abs_max_bits16(reinterpret_cast<const uint16_t*>(p.grad) + begin, n)
-                << 16);
+  const float g = StreamMax(kt, p.grad_codec, p.grad, begin, n, 1.0f);
   // An unscaled moment is not measured: its bound is never looked at.
-  const int m_stream = ExpAvgStream(p.fused_moments);
-  const int v_stream = ExpAvgSqStream(p.fused_moments);
-  const bool m_scaled = IsScaledStream(m_stream);
-  const bool v_scaled = IsScaledStream(v_stream);
+  const bool m_scaled = p.target[1] != 0;
+  const bool v_scaled = p.target[2] != 0;
   const float m =
-      m_scaled ? ScaledStreamMax(kt, m_stream, p.exp_avg, begin, n, p.old_scale[1]) : 0.0f;
+      m_scaled ? StreamMax(kt, p.m_codec, p.exp_avg, begin, n, p.old_scale[1]) : 0.0f;
   const float v =
-      v_scaled ? ScaledStreamMax(kt, v_stream, p.exp_avg_sq, begin, n, p.old_scale[2])
-               : 0.0f;
+      v_scaled ? StreamMax(kt, p.v_codec, p.exp_avg_sq, begin, n, p.old_scale[2]) : 0.0f;
   const MomentBounds bound = NewMomentBounds(k, g, w, m, v);
   return (m_scaled && AbsBitsOf(bound.m) > max_bits[1]) ||
          (v_scaled && AbsBitsOf(bound.v) > max_bits[2]);
 }
 
-// Pass 1 over [begin, begin + n): folds the magnitudes of the first `valid`
-// new values into max_bits (w, m, v).
-void ReduceSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
-                int64_t begin, size_t n, size_t valid, Scratch& s,
-                uint32_t* max_bits) {
+// Folds the magnitudes of the first `valid` new values of [begin, begin + n)
+// into max_bits (w, m, v).
+void MeasureBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                  int64_t begin, size_t n, size_t valid, Scratch& s,
+                  uint32_t* max_bits) {
   if (p.fused && valid == n) {
     // Fused layouts never have a scaled master: only m and v are measured.
     const FusedMeasureFn measure =
         kt.fused.measure[k.adam_w_mode ? 1 : 0][p.fused_grad][p.fused_weight]
                         [p.fused_moments];
-    for (size_t done = 0; done < n; done += kBoundBlock) {
-      const size_t c = std::min(kBoundBlock, n - done);
-      const int64_t e = begin + static_cast<int64_t>(done);
-      if (!BlockMayRaiseMax(kt, p, k, e, c, max_bits)) continue;
-      measure(k, p.grad + e * p.grad_size, p.param + e * p.param_size,
-              p.master ? p.master + e * p.master_size : nullptr,
-              p.exp_avg + e * p.exp_avg_size, p.exp_avg_sq + e * p.exp_avg_sq_size,
-              p.FusedScalesOf(), c, max_bits);
-    }
+    measure(k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
+            p.master ? p.master + begin * p.master_size : nullptr,
+            p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+            p.FusedScalesOf(), n, max_bits);
     return;
   }
   const bool reduce_w = p.target[0] != 0;
@@ -415,6 +418,25 @@ void ReduceSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
     const float* v = p.decode_v(p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr, c,
                                 p.old_scale[2], s.v);
     reduce(k, g, w, m, v, std::min(c, valid - done), max_bits);
+  }
+}
+
+// Pass 1 over [begin, begin + n): folds the magnitudes of the first `valid`
+// new values into max_bits (w, m, v), skipping the blocks that cannot raise
+// them.
+void ReduceSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t n, size_t valid, Scratch& s,
+                uint32_t* max_bits) {
+  if (valid < n) {  // a staged tail, one pair long: its padding is not measured
+    MeasureBlock(kt, p, k, begin, n, valid, s, max_bits);
+    return;
+  }
+  for (size_t done = 0; done < n; done += kBoundBlock) {
+    const size_t c = std::min(kBoundBlock, n - done);
+    const int64_t e = begin + static_cast<int64_t>(done);
+    if (BlockMayRaiseMax(kt, p, k, e, c, max_bits)) {
+      MeasureBlock(kt, p, k, e, c, c, s, max_bits);
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// Pass 1 of a fused layout with scaled moments skips every block whose new
+// Pass 1 of a layout with scaled moments skips every block whose new
 // moments cannot exceed the magnitudes measured so far (adam.cc,
 // BlockMayRaiseMax). The step stays exact only if no block holding a new
 // maximum is ever skipped, so this checks the pieces that decision rests on:
@@ -192,6 +192,14 @@ std::vector<SkipCase> SkipCases() {
       {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kBFloat16, D::kFloat32, true},
       {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kInt16Remainder,
        false},
+      // Block-path layouts: fp16 params and grads, mixed moments, an unscaled w
+      // from a bf16 or fp16 param (L2), a scaled master (always measured).
+      {D::kFloat16, D::kFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kFloat32, true},
+      {D::kFloat16, D::kFloat16, D::kFloat16, D::kFloat16, D::kNone, false},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone, false},
+      {D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat32, false},
+      {D::kFloat32, D::kFloat32, D::kFloat8E4M3, D::kFloat16, D::kNone, true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kFloat16, false},
   };
   std::vector<SkipCase> cases;
   for (const Config& c : configs) {
@@ -229,7 +237,7 @@ TEST_P(MeasureSkipTest, LateMaximumIsMeasured) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(FusedScaledLayouts, MeasureSkipTest,
+INSTANTIATE_TEST_SUITE_P(ScaledLayouts, MeasureSkipTest,
                          ::testing::ValuesIn(SkipCases()),
                          [](const ::testing::TestParamInfo<SkipCase>& info) {
                            return ConfigName(info.param.config) + "_" +
