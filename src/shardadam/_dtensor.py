@@ -86,16 +86,25 @@ def any_dtensor(tensors) -> bool:
     return any(isinstance(t, dtensor) for t in tensors)
 
 
-def local_data_ptrs(params, plain: bool) -> list:
-    """Data pointers of the parameters' local tensors (they change when storage is
-    replaced, e.g. FSDP2 re-pointing a parameter at a new shard buffer). ``plain``: the
-    caller knows none is a DTensor."""
+_dtype_of = operator.attrgetter("dtype")
+
+
+def local_storage_keys(params, plain: bool) -> list:
+    """What the optimizer's cached view of each parameter's local tensor rests on: data
+    pointer, element count, strides and dtype. Any of them changes when the storage is
+    replaced or re-viewed (FSDP2 re-pointing a parameter at a new shard buffer,
+    ``p.data = p.data[:n]``, a dtype view). ``plain``: the caller knows none is a
+    DTensor. (``shape`` is left out: it costs more than the rest together, and with
+    the count and strides it only misses size-1 dimensions.)"""
     if plain:
-        return list(map(torch.Tensor.data_ptr, params))
-    try:  # all DTensors (the usual case): no Python frame per parameter
-        return list(map(torch.Tensor.data_ptr, map(_local_tensor_of, params)))
-    except AttributeError:  # plain and DTensor parameters mixed
-        return [to_local(p).data_ptr() for p in params]
+        tensors = params
+    else:
+        try:  # all DTensors (the usual case): no Python frame per parameter
+            tensors = list(map(_local_tensor_of, params))
+        except AttributeError:  # plain and DTensor parameters mixed
+            tensors = [to_local(p) for p in params]
+    return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.numel, tensors),
+                    map(torch.Tensor.stride, tensors), map(_dtype_of, tensors)))
 
 
 # ---------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 A ``GroupPlan`` holds the group's static picture: its parameters split by device into
 ``DeviceBatch`` objects, each parameter's local tensor and layout (``_dtensor``), and
 (once bound) its local state tensors and scales. It stays valid while the group holds
-the same parameters with the same local storage, the state and scale containers saw no
-write, and the state configuration is unchanged; ``is_current`` checks exactly that, so
-a step re-reads only what changes every step: the gradients (for DTensor parameters,
-checked against the cached layouts and unwrapped to local tensors).
+the same parameters with the same local storage (pointer, size, strides, dtype), the
+state and scale containers saw no write, and the state configuration is unchanged;
+``is_current`` checks exactly that, so a step re-reads only what changes every step: the
+gradients (for DTensor parameters, checked against the cached layouts and unwrapped to
+local tensors).
 
 Building a plan only reads (it is part of validation); ``bind`` is the one place that
 creates or converts state, and runs after every group has been validated.
@@ -84,7 +85,7 @@ class GroupPlan:
         self.group = group
         self.params = params
         self.plain = not _dtensor.any_dtensor(params)
-        self.param_ptrs = _dtensor.local_data_ptrs(params, self.plain)
+        self.param_keys = _dtensor.local_storage_keys(params, self.plain)
         self.config = config
         self.state = state
         self.scales = scales
@@ -102,7 +103,7 @@ class GroupPlan:
                 and self.config == config
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
-                and _dtensor.local_data_ptrs(params, self.plain) == self.param_ptrs)
+                and _dtensor.local_storage_keys(params, self.plain) == self.param_keys)
 
     @property
     def bound(self) -> bool:

@@ -166,6 +166,45 @@ def test_param_data_replaced_between_steps(backend):
         verify_step(opt, params, inputs, grads, HYPER, step, "param.data replaced")
 
 
+def test_param_shrunk_in_place_between_steps_is_rejected(backend):
+    """``param.data = param.data[:n]`` keeps the data pointer but not the size: the next
+    step must see a new parameter (its state no longer fits: an error naming it), never
+    update the old size through the cached plan (memory past the parameter)."""
+    params = make_params([torch.float32], [(8,)], seed=9)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs())
+    attach_grads(params, make_grads(params, [torch.float32], 1, seed=10), decoupled=False)
+    opt.step()
+    storage = params[0].data
+    params[0].data = storage[:4]
+    params[0].grad = torch.ones(4)
+    tail = storage[4:].clone()
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"group 0, param 0: state 'exp_avg' has local "
+                       r"shape \(8,\) but the parameter's local shape is \(4,\)"):
+        opt.step()
+    assert_unchanged(opt, before, "shrunk parameter")
+    assert_bitwise_equal(storage[4:], tail, "storage past the shrunk parameter")
+
+
+@pytest.mark.parametrize("change", ["dtype view", "transposed"])
+def test_param_reviewed_in_place_between_steps(change, backend):
+    """Same storage, same size, another dtype or other strides: the next step updates the
+    parameter as it is now (a bf16 view of fp16 bits is bf16; a transposed matrix pairs
+    each element with its own gradient)."""
+    dtype = torch.float16 if change == "dtype view" else torch.float32
+    params = make_params([dtype], [(4, 4)], seed=11)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), master_weights=False)
+    for step in (1, 2):
+        if step == 2:
+            p = params[0]
+            p.data = p.data.view(torch.bfloat16) if change == "dtype view" else p.data.t()
+        grads = make_grads(params, [params[0].dtype], step, seed=12)
+        attach_grads(params, grads, decoupled=False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, HYPER, step, f"param {change}")
+
+
 def test_state_set_between_steps_is_used(backend):
     """set_scaled_state and in-place edits of the state between steps are what the next
     step starts from."""
