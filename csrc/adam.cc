@@ -67,6 +67,7 @@
 
 #if HWY_ONCE
 
+#include "float_mode.h"
 #include "kernels.h"
 #include "shardadam/adam.h"
 #include "thread_pool.h"
@@ -728,6 +729,7 @@ bool SetTargetForTest(int64_t target) {
 
 Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                 int num_threads, Error* error) {
+  const internal::ScopedIeeeFloatMode ieee;  // validation compares floats too
   if (!internal::ValidateStep(slots, count, params, error)) {
     return Status::kInvalidArgument;
   }
@@ -740,6 +742,7 @@ Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params
 Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale, int num_threads, Error* error) {
   using namespace internal;  // NOLINT(build/namespaces): file-local brevity
+  const ScopedIeeeFloatMode ieee;
   if (!ValidateConvert(src, src_dtype, dst, dst_dtype, numel, scale, error)) {
     return Status::kInvalidArgument;
   }
@@ -784,6 +787,7 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
 
 float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) {
   using namespace internal;  // NOLINT(build/namespaces): file-local brevity
+  const ScopedIeeeFloatMode ieee;
   if (!IsScaled(dtype) || u == nullptr || numel <= 0) return 1.0f;
   const KernelTable& kt = ActiveKernels();
   std::atomic<uint32_t> best{0};

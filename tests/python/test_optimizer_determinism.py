@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    Precision, assert_same_optimizer_state, fused_adam, make_params, run_precision_steps)
+    Precision, assert_same_optimizer_state, fused_adam, have_core, make_params,
+    run_precision_steps, true_state)
 
 CONFIGS = [
     Precision(),
@@ -71,3 +72,39 @@ def test_update_independent_of_group_company(cfg, backend):
     (base, base_params), *others = results
     for opt, watched in others:
         assert_same_optimizer_state(base, opt, base_params, watched, f"{cfg.id}: company")
+
+
+@pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
+def test_callers_flush_denormal_mode_does_not_reach_the_core(cfg):
+    """torch.set_flush_denormal(True) sets flush-to-zero on the calling thread only; the
+    C++ core computes in the IEEE mode on every thread anyway, so steps whose gradients
+    square to subnormals give the same bits with the flag on or off, for any thread
+    count. (The pure-torch path follows torch's mode instead.)"""
+    def tiny_run(threads, flush):
+        torch.set_num_threads(threads)
+        params = make_params(cfg.param_dtypes(len(BIG_SHAPES)), BIG_SHAPES, seed=3)
+        # fp32 gradients (S3.4) through decoupled_grad, which takes any dtype
+        kwargs = {**cfg.optimizer_kwargs(), "use_decoupled_grad": True}
+        opt = fused_adam()(params, lr=1e-2, **kwargs)
+        generator = torch.Generator().manual_seed(4)
+        for _ in range(2):
+            for p in params:
+                p.decoupled_grad = torch.randn(p.shape, generator=generator) * 1e-18
+            if not torch.set_flush_denormal(flush) and flush:
+                pytest.skip("this CPU has no flush-to-zero mode")
+            try:
+                opt.step()
+            finally:
+                torch.set_flush_denormal(False)
+        return opt, params
+
+    want, want_params = tiny_run(1, False)
+    # (1 - beta2) * g * g is ~1e-39: the second moments hold fp32 subnormals
+    subnormal = [((v != 0) & (v.abs() < 2.0 ** -126)).sum().item()
+                 for v in (true_state(want, p, "exp_avg_sq") for p in want_params)]
+    assert sum(subnormal) > 1000, subnormal
+    for threads in (1, 2, 3):
+        got, got_params = tiny_run(threads, True)
+        assert_same_optimizer_state(want, got, want_params, got_params,
+                                    f"{cfg.id}: flush-to-zero caller, {threads} threads")
