@@ -34,9 +34,18 @@ T* Pointer(int64_t address) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
 }
 
-// Unknown tags are passed through as they are: the core's validation rejects them
-// with a message naming the tensor and buffer.
-DType Tag(int64_t value) { return static_cast<DType>(static_cast<int32_t>(value)); }
+// A dtype tag as the core's enum. Unknown tags that fit its int32 pass through
+// as they are: the core's validation rejects them, naming the tensor and
+// buffer. Wider ones would wrap into valid tags, so they are refused here.
+DType Tag(int64_t value, const char* caller, const char* column, size_t tensor = 0) {
+  if (value != static_cast<int32_t>(value)) {
+    throw nb::value_error((std::string(caller) + ": tensor " + std::to_string(tensor) +
+                           ": " + column + " tag " + std::to_string(value) +
+                           " is out of range")
+                              .c_str());
+  }
+  return static_cast<DType>(static_cast<int32_t>(value));
+}
 
 // Runs `call(Error*)` -> Status with the GIL released, then turns a failure into
 // ValueError (bad input, nothing written) or RuntimeError (the CUDA runtime refused).
@@ -65,17 +74,17 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
     TensorSlot& t = tensors[i];
     t.numel = row[kNumel];
     t.param = Pointer<void>(row[kParam]);
-    t.param_dtype = Tag(row[kParamDtype]);
+    t.param_dtype = Tag(row[kParamDtype], caller, "param_dtype", i);
     t.grad = Pointer<const void>(row[kGrad]);
-    t.grad_dtype = Tag(row[kGradDtype]);
+    t.grad_dtype = Tag(row[kGradDtype], caller, "grad_dtype", i);
     t.exp_avg = Pointer<void>(row[kExpAvg]);
-    t.exp_avg_dtype = Tag(row[kExpAvgDtype]);
+    t.exp_avg_dtype = Tag(row[kExpAvgDtype], caller, "exp_avg_dtype", i);
     t.exp_avg_scale = Pointer<float>(row[kExpAvgScale]);
     t.exp_avg_sq = Pointer<void>(row[kExpAvgSq]);
-    t.exp_avg_sq_dtype = Tag(row[kExpAvgSqDtype]);
+    t.exp_avg_sq_dtype = Tag(row[kExpAvgSqDtype], caller, "exp_avg_sq_dtype", i);
     t.exp_avg_sq_scale = Pointer<float>(row[kExpAvgSqScale]);
     t.master_param = Pointer<void>(row[kMaster]);
-    t.master_dtype = Tag(row[kMasterDtype]);
+    t.master_dtype = Tag(row[kMasterDtype], caller, "master_dtype", i);
     t.master_scale = Pointer<float>(row[kMasterScale]);
   }
   return tensors;
@@ -127,8 +136,9 @@ void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double b
 void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t dst_dtype,
                          int64_t numel, float scale, int num_threads) {
   RunReleased([&](Error* error) {
-    return Convert(Pointer<const void>(src), Tag(src_dtype), Pointer<void>(dst),
-                   Tag(dst_dtype), numel, scale, num_threads, error);
+    return Convert(Pointer<const void>(src), Tag(src_dtype, "convert", "src_dtype"),
+                   Pointer<void>(dst), Tag(dst_dtype, "convert", "dst_dtype"), numel,
+                   scale, num_threads, error);
   });
 }
 
@@ -136,8 +146,15 @@ float MeasureScaleFromPointer(int64_t src, int64_t numel, int64_t dtype,
                               int num_threads) {
   if (numel < 0) throw nb::value_error("measure_scale: numel must be >= 0");
   if (numel > 0 && src == 0) throw nb::value_error("measure_scale: null buffer");
+  // The core gives 1 for any unscaled dtype; an unknown tag is a caller's bug.
+  if (dtype < static_cast<int64_t>(DType::kNone) ||
+      dtype > static_cast<int64_t>(DType::kInt16Remainder)) {
+    throw nb::value_error(
+        ("measure_scale: dtype tag " + std::to_string(dtype) + " is not a dtype").c_str());
+  }
   nb::gil_scoped_release release;
-  return MeasureScale(Pointer<const float>(src), numel, Tag(dtype), num_threads);
+  return MeasureScale(Pointer<const float>(src), numel, static_cast<DType>(dtype),
+                      num_threads);
 }
 
 nb::dict Info() {

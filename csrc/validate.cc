@@ -83,6 +83,13 @@ bool CheckScale(int64_t tensor, const char* name, DType dtype,
                 Format("%s is null; an %s %s needs a scale slot", name,
                        DTypeName(dtype), buffer));
   }
+  // A float slot: read and written as one, and two aligned slots either are the
+  // same slot or do not overlap at all.
+  if (reinterpret_cast<uintptr_t>(scale) % alignof(float) != 0) {
+    return Fail(error, tensor,
+                Format("%s %p is not aligned to %zu bytes", name,
+                       static_cast<const void*>(scale), alignof(float)));
+  }
   if (values == ScaleValues::kSkip) return true;
   const float value = *scale;
   if (!std::isfinite(value) || !(value > 0.0f)) {

@@ -468,6 +468,12 @@ std::vector<ErrorCase> ErrorCases() {
   });
   slot_case("scale_slots_shared", 1, "exp_avg_sq_scale",
             [](TensorSlot* s) { s->exp_avg_sq_scale = s->exp_avg_scale; });
+  // Never dereferenced: rejected first (it would also half-overlap its
+  // neighbour slot).
+  slot_case("scale_slot_misaligned", 1, "not aligned", [](TensorSlot* s) {
+    s->exp_avg_sq_scale =
+        reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(s->exp_avg_scale) + 2);
+  });
   // Overlapping buffers, within a tensor and across tensors.
   slot_case("exp_avg_aliases_exp_avg_sq", 0, "overlap",
             [](TensorSlot* s) { s->exp_avg_sq = s->exp_avg; });

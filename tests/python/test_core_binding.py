@@ -544,6 +544,35 @@ def test_slots_not_a_multiple_of_columns():
         assert_bitwise_equal(a, b, "buffer after a rejected adam_step")
 
 
+# Tags are int32 in the core; a wider int would wrap into a valid one.
+TAG_COLUMNS = {"param_dtype": 2, "grad_dtype": 4, "exp_avg_dtype": 6,
+               "exp_avg_sq_dtype": 9, "master_dtype": 12}
+
+
+@pytest.mark.parametrize("tag", [2**32 + 1, -(2**32) + 1])
+@pytest.mark.parametrize("column", list(TAG_COLUMNS))
+def test_out_of_range_dtype_tag_raises_and_writes_nothing(column, tag):
+    good = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 8, 24)
+    good.new_grad()
+    before = [t.clone() for t in good.everything()]
+    row = good.row()
+    row[TAG_COLUMNS[column]] = tag
+    with pytest.raises(ValueError, match=f"tensor 0: {column} tag {tag} is out of range"):
+        _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
+    for a, b in zip(good.everything(), before):
+        assert_bitwise_equal(a, b, "buffer after a rejected adam_step")
+
+
+def test_convert_and_measure_scale_reject_unknown_tags():
+    src, dst = torch.randn(8), torch.zeros(8)
+    with pytest.raises(ValueError, match=r"dst_dtype tag 4294967297 is out of range"):
+        _C.convert(src.data_ptr(), CODE["fp32"], dst.data_ptr(), 2**32 + 1, 8, 1.0, 1)
+    assert_bitwise_equal(dst, torch.zeros(8), "destination after a rejected convert")
+    for tag in (99, -1, 2**32 + 2):
+        with pytest.raises(ValueError, match=f"measure_scale: dtype tag {tag} is not a"):
+            _C.measure_scale(src.data_ptr(), 8, tag, 1)
+
+
 # The child loads the extension file directly (no torch, so it starts fast) and owns
 # its buffers through the array module.
 _NULL_SCRIPT = r"""
