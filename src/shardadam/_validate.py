@@ -10,6 +10,7 @@ and layouts, ``ValueError`` for bad hyper-parameter values and malformed state d
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -72,17 +73,16 @@ def check_master_dtype(master_weights, master_weight_dtype) -> None:
 
 
 def _number(value) -> Optional[float]:
-    """``value`` as a float (a Python number or a one-element tensor), else None."""
+    """``value`` as a float (a real number, numpy's included, or a one-element tensor),
+    else None. Not a bool, and not a string: ``float("0.1")`` would pass here and break
+    the schedulers that later multiply the stored value."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return None
         value = value.item()
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
+    return float(value)
 
 
 def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
@@ -92,13 +92,13 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
 
     lr = _number(group["lr"])
     if lr is None or not math.isfinite(lr) or lr < 0.0:
-        raise bad("Invalid learning rate (rule: finite and >= 0)", group["lr"])
+        raise bad("Invalid learning rate (rule: a real number, finite and >= 0)", group["lr"])
     eps = _number(group["eps"])
     if eps is None or not math.isfinite(eps) or eps < 0.0:
-        raise bad("Invalid epsilon value (rule: finite and >= 0)", group["eps"])
+        raise bad("Invalid epsilon value (rule: a real number, finite and >= 0)", group["eps"])
     wd = _number(group["weight_decay"])
     if wd is None or not math.isfinite(wd) or wd < 0.0:
-        raise bad("Invalid weight_decay value (rule: finite and >= 0)",
+        raise bad("Invalid weight_decay value (rule: a real number, finite and >= 0)",
                   group["weight_decay"])
     betas = group["betas"]
     try:
@@ -109,7 +109,7 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
         raise bad("Invalid betas (rule: a pair (beta1, beta2))", betas)
     for i, beta in enumerate(beta_values):
         if beta is None or not 0.0 <= beta < 1.0:
-            raise bad(f"Invalid beta parameter at index {i} (rule: in [0, 1))", betas[i])
+            raise bad(f"Invalid beta parameter at index {i} (rule: a real number in [0, 1))", betas[i])
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
@@ -147,11 +147,50 @@ def param_error(param) -> Optional[str]:
 
 
 def check_params(params, group_index: int, group: dict) -> None:
+    first_index = {}
     for i, param in enumerate(params):
         error = param_error(param)
+        if error is None:
+            first = first_index.setdefault(id(param), i)
+            if first != i:  # torch only warns; stepped twice it would be wrong
+                error = (f"the same tensor as param {first} (rule: each parameter once; "
+                         f"list a tied weight once)")
         if error is not None:
             raise fail(RuntimeError, error, group=group_index, param=i,
                        name=param_name(group, i))
+
+
+def _memory_span(tensor):
+    """``(device, first byte, end)`` of the memory a non-empty tensor covers."""
+    extent = 1 + sum((size - 1) * abs(stride)
+                     for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return tensor.device, start, start + extent * tensor.element_size()
+
+
+def check_disjoint_params(groups: list) -> None:
+    """No two parameters of the optimizer share memory: each is updated in place, so
+    one would see the other half-updated. ``groups``: the param_groups. Sorting by
+    address finds any overlap in O(n log n)."""
+    spans = []
+    for g, group in enumerate(groups):
+        for i, param in enumerate(group["params"]):
+            local = _dtensor.to_local(param)
+            if local.numel() > 0:
+                device, start, end = _memory_span(local)
+                spans.append((str(device), start, end, g, i))
+    spans.sort()
+    reach = None  # the span reaching furthest so far on this device
+    for span in spans:
+        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
+            (g0, i0), (g, i) = sorted([reach[3:], span[3:]])  # blame the later one
+            other = where(g0, i0, param_name(groups[g0], i0)).split(": ", 1)[1]
+            raise fail(RuntimeError,
+                       f"shares memory with {other} (rule: parameters are updated in "
+                       f"place and must not overlap)",
+                       group=g, param=i, name=param_name(groups[g], i))
+        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
+            reach = span
 
 
 def grad_error(param: torch.Tensor, grad) -> Optional[str]:

@@ -117,7 +117,11 @@ class FusedAdam(torch.optim.Optimizer):
                 param_group["params"] = params
                 index = len(self.param_groups)
                 tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-                _validate.check_params(tensors, index, param_group)
+                # (name, tensor) pairs: torch sets param_names later; name them now.
+                named = ({"param_names": [p[0] for p in params]}
+                         if params and all(isinstance(p, tuple) for p in params)
+                         else param_group)
+                _validate.check_params(tensors, index, named)
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -155,12 +159,16 @@ class FusedAdam(torch.optim.Optimizer):
             master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype)
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
+        if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
+            _validate.check_disjoint_params(self.param_groups)
         for group, (plan, hyper, batches) in zip(self.param_groups, work):
-            group["step"] += 1  # every group, even with no gradient (S2.8)
             if not plan.bound:
                 plan.bind()
             for batch_grads in batches:
                 _backend.step(batch_grads, hyper)
+            # Every group, even with no gradient (S2.8); after its update, so a group
+            # the core refuses (aliased buffers) keeps its count.
+            group["step"] += 1
         _plan.settle([plan for plan, _, _ in work])
         return loss
 
@@ -243,6 +251,7 @@ class FusedAdam(torch.optim.Optimizer):
                            f"states are {sorted(specs)}")
         return where, specs[state_name]
 
+    @torch.no_grad()  # state is data, never part of a graph
     def initialize_state(self, param, store_param_remainders=None) -> None:
         """(Re)creates ``param``'s state (S5.1): zero moments, master seeded from the
         parameter (or a zero remainder). ``None`` means what the configuration
@@ -284,6 +293,7 @@ class FusedAdam(torch.optim.Optimizer):
             return stored
         return _state.read_value(entry, self._scales.get(param), state_name)
 
+    @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
         """Stores true values (fp32; int16 for remainders) with a fresh scale (S5.3).
 
@@ -351,6 +361,7 @@ class FusedAdam(torch.optim.Optimizer):
             exported[spec.name] = layout.wrap(value)
         return exported
 
+    @torch.no_grad()  # state is data, never part of a graph
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict()`` produced (S5.5): configured storage dtypes
         (never the parameter's dtype), fresh scales, ``step``. Everything is checked and

@@ -22,7 +22,7 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, fused_adam,
-    snapshot)
+    have_core, snapshot)
 
 
 def facts(*patterns):
@@ -85,6 +85,14 @@ CONSTRUCTOR_ERRORS = [
      facts(r"Invalid weight_decay value.*-0\.1")),
     ("weight_decay-inf", dict(weight_decay=math.inf), ValueError,
      facts(r"Invalid weight_decay value.*inf")),
+    # float("0.1") would pass, and a scheduler multiplying the stored string would not
+    ("lr-string", dict(lr="0.1"), ValueError,
+     facts(r"Invalid learning rate \(rule: a real number.*'0\.1'")),
+    ("eps-string", dict(eps="1e-8"), ValueError, facts(r"Invalid epsilon value.*'1e-8'")),
+    ("weight_decay-bool", dict(weight_decay=True), ValueError,
+     facts(r"Invalid weight_decay value.*True")),
+    ("beta1-string", dict(betas=("0.9", 0.999)), ValueError,
+     facts(r"Invalid beta parameter at index 0.*'0\.9'")),
 ]
 
 
@@ -141,6 +149,33 @@ def test_constructor_rejects_unsupported_params(kind):
         fused_adam()(groups)
     for p, old in zip(good, before):
         assert_bitwise_equal(p.detach(), old, "param after a rejected constructor")
+
+
+def test_constructor_names_named_parameters():
+    """S8: (name, tensor) pairs give the name in a constructor error too, and a tensor
+    listed twice (torch only warns) is an error naming the second listing."""
+    good, tied = make_params()
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), "'bad.w'", "float64")):
+        fused_adam()([("good.w", good), ("bad.w", bad_param("float64"))])
+    with pytest.raises(RuntimeError,
+                       match=facts(*at(0, 2), "'decoder.w'", "same tensor as param 1")):
+        fused_adam()([("good.w", good), ("encoder.w", tied), ("decoder.w", tied)])
+
+
+@pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
+def test_core_refusal_leaves_group_untouched():
+    """A gradient that is another parameter's storage: the C++ core refuses the group
+    before writing any of it, and its step counter does not move (S3.1)."""
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(3)]
+    opt = fused_adam()(params)
+    params[0].grad = torch.randn(4, generator=generator)
+    params[1].grad = params[2].detach()  # aliases the storage the step writes
+    params[2].grad = torch.randn(4, generator=generator)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"overlaps"):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after the core refused its group")
 
 
 @pytest.mark.parametrize("kind", ["int64", "float64", "sparse"])
@@ -227,6 +262,16 @@ def swap_param(value):
     return apply
 
 
+def repeat_param(opt, params):
+    """A tied weight listed twice: group 1's param 1 becomes its param 0 again."""
+    opt.param_groups[1]["params"][1] = params[2]
+
+
+def share_memory(opt, params):
+    """Group 1's param 1 becomes a view of group 0's param 0."""
+    opt.param_groups[1]["params"][1] = torch.nn.Parameter(params[0].data.view(-1)[4:8])
+
+
 STEP_ERRORS = [
     ("decoupled-grad-shape", True, set_decoupled(torch.zeros(3)), RuntimeError,
      facts(*at(1, 1), "(?i)shape")),
@@ -251,6 +296,8 @@ STEP_ERRORS = [
      facts(r"group\W*1\b", r"Invalid learning rate.*nan")),
     ("group-beta2-one", True, set_group("betas", (0.9, 1.0)), ValueError,
      facts(r"group\W*1\b", r"Invalid beta parameter at index 1")),
+    ("group-lr-string", True, set_group("lr", "0.1"), ValueError,
+     facts(r"group\W*1\b", r"Invalid learning rate.*'0\.1'")),
     ("group-eps-negative", True, set_group("eps", -1.0), ValueError,
      facts(r"group\W*1\b", r"Invalid epsilon value")),
     ("group-weight_decay-negative", True, set_group("weight_decay", -0.5), ValueError,
@@ -264,6 +311,10 @@ STEP_ERRORS = [
      RuntimeError, facts(*at(1, 1), "float64")),
     ("swapped-in-fp8-param", True, swap_param(torch.zeros(4).to(torch.float8_e4m3fn)),
      RuntimeError, facts(*at(1, 1), "float8_e4m3fn")),
+    ("param-listed-twice", True, repeat_param, RuntimeError,
+     facts(*at(1, 1), "same tensor as param 0")),
+    ("param-shares-memory-with-another-group", True, share_memory, RuntimeError,
+     facts(*at(1, 1), r"shares memory with group 0, param 0\b")),
 ]
 
 

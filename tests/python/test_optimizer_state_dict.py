@@ -6,6 +6,7 @@ round(u / s)); state_dict() / load_state_dict() for layout, dtype conversion bet
 configurations, torch.save round trips and bitwise continuation.
 """
 
+import copy
 import io
 import math
 
@@ -158,6 +159,28 @@ def test_set_scaled_state_non_contiguous_value(backend):
         opt.set_scaled_state(p, name, value)
         codes, _ = quantize_like_spec(value.contiguous(), fmt)
         assert_bitwise_equal(opt.state[p][name], codes, f"{name} from a transposed value")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_values_that_require_grad_are_stored_as_data(fmt, backend):
+    """A value with autograd history (set_scaled_state, load_state_dict,
+    initialize_state seeding from a parameter) becomes plain state: no grad_fn keeping
+    the caller's graph alive, and the state dict stays deep-copyable."""
+    cfg = Precision(param="bf16", exp_avg=fmt, exp_avg_sq="bf16", master="fp32")
+    opt, params = stepped(cfg)
+    p = params[0]
+    value = torch.randn(p.shape, requires_grad=True) * 2  # has a grad_fn
+    opt.set_scaled_state(p, "exp_avg", value)
+    saved = opt.state_dict()
+    saved["state"][0]["exp_avg_sq"] = torch.rand(p.shape, requires_grad=True)
+    opt.load_state_dict(saved)
+    opt.initialize_state(params[1])
+    for q in params:
+        for name, t in state_tensors(opt, q).items():
+            assert not t.requires_grad and t.grad_fn is None, f"{name} of {tuple(q.shape)}"
+    copy.deepcopy(opt.state_dict())
+    codes, _ = quantize_like_spec(value.detach(), fmt)
+    assert_bitwise_equal(opt.state[p]["exp_avg"], codes, "exp_avg stored from the value")
 
 
 def test_state_dict_layout_multi_group_and_param_names(backend):
