@@ -117,6 +117,15 @@ void AdamStepFromList(const std::vector<int64_t>& slots, double lr, double beta1
   });
 }
 
+void CheckStepSlotsFromList(const std::vector<int64_t>& slots,
+                            bool scales_in_device_memory) {
+  const std::vector<TensorSlot> tensors = SlotsFromList("check_step_slots", slots);
+  RunReleased([&](Error* error) {
+    return CheckStepSlots(tensors.data(), static_cast<int64_t>(tensors.size()),
+                          scales_in_device_memory, error);
+  });
+}
+
 #if defined(SHARDADAM_WITH_CUDA)
 void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool adam_w_mode,
@@ -195,6 +204,10 @@ NB_MODULE(_C, m) {
         "One Adam/AdamW step over tensors given as a flat list of SLOT_COLUMNS ints "
         "each (numel, then pointer/dtype/scale-pointer per buffer). Validates "
         "everything first; raises ValueError and writes nothing on bad input.");
+  m.def("check_step_slots", &CheckStepSlotsFromList, nb::arg("slots"),
+        nb::arg("scales_in_device_memory"),
+        "adam_step's checks of the slots alone (no hyper-parameters), writing nothing: "
+        "raises ValueError as adam_step would. For one step split into several calls.");
   m.def("convert", &ConvertFromPointers, nb::arg("src"), nb::arg("src_dtype"),
         nb::arg("dst"), nb::arg("dst_dtype"), nb::arg("numel"), nb::arg("scale"),
         nb::arg("num_threads"),

@@ -739,6 +739,16 @@ Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params
   return Status::kOk;
 }
 
+Status CheckStepSlots(const TensorSlot* slots, int64_t count,
+                      bool scales_in_device_memory, Error* error) {
+  const internal::ScopedIeeeFloatMode ieee;  // scale values are compared
+  return internal::ValidateSlots(slots, count, error,
+                                 scales_in_device_memory ? internal::ScaleValues::kSkip
+                                                         : internal::ScaleValues::kCheck)
+             ? Status::kOk
+             : Status::kInvalidArgument;
+}
+
 Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale, int num_threads, Error* error) {
   using namespace internal;  // NOLINT(build/namespaces): file-local brevity

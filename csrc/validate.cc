@@ -305,6 +305,26 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
   return true;
 }
 
+// The list itself: a count and, when there are slots, a pointer to them.
+bool CheckSlotList(const TensorSlot* slots, int64_t count, Error* error) {
+  if (count < 0) {
+    return Fail(error, -1, Format("count %" PRId64 " is negative; expected >= 0", count));
+  }
+  if (count > 0 && slots == nullptr) {
+    return Fail(error, -1, Format("slots is null but count is %" PRId64, count));
+  }
+  return true;
+}
+
+// Every slot, then the buffers shared between tensors.
+bool CheckSlots(const TensorSlot* slots, int64_t count, ScaleValues values,
+                Error* error) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (!CheckSlot(i, slots[i], values, error)) return false;
+  }
+  return count < 2 || CheckCrossTensorOverlap(slots, count, error);
+}
+
 }  // namespace
 
 int ItemSize(DType dtype) {
@@ -342,12 +362,7 @@ const char* DTypeName(DType dtype) {
 
 bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                   Error* error, ScaleValues scale_values) {
-  if (count < 0) {
-    return Fail(error, -1, Format("count %" PRId64 " is negative; expected >= 0", count));
-  }
-  if (count > 0 && slots == nullptr) {
-    return Fail(error, -1, Format("slots is null but count is %" PRId64, count));
-  }
+  if (!CheckSlotList(slots, count, error)) return false;
   if (!CheckHyper("lr", params.lr, error) || !CheckBeta("beta1", params.beta1, error) ||
       !CheckBeta("beta2", params.beta2, error) || !CheckHyper("eps", params.eps, error) ||
       !CheckHyper("weight_decay", params.weight_decay, error)) {
@@ -358,10 +373,13 @@ bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& para
                 Format("step %" PRId64 " is less than 1; steps are counted from 1",
                        params.step));
   }
-  for (int64_t i = 0; i < count; ++i) {
-    if (!CheckSlot(i, slots[i], scale_values, error)) return false;
-  }
-  return count < 2 || CheckCrossTensorOverlap(slots, count, error);
+  return CheckSlots(slots, count, scale_values, error);
+}
+
+bool ValidateSlots(const TensorSlot* slots, int64_t count, Error* error,
+                   ScaleValues scale_values) {
+  return CheckSlotList(slots, count, error) &&
+         CheckSlots(slots, count, scale_values, error);
 }
 
 bool ValidateConvert(const void* src, DType src_dtype, const void* dst,

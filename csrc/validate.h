@@ -30,6 +30,11 @@ bool ValidateStep(const TensorSlot* slots, int64_t count,
                   const StepParams& params, Error* error,
                   ScaleValues scale_values = ScaleValues::kCheck);
 
+// ValidateStep without the hyper-parameters: every slot and the buffers shared
+// between tensors.
+bool ValidateSlots(const TensorSlot* slots, int64_t count, Error* error,
+                   ScaleValues scale_values);
+
 // Checks a Convert call the same way.
 bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
                      DType dst_dtype, int64_t numel, float scale, Error* error);

@@ -2,10 +2,11 @@
 CUDA build for CUDA tensors where the extension has one and sees a device, torch ops
 otherwise.
 
-Every implementation takes ``(work: BatchGrads, hyper: Hyper)`` and fulfils the same
-contract (S3.6): the C++ core gives the same bits on CPU and on CUDA, and the torch
-path gives them too on CPU. ``use_backend("torch")`` forces the torch path everywhere
-(tests compare the paths; devices without a C++ build use it).
+Every implementation fulfils the same contract (S3.6): the C++ core gives the same bits
+on CPU and on CUDA, and the torch path gives them too on CPU. ``use_backend("torch")``
+forces the torch path everywhere (tests compare the paths; devices without a C++ build
+use it). A step prepares every batch (the C++ paths' slot rows), checks the C++ calls
+of each device together, and only then runs them, group by group.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
-from . import _cpu_path, _cuda_path, _torch_path
+from . import _cpu_path, _cuda_path, _slots, _torch_path
 
 _BACKENDS = ("auto", "torch")
 _mode = "auto"
@@ -47,15 +48,55 @@ def use_backend(name: str):
         _mode = previous
 
 
-def step(work, hyper: Hyper) -> None:
-    """Update one batch (one group's parameters on one device)."""
+def path_of(batch):
+    """The C++ path module that steps ``batch`` (``_cpu_path`` or ``_cuda_path``), or
+    None for the torch path."""
     if _mode == "auto":
-        batch = work.batch
         if batch.is_cpu:
             if _cpu_path.available():
-                _cpu_path.step(work, hyper)
-                return
+                return _cpu_path
         elif batch.is_cuda and _cuda_path.available(batch.device):
-            _cuda_path.step(work, hyper)
-            return
-    _torch_path.step(work, hyper)
+            return _cuda_path
+    return None
+
+
+class Prepared(NamedTuple):
+    """One batch's update, ready to run: its path and, for a C++ path, its call."""
+
+    work: object  # _plan.BatchGrads
+    path: object  # path_of(work.batch)
+    call: object  # _slots.Call, or None on the torch path
+
+
+def prepare(work) -> Prepared:
+    path = path_of(work.batch)
+    return Prepared(work, path, None if path is None else path.prepare(work))
+
+
+def check_together(prepared: list) -> None:
+    """Several C++ calls on one device (one per group) are one step: their slots are
+    checked as one list first, so that a gradient sharing memory with another group's
+    parameter or state is refused before any group is updated. (A lone call checks
+    itself before writing anything.)"""
+    calls = {}
+    for item in prepared:
+        if item.call is not None and item.call.slots:
+            calls.setdefault(item.work.batch.device, []).append(item.call)
+    for device, same_device in calls.items():
+        if len(same_device) < 2:
+            continue
+        try:
+            _slots.extension.check_step_slots(
+                [value for call in same_device for value in call.slots],
+                device.type != "cpu")
+        except ValueError as error:
+            entries = [entry for call in same_device for entry in call.entries]
+            raise _slots.refusal(error, entries) from None
+
+
+def run(item: Prepared, hyper: Hyper) -> None:
+    """Update one prepared batch (one group's parameters on one device)."""
+    if item.path is None:
+        _torch_path.step(item.work, hyper)
+    else:
+        item.path.run(item.work, item.call, hyper)

@@ -16,10 +16,17 @@ def available() -> bool:
     return _slots.extension is not None
 
 
-def step(work, hyper) -> None:
-    call = _slots.prepare(work)
+def prepare(work) -> _slots.Call:
+    return _slots.prepare(work)
+
+
+def run(work, call, hyper) -> None:
     if call.slots:
-        _slots.extension.adam_step(
-            call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-            hyper.adam_w_mode, hyper.bias_correction, hyper.step, torch.get_num_threads())
+        try:
+            _slots.extension.adam_step(
+                call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction, hyper.step,
+                torch.get_num_threads())
+        except ValueError as error:
+            raise _slots.refusal(error, call.entries) from None
     call.finish()

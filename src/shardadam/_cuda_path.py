@@ -34,19 +34,27 @@ def available(device: torch.device) -> bool:
     return usable
 
 
-def step(work, hyper) -> None:
+def prepare(work) -> _slots.Call:
+    # The batch's device is made current for torch's allocations and stream (the
+    # contiguous copies of non-contiguous tensors), and named to the extension (whose
+    # own CUDA runtime sets it too).
+    with torch.cuda.device(work.batch.device):
+        return _slots.prepare(work)
+
+
+def run(work, call, hyper) -> None:
     device = work.batch.device
     core = _slots.extension
-    # The batch's device is made current for torch's allocations and stream, and
-    # named to the extension (whose own CUDA runtime sets it too).
     with torch.cuda.device(device):
-        call = _slots.prepare(work)
         if call.slots:
             workspace = torch.empty(core.cuda_workspace_bytes(call.count),
                                     dtype=torch.uint8, device=device)
-            core.adam_step_cuda(
-                call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
-                hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction, hyper.step,
-                workspace.data_ptr(), workspace.numel(),
-                torch.cuda.current_stream(device).cuda_stream, workspace.device.index)
+            try:
+                core.adam_step_cuda(
+                    call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                    hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction,
+                    hyper.step, workspace.data_ptr(), workspace.numel(),
+                    torch.cuda.current_stream(device).cuda_stream, workspace.device.index)
+            except ValueError as error:
+                raise _slots.refusal(error, call.entries) from None
         call.finish()

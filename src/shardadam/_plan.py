@@ -30,12 +30,14 @@ _grad_of = operator.attrgetter("grad")
 class Entry:
     """One parameter of a batch: its local tensor, layout and local state storage."""
 
-    __slots__ = ("index", "param", "local", "layout", "numel", "param_kind", "exp_avg",
-                 "exp_avg_kind", "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_kind",
-                 "exp_avg_sq_scale", "master", "master_kind", "master_scale")
+    __slots__ = ("index", "where", "param", "local", "layout", "numel", "param_kind",
+                 "exp_avg", "exp_avg_kind", "exp_avg_scale", "exp_avg_sq",
+                 "exp_avg_sq_kind", "exp_avg_sq_scale", "master", "master_kind",
+                 "master_scale")
 
-    def __init__(self, index: int, param: torch.Tensor):
+    def __init__(self, index: int, param: torch.Tensor, where: str):
         self.index = index
+        self.where = where  # "group g, param i ('name')", for the core's messages
         self.param = param
         self.local = _dtensor.to_local(param)
         self.layout = _dtensor.layout_of(param)
@@ -80,8 +82,8 @@ class GroupPlan:
     """One group's parameters by device, their state once bound, and what it was built
     from (to tell when it is stale)."""
 
-    def __init__(self, group: dict, params: list, config: _state.StateConfig, state,
-                 scales):
+    def __init__(self, group: dict, group_index: int, params: list,
+                 config: _state.StateConfig, state, scales):
         self.group = group
         self.params = params
         self.plain = not _dtensor.any_dtensor(params)
@@ -90,7 +92,9 @@ class GroupPlan:
         self.state = state
         self.scales = scales
         self.epoch = None  # set by bind()
-        self.entries = [Entry(i, p) for i, p in enumerate(params)]
+        self.entries = [
+            Entry(i, p, _validate.where(group_index, i, _validate.param_name(group, i)))
+            for i, p in enumerate(params)]
         by_device = {}
         for entry in self.entries:
             by_device.setdefault(entry.local.device, []).append(entry)
@@ -141,7 +145,7 @@ def build_plan(group: dict, group_index: int, config, state, scales) -> GroupPla
     """
     params = list(group["params"])
     _validate.check_params(params, group_index, group)
-    plan = GroupPlan(group, params, config, state, scales)
+    plan = GroupPlan(group, group_index, params, config, state, scales)
     for entry in plan.entries:
         existing = state.get(entry.param)
         error = _state.consistency_error(config.specs(entry.local.dtype), existing,

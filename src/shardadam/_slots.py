@@ -9,6 +9,8 @@ step only writes the gradients' pointers and tags.
 
 from __future__ import annotations
 
+import re
+
 from . import _state
 
 try:
@@ -60,7 +62,8 @@ class _Rows:
 
     def __init__(self, batch):
         self.positions = [i for i, e in enumerate(batch.entries) if e.numel > 0]
-        self.rows = [_row(batch.entries[i]) for i in self.positions]
+        self.entries = [batch.entries[i] for i in self.positions]
+        self.rows = [_row(entry) for entry in self.entries]
         self.flat = [value for row in self.rows for value in row]
         self.every_position = len(self.positions) == len(batch.entries)
         # A non-contiguous parameter is stepped through a contiguous copy.
@@ -72,13 +75,15 @@ class _Rows:
 
 
 class Call:
-    """One step's slots for one extension call, the temporaries they point into, and
-    the non-contiguous parameters to update from their copies once the call is made."""
+    """One step's slots for one extension call, the plan entries they come from, the
+    temporaries they point into, and the non-contiguous parameters to update from their
+    copies once the call is made."""
 
-    __slots__ = ("slots", "keep_alive", "write_back")
+    __slots__ = ("slots", "entries", "keep_alive", "write_back")
 
-    def __init__(self, slots: list, keep_alive: list, write_back: list):
+    def __init__(self, slots: list, entries: list, keep_alive: list, write_back: list):
         self.slots = slots
+        self.entries = entries
         self.keep_alive = keep_alive
         self.write_back = write_back
 
@@ -104,12 +109,13 @@ def prepare(work) -> Call:
         slots = rows.flat.copy()
         slots[_GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
         slots[_GRAD_KIND::COLUMNS] = kinds
-        return Call(slots, [], [])
-    keep_alive, write_back, slots = [], [], []
-    for position, row in zip(rows.positions, rows.rows):
+        return Call(slots, rows.entries, [], [])
+    keep_alive, write_back, slots, entries = [], [], [], []
+    for position, entry, row in zip(rows.positions, rows.entries, rows.rows):
         grad = work.grads[position]
         if grad is None:
             continue
+        entries.append(entry)
         row = row.copy()
         if not grad.is_contiguous():
             grad = grad.contiguous()
@@ -121,4 +127,22 @@ def prepare(work) -> Call:
             write_back.append((local, copy))
             row[_PARAM] = copy.data_ptr()
         slots.extend(row)
-    return Call(slots, keep_alive, write_back)
+    return Call(slots, entries, keep_alive, write_back)
+
+
+_TENSOR = re.compile(r"\btensor (\d+)('s)?")
+
+
+def refusal(error: ValueError, entries: list) -> ValueError:
+    """The core's message with its tensor indices (positions in one call's slots)
+    replaced by the parameters they are: ``"tensor 1: param [...] overlaps tensor 0's
+    grad"`` becomes ``"FusedAdam: group 0, param 3 ('b'): param [...] overlaps group 0,
+    param 1 ('a')'s grad"``."""
+    def name(match):
+        return entries[int(match.group(1))].where.split(": ", 1)[1] + (match.group(2) or "")
+
+    message = str(error)
+    head = re.match(r"tensor (\d+): ", message)
+    if head is not None:
+        message = entries[int(head.group(1))].where + ": " + message[head.end():]
+    return ValueError(_TENSOR.sub(name, message))

@@ -161,14 +161,18 @@ class FusedAdam(torch.optim.Optimizer):
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
         if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)
-        for group, (plan, hyper, batches) in zip(self.param_groups, work):
+        for plan, _, _ in work:
             if not plan.bound:
                 plan.bind()
-            for batch_grads in batches:
-                _backend.step(batch_grads, hyper)
-            # Every group, even with no gradient (S2.8); after its update, so a group
-            # the core refuses (aliased buffers) keeps its count.
-            group["step"] += 1
+        prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
+                    for _, _, batches in work]
+        # The core's own checks (buffers shared between tensors), for every group at
+        # once: the last check before anything is updated.
+        _backend.check_together([item for items in prepared for item in items])
+        for group, (_, hyper, _), items in zip(self.param_groups, work, prepared):
+            for item in items:
+                _backend.run(item, hyper)
+            group["step"] += 1  # every group, even with no gradient (S2.8)
         _plan.settle([plan for plan, _, _ in work])
         return loss
 

@@ -548,6 +548,16 @@ TEST_P(AdamErrorTest, RejectsAndWritesNothing) {
     // Also without an Error to fill.
     EXPECT_EQ(AdamStep(slots.data(), 3, params, 1, nullptr),
               Status::kInvalidArgument);
+    // The slots alone: AdamStep's verdict and message for a slot rule; a
+    // hyper-parameter is not theirs to check.
+    Error slot_error;
+    const Status slot_status = CheckStepSlots(slots.data(), 3, false, &slot_error);
+    if (c.tensor_index < 0) {
+      EXPECT_EQ(slot_status, Status::kOk) << slot_error.message;
+    } else {
+      EXPECT_EQ(slot_status, Status::kInvalidArgument);
+      EXPECT_EQ(slot_error.message, error.message);
+    }
     ASSERT_TRUE(SameTensors(before, tensors));
     for (size_t k = 0; k < before.size(); ++k) {
       // Bitwise, NaN payloads included: nothing may have been touched.
@@ -557,6 +567,27 @@ TEST_P(AdamErrorTest, RejectsAndWritesNothing) {
       ASSERT_EQ(before[k].master, tensors[k].master);
     }
   });
+}
+
+// Scale slots in device memory are checked for presence and alignment, never
+// read: a NaN there is the device's business, not a host read.
+TEST(CheckStepSlotsTest, DeviceScalesAreNotRead) {
+  std::mt19937 rng(22);
+  std::vector<Tensor> tensors = {MakeTensor(
+      {DType::kBFloat16, DType::kBFloat16, DType::kFloat8E4M3, DType::kFloat16,
+       DType::kFloat32, true},
+      40, &rng)};
+  std::vector<TensorSlot> slots = Slots(&tensors);
+  float nan_scale = NAN;
+  slots[0].exp_avg_scale = &nan_scale;
+  Error error;
+  EXPECT_EQ(CheckStepSlots(slots.data(), 1, false, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("exp_avg_scale"), std::string::npos) << error.message;
+  EXPECT_EQ(CheckStepSlots(slots.data(), 1, true, &error), Status::kOk) << error.message;
+  slots[0].exp_avg_scale = nullptr;
+  EXPECT_EQ(CheckStepSlots(slots.data(), 1, true, &error), Status::kInvalidArgument);
+  EXPECT_EQ(CheckStepSlots(slots.data(), -1, false, &error), Status::kInvalidArgument);
+  EXPECT_EQ(CheckStepSlots(nullptr, 0, false, &error), Status::kOk);
 }
 
 INSTANTIATE_TEST_SUITE_P(

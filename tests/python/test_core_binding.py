@@ -512,6 +512,10 @@ def test_bad_slot_raises_and_writes_nothing(case):
     with pytest.raises(ValueError) as raised:
         _C.adam_step(rows, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
     message = str(raised.value)
+    # the slots alone (a step split into calls is checked as one list first)
+    with pytest.raises(ValueError) as checked:
+        _C.check_step_slots(rows, False)
+    assert str(checked.value) == message
     # names the offending tensor (index 1 of the call) and the buffer/rule
     assert re.search(NAMES_TENSOR_1, message), message
     assert re.search(pattern, message, flags=re.IGNORECASE), message

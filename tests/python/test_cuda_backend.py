@@ -667,16 +667,13 @@ ROUTES = [
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: "-".join(map(str, r)))
 def test_backend_choice(route, monkeypatch):
     device, mode, cpu_ok, cuda_ok, expected = route
-    taken = []
-    for name, module in (("cpu", _cpu_path), ("cuda", _cuda_path), ("torch", _torch_path)):
-        monkeypatch.setattr(module, "step", lambda work, hyper, name=name: taken.append(name))
     monkeypatch.setattr(_cpu_path, "available", lambda: cpu_ok)
     monkeypatch.setattr(_cuda_path, "available", lambda device: cuda_ok)
     batch = types.SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu",
                                   is_cuda=device == "cuda")
     with backend_context(mode):
-        _backend.step(types.SimpleNamespace(batch=batch), None)
-    assert taken == [expected]
+        path = _backend.path_of(batch)
+    assert path is {"cpu": _cpu_path, "cuda": _cuda_path, "torch": None}[expected]
 
 
 def test_cuda_backend_available_only_with_a_build_and_a_device(monkeypatch):

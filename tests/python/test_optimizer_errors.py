@@ -163,19 +163,26 @@ def test_constructor_names_named_parameters():
 
 
 @pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
-def test_core_refusal_leaves_group_untouched():
-    """A gradient that is another parameter's storage: the C++ core refuses the group
-    before writing any of it, and its step counter does not move (S3.1)."""
+@pytest.mark.parametrize("aliased", ["same-group", "other-group"])
+def test_gradient_sharing_a_written_buffer_changes_nothing(aliased):
+    """A gradient that is a parameter's storage (in its own group or in the group
+    stepped before it): the core's checks run over every group's call first, so
+    nothing is updated and no step counter moves (S3.1); the message names the
+    parameters, not positions in a call (S8)."""
     generator = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(3)]
-    opt = fused_adam()(params)
-    params[0].grad = torch.randn(4, generator=generator)
-    params[1].grad = params[2].detach()  # aliases the storage the step writes
-    params[2].grad = torch.randn(4, generator=generator)
+    params = [torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(4)]
+    opt = fused_adam()([dict(params=params[:2]), dict(params=params[2:], lr=1e-2)])
+    for p in params:
+        p.grad = torch.randn(4, generator=generator)
+    target = params[3] if aliased == "same-group" else params[0]
+    params[2].grad = target.detach()  # the storage the step writes
     before = snapshot(opt)
-    with pytest.raises(ValueError, match=r"overlaps"):
+    # the core names the later tensor of the two, then the other one
+    named = ((1, 1, r"param .* overlaps group 1, param 0's grad") if aliased == "same-group"
+             else (1, 0, r"grad .* overlaps group 0, param 0's param"))
+    with pytest.raises(ValueError, match=facts(*at(*named[:2]), named[2])):
         opt.step()
-    assert_unchanged(opt, before, "optimizer after the core refused its group")
+    assert_unchanged(opt, before, "optimizer after the core refused a step")
 
 
 @pytest.mark.parametrize("kind", ["int64", "float64", "sparse"])

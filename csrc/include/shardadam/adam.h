@@ -81,6 +81,14 @@ struct Error {
 Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                 int num_threads, Error* error);
 
+// AdamStep's checks of `slots` alone, writing nothing: every slot rule and the
+// buffers shared between tensors, not the hyper-parameters. A caller that splits
+// one logical step into several AdamStep calls (one per parameter group) checks
+// all their slots together first, so that a refusal leaves every call undone.
+// With `scales_in_device_memory` the scale slots' values are not read (CUDA).
+Status CheckStepSlots(const TensorSlot* slots, int64_t count,
+                      bool scales_in_device_memory, Error* error);
+
 // Element-wise conversion between storage dtypes, bit-exact with torch's `.to()`
 // (round to nearest even, NaN kept). For fp16/fp8 destinations the value stored is
 // round(src / scale); for fp16/fp8 sources the value read is float(src) * scale.
