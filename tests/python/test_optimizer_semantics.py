@@ -476,6 +476,21 @@ def test_zero_grad_uses_deprecated_constructor_value(backend):
     assert params[0].grad is not None and bool((params[0].grad == 0).all())
 
 
+def test_zero_grad_contradicting_the_constructor_is_an_error(backend):
+    """S4: set_grad_none given to the constructor and a different set_to_none to
+    zero_grad: a ValueError, and the gradient is left as it was."""
+    params = make_params([torch.float32], [(3,)], seed=24)
+    with pytest.warns(DeprecationWarning):
+        opt = fused_adam()(params, set_grad_none=True)
+    grad = torch.ones(3)
+    params[0].grad = grad
+    with pytest.raises(ValueError, match="set_to_none=False"):
+        opt.zero_grad(set_to_none=False)
+    assert params[0].grad is grad and bool((grad == 1).all())
+    opt.zero_grad(set_to_none=True)  # agreeing is fine
+    assert params[0].grad is None
+
+
 @pytest.mark.parametrize("set_to_none", [None, True, False])
 def test_zero_grad_with_decoupled_grad(set_to_none, backend):
     """S4: with use_decoupled_grad, zero_grad clears decoupled_grad (None, or zeros

@@ -290,6 +290,34 @@ def test_load_state_dict_restores_group_settings_and_step(backend):
         (0.1, (0.8, 0.9), 0.2, 1)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_optimizer_object_copies_continue_bitwise(how, backend):
+    """copy.deepcopy(opt) and pickling the optimizer itself (torch.save(opt)) keep the
+    configuration, the storage and the scales: the copy's next steps equal the
+    original's bit for bit (parameters copied with it, shared between the three)."""
+    cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="rem")
+    opt, params = stepped(cfg, shapes=((6, 5), (3,)), steps=2, seed=8)
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    twin_params = [p for group in twin.param_groups for p in group["params"]]
+    assert all(p is not q for p, q in zip(params, twin_params))
+    assert_same_optimizer_state(opt, twin, params, twin_params, f"{how}: as copied")
+    for step in range(2):
+        generator = torch.Generator().manual_seed(40 + step)
+        for p, q in zip(params, twin_params):
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+        assert_same_optimizer_state(opt, twin, params, twin_params,
+                                    f"{how}: step {step + 1} after the copy")
+
+
 ROUND_TRIP = [
     Precision(param="bf16", exp_avg="bf16", exp_avg_sq="bf16", master="rem"),
     Precision(param="fp16+bf16", exp_avg="bf16", exp_avg_sq="fp32", master="fp32"),
