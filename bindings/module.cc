@@ -37,11 +37,12 @@ T* Pointer(int64_t address) {
 // A dtype tag as the core's enum. Unknown tags that fit its int32 pass through
 // as they are: the core's validation rejects them, naming the tensor and
 // buffer. Wider ones would wrap into valid tags, so they are refused here.
-DType Tag(int64_t value, const char* caller, const char* column, size_t tensor = 0) {
+// `tensor`: the slot's index, or -1 outside a slot list.
+DType Tag(int64_t value, const char* caller, const char* column, int64_t tensor = -1) {
   if (value != static_cast<int32_t>(value)) {
-    throw nb::value_error((std::string(caller) + ": tensor " + std::to_string(tensor) +
-                           ": " + column + " tag " + std::to_string(value) +
-                           " is out of range")
+    const std::string slot = tensor >= 0 ? "tensor " + std::to_string(tensor) + ": " : "";
+    throw nb::value_error((std::string(caller) + ": " + slot + column + " tag " +
+                           std::to_string(value) + " is out of range")
                               .c_str());
   }
   return static_cast<DType>(static_cast<int32_t>(value));
@@ -71,20 +72,23 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
   std::vector<TensorSlot> tensors(slots.size() / kSlotColumns);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const int64_t* row = slots.data() + i * kSlotColumns;
+    const auto tag = [&](Column column, const char* name) {
+      return Tag(row[column], caller, name, static_cast<int64_t>(i));
+    };
     TensorSlot& t = tensors[i];
     t.numel = row[kNumel];
     t.param = Pointer<void>(row[kParam]);
-    t.param_dtype = Tag(row[kParamDtype], caller, "param_dtype", i);
+    t.param_dtype = tag(kParamDtype, "param_dtype");
     t.grad = Pointer<const void>(row[kGrad]);
-    t.grad_dtype = Tag(row[kGradDtype], caller, "grad_dtype", i);
+    t.grad_dtype = tag(kGradDtype, "grad_dtype");
     t.exp_avg = Pointer<void>(row[kExpAvg]);
-    t.exp_avg_dtype = Tag(row[kExpAvgDtype], caller, "exp_avg_dtype", i);
+    t.exp_avg_dtype = tag(kExpAvgDtype, "exp_avg_dtype");
     t.exp_avg_scale = Pointer<float>(row[kExpAvgScale]);
     t.exp_avg_sq = Pointer<void>(row[kExpAvgSq]);
-    t.exp_avg_sq_dtype = Tag(row[kExpAvgSqDtype], caller, "exp_avg_sq_dtype", i);
+    t.exp_avg_sq_dtype = tag(kExpAvgSqDtype, "exp_avg_sq_dtype");
     t.exp_avg_sq_scale = Pointer<float>(row[kExpAvgSqScale]);
     t.master_param = Pointer<void>(row[kMaster]);
-    t.master_dtype = Tag(row[kMasterDtype], caller, "master_dtype", i);
+    t.master_dtype = tag(kMasterDtype, "master_dtype");
     t.master_scale = Pointer<float>(row[kMasterScale]);
   }
   return tensors;

@@ -37,7 +37,7 @@ class Entry:
 
     def __init__(self, index: int, param: torch.Tensor, where: str):
         self.index = index
-        self.where = where  # "group g, param i ('name')", for the core's messages
+        self.where = where  # "FusedAdam: group g, param i ('name')", for messages
         self.param = param
         self.local = _dtensor.to_local(param)
         self.layout = _dtensor.layout_of(param)
