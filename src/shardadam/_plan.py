@@ -30,14 +30,14 @@ _grad_of = operator.attrgetter("grad")
 class Entry:
     """One parameter of a batch: its local tensor, layout and local state storage."""
 
-    __slots__ = ("index", "where", "param", "local", "layout", "numel", "param_kind",
+    __slots__ = ("index", "place", "param", "local", "layout", "numel", "param_kind",
                  "exp_avg", "exp_avg_kind", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_kind", "exp_avg_sq_scale", "master", "master_kind",
                  "master_scale")
 
-    def __init__(self, index: int, param: torch.Tensor, where: str):
+    def __init__(self, index: int, param: torch.Tensor, place: str):
         self.index = index
-        self.where = where  # "FusedAdam: group g, param i ('name')", for messages
+        self.place = place  # "group g, param i ('name')", for the core's messages
         self.param = param
         self.local = _dtensor.to_local(param)
         self.layout = _dtensor.layout_of(param)
@@ -93,7 +93,7 @@ class GroupPlan:
         self.scales = scales
         self.epoch = None  # set by bind()
         self.entries = [
-            Entry(i, p, _validate.where(group_index, i, _validate.param_name(group, i)))
+            Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)))
             for i, p in enumerate(params)]
         by_device = {}
         for entry in self.entries:

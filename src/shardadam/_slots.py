@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from . import _state
+from . import _state, _validate
 
 try:
     from . import _C as extension
@@ -139,10 +139,11 @@ def refusal(error: ValueError, entries: list) -> ValueError:
     grad"`` becomes ``"FusedAdam: group 0, param 3 ('b'): param [...] overlaps group 0,
     param 1 ('a')'s grad"``."""
     def name(match):
-        return entries[int(match.group(1))].where.split(": ", 1)[1] + (match.group(2) or "")
+        return entries[int(match.group(1))].place + (match.group(2) or "")
 
     message = str(error)
     head = re.match(r"tensor (\d+): ", message)
     if head is not None:
-        message = entries[int(head.group(1))].where + ": " + message[head.end():]
+        message = (f"{_validate.CLASS_NAME}: {entries[int(head.group(1))].place}: "
+                   f"{message[head.end():]}")
     return ValueError(_TENSOR.sub(name, message))

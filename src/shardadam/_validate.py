@@ -23,15 +23,22 @@ _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 _MASTER_DTYPES = (torch.float32, torch.float16)
 
 
-def where(group: Optional[int] = None, param: Optional[int] = None,
+def place(group: Optional[int] = None, param: Optional[int] = None,
           name: Optional[str] = None) -> str:
-    """``"FusedAdam: group 0, param 3 ('fc.weight')"``-style prefix of a message."""
+    """``"group 0, param 3 ('fc.weight')"``, or what of it is known."""
     parts = []
     if group is not None:
         parts.append(f"group {group}")
     if param is not None:
         parts.append(f"param {param}" + (f" ({name!r})" if name is not None else ""))
-    return CLASS_NAME + (": " + ", ".join(parts) if parts else "")
+    return ", ".join(parts)
+
+
+def where(group: Optional[int] = None, param: Optional[int] = None,
+          name: Optional[str] = None) -> str:
+    """``"FusedAdam: group 0, param 3 ('fc.weight')"``-style prefix of a message."""
+    at = place(group, param, name)
+    return CLASS_NAME + (": " + at if at else "")
 
 
 def param_name(group: dict, index: int) -> Optional[str]:
@@ -92,10 +99,12 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
 
     lr = _number(group["lr"])
     if lr is None or not math.isfinite(lr) or lr < 0.0:
-        raise bad("Invalid learning rate (rule: a real number, finite and >= 0)", group["lr"])
+        raise bad("Invalid learning rate (rule: a real number, finite and >= 0)",
+                  group["lr"])
     eps = _number(group["eps"])
     if eps is None or not math.isfinite(eps) or eps < 0.0:
-        raise bad("Invalid epsilon value (rule: a real number, finite and >= 0)", group["eps"])
+        raise bad("Invalid epsilon value (rule: a real number, finite and >= 0)",
+                  group["eps"])
     wd = _number(group["weight_decay"])
     if wd is None or not math.isfinite(wd) or wd < 0.0:
         raise bad("Invalid weight_decay value (rule: a real number, finite and >= 0)",
@@ -109,7 +118,8 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
         raise bad("Invalid betas (rule: a pair (beta1, beta2))", betas)
     for i, beta in enumerate(beta_values):
         if beta is None or not 0.0 <= beta < 1.0:
-            raise bad(f"Invalid beta parameter at index {i} (rule: a real number in [0, 1))", betas[i])
+            raise bad(f"Invalid beta parameter at index {i} (rule: a real number in "
+                      f"[0, 1))", betas[i])
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
@@ -184,7 +194,7 @@ def check_disjoint_params(groups: list) -> None:
     for span in spans:
         if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
             (g0, i0), (g, i) = sorted([reach[3:], span[3:]])  # blame the later one
-            other = where(g0, i0, param_name(groups[g0], i0)).split(": ", 1)[1]
+            other = place(g0, i0, param_name(groups[g0], i0))
             raise fail(RuntimeError,
                        f"shares memory with {other} (rule: parameters are updated in "
                        f"place and must not overlap)",
