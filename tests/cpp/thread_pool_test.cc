@@ -4,6 +4,11 @@
 // it. Small sizes on purpose: these tests exist mostly for ThreadSanitizer.
 #include "thread_pool.h"
 
+#if !defined(_WIN32)
+#include <sys/wait.h>
+#include <unistd.h>
+#endif
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -113,6 +118,42 @@ TEST(ThreadPoolTest, ConcurrentAdamStepsMatchReference) {
     ASSERT_EQ(got[static_cast<size_t>(c)].v, want[static_cast<size_t>(c)].v);
   }
 }
+
+// A forked child (a DataLoader worker, a launcher) inherits the pool's memory
+// but none of its threads; its first multi-threaded call must start its own
+// workers rather than wait for the parent's. ThreadSanitizer does not support
+// threads started after a multi-threaded fork, so it skips this test.
+#if defined(__SANITIZE_THREAD__)  // GCC
+#define SHARDADAM_TEST_TSAN 1
+#elif defined(__has_feature)      // Clang
+#if __has_feature(thread_sanitizer)
+#define SHARDADAM_TEST_TSAN 1
+#endif
+#endif
+#if !defined(_WIN32) && !defined(SHARDADAM_TEST_TSAN)
+TEST(ThreadPoolTest, ForkedChildStartsItsOwnWorkers) {
+  std::atomic<int> ran{0};
+  const std::function<void(int)> count = [&](int) { ++ran; };
+  ThreadPool::Global().Run(4, count);  // the parent's workers exist now
+  ASSERT_EQ(ran.load(), 4);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(20);  // a child waiting for the parent's workers would hang: kill it
+    std::atomic<int> child_ran{0};
+    const std::function<void(int)> child_count = [&](int) { ++child_ran; };
+    ThreadPool::Global().Run(4, child_count);
+    ThreadPool::Global().Run(3, child_count);
+    _exit(child_ran.load() == 7 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit (status " << status << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's jobs did not all run";
+  ThreadPool::Global().Run(4, count);  // and the parent's pool still works
+  EXPECT_EQ(ran.load(), 8);
+}
+#endif
 
 }  // namespace
 }  // namespace shardadam
