@@ -17,6 +17,7 @@
 #include <string>
 
 #include "cuda/slot_math.h"
+#include "float_mode.h"
 #include "shardadam/adam_cuda.h"
 #include "validate.h"
 
@@ -210,6 +211,9 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                     void* workspace, int64_t workspace_bytes, void* stream, int device,
                     Error* error) {
   using namespace cuda;  // NOLINT(build/namespaces): file-local brevity
+  // The step constants are computed here on the host: in the caller's mode an FTZ
+  // caller would flush a subnormal eps or weight decay that the CPU core keeps.
+  const internal::ScopedIeeeFloatMode ieee;
   if (!internal::ValidateStep(slots, count, params, error, internal::ScaleValues::kSkip)) {
     return Status::kInvalidArgument;
   }

@@ -73,17 +73,24 @@ def prepare(work) -> Prepared:
     return Prepared(work, path, None if path is None else path.prepare(work))
 
 
-def check_together(prepared: list) -> None:
-    """Several C++ calls on one device (one per group) are one step: their slots are
-    checked as one list first, so that a gradient sharing memory with another group's
-    parameter or state is refused before any group is updated. (A lone call checks
-    itself before writing anything.)"""
+def check_together(prepared: list, passed: dict) -> None:
+    """A step of several C++ calls (groups, devices) is one step: the slots of each
+    device's calls are checked as one list before any call runs, so that a gradient
+    sharing memory with a buffer another call writes is refused before anything is
+    updated. ``passed`` (the optimizer's, per device) remembers the last lists that
+    passed: only the gradient columns change while the plans stand, so an unchanged
+    set of gradients is not checked again."""
     calls = {}
     for item in prepared:
         if item.call is not None and item.call.slots:
             calls.setdefault(item.work.batch.device, []).append(item.call)
+    if sum(map(len, calls.values())) < 2:
+        return  # a lone call checks itself before writing anything
     for device, same_device in calls.items():
-        if len(same_device) < 2:
+        signature = [(call.entries, call.slots[_slots.GRAD::_slots.COLUMNS],
+                      call.slots[_slots.GRAD_KIND::_slots.COLUMNS])
+                     for call in same_device]
+        if _same_signature(passed.get(device), signature):
             continue
         try:
             _slots.extension.check_step_slots(
@@ -92,6 +99,15 @@ def check_together(prepared: list) -> None:
         except ValueError as error:
             entries = [entry for call in same_device for entry in call.entries]
             raise _slots.refusal(error, entries) from None
+        passed[device] = signature
+
+
+def _same_signature(old, new) -> bool:
+    # The entry lists by identity: a rebuilt plan has new ones (and `old` keeps these
+    # alive, so an identity cannot be reused).
+    return (old is not None and len(old) == len(new)
+            and all(a[0] is b[0] and a[1] == b[1] and a[2] == b[2]
+                    for a, b in zip(old, new)))
 
 
 def run(item: Prepared, hyper: Hyper) -> None:

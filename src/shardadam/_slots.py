@@ -19,7 +19,7 @@ except ImportError:  # not built: every batch takes the torch path
     extension = None
 
 COLUMNS = 14
-_GRAD, _GRAD_KIND, _PARAM = 3, 4, 1
+GRAD, GRAD_KIND, _PARAM = 3, 4, 1
 
 
 def _check_abi() -> None:
@@ -107,8 +107,8 @@ def prepare(work) -> Call:
     if rows.every_position and work.dense and rows.contiguous and 0 not in kinds:
         # Every tensor steps: patch the gradient columns of the cached rows.
         slots = rows.flat.copy()
-        slots[_GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
-        slots[_GRAD_KIND::COLUMNS] = kinds
+        slots[GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
+        slots[GRAD_KIND::COLUMNS] = kinds
         return Call(slots, rows.entries, [], [])
     keep_alive, write_back, slots, entries = [], [], [], []
     for position, entry, row in zip(rows.positions, rows.entries, rows.rows):
@@ -120,7 +120,7 @@ def prepare(work) -> Call:
         if not grad.is_contiguous():
             grad = grad.contiguous()
             keep_alive.append(grad)
-        row[_GRAD], row[_GRAD_KIND] = grad.data_ptr(), kinds[position]
+        row[GRAD], row[GRAD_KIND] = grad.data_ptr(), kinds[position]
         local = batch.entries[position].local
         if not local.is_contiguous():
             copy = local.contiguous()
@@ -130,20 +130,18 @@ def prepare(work) -> Call:
     return Call(slots, entries, keep_alive, write_back)
 
 
-_TENSOR = re.compile(r"\btensor (\d+)('s)?")
+_TENSOR = re.compile(r"^tensor (\d+): |\btensor (\d+)('s)?")
 
 
 def refusal(error: ValueError, entries: list) -> ValueError:
     """The core's message with its tensor indices (positions in one call's slots)
     replaced by the parameters they are: ``"tensor 1: param [...] overlaps tensor 0's
     grad"`` becomes ``"FusedAdam: group 0, param 3 ('b'): param [...] overlaps group 0,
-    param 1 ('a')'s grad"``."""
+    param 1 ('a')'s grad"``. One pass over the core's own text, so names are never
+    rewritten."""
     def name(match):
-        return entries[int(match.group(1))].place + (match.group(2) or "")
+        if match.group(1) is not None:  # the leading "tensor N: "
+            return entries[int(match.group(1))].place + ": "
+        return entries[int(match.group(2))].place + (match.group(3) or "")
 
-    message = str(error)
-    head = re.match(r"tensor (\d+): ", message)
-    if head is not None:
-        message = (f"{_validate.CLASS_NAME}: {entries[int(head.group(1))].place}: "
-                   f"{message[head.end():]}")
-    return ValueError(_TENSOR.sub(name, message))
+    return ValueError(f"{_validate.CLASS_NAME}: {_TENSOR.sub(name, str(error))}")

@@ -83,6 +83,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._scales = _tracked.Scales()
         self._plans = []
         self._param_index = {}
+        self._checked = {}  # _backend.check_together's last passed lists, per device
         super().__init__(params, defaults)
         if set_grad_none is not None:
             warnings.warn(
@@ -105,6 +106,7 @@ class FusedAdam(torch.optim.Optimizer):
         _state.migrate_scales(self.state, self._scales)
         self._plans = []
         self._param_index = {}
+        self._checked = {}
 
     # ------------------------------------------------------------------ groups
 
@@ -168,7 +170,8 @@ class FusedAdam(torch.optim.Optimizer):
                     for _, _, batches in work]
         # The core's own checks (buffers shared between tensors), for every group at
         # once: the last check before anything is updated.
-        _backend.check_together([item for items in prepared for item in items])
+        _backend.check_together([item for items in prepared for item in items],
+                                self._checked)
         for group, (_, hyper, _), items in zip(self.param_groups, work, prepared):
             for item in items:
                 _backend.run(item, hyper)
@@ -387,6 +390,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state = new_state
         self._scales = new_scales
         self._plans = []
+        self._checked = {}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

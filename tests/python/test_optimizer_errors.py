@@ -174,6 +174,7 @@ def test_gradient_sharing_a_written_buffer_changes_nothing(aliased):
     opt = fused_adam()([dict(params=params[:2]), dict(params=params[2:], lr=1e-2)])
     for p in params:
         p.grad = torch.randn(4, generator=generator)
+    opt.step()  # a step that passes: the same gradients would not be checked again
     target = params[3] if aliased == "same-group" else params[0]
     params[2].grad = target.detach()  # the storage the step writes
     before = snapshot(opt)
@@ -181,6 +182,42 @@ def test_gradient_sharing_a_written_buffer_changes_nothing(aliased):
     named = ((1, 1, r"param .* overlaps group 1, param 0's grad") if aliased == "same-group"
              else (1, 0, r"grad .* overlaps group 0, param 0's param"))
     with pytest.raises(ValueError, match=facts(*at(*named[:2]), named[2])):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after the core refused a step")
+
+
+@pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
+def test_core_message_keeps_parameter_names_as_given():
+    """The core's "tensor N" become parameter places in one pass: a name that itself
+    reads "tensor 7" is left alone (neither rewritten nor looked up)."""
+    generator = torch.Generator().manual_seed(5)
+    a, b = (torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(2))
+    opt = fused_adam()([("tensor 1", a), ("w tensor 7", b)])
+    a.grad = torch.randn(4, generator=generator)
+    b.grad = opt.state[a]["exp_avg"]
+    with pytest.raises(ValueError) as raised:
+        opt.step()
+    assert str(raised.value).startswith(
+        "FusedAdam: group 0, param 1 ('w tensor 7'): grad "), str(raised.value)
+    assert "overlaps group 0, param 0 ('tensor 1')'s exp_avg" in str(raised.value)
+
+
+@pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
+def test_gradient_sharing_a_written_buffer_is_checked_on_every_device():
+    """Groups on two devices (a CPU group and, say, a CUDA one): each device's calls are
+    checked before the first call runs, so the group stepped first is not updated when
+    the other one is refused. The second device is simulated by giving group 1's batch
+    its own device key (the check groups calls by it)."""
+    generator = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(3)]
+    opt = fused_adam()([dict(params=params[:1]), dict(params=params[1:])])
+    for p in params:
+        p.grad = torch.randn(4, generator=generator)
+    opt.step()
+    opt._plans[1].batches[0].device = torch.device("cpu", 1)
+    params[2].grad = opt.state[params[1]]["exp_avg"]  # a buffer group 1's call writes
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=facts(*at(1, 1), "overlaps group 1, param 0's")):
         opt.step()
     assert_unchanged(opt, before, "optimizer after the core refused a step")
 
