@@ -6,7 +6,8 @@ Every implementation fulfils the same contract (S3.6): the C++ core gives the sa
 on CPU and on CUDA, and the torch path gives them too on CPU. ``use_backend("torch")``
 forces the torch path everywhere (tests compare the paths; devices without a C++ build
 use it). A step prepares every batch (the C++ paths' slot rows), checks the C++ calls
-of each device together, and only then runs them, group by group.
+of each device together (and the torch path's batches together), and only then
+runs them, group by group.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def check_together(prepared: list, passed: dict) -> None:
     sharing memory with a buffer another call writes is refused before anything is
     updated. ``passed`` (the optimizer's, per device) remembers the last lists that
     passed: only the gradient columns change while the plans stand, so an unchanged
-    set of gradients is not checked again."""
+    set of gradients is not checked again. The torch path's batches are checked for
+    the same rule by ``_torch_path.check_shared_memory``."""
+    _torch_path.check_shared_memory([item.work for item in prepared if item.path is None])
     calls = {}
     for item in prepared:
         if item.call is not None and item.call.slots:

@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from . import _state
+from . import _state, _validate
 from ._state import (KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT8_E4M3, KIND_INT16_REMAINDER,
                      KIND_NONE)
 
@@ -100,6 +100,67 @@ def _store_weight(entry, w) -> None:
         entry.local.copy_(w)
     if entry.master_kind != KIND_NONE:
         _encode(w, entry.master, entry.master_kind, entry.master_scale)
+
+
+_WRITTEN = (("param", "local"), ("master_param", "master"), ("exp_avg", "exp_avg"),
+            ("exp_avg_sq", "exp_avg_sq"), ("exp_avg_scale", "exp_avg_scale"),
+            ("exp_avg_sq_scale", "exp_avg_sq_scale"), ("master_scale", "master_scale"))
+
+
+def _span(tensor) -> tuple:
+    """``(first byte, end)`` of a non-empty tensor's memory."""
+    if tensor.is_contiguous():
+        start = tensor.data_ptr()
+        return start, start + tensor.nbytes
+    return _validate.memory_span(tensor)[1:]
+
+
+def _written_spans(batch) -> list:
+    """Per entry, the spans of the buffers a step writes. They change only with the plan,
+    which clears ``backend_cache`` when it is rebuilt."""
+    spans = batch.backend_cache.get("torch_written")
+    if spans is None:
+        spans = [[_span(tensor) + (name,) for name, attribute in _WRITTEN
+                  if (tensor := getattr(entry, attribute)) is not None]
+                 for entry in batch.entries]
+        batch.backend_cache["torch_written"] = spans
+    return spans
+
+
+def check_shared_memory(works: list) -> None:
+    """The core's rule on shared memory, for this step's torch-path batches together:
+    a gradient must not share memory with any buffer the step writes (a parameter, a
+    master, a moment, a scale), or the result would depend on the order of the updates
+    and a gradient would be written (S3.2). Gradients may share memory with each other.
+    Sorting by address finds any overlap in O(n log n); a refusal names the later of
+    the two parameters, as the core does."""
+    by_device = {}
+    for work in works:
+        spans = by_device.setdefault(work.batch.device, [])
+        for entry, grad, written in zip(work.batch.entries, work.grads,
+                                        _written_spans(work.batch)):
+            if grad is None or entry.numel == 0:
+                continue  # not stepped: nothing of it is written
+            order = len(spans)  # (start, end, order, name) never ties: entry unread
+            spans.append(_span(grad) + (order, "grad", False, entry))
+            spans.extend((start, end, order, name, True, entry)
+                         for start, end, name in written)
+    for spans in by_device.values():
+        spans.sort()
+        reach_all = reach_written = None  # the earlier spans reaching furthest
+        for span in spans:
+            hit = reach_all if span[4] else reach_written
+            if hit is not None and span[0] < hit[1]:
+                first, second = sorted([hit, span], key=lambda s: s[2])
+                raise ValueError(
+                    f"{_validate.CLASS_NAME}: {second[5].place}: {second[3]} shares "
+                    f"memory with {first[5].place}'s {first[3]} (rule: only gradients "
+                    f"may share memory; a buffer the step writes must not be read as a "
+                    f"gradient)")
+            if reach_all is None or span[1] > reach_all[1]:
+                reach_all = span
+            if span[4] and (reach_written is None or span[1] > reach_written[1]):
+                reach_written = span
 
 
 def step(work, hyper) -> None:

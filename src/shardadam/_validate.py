@@ -170,7 +170,7 @@ def check_params(params, group_index: int, group: dict) -> None:
                        name=param_name(group, i))
 
 
-def _memory_span(tensor):
+def memory_span(tensor):
     """``(device, first byte, end)`` of the memory a non-empty tensor covers."""
     extent = 1 + sum((size - 1) * abs(stride)
                      for size, stride in zip(tensor.shape, tensor.stride()))
@@ -187,7 +187,7 @@ def check_disjoint_params(groups: list) -> None:
         for i, param in enumerate(group["params"]):
             local = _dtensor.to_local(param)
             if local.numel() > 0:
-                device, start, end = _memory_span(local)
+                device, start, end = memory_span(local)
                 spans.append((str(device), start, end, g, i))
     spans.sort()
     reach = None  # the span reaching furthest so far on this device

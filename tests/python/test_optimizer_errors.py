@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, fused_adam,
-    have_core, snapshot)
+    assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
+    fused_adam, have_core, snapshot)
 
 
 def facts(*patterns):
@@ -162,28 +162,60 @@ def test_constructor_names_named_parameters():
         fused_adam()([("good.w", good), ("encoder.w", tied), ("decoder.w", tied)])
 
 
-@pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
-@pytest.mark.parametrize("aliased", ["same-group", "other-group"])
-def test_gradient_sharing_a_written_buffer_changes_nothing(aliased):
-    """A gradient that is a parameter's storage (in its own group or in the group
-    stepped before it): the core's checks run over every group's call first, so
-    nothing is updated and no step counter moves (S3.1); the message names the
-    parameters, not positions in a call (S8)."""
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("aliased", ["same-group", "other-group", "exp_avg"])
+def test_gradient_sharing_a_written_buffer_changes_nothing(aliased, backend):
+    """A gradient that is a buffer the step writes (a parameter's storage in its own
+    group or in the group stepped before it, a moment): every group's calls are checked
+    first, so nothing is updated and no step counter moves (S3.1), on the C++ path and
+    on the torch path alike; the message names the parameters, not positions in a call
+    (S8)."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
     generator = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(4)]
     opt = fused_adam()([dict(params=params[:2]), dict(params=params[2:], lr=1e-2)])
     for p in params:
         p.grad = torch.randn(4, generator=generator)
-    opt.step()  # a step that passes: the same gradients would not be checked again
-    target = params[3] if aliased == "same-group" else params[0]
-    params[2].grad = target.detach()  # the storage the step writes
-    before = snapshot(opt)
-    # the core names the later tensor of the two, then the other one
-    named = ((1, 1, r"param .* overlaps group 1, param 0's grad") if aliased == "same-group"
-             else (1, 0, r"grad .* overlaps group 0, param 0's param"))
-    with pytest.raises(ValueError, match=facts(*at(*named[:2]), named[2])):
-        opt.step()
-    assert_unchanged(opt, before, "optimizer after the core refused a step")
+    with backend_context(backend):
+        opt.step()  # a step that passes: the same gradients would not be checked again
+        target = {"same-group": params[3].detach(), "other-group": params[0].detach(),
+                  "exp_avg": opt.state[params[0]]["exp_avg"]}[aliased]
+        params[2].grad = target  # storage the step writes
+        before = snapshot(opt)
+        # the later parameter of the two is named first, then the other one
+        overlaps = "(overlaps|shares memory with)"
+        named = {"same-group": (1, 1, rf"param .*{overlaps} group 1, param 0's grad"),
+                 "other-group": (1, 0, rf"grad .*{overlaps} group 0, param 0's param"),
+                 "exp_avg": (1, 0, rf"grad .*{overlaps} group 0, param 0's exp_avg")}
+        with pytest.raises(ValueError, match=facts(*at(*named[aliased][:2]),
+                                                   named[aliased][2])):
+            opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_one_gradient_shared_by_parameters_of_two_groups_is_allowed(backend):
+    """Gradients are only read, so one tensor may be the gradient of several
+    parameters: the step equals one with a copy of it per parameter, bitwise."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(6)
+    shared_params = [torch.nn.Parameter(torch.randn(5, generator=generator))
+                     for _ in range(2)]
+    copied_params = [torch.nn.Parameter(p.detach().clone()) for p in shared_params]
+    grad = torch.randn(5, generator=generator)
+    shared = fused_adam()([dict(params=shared_params[:1]), dict(params=shared_params[1:])])
+    copied = fused_adam()([dict(params=copied_params[:1]), dict(params=copied_params[1:])])
+    for p in shared_params:
+        p.grad = grad
+    for p in copied_params:
+        p.grad = grad.clone()
+    with backend_context(backend):
+        shared.step()
+        copied.step()
+    assert_same_optimizer_state(copied, shared, copied_params, shared_params,
+                                "one shared gradient vs copies")
 
 
 @pytest.mark.skipif(not have_core(), reason="the C++ core is not built")
