@@ -341,23 +341,32 @@ TEST(ReferenceOracleTest, AgreesWithFloat64Adam) {
                scaled.exp_avg_sq_scale;
       };
       std::vector<Exact> exact(n);
-      double m_max = 0.0, v_max = 0.0;
+      double m_max = 0.0, v_max = 0.0, m_terms = 0.0, v_terms = 0.0;
       for (int64_t i = 0; i < n; ++i) {
         exact[i] = ExactAdam(p, w[i], g[i], true_m(i), true_v(i));
         m_max = std::max(m_max, std::fabs(exact[i].m));
         v_max = std::max(v_max, std::fabs(exact[i].v));
+        m_terms = std::max(m_terms, exact[i].m_terms);
+        v_terms = std::max(v_terms, exact[i].v_terms);
       }
       TensorSlot scaled_slot = scaled.Slot();
       ref::AdamStep(&scaled_slot, 1, p);
+      // The scale is the fp32 absmax over the target, rounded once: off by the
+      // largest moment's fp32 error, then half an fp32 ulp.
       EXPECT_NEAR(scaled.exp_avg_scale, m_max / kFloat16ScaleTarget,
-                  1e-5 * m_max / kFloat16ScaleTarget);
+                  2 * kFewRoundings * m_terms / kFloat16ScaleTarget +
+                      0x1p-24 * scaled.exp_avg_scale);
       EXPECT_NEAR(scaled.exp_avg_sq_scale, v_max / kFloat8ScaleTarget,
-                  1e-5 * v_max / kFloat8ScaleTarget);
+                  2 * kFewRoundings * v_terms / kFloat8ScaleTarget +
+                      0x1p-24 * scaled.exp_avg_sq_scale);
+      // Half a step of the storage format: relative for normals (fp16 2^-11,
+      // E4M3 2^-4), absolute for subnormals (fp16 2^-25, E4M3 2^-10, times
+      // the scale), beside the fp32 error of the moment itself.
       for (int64_t i = 0; i < n; ++i) {
         const Exact& e = exact[i];
         ASSERT_LE(std::fabs(true_m(i) - e.m),
                   0x1p-11 * std::fabs(e.m) + 2 * kFewRoundings * e.m_terms +
-                      0x1p-24 * scaled.exp_avg_scale)
+                      0x1p-25 * scaled.exp_avg_scale)
             << i;
         ASSERT_LE(std::fabs(true_v(i) - e.v),
                   0x1p-4 * std::fabs(e.v) + 2 * kFewRoundings * e.v_terms +

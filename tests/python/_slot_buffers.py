@@ -234,15 +234,15 @@ def make_bad_call(preset, overrides, device="cpu"):
     return good, bad, good.row() + row
 
 
-BAD_HYPER = [
-    ("step-0", dict(step=0), r"step"),
-    ("negative-lr", dict(lr=-1e-3), r"lr|learning"),
-    ("nan-lr", dict(lr=math.nan), r"lr|learning"),
-    ("beta1-one", dict(beta1=1.0), r"beta"),
-    ("beta2-negative", dict(beta2=-0.1), r"beta"),
-    ("negative-eps", dict(eps=-1e-8), r"eps"),
-    ("inf-eps", dict(eps=math.inf), r"eps"),
-    ("negative-weight-decay", dict(weight_decay=-0.1), r"weight_decay|decay"),
+BAD_HYPER = [  # (id, change, the parameter's name and the rule it breaks)
+    ("step-0", dict(step=0), r"\bstep 0\b.*less than 1"),
+    ("negative-lr", dict(lr=-1e-3), r"\blr\b.*negative"),
+    ("nan-lr", dict(lr=math.nan), r"\blr\b.*not finite"),
+    ("beta1-one", dict(beta1=1.0), r"\bbeta1\b.*outside \[0, 1\)"),
+    ("beta2-negative", dict(beta2=-0.1), r"\bbeta2\b.*outside \[0, 1\)"),
+    ("negative-eps", dict(eps=-1e-8), r"\beps\b.*negative"),
+    ("inf-eps", dict(eps=math.inf), r"\beps\b.*not finite"),
+    ("negative-weight-decay", dict(weight_decay=-0.1), r"\bweight_decay\b.*negative"),
 ]
 
 

@@ -217,14 +217,17 @@ def test_state_dict_of_fresh_optimizer_changes_nothing(backend):
     cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="fp16")
     params = make_params(cfg.param_dtypes(2), [(4,), (2, 3)], seed=3)
     opt = fused_adam()(params, **cfg.optimizer_kwargs())
-    before = {id(p): {k: v.clone() for k, v in state_tensors(opt, p).items()}
+    before = {id(p): dict({k: v.clone() for k, v in state_tensors(opt, p).items()},
+                          param=p.detach().clone())
               for p in params}
     sd = opt.state_dict()
     for i, p in enumerate(params):
-        now = state_tensors(opt, p)
+        now = dict(state_tensors(opt, p), param=p.detach())
         for key, value in before[id(p)].items():
             assert_bitwise_equal(now[key], value, f"param {i} {key}")
-        assert bool((sd["state"][i]["exp_avg"] == 0).all())
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(sd["state"][i][name], torch.zeros(p.shape),
+                                 f"param {i} exported initial {name}")
         codes, scale = quantize_like_spec(p.detach().float(), "fp16")
         assert_bitwise_equal(sd["state"][i]["master_param"],
                              decode_codes(codes).float() * torch.tensor(scale),
