@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    Hyper, assert_bitwise_equal, attach_grads, capture_inputs, fused_adam, make_params,
-    merge_remainder, split_master, verify_step)
+    Hyper, assert_bitwise_equal, assert_same_optimizer_state, attach_grads, capture_inputs,
+    fused_adam, make_params, merge_remainder, split_master, verify_step)
 
 SHAPES = [(8, 8), (3,), (1,), (0,), (5, 1)]
 STEPS = 200
@@ -90,6 +90,38 @@ def test_master_weights_attribute_read_at_step(backend):
     opt.step()
     assert opt.get_unscaled_state(params[0], "master_param").dtype == torch.float32
     verify_step(opt, params, inputs, grads, hyper, 1, "master_weights switched on")
+
+
+def test_master_weights_attribute_switched_off_at_step(backend):
+    """S1.5 the other way: with masters in place, `master_weights = False` makes the
+    next step start from the bf16 parameter itself (S3.6: no master, so the weight is
+    the parameter) and leave no master in the state (S2.1); the moments carry on."""
+    params = make_params([torch.bfloat16], [(10,)], seed=16)
+    hyper = Hyper(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = fused_adam()(params, master_weights=True, **hyper.optimizer_kwargs())
+    attach_grads(params, [torch.randn(10).bfloat16()], decoupled=False)
+    opt.step()
+    master = opt.get_unscaled_state(params[0], "master_param")
+    assert not torch.equal(master, params[0].detach().float()), \
+        "the master must hold more than the parameter for this test to tell them apart"
+    # a twin that never had a master, holding the same parameter and moments
+    twin_params = [torch.nn.Parameter(params[0].detach().clone())]
+    twin = fused_adam()(twin_params, **hyper.optimizer_kwargs())
+    for name in ("exp_avg", "exp_avg_sq"):
+        twin.set_scaled_state(twin_params[0], name,
+                              opt.get_unscaled_state(params[0], name))
+    twin.param_groups[0]["step"] = 1
+    opt.master_weights = False
+    grads = [torch.randn(10).bfloat16()]
+    attach_grads(params, grads, decoupled=False)
+    attach_grads(twin_params, [grads[0].clone()], decoupled=False)
+    inputs = capture_inputs(opt, params)
+    inputs[0].w = params[0].detach().double()  # the parameter, not the old master
+    opt.step()
+    twin.step()
+    assert "master_param" not in opt.state[params[0]]
+    verify_step(opt, params, inputs, grads, hyper, 2, "master_weights switched off")
+    assert_same_optimizer_state(twin, opt, twin_params, params, "master_weights off")
 
 
 def test_use_decoupled_grad_attribute_read_at_step_and_zero_grad(backend):
