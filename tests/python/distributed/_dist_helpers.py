@@ -9,6 +9,8 @@ rank's failure is raised on all ranks and nobody is left waiting in a collective
 import contextlib
 import itertools
 import math
+import os
+import sys
 import traceback
 import zlib
 
@@ -18,6 +20,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import _dist_cases
+
+# The shared numeric helpers (fp32 error bounds, format grids) sit one directory up.
+_PYTHON_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _PYTHON_TESTS not in sys.path:
+    sys.path.insert(0, _PYTHON_TESTS)
+
+from _optimizer_testing import ABS_SLACK, FP32_TINY, U, stored_bound  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.uint8}
@@ -221,38 +230,42 @@ def assert_bitwise(actual, expected, what):
 
 # Largest stored magnitude of a scaled state (S2.3): fp16 max / 2 and the E4M3 maximum.
 _RANGE = {torch.float16: 32752.0, torch.uint8: 448.0}
-# (smallest normal exponent, explicit mantissa bits) of each storage format.
-_FORMAT = {torch.float16: (-14, 10), torch.uint8: (-6, 3)}
+# Format names of _optimizer_testing's grids.
+_FORMAT_NAME = {torch.float16: "fp16", torch.uint8: "fp8"}
 
 
-def _format_ulp(x, storage):
-    """Spacing of the storage format's values around x >= 0 (subnormal spacing below)."""
-    min_exp, mantissa = _FORMAT[storage]
-    _, e = torch.frexp(x)  # x = m * 2**e with m in [0.5, 1): floor(log2 x) = e - 1
-    e = torch.clamp(e - 1, min=min_exp)
-    return torch.ldexp(torch.ones_like(x), e - mantissa)
-
-
-def rounding_bound(u, storage):
-    """Largest |stored true value - u| for one store of the fp32 values ``u`` (one shard).
-
-    Derivation (S2.3): the shard's scale is s = max(a / R, tiny) with a = max|u| over the
-    LOCAL shard (s = 1 when the shard is empty or a is 0 / not finite) and R = 32752
-    (fp16) or 448 (E4M3). The code is q = rne(u / s), so |q - u/s| <= ulp(u/s) / 2 where
-    ulp is the format's spacing at |u/s| (subnormal spacing below the smallest normal);
-    the true value fp32(q * s) adds at most 2^-24 |q s|. Allowed here: s * ulp(|u|/s) +
-    2^-22 |u| -- a full ulp rather than half, because an implementation may compute s as
-    a * (1/R) instead of a / R (one fp32 ulp apart), which can move a value across a
-    rounding boundary. The full-tensor reference has one scale for the whole tensor, the
-    sharded run one per local shard, so the bound is evaluated per shard.
-    """
+def shard_scale(u, storage):
+    """S2.3's scale of the fp32 values ``u`` (one local shard) stored as ``storage``,
+    evaluated in fp32 exactly as S2.3 writes it (a true division a / R)."""
     u = u.float()
     a = u.abs().max() if u.numel() else torch.tensor(0.0)
     if u.numel() == 0 or a == 0 or not torch.isfinite(a):
-        s = torch.tensor(1.0)
-    else:
-        s = torch.clamp(a / _RANGE[storage], min=torch.finfo(torch.float32).tiny)
-    return s * _format_ulp(u.abs() / s, storage) + 2.0 ** -22 * u.abs()
+        return 1.0
+    return max((a / torch.tensor(_RANGE[storage], dtype=torch.float32)).item(), FP32_TINY)
+
+
+def rounding_bound(u, storage):
+    """Largest |true value - u| after one store of the fp32 values ``u`` (one local shard)
+    in the scaled format ``storage``, read back as the fp32 true value ``state_dict()``
+    exposes (S2.2, S5.4). Float64.
+
+    Derivation (S2.3): s = max(a / R, tiny) over the LOCAL shard (1 when empty, zero or
+    not finite), reproduced exactly by ``shard_scale``. The code is q = rne(fl(u / s)):
+    the division rounds once (U |u / s|, or to q itself when it crosses up to a power of
+    two), the store rounds to nearest, within half the format's spacing at |u / s|. So
+    |q s - u| <= s * half_spacing(|u| / s) + U |u| -- ``stored_bound`` with a zero
+    compute error. The true value fl(q * s) rounds once more: U |q s| (q s <= |u| plus
+    the above) and, among fp32 subnormals, ABS_SLACK. Nothing here covers a scale other
+    than S2.3's (e.g. a * (1 / R)) or a store that does not round to nearest: S2.3 forbids
+    both. The full-tensor reference has one scale for the whole tensor, the sharded run
+    one per local shard, so the bound is evaluated per shard.
+    """
+    u = u.float()
+    fmt = _FORMAT_NAME[storage]
+    exact = u.double()
+    s = shard_scale(u, storage)
+    quantized = stored_bound(fmt, exact, exact, torch.zeros_like(exact), scale=s)
+    return quantized + U * (exact.abs() + quantized) + ABS_SLACK
 
 
 def assert_within(actual, expected, bound, what):
@@ -683,17 +696,48 @@ class PlainReference:
         return out
 
 
+def _grad_record(grad):
+    """What a gradient attribute holds, for a bitwise comparison later: the object
+    itself (identity), its kind and layout, and a copy of its (local) bits."""
+    if grad is None:
+        return None
+    record = {"object": grad, "type": type(grad).__name__, "dtype": grad.dtype,
+              "shape": tuple(grad.shape), "stride": grad.stride()}
+    if isinstance(grad, DTensor):
+        record.update(mesh=grad.device_mesh, placements=tuple(grad.placements))
+    record["local"] = local_of(grad).clone()
+    return record
+
+
 def local_snapshot(run):
-    """This rank's local view of a manual run: params, ``state_dict()`` values, raw storage."""
+    """This rank's local view of a manual run: params, their ``grad`` and
+    ``decoupled_grad`` (S3.2: read, never written), ``state_dict()`` values, raw storage."""
     sd = run.opt.state_dict()
-    out = {"params": {}, "state": {}, "raw": {}, "steps": [g["step"] for g in sd["param_groups"]]}
+    out = {"params": {}, "grads": {}, "decoupled_grads": {}, "state": {}, "raw": {},
+           "steps": [g["step"] for g in sd["param_groups"]]}
     for i, n in enumerate(run.ordered_names()):
         p = run.params[n]
         out["params"][n] = local_of(p).clone()
+        out["grads"][n] = _grad_record(p.grad)
+        out["decoupled_grads"][n] = _grad_record(getattr(p, "decoupled_grad", None))
         out["state"][n] = {k: local_of(v).clone()
                            for k, v in sd["state"].get(i, {}).items()}
         out["raw"][n] = {k: v.clone() for k, v in raw_state(run.opt, p).items()}
     return out
+
+
+def _assert_same_grad(actual, expected, what):
+    if expected is None or actual is None:
+        assert actual is None and expected is None, \
+            f"{what}: {'set' if actual is not None else 'None'}, was " \
+            f"{'set' if expected is not None else 'None'}"
+        return
+    assert actual["object"] is expected["object"], f"{what}: replaced by another tensor"
+    for key in ("type", "dtype", "shape", "stride", "placements"):
+        assert actual.get(key) == expected.get(key), \
+            f"{what}: {key} {actual.get(key)} != {expected.get(key)}"
+    assert actual.get("mesh") == expected.get("mesh"), f"{what}: device mesh changed"
+    assert_bitwise(actual["local"], expected["local"], f"{what} (local bits)")
 
 
 def assert_snapshots_bitwise(actual, expected, what):
@@ -701,6 +745,9 @@ def assert_snapshots_bitwise(actual, expected, what):
         f"{what}: group steps {actual['steps']} != {expected['steps']}"
     for n, value in expected["params"].items():
         assert_bitwise(actual["params"][n], value, f"{what}: param {n}")
+    for part, label in (("grads", "grad"), ("decoupled_grads", "decoupled_grad")):
+        for n, record in expected.get(part, {}).items():
+            _assert_same_grad(actual[part][n], record, f"{what}: {n}.{label}")
     for part in ("state", "raw"):
         for n, states in expected.get(part, {}).items():
             assert sorted(actual[part][n]) == sorted(states), \
@@ -715,7 +762,8 @@ def compare_full(run, got, ref, what):
 
     Parameters bitwise; ``state_dict()`` values bitwise, except scaled states (fp16 / fp8),
     which must lie within one rounding of the reference's value at the sharded run's
-    per-shard scale (``rounding_bound``, evaluated for every shard's region).
+    per-shard scale (``rounding_bound``: half a storage spacing plus the fp32 roundings,
+    evaluated for every shard's region).
     """
     assert got["steps"] == ref["steps"], f"{what}: group steps {got['steps']} != {ref['steps']}"
     for n, value in ref["params"].items():
@@ -727,7 +775,7 @@ def compare_full(run, got, ref, what):
             label = f"{what}: state_dict() {n}.{sname} (full)"
             if run.preset.is_scaled(sname):
                 storage = run.preset.storage_dtype(sname)
-                bound = torch.empty(expected.numel())
+                bound = torch.empty(expected.numel(), dtype=torch.float64)
                 flat = expected.reshape(-1)
                 regions = region_indices(spec.shape, run.mesh_shape(n), spec.placements)
                 for region in regions.values():
