@@ -16,7 +16,7 @@ PRESETS = {
     "p=bf16-master=fp32-m=bf16": ("bf16", "fp32", "bf16"),
     "p=bf16-master=remainder-m=bf16": ("bf16", "remainder", "bf16"),
     "p=bf16-master=fp32-m=fp8": ("bf16", "fp32", "fp8"),
-    "p=bf16-master=fp16-m=fp32": ("bf16", "fp16", "fp32"),
+    "p=bf16-master=fp16-m=fp16": ("bf16", "fp16", "fp16"),  # every state scaled fp16
 }
 FP32 = "p=fp32-m=fp32"
 FP8 = "p=bf16-master=fp32-m=fp8"
