@@ -30,7 +30,9 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    SCALE_TARGET, TORCH_DTYPE, Precision, fused_adam, scale_of, true_state)
+    SCALE_TARGET, TORCH_DTYPE, Hyper, Precision, adam_reference, assert_close_bounded,
+    capture_inputs, fused_adam, quantize_like_spec, scale_of, stored_bound,
+    true_state, verify_step)
 
 BAD_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 BAD = 3  # flat index of the poisoned gradient element
@@ -46,12 +48,18 @@ UNSCALED = [
 ]
 
 
+def hyper(adam_w_mode=True):
+    """The settings build() passes (betas and eps are FusedAdam's defaults, S1.1)."""
+    return Hyper(lr=0.05, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                 adam_w_mode=adam_w_mode)
+
+
 def build(cfg, adam_w_mode=True, seed=0):
     generator = torch.Generator().manual_seed(seed)
     dtype = TORCH_DTYPE[cfg.param]
     params = [torch.nn.Parameter((torch.randn(SHAPE, generator=generator) + 2).to(dtype))
               for _ in range(2)]
-    opt = fused_adam()(params, lr=0.05, weight_decay=0.1, adam_w_mode=adam_w_mode,
+    opt = fused_adam()(params, **hyper(adam_w_mode).optimizer_kwargs(),
                        **cfg.optimizer_kwargs())
     return opt, params
 
@@ -165,9 +173,11 @@ def test_nonfinite_absmax_stores_the_whole_tensor_at_scale_one(backend, name, cf
     runs = []
     for c in (cfg, fp32_cfg):
         opt, params = build(c)
-        take_step(opt, c, params, grads_for(c, params, 1, bad=BAD_VALUES[bad]))
-        runs.append((opt, params))
-    (opt, params), (exact, exact_params) = runs
+        grads = grads_for(c, params, 1, bad=BAD_VALUES[bad])
+        inputs = capture_inputs(opt, params)  # state exists from construction (S1.6)
+        take_step(opt, c, params, grads)
+        runs.append((opt, params, grads, inputs))
+    (opt, params, grads, inputs), (exact, exact_params, _, _) = runs
     stored = opt.state[params[0]][name]
     assert scale_of(opt, params[0], name).item() == 1.0
     if name != "master_param":
@@ -178,12 +188,22 @@ def test_nonfinite_absmax_stores_the_whole_tensor_at_scale_one(backend, name, cf
     assert math.isnan(true_state(opt, params[0], name).reshape(-1)[BAD].item()) or (
         fmt == "fp16" and name != "master_param"
         and math.isinf(true_state(opt, params[0], name).reshape(-1)[BAD].item()))
-    # the other parameter keeps a regular S2.3 scale
+    # the other parameter keeps a regular S2.3 scale: its largest code is R exactly,
+    # so its largest true value is exactly scale * R (exact in float64: an 11-bit R
+    # times a 24-bit fp32 scale), not a neighbouring code
     other = scale_of(opt, params[1], name).item()
     target = SCALE_TARGET[fmt]
     assert other != 1.0
-    assert true_state(opt, params[1], name).abs().max().item() == pytest.approx(
-        other * target, rel=2 ** -10)
+    assert true_state(opt, params[1], name).abs().max().item() == other * target
+    if name != "master_param":
+        # the fp32 run's state is the exact u: codes and scale as S2.3/S2.4 prescribe
+        codes, scale = quantize_like_spec(exact.state[exact_params[1]][name], fmt)
+        assert other == scale
+        assert torch.equal(opt.state[params[1]][name], codes)
+    # and the whole step of the other parameter (moments, master, param, every scale:
+    # check_scale / stored_bound) against the float64 reference from its own inputs
+    verify_step(opt, params[1:], inputs[1:], grads[1:], hyper(), 1,
+                f"{cfg.id} other param")
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
@@ -198,19 +218,41 @@ def test_scale_one_lets_large_finite_elements_overflow(backend, fmt):
     grads[0][big] = 3e4  # exp_avg 0.1 * 3e4 = 3e3 (> 448), exp_avg_sq 1e-3 * 9e8
     grads[0][small] = 1e-6  # exp_avg_sq 1e-15: below both formats' subnormals
     grads[0][BAD] = math.nan
+    before = capture_inputs(opt, params)[0]
     take_step(opt, cfg, params, grads)
+    # the fp32 values u the step had to store: the same first step with fp32 moments
+    exact, exact_params = build(Precision())
+    take_step(exact, Precision(), exact_params, grads)
+    for name in ("exp_avg", "exp_avg_sq"):
+        # S2.3 with s = 1, S2.4: every other element is u rounded once to the format,
+        # bit for bit (overflow to inf / NaN and flush to zero included)
+        u = exact.state[exact_params[0]][name]
+        assert torch.equal(others(opt.state[params[0]][name]), others(code_of(u, fmt))), \
+            name
     m = true_state(opt, params[0], "exp_avg").reshape(-1)
     v = true_state(opt, params[0], "exp_avg_sq").reshape(-1)
     if fmt == "fp16":
-        assert m[big].item() == pytest.approx(3e3, rel=1e-3)  # fits fp16
+        # fits fp16: within half an fp16 spacing at scale 1 (1.0 at 3e3) of the
+        # float64 reference
+        at = slice(big, big + 1)
+        ref = adam_reference(before.w[at], before.m[at], before.v[at],
+                             grads[0][at].double(), hyper(), 1)
+        assert_close_bounded(m[at], ref.m, stored_bound("fp16", m[at], ref.m,
+                                                        ref.m_bound, 1.0),
+                             "exp_avg of the big element (fp16, scale 1)")
         assert v[big].item() == math.inf
     else:
         assert math.isnan(m[big].item()) and math.isnan(v[big].item())
     assert v[small].item() == 0.0
-    # without the NaN, the same values are stored finitely with a proper scale
+    # without the NaN, the same values are stored finitely with a proper S2.3 scale
     clean, clean_params = build(cfg)
     grads[0][BAD] = 0.5
+    inputs = capture_inputs(clean, clean_params)
     take_step(clean, cfg, clean_params, grads)
     assert bool(torch.isfinite(true_state(clean, clean_params[0], "exp_avg_sq")).all())
-    assert true_state(clean, clean_params[0], "exp_avg_sq").reshape(-1)[big].item() \
-        == pytest.approx(9e5, rel=0.07)
+    # v[big] (1e-3 * 9e8) is the absmax: stored as the code R exactly (check_scale),
+    # every element within the format's rounding at its scale (stored_bound)
+    verify_step(clean, clean_params, inputs, grads, hyper(), 1, f"{fmt} clean run")
+    stored = clean.state[clean_params[0]]["exp_avg_sq"]
+    big_code = stored.reshape(-1)[big:big + 1]
+    assert torch.equal(big_code, code_of(torch.tensor([SCALE_TARGET[fmt]]), fmt))
