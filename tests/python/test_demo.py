@@ -22,7 +22,7 @@ RANKS, RESUME_RANKS = 2, 3
 SEED = 0
 # The test's own bound on |resumed loss - uninterrupted loss| over the resumed steps, per
 # configuration (state preset, model, steps, ranks, resume ranks); not the product's
-# report.EARLY_TOL / SEGMENT_TOL.
+# own (config.StatePreset.resume_tolerances).
 #
 # What differs: the checkpoint restores bf16 params, bf16 moments and int16 remainders
 # bitwise (S5.6), and every step trains on the same tokens; only the rank count changes,
@@ -36,8 +36,7 @@ SEED = 0
 # identical in repeated runs; the first resumed step 2.4e-7. The bound, 8 units (1.9e-6),
 # leaves room for other thread counts (other machines) to change the intra-rank orders;
 # it still fails a resume that loses the remainders' low byte (measured 1.1e-5), moments
-# that go through an fp8 round trip on load (4.9e-4), or a lost remainder (3.1e-3); the
-# product's 1e-3 accepts the first two.
+# that go through an fp8 round trip on load (4.9e-4), or a lost remainder (3.1e-3).
 RESUME_TOL = {("remainder-bf16", "tiny", STEPS, RANKS, RESUME_RANKS): 8 * 2.0 ** -22}
 # Generous bounds for a loaded 2-core runner; the demo itself bounds every phase too.
 RUN_TIMEOUT_S = 240
