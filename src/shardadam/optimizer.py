@@ -354,6 +354,7 @@ class FusedAdam(torch.optim.Optimizer):
         return state_dict
 
     def _exported_state(self, param, config) -> dict:
+        """``param``'s entry of ``state_dict()`` (S5.4)."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param) or {}
         scales = self._scales.get(param)
@@ -378,6 +379,11 @@ class FusedAdam(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"{_validate.CLASS_NAME}: the loaded state dict has no "
+                                 f"{key!r} (rule: it holds 'state' and 'param_groups', as "
+                                 f"state_dict() makes it; it holds {sorted(state_dict)})")
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
@@ -420,9 +426,14 @@ class FusedAdam(torch.optim.Optimizer):
             for i, (param, key) in enumerate(zip(group["params"], keys)):
                 here = _validate.where(g, i, _validate.param_name(group, i))
                 values = saved_state.get(key)
+                if values is None and not param.requires_grad:
+                    # torch's DCP helpers leave frozen parameters' state out of the
+                    # checkpoint: such a parameter keeps the state it has.
+                    values = self._exported_state(param, config)
                 if not isinstance(values, dict):
                     raise ValueError(f"{here}: the loaded state dict has no state for "
-                                     f"this parameter (key {key!r})")
+                                     f"this parameter (key {key!r}; only a parameter "
+                                     f"with requires_grad=False may have none)")
                 prepared.append(self._prepare_param_load(param, values, config, here))
         return prepared
 

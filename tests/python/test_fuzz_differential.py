@@ -12,14 +12,21 @@ state, bounds derived in _optimizer_testing.py); the same case is then replayed 
 torch path (S7.2) and must agree bit for bit, state, scales and step counts included.
 
 Gradient magnitudes stay where the fp32 step is finite (|g|**2 far below the fp32
-maximum); non-finite gradients are the subject of test_nonfinite_policy.py. Some steps
-still leave what the float64 reference can judge: an fp16 parameter whose exact update
-exceeds the fp16 range (small moments flushed to zero by a scaled storage, divided by
-a small eps), or a denominator within its rounding error of zero. When a step fails
-the reference check and is such a step (out_of_domain()), the case's later steps are
-only compared across the two paths, and NaNs there need only be NaN in both: the paths
-do not agree on NaN signs and payloads (see test_nonfinite_policy.py). Any other
-failure fails the test.
+maximum); non-finite gradients are the subject of test_nonfinite_policy.py. Some
+parameter steps still lie outside what the float64 reference can judge
+(out_of_domain()): the reference refuses (a denominator within its rounding error of
+zero), an fp16 parameter's exact update exceeds the fp16 range (small moments flushed to
+zero by a scaled storage, divided by a small eps), or the parameter's stored state went
+non-finite at such an earlier step. The unit of that escape is one parameter at one
+step: when that parameter's reference check fails, only it is excused, only at that
+step, and only for its weight (its moments are still checked, verify_moments()). Every
+other parameter of the step is verified, and so are later steps (each starts from the
+decoded stored state, so an excused earlier step does not spoil them). The C++ path and
+the torch path must still agree bit for bit on every parameter; for a parameter that
+was excused, a NaN only has to be NaN on both (the paths do not agree on NaN signs and
+payloads, see test_nonfinite_policy.py). The share of excused parameter steps is
+bounded (MAX_EXCUSED), so a regression cannot hide by making most steps "out of
+domain". Any other failure fails the test.
 
 Each hypothesis example runs CASES_PER_EXAMPLE cases, so a CI run checks
 MAX_EXAMPLES * CASES_PER_EXAMPLE cases; SHARDADAM_FUZZ_EXAMPLES=k multiplies the
@@ -27,6 +34,7 @@ number of examples by k for longer runs. The profile is derandomized: CI runs th
 examples every time.
 """
 
+import collections
 import dataclasses
 import os
 import random
@@ -35,9 +43,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _optimizer_testing import (
-    Hyper, Precision, adam_reference, assert_bitwise_equal, assert_same_optimizer_state,
-    attach_grads, backend_context, capture_inputs, fused_adam, have_core, state_tensors,
-    verify_step)
+    SCALE_TARGET, Hyper, Precision, adam_reference, assert_bitwise_equal,
+    assert_close_bounded, assert_same_optimizer_state, attach_grads, backend_context,
+    capture_inputs, check_scale, fused_adam, have_core, scale_of, state_tensors,
+    storage_format, stored_bound, true_state, verify_step)
 
 CASES_PER_EXAMPLE = 4
 MAX_EXAMPLES = max(1, round(2500 * float(os.environ.get("SHARDADAM_FUZZ_EXAMPLES", "1"))))
@@ -132,29 +141,71 @@ def cases(draw):
                       draw(st.integers(0, 2 ** 32 - 1)))
 
 
-def out_of_domain(case, inputs, grads, step):
-    """True when the float64 reference cannot judge this step: some fp16 parameter's
-    exact update (plus its bound) would not round to a finite fp16 value (65520 and
-    above), or a denominator is within its error of zero (adam_reference refuses)."""
-    for g, (_, members) in enumerate(case.groups):
-        for i in members:
-            if grads[i] is None:
-                continue
-            try:
-                ref = adam_reference(inputs[i].w, inputs[i].m, inputs[i].v, grads[i],
-                                     case.hyper(g), step)
-            except AssertionError:
-                return True
-            if (case.params[i].dtype == torch.float16
-                    and bool(((ref.w.abs() + ref.w_bound) >= 65520.0).any())):
-                return True
-    return False
+def out_of_domain(case, group, index, before, grad, step, excused):
+    """Why the float64 reference cannot judge parameter `index` (of `group`) at `step`,
+    started from its captured inputs `before`; None when it can. Out of the domain:
+    the reference refuses (a denominator within its error of zero), an fp16
+    parameter's exact update (plus its bound) would not round to a finite fp16 value
+    (65520 and above), or its stored state is not finite; the latter only after the
+    same parameter was excused at an earlier step (`excused`), the sole way a verified
+    state can become non-finite."""
+    if grad is None:
+        return None  # a skipped parameter is checked bitwise, never excused
+    if not all(bool(torch.isfinite(t).all()) for t in (before.w, before.m, before.v)):
+        return "non-finite state after an excused step" if index in excused else None
+    try:
+        ref = adam_reference(before.w, before.m, before.v, grad, case.hyper(group),
+                             step)
+    except AssertionError:
+        return "reference refuses: denominator within its error of 0"
+    if (case.params[index].dtype == torch.float16
+            and bool(((ref.w.abs() + ref.w_bound) >= 65520.0).any())):
+        return "fp16 parameter overflow"
+    return None
 
 
-def run(case, backend, check):
-    """Builds the case's optimizer on `backend` and steps it; with `check`, every step
-    is verified against the float64 reference."""
+def verify_moments(opt, param, before, grad, hyper, step, what):
+    """The exp_avg / exp_avg_sq part of verify_step() for a parameter step excused
+    from it: S3.6's moments and their bounds do not involve lr or eps, so the reference
+    is taken with eps = 1e38 (finite in fp32), far above any sqrt(v) here, which keeps
+    its denominator away from zero. Checked when the moments' inputs are finite (the
+    weight too in L2 mode, where it enters the gradient)."""
+    inputs = (before.m, before.v, grad) + (() if hyper.adam_w_mode else (before.w,))
+    if not all(bool(torch.isfinite(t).all()) for t in inputs):
+        return
+    ref = adam_reference(before.w, before.m, before.v, grad.double(),
+                         dataclasses.replace(hyper, eps=1e38), step)
+    for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
+                               ("exp_avg_sq", ref.v, ref.v_bound)):
+        fmt = storage_format(opt.state[param][name])
+        scale = scale_of(opt, param, name) if fmt in SCALE_TARGET else None
+        stored = true_state(opt, param, name)
+        tolerance = stored_bound(fmt, stored, value, bound,
+                                 None if scale is None else scale.item())
+        assert_close_bounded(stored, value, tolerance,
+                             f"{what} step {step}: {name} ({fmt})")
+        if scale is not None:
+            check_scale(opt.state[param][name], scale, value, bound,
+                        f"{what} step {step}: {name} scale")
+
+
+@dataclasses.dataclass
+class Tally:
+    """Parameter steps with a gradient that were checked against the reference, and
+    those excused from it (by reason)."""
+
+    steps: int = 0
+    excused: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter)
+
+
+def run(case, backend, tally=None):
+    """Builds the case's optimizer on `backend` and steps it; with `tally`, every
+    parameter at every step is verified against the float64 reference, one parameter
+    at a time, and only a parameter step out of the reference's domain is excused.
+    Returns the optimizer, its parameters and the indices of the excused parameters."""
     params = [torch.nn.Parameter(value.clone()) for value in case.params]
+    excused = set()
     with backend_context(backend):
         opt = fused_adam()(
             [dict(params=[params[i] for i in members], **hyper.group_kwargs())
@@ -163,27 +214,34 @@ def run(case, backend, check):
             **case.cfg.optimizer_kwargs())
         for step, grads in enumerate(case.grads, start=1):
             attach_grads(params, grads, case.cfg.decoupled)
-            inputs = capture_inputs(opt, params) if check else None
+            # teacher forcing: the reference starts from the decoded stored state
+            inputs = capture_inputs(opt, params) if tally is not None else None
             opt.step()
             for g, group in enumerate(opt.param_groups):
                 assert group["step"] == step, f"group {g} step {group['step']} != {step}"
-            if not check:
+            if tally is None:
                 continue
-            try:
-                for g, (_, members) in enumerate(case.groups):
-                    verify_step(opt, [params[i] for i in members],
-                                [inputs[i] for i in members],
-                                [grads[i] for i in members], case.hyper(g), step,
-                                f"{backend} {case.cfg.id} w={case.adam_w_mode} "
-                                f"bc={case.bias_correction} group {g}")
-            except AssertionError:
-                if not out_of_domain(case, inputs, grads, step):
-                    raise
-                # beyond what the reference models (overflow of an fp16 parameter, a
-                # denominator lost in rounding): later steps are only compared across
-                # the two paths
-                check = False
-    return opt, params, check
+            newly = set()
+            for g, (_, members) in enumerate(case.groups):
+                for i in members:
+                    what = (f"{backend} {case.cfg.id} w={case.adam_w_mode} "
+                            f"bc={case.bias_correction} group {g} case param {i}:")
+                    try:
+                        verify_step(opt, [params[i]], [inputs[i]], [grads[i]],
+                                    case.hyper(g), step, what)
+                    except AssertionError:
+                        reason = out_of_domain(case, g, i, inputs[i], grads[i], step,
+                                               excused)
+                        if reason is None:
+                            raise
+                        # excused from the weight's reference check, not the moments'
+                        verify_moments(opt, params[i], inputs[i], grads[i],
+                                       case.hyper(g), step, what)
+                        newly.add(i)
+                        tally.excused[reason] += 1
+                    tally.steps += grads[i] is not None
+            excused |= newly
+    return opt, params, excused
 
 
 def assert_same_up_to_nan_sign(a, b, params_a, params_b, what):
@@ -208,15 +266,43 @@ def assert_same_up_to_nan_sign(a, b, params_a, params_b, what):
         assert ga["step"] == gb["step"], f"{what}: group {i} step"
 
 
-@settings(derandomize=True, database=None, deadline=None, max_examples=MAX_EXAMPLES,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(st.lists(cases(), min_size=CASES_PER_EXAMPLE, max_size=CASES_PER_EXAMPLE))
-def test_fuzz_against_reference_and_torch_path(batch):
-    for case in batch:
-        opt, params, in_domain = run(case, "auto", check=True)
-        if have_core():
-            # S7.2 / _backend: both paths fulfil the contract bit for bit on CPU
-            twin, twin_params, _ = run(case, "torch", check=False)
-            compare = (assert_same_optimizer_state if in_domain
-                       else assert_same_up_to_nan_sign)
-            compare(opt, twin, params, twin_params, f"C++ vs torch path, {case.cfg.id}")
+def assert_same_paths(a, b, params_a, params_b, excused, what):
+    """C++ path vs torch path, per parameter: bitwise (assert_same_optimizer_state),
+    except that a parameter excused from the reference is compared up to NaN signs
+    and payloads. Both also compare every group's step count."""
+    for i, (p, q) in enumerate(zip(params_a, params_b)):
+        compare = (assert_same_up_to_nan_sign if i in excused
+                   else assert_same_optimizer_state)
+        compare(a, b, [p], [q], f"{what}: case param {i}")
+
+
+# Upper bound on the share of parameter steps (with a gradient) excused from the
+# reference check. Measured with the default example count (10000 cases): 1858 of 44619
+# parameter steps (4.2%) excused, in 1072 cases (10.7%): 1055 reference refusals, 219
+# fp16 overflows, 584 non-finite states after an excused step (500 cases,
+# SHARDADAM_FUZZ_EXAMPLES=0.05: 2.1%). 8% is about twice the measurement and still
+# fails long before "most steps out of domain" could pass.
+MAX_EXCUSED = 0.08
+
+
+def test_fuzz_against_reference_and_torch_path():
+    tally = Tally()
+
+    @settings(derandomize=True, database=None, deadline=None, max_examples=MAX_EXAMPLES,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(st.lists(cases(), min_size=CASES_PER_EXAMPLE, max_size=CASES_PER_EXAMPLE))
+    def examples(batch):
+        for case in batch:
+            opt, params, excused = run(case, "auto", tally)
+            if have_core():
+                # S7.2 / _backend: both paths fulfil the contract bit for bit on CPU
+                twin, twin_params, _ = run(case, "torch")
+                assert_same_paths(opt, twin, params, twin_params, excused,
+                                  f"C++ vs torch path, {case.cfg.id}")
+
+    examples()
+    excused = sum(tally.excused.values())
+    assert tally.steps > 0, "no parameter step was checked against the reference"
+    assert excused <= MAX_EXCUSED * tally.steps, (
+        f"{excused} of {tally.steps} parameter steps excused from the reference check "
+        f"(> {MAX_EXCUSED:.0%}): {dict(tally.excused)}")

@@ -14,6 +14,7 @@ unsupported dtypes/layouts, TE and torch style; ValueError for values and for to
 own load_state_dict size checks; KeyError for unknown state names, S5.2).
 """
 
+import copy
 import math
 import warnings
 
@@ -22,7 +23,7 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
-    fused_adam, have_core, snapshot)
+    fused_adam, have_core, snapshot, state_tensors)
 
 
 def facts(*patterns):
@@ -563,7 +564,11 @@ LOAD_ERRORS = [
     ("group-size", _shrink_group, ValueError,
      facts("FusedAdam", r"group\W*1\b", r"(?i)size|match")),
     ("missing-param-state", lambda sd: sd["state"].pop(3), ValueError,
-     facts(*at(1, 1), "(?i)state")),
+     facts(*at(1, 1), "no state for this parameter", "requires_grad=False")),
+    ("no-state-key", lambda sd: sd.pop("state"), ValueError,
+     facts("^FusedAdam", "no 'state'", r"rule: ")),
+    ("no-param_groups-key", lambda sd: sd.pop("param_groups"), ValueError,
+     facts("^FusedAdam", "no 'param_groups'", r"rule: ")),
     ("missing-exp_avg_sq", lambda sd: sd["state"][2].pop("exp_avg_sq"), ValueError,
      facts(*at(1, 0), "exp_avg_sq")),
     ("missing-master_param", lambda sd: sd["state"][1].pop("master_param"), ValueError,
@@ -592,3 +597,39 @@ def test_load_state_dict_rejects_and_changes_nothing(edit, exc, pattern, backend
     with pytest.raises(exc, match=pattern):
         opt.load_state_dict(sd)
     assert_unchanged(opt, before, "optimizer after a rejected load_state_dict")
+
+
+def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
+    """torch's DCP state-dict helpers leave out the state of parameters that do not
+    require grad (FSDP2): such a parameter keeps its state, everything else is loaded.
+    A trainable parameter left out is still an error (LOAD_ERRORS). Exact storage (bf16
+    moments, fp32 master), so "keeps" is bitwise."""
+    def make():
+        generator = torch.Generator().manual_seed(8)
+        params = [torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())
+                  for _ in range(3)]
+        opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                           exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(5, generator=generator).bfloat16()
+            opt.step()
+        return opt, params
+
+    opt, params = make()
+    twin, twin_params = make()
+    sd = copy.deepcopy(opt.state_dict())  # fp32 state is exported by reference
+    opt.step()  # moved on: the load must rewind every other parameter
+    params[1].requires_grad_(False)
+    kept = {k: v.clone() for k, v in state_tensors(opt, params[1]).items()}
+    del sd["state"][1]
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["step"] == 2
+    now = state_tensors(opt, params[1])
+    assert sorted(now) == sorted(kept)
+    for key, value in kept.items():
+        assert_bitwise_equal(now[key], value, f"frozen parameter's {key}")
+    for i in (0, 2):  # loaded: as in the twin that never moved on
+        expected, actual = state_tensors(twin, twin_params[i]), state_tensors(opt, params[i])
+        for key, value in expected.items():
+            assert_bitwise_equal(actual[key], value, f"param {i} {key} after the load")

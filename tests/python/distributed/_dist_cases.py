@@ -78,6 +78,9 @@ def _build():
                               w, "fresh_get_state_dict", preset))
     for preset in PRESETS:
         cases.append(Case(f"W=3-{preset}-te-state-methods", 3, "state_access", preset))
+    for preset in (FP32, "p=bf16-master=remainder-m=bf16"):
+        cases.append(Case(f"W=2-fsdp2-frozen-param-dcp-{preset}", 2, "fsdp2_frozen_dcp",
+                          preset))
     for preset in FSDP2_PRESETS:
         save = f"W=2-fsdp2-dcp-save-{preset}"
         cases.append(Case(save, 2, "fsdp2_dcp_save", preset))

@@ -581,6 +581,50 @@ def fsdp2_dcp_resume(ctx, case):
         _fsdp2_step_and_check(step, model, opt, ref, refs, preset)
 
 
+def fsdp2_frozen_dcp(ctx, case):
+    """A parameter frozen (requires_grad=False) but handed to FusedAdam: torch's
+    set_state_dict leaves its state out of what it hands to load_state_dict. Loading
+    after a further step restores every other parameter's state and the step count
+    bitwise, and the frozen parameter keeps the state it has (S5.5, S6.1)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    preset = Preset(case.preset)
+    model = _fsdp2_model(ctx, preset, seed_of("fsdp2-frozen", case.preset))
+    named = list(model.named_parameters())
+    frozen_name, frozen = named[0]
+    frozen.requires_grad_(False)
+    opt = fused_adam()([p for _, p in named], **dict(OPT_DEFAULTS, **preset.kwargs()))
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+
+    def train_step():
+        _fsdp2_backward(model, gen)
+        opt.step()
+        opt.zero_grad()
+
+    def states():
+        return {n: {k: v.clone() for k, v in raw_state(opt, p).items()} for n, p in named}
+
+    train_step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2-frozen", case.preset,
+                                      ctx.world_size)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = states()
+    train_step()
+    kept = states()[frozen_name]
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert [g["step"] for g in opt.param_groups] == [1], "step count not restored"
+    loaded = states()
+    for name, values in loaded.items():
+        expected = kept if name == frozen_name else saved[name]
+        assert sorted(values) == sorted(expected), f"{name}: state names"
+        for key, value in expected.items():
+            assert_bitwise(values[key], value, f"{name}.{key} after the load")
+
+
 def _check_fsdp2_step(step, names, params, opt, refs, ref, adamw_check, ptrs, preset):
     what = f"after step {step}"
     sd, ref_sd = opt.state_dict(), ref.state_dict()
@@ -816,5 +860,6 @@ KINDS = {
     "fresh_get_state_dict": fresh_get_state_dict,
     "fsdp2_dcp_save": fsdp2_dcp_save,
     "fsdp2_dcp_resume": fsdp2_dcp_resume,
+    "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
     "state_access": state_access,
 }

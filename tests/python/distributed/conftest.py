@@ -23,7 +23,7 @@ import _launch  # noqa: E402
 _CASE_COST_S = {"numerics": 2.0, "empty_shard_none_grads": 1.5, "zero_collectives": 1.5,
                 "layout_error": 1.0, "fsdp2": 4.0, "fresh_get_state_dict": 2.0,
                 "dcp_save": 2.0, "dcp_resume": 3.0, "fsdp2_dcp_save": 4.0,
-                "fsdp2_dcp_resume": 4.0, "state_access": 1.5}
+                "fsdp2_dcp_resume": 4.0, "fsdp2_frozen_dcp": 4.0, "state_access": 1.5}
 _STARTUP_S = 30.0
 _DEADLINE_FACTOR = 3.0
 

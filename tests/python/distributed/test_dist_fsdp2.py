@@ -7,7 +7,8 @@ collective, and the fp32 run agrees with torch.optim.AdamW. The reference is del
 not an unsharded model: it would test gloo's gradient reduction rather than the optimizer.
 
 Also: model and optimizer saved with DCP at world size 2 and loaded into a fresh FSDP2
-model at 3 (uneven and empty shards), then trained on.
+model at 3 (uneven and empty shards), then trained on; and a DCP round trip with a frozen
+parameter, whose state torch's helpers leave out of the checkpoint.
 """
 
 import pytest
@@ -27,4 +28,9 @@ def test_fsdp2_checkpoint_reloads_at_another_world_size(case, dist_jobs):
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_dcp_save"), ids=str)
 def test_fsdp2_checkpoint_save(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_frozen_dcp"), ids=str)
+def test_fsdp2_checkpoint_with_a_frozen_parameter(case, dist_jobs):
     dist_jobs.check(case)
