@@ -383,7 +383,7 @@ class FusedAdam(torch.optim.Optimizer):
             if key not in state_dict:
                 raise ValueError(f"{_validate.CLASS_NAME}: the loaded state dict has no "
                                  f"{key!r} (rule: it holds 'state' and 'param_groups', as "
-                                 f"state_dict() makes it; it holds {sorted(state_dict)})")
+                                 f"state_dict() makes it; it holds {sorted(map(str, state_dict))})")
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
@@ -427,8 +427,8 @@ class FusedAdam(torch.optim.Optimizer):
                 here = _validate.where(g, i, _validate.param_name(group, i))
                 values = saved_state.get(key)
                 if values is None and not param.requires_grad:
-                    # torch's DCP helpers leave frozen parameters' state out of the
-                    # checkpoint: such a parameter keeps the state it has.
+                    # torch's set_optimizer_state_dict leaves a frozen parameter's
+                    # state out (FSDP2): it keeps its state, re-stored as any load.
                     values = self._exported_state(param, config)
                 if not isinstance(values, dict):
                     raise ValueError(f"{here}: the loaded state dict has no state for "
