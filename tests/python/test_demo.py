@@ -22,7 +22,7 @@ RANKS, RESUME_RANKS = 2, 3
 SEED = 0
 # The test's own bound on |resumed loss - uninterrupted loss| over the resumed steps, per
 # configuration (state preset, model, steps, ranks, resume ranks); not the product's
-# own (config.StatePreset.resume_tolerances).
+# own (config.StatePreset.resume_tolerance).
 #
 # What differs: the checkpoint restores bf16 params, bf16 moments and int16 remainders
 # bitwise (S5.6), and every step trains on the same tokens; only the rank count changes,

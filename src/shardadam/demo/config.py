@@ -18,8 +18,8 @@ class StatePreset:
     master_weights: bool = False
     store_param_remainders: bool = False
     # Resume check (report.resume_check): largest |loss difference| allowed over the
-    # first report.EARLY_STEPS resumed steps, and over every resumed step.
-    resume_tolerances: tuple = (2e-6, 2e-4)
+    # first report.EARLY_STEPS resumed steps.
+    resume_tolerance: float = 2e-6
 
     def fused_adam_kwargs(self):
         """Keyword arguments for ``shardadam.FusedAdam`` (dtypes resolved here)."""
@@ -47,7 +47,7 @@ PRESETS = {p.name: p for p in (
                 "bf16 params + int16 remainders, fp8 E4M3 exp_avg (per-tensor scale), "
                 "bf16 exp_avg_sq",
                 "bfloat16", "uint8", "bfloat16", master_weights=True,
-                store_param_remainders=True, resume_tolerances=(2e-3, 1e-2)),
+                store_param_remainders=True, resume_tolerance=2e-3),
     StatePreset("fp32", "fp32 params, fp32 moments (same state as torch's AdamW)",
                 "float32", "float32", "float32"),
 )}

@@ -19,19 +19,19 @@ from .config import PRESETS
 # loss is an fp32 mean of 3 nats over >= 256 tokens: its ulp is 2.4e-7, so summation
 # order shows as a few 1e-7 at first, and grows as training compounds it.
 #
-# Each state preset bounds the first EARLY_STEPS resumed steps, before that growth, and
-# every resumed step (config.StatePreset.resume_tolerances). Measured, seed 0, 2 -> 3
-# ranks (small model 30 to 60 resumed steps; tiny model, seeds 0-7, 5 steps):
-#   legitimate    exact state (fp32, bf16, remainders): first steps <= 3.6e-7, all
-#                 <= 2e-5: bounded by 2e-6 and 2e-4
+# The check judges the first EARLY_STEPS resumed steps, before that growth, against the
+# state preset's bound (config.StatePreset.resume_tolerance); later steps are reported,
+# not judged: the difference compounds chaotically with the length of the run (tiny
+# model, remainder-bf16: 2.2e-5 after 80 steps, 7.5e-4 to 8.5e-3 after 200 to 300).
+# Measured, 2 -> 3 ranks (small model, seed 0; tiny model, seeds 0-7):
+#   legitimate    exact state (fp32, bf16, remainders): first steps <= 3.6e-7: bound 2e-6
 #                 fp8 exp_avg (re-quantized, up to half an E4M3 step per value): first
-#                 steps <= 1e-4 (small), 6.2e-4 (tiny), all <= 1.3e-3: bounded by 2e-3
-#                 and 1e-2
+#                 steps <= 1e-4 (small), 6.2e-4 (tiny): bound 2e-3
 #   broken        remainders' low byte lost on load: 1.1e-5 (tiny)
 #                 exp_avg through an fp8 round trip on load: 4.9e-4 (tiny)
 #                 step count reset (bias correction restarts): 6.5e-3 after one update
 #                 moments lost: 5.4e-2 after one update
-#                 data order shifted: 0.25 at once, later up to ~0.4 (batch spread)
+#                 data order shifted: 0.25 at once
 EARLY_STEPS = 5
 
 
@@ -68,15 +68,15 @@ def resume_check(uninterrupted, resumed):
     diffs = [loss - reference[step] for step, loss in zip(resumed["step"], resumed["loss"])]
     early = max(abs(d) for d in diffs[:EARLY_STEPS])
     worst = max(abs(d) for d in diffs)
-    early_tolerance, tolerance = PRESETS[resumed["preset"]].resume_tolerances
+    tolerance = PRESETS[resumed["preset"]].resume_tolerance
     return {
         "from_step": resumed["step"][0] - 1,
         "ranks": [uninterrupted["ranks"], resumed["ranks"]],
         "diff": diffs,
         "early_steps": min(EARLY_STEPS, len(diffs)),
-        "early_max_abs_diff": early, "early_tolerance": early_tolerance,
-        "max_abs_diff": worst, "tolerance": tolerance,
-        "passed": early <= early_tolerance and worst <= tolerance,
+        "early_max_abs_diff": early, "early_tolerance": tolerance,
+        "max_abs_diff": worst,
+        "passed": early <= tolerance,
     }
 
 
@@ -112,9 +112,8 @@ def table(figures):
     lines += [
         f"resume check, {check['ranks'][0]} -> {check['ranks'][1]} ranks from step "
         f"{check['from_step']}: {verdict}  (max |loss diff| first {check['early_steps']} "
-        f"steps {check['early_max_abs_diff']:.1e} <= {check['early_tolerance']:.0e}, "
-        f"all {len(check['diff'])} steps {check['max_abs_diff']:.1e} <= "
-        f"{check['tolerance']:.0e})",
+        f"steps {check['early_max_abs_diff']:.1e} <= {check['early_tolerance']:.0e}; "
+        f"all {len(check['diff'])} steps {check['max_abs_diff']:.1e}, not judged)",
         "state B/param: optimizer state bytes, all ranks, per model parameter.",
         "peak RSS: highest rank (+ its growth while training: at this model size mostly "
         "torch's working memory; the shardadam run also saves the checkpoint).",
