@@ -71,7 +71,9 @@ class Prepared(NamedTuple):
 
 def prepare(work) -> Prepared:
     path = path_of(work.batch)
-    return Prepared(work, path, None if path is None else path.prepare(work))
+    if path is None:
+        return Prepared(_torch_path.prepare(work), None, None)
+    return Prepared(work, path, path.prepare(work))
 
 
 def check_together(prepared: list, passed: dict) -> None:
@@ -82,7 +84,8 @@ def check_together(prepared: list, passed: dict) -> None:
     passed: only the gradient columns change while the plans stand, so an unchanged
     set of gradients is not checked again. The torch path's batches are checked for
     the same rule by ``_torch_path.check_shared_memory``."""
-    _torch_path.check_shared_memory([item.work for item in prepared if item.path is None])
+    _torch_path.check_shared_memory([item.work for item in prepared if item.path is None],
+                                    passed)
     calls = {}
     for item in prepared:
         if item.call is not None and item.call.slots:

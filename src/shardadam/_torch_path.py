@@ -107,33 +107,41 @@ _WRITTEN = (("param", "local"), ("master_param", "master"), ("exp_avg", "exp_avg
             ("exp_avg_sq_scale", "exp_avg_sq_scale"), ("master_scale", "master_scale"))
 
 
-def _span(tensor) -> tuple:
-    """``(first byte, end)`` of a non-empty tensor's memory."""
-    if tensor.is_contiguous():
-        start = tensor.data_ptr()
-        return start, start + tensor.nbytes
-    return _validate.memory_span(tensor)[1:]
+def prepare(work):
+    """``work`` with each non-contiguous gradient replaced by a contiguous copy, taken
+    before any batch of the step runs, as the C++ paths step such a gradient."""
+    if work.dense:
+        return work
+    grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in work.grads]
+    return type(work)(work.batch, grads, work.kinds, True)
 
 
 def _written_spans(batch) -> list:
-    """Per entry, the spans of the buffers a step writes. They change only with the plan,
-    which clears ``backend_cache`` when it is rebuilt."""
+    """Per entry, the spans of the buffers a step writes. They stay while the batch's
+    plan stands (binding it again clears ``backend_cache``)."""
     spans = batch.backend_cache.get("torch_written")
     if spans is None:
-        spans = [[_span(tensor) + (name,) for name, attribute in _WRITTEN
+        spans = [[_validate.memory_span(tensor) + (name,) for name, attribute in _WRITTEN
                   if (tensor := getattr(entry, attribute)) is not None]
                  for entry in batch.entries]
         batch.backend_cache["torch_written"] = spans
     return spans
 
 
-def check_shared_memory(works: list) -> None:
-    """The core's rule on shared memory, for this step's torch-path batches together:
-    a gradient must not share memory with any buffer the step writes (a parameter, a
-    master, a moment, a scale), or the result would depend on the order of the updates
-    and a gradient would be written (S3.2). Gradients may share memory with each other.
-    Sorting by address finds any overlap in O(n log n); a refusal names the later of
-    the two parameters, as the core does."""
+def check_shared_memory(works: list, passed: dict) -> None:
+    """The core's rule on shared memory, for this step's torch-path batches (prepared)
+    together: a gradient must not share memory with any buffer the step writes (a
+    parameter, a master, a moment, a scale), or the result would depend on the order
+    of the updates and a gradient would be written (S3.2). Gradients may share memory
+    with each other. A refusal names the later of the two parameters, as the core does.
+    ``passed`` remembers the last batches and gradients that passed: while the plans
+    stand, the same ones need no check."""
+    signature = [(work.batch, [0 if g is None else g.data_ptr() for g in work.grads],
+                  work.kinds) for work in works]
+    old = passed.get("torch")
+    if old is not None and len(old) == len(signature) and all(
+            a[0] is b[0] and a[1:] == b[1:] for a, b in zip(old, signature)):
+        return
     by_device = {}
     for work in works:
         spans = by_device.setdefault(work.batch.device, [])
@@ -141,26 +149,23 @@ def check_shared_memory(works: list) -> None:
                                         _written_spans(work.batch)):
             if grad is None or entry.numel == 0:
                 continue  # not stepped: nothing of it is written
-            order = len(spans)  # (start, end, order, name) never ties: entry unread
-            spans.append(_span(grad) + (order, "grad", False, entry))
-            spans.extend((start, end, order, name, True, entry)
+            order = len(spans)  # (start, end, order, written, name) never tie
+            spans.append(_validate.memory_span(grad) + (order, False, "grad", entry))
+            spans.extend((start, end, order, True, name, entry)
                          for start, end, name in written)
     for spans in by_device.values():
-        spans.sort()
-        reach_all = reach_written = None  # the earlier spans reaching furthest
-        for span in spans:
-            hit = reach_all if span[4] else reach_written
-            if hit is not None and span[0] < hit[1]:
-                first, second = sorted([hit, span], key=lambda s: s[2])
-                raise ValueError(
-                    f"{_validate.CLASS_NAME}: {second[5].place}: {second[3]} shares "
-                    f"memory with {first[5].place}'s {first[3]} (rule: only gradients "
-                    f"may share memory; a buffer the step writes must not be read as a "
-                    f"gradient)")
-            if reach_all is None or span[1] > reach_all[1]:
-                reach_all = span
-            if span[4] and (reach_written is None or span[1] > reach_written[1]):
-                reach_written = span
+        overlap = _validate.first_overlap(spans)
+        if overlap is not None:
+            (*_, name0, entry0), (*_, name, entry) = overlap
+            if entry is entry0:
+                rule = (f"{name} shares memory with its {name0} (rule: the buffers of one "
+                        f"parameter must not share memory)")
+            else:
+                rule = (f"{name} shares memory with {entry0.place}'s {name0} (rule: only "
+                        f"gradients may share memory; a buffer the step writes must not "
+                        f"be read as a gradient)")
+            raise ValueError(f"{_validate.CLASS_NAME}: {entry.place}: {rule}")
+    passed["torch"] = signature
 
 
 def step(work, hyper) -> None:

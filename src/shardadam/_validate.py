@@ -170,37 +170,54 @@ def check_params(params, group_index: int, group: dict) -> None:
                        name=param_name(group, i))
 
 
-def memory_span(tensor):
-    """``(device, first byte, end)`` of the memory a non-empty tensor covers."""
+def memory_span(tensor) -> tuple:
+    """``(first byte, end)`` of the memory a non-empty tensor covers."""
+    start = tensor.data_ptr()
+    if tensor.is_contiguous():
+        return start, start + tensor.nbytes
     extent = 1 + sum((size - 1) * abs(stride)
                      for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.data_ptr()
-    return tensor.device, start, start + extent * tensor.element_size()
+    return start, start + extent * tensor.element_size()
+
+
+def first_overlap(spans: list) -> Optional[tuple]:
+    """The first pair of ``spans`` (one device's ``(start, end, order, written, ...)``
+    tuples, ``order`` telling their owners apart) that share memory where at least one
+    of the two is written, as (earlier owner's span, later owner's span); None if there
+    is none. Sorting by address finds it in O(n log n). ``spans`` is sorted in place."""
+    spans.sort()
+    reach_all = reach_written = None  # the earlier spans reaching furthest
+    for span in spans:
+        hit = reach_all if span[3] else reach_written
+        if hit is not None and span[0] < hit[1]:
+            first, second = sorted([hit, span], key=lambda s: s[2])
+            return first, second
+        if reach_all is None or span[1] > reach_all[1]:
+            reach_all = span
+        if span[3] and (reach_written is None or span[1] > reach_written[1]):
+            reach_written = span
+    return None
 
 
 def check_disjoint_params(groups: list) -> None:
     """No two parameters of the optimizer share memory: each is updated in place, so
-    one would see the other half-updated. ``groups``: the param_groups. Sorting by
-    address finds any overlap in O(n log n)."""
-    spans = []
+    one would see the other half-updated. ``groups``: the param_groups."""
+    by_device = {}
     for g, group in enumerate(groups):
         for i, param in enumerate(group["params"]):
             local = _dtensor.to_local(param)
             if local.numel() > 0:
-                device, start, end = memory_span(local)
-                spans.append((str(device), start, end, g, i))
-    spans.sort()
-    reach = None  # the span reaching furthest so far on this device
-    for span in spans:
-        if reach is not None and reach[0] == span[0] and span[1] < reach[2]:
-            (g0, i0), (g, i) = sorted([reach[3:], span[3:]])  # blame the later one
+                by_device.setdefault(local.device, []).append(
+                    memory_span(local) + ((g, i), True))
+    for spans in by_device.values():
+        overlap = first_overlap(spans)
+        if overlap is not None:
+            (g0, i0), (g, i) = overlap[0][2], overlap[1][2]  # blame the later one
             other = place(g0, i0, param_name(groups[g0], i0))
             raise fail(RuntimeError,
                        f"shares memory with {other} (rule: parameters are updated in "
                        f"place and must not overlap)",
                        group=g, param=i, name=param_name(groups[g], i))
-        if reach is None or reach[0] != span[0] or span[2] > reach[2]:
-            reach = span
 
 
 def grad_error(param: torch.Tensor, grad) -> Optional[str]:

@@ -428,7 +428,7 @@ class FusedAdam(torch.optim.Optimizer):
                 values = saved_state.get(key)
                 if values is None and not param.requires_grad:
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
-                    # state out (FSDP2): it keeps its state, re-stored as any load.
+                    # state out: it keeps its state, re-stored as by any load.
                     values = self._exported_state(param, config)
                 if not isinstance(values, dict):
                     raise ValueError(f"{here}: the loaded state dict has no state for "

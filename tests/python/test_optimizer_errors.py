@@ -198,6 +198,74 @@ def test_gradient_sharing_a_written_buffer_changes_nothing(aliased, backend):
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gradient_partly_overlapping_a_written_buffer_changes_nothing(backend):
+    """Sharing part of a buffer is sharing: a gradient that covers the middle of another
+    parameter's exp_avg is refused before anything is updated."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(9)
+    wide = torch.nn.Parameter(torch.randn(8, generator=generator))
+    narrow = torch.nn.Parameter(torch.randn(4, generator=generator))
+    opt = fused_adam()([dict(params=[wide]), dict(params=[narrow])])
+    wide.grad = torch.randn(8, generator=generator)
+    narrow.grad = opt.state[wide]["exp_avg"][2:6]
+    before = snapshot(opt)
+    overlaps = "(overlaps|shares memory with)"
+    with backend_context(backend), pytest.raises(
+            ValueError, match=facts(*at(1, 0), rf"grad .*{overlaps} group 0, param 0's exp_avg")):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gradient_overlapping_its_own_parameter_is_refused(backend):
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    param = torch.nn.Parameter(torch.randn(6))
+    opt = fused_adam()([param])
+    param.grad = param.detach()
+    before = snapshot(opt)
+    with backend_context(backend), pytest.raises(
+            ValueError, match=facts(*at(0, 0), "(?i)buffers of one (tensor|parameter) must "
+                                               "not share memory")):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gradients_that_share_no_written_memory_are_accepted(backend):
+    """Only memory the step writes counts: a gradient lying in the buffers of a
+    parameter skipped at this step (no gradient), or a strided gradient interleaved
+    with its strided parameter, is stepped like a copy of it, bitwise."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(10)
+    skipped = torch.randn(4, generator=generator)
+    buffer = torch.randn(4, 2, generator=generator)
+    stepped = torch.randn(4, generator=generator)
+
+    def run(aliased):
+        data = buffer.clone()
+        strided = data[:, 0] if aliased else data[:, 0].clone()
+        params = [torch.nn.Parameter(t) for t in (skipped.clone(), strided, stepped.clone())]
+        opt = fused_adam()(params)
+        if aliased:  # the interleaved column of the strided param's buffer; the skipped param
+            params[1].grad = data[:, 1]
+            params[2].grad = params[0].detach()
+        else:
+            params[1].grad = data[:, 1].clone()
+            params[2].grad = skipped.clone()
+        with backend_context(backend):
+            opt.step()
+        return opt, params
+
+    copied, copied_params = run(False)
+    aliased, aliased_params = run(True)
+    assert_same_optimizer_state(copied, aliased, copied_params, aliased_params,
+                                "gradients in unwritten memory vs copies")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_one_gradient_shared_by_parameters_of_two_groups_is_allowed(backend):
     """Gradients are only read, so one tensor may be the gradient of several
     parameters: the step equals one with a copy of it per parameter, bitwise."""

@@ -582,8 +582,9 @@ def fsdp2_dcp_resume(ctx, case):
 
 
 def fsdp2_frozen_dcp(ctx, case):
-    """A parameter frozen (requires_grad=False) but handed to FusedAdam: torch's
-    set_state_dict leaves its state out of what it hands to load_state_dict. Loading
+    """A parameter frozen (requires_grad=False) but handed to FusedAdam, with moments
+    set by hand: torch's set_state_dict leaves its state out of what it hands to
+    load_state_dict. Loading
     after a further step restores every other parameter's state and the step count
     bitwise, and the frozen parameter keeps the state it has (S5.5, S6.1)."""
     import torch.distributed.checkpoint as dcp
@@ -595,6 +596,9 @@ def fsdp2_frozen_dcp(ctx, case):
     frozen_name, frozen = named[0]
     frozen.requires_grad_(False)
     opt = fused_adam()([p for _, p in named], **dict(OPT_DEFAULTS, **preset.kwargs()))
+    # state unlike the initial one, so that keeping it differs from recreating it
+    for name in ("exp_avg", "exp_avg_sq"):
+        opt.set_scaled_state(frozen, name, torch.full(local_of(frozen).shape, 0.25))
     gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
 
     def train_step():
