@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
-from . import _cpu_path, _cuda_path, _slots, _torch_path
+from . import _cpu_path, _cuda_path, _dtensor, _slots, _torch_path, _validate
 
 _BACKENDS = ("auto", "torch")
 _mode = "auto"
@@ -74,6 +74,31 @@ def prepare(work) -> Prepared:
     if path is None:
         return Prepared(_torch_path.prepare(work), None, None)
     return Prepared(work, path, path.prepare(work))
+
+
+def check_before_binding(works: list, state, scales) -> None:
+    """Before a step binds plans, which creates or converts state (a change that a
+    refused step must not leave, S3.1): each gradient against the parameters and the
+    state that exist already (buffers that binding creates are new memory). A
+    non-contiguous gradient is stepped through a copy taken before any update, so it is
+    left out here as in the later checks."""
+    by_device = {}
+    for work in works:
+        spans = by_device.setdefault(work.batch.device, [])
+        for entry, grad in zip(work.batch.entries, work.grads):
+            if grad is None or entry.numel == 0 or not grad.is_contiguous():
+                continue
+            order, place = len(spans), entry.place
+            spans.append(_validate.memory_span(grad) + (order, False, "grad", place))
+            written = [("param", entry.local)]
+            written += state.get(entry.param, {}).items()
+            written += [(f"{name}_scale", scale)
+                        for name, scale in (scales.get(entry.param) or {}).items()]
+            for name, tensor in written:
+                local = _dtensor.to_local(tensor)
+                if local.numel() > 0:
+                    spans.append(_validate.memory_span(local) + (order, True, name, place))
+    _validate.refuse_shared_grads(by_device)
 
 
 def check_together(prepared: list, passed: dict) -> None:

@@ -133,8 +133,7 @@ def check_shared_memory(works: list, passed: dict) -> None:
     together: a gradient must not share memory with any buffer the step writes (a
     parameter, a master, a moment, a scale), or the result would depend on the order
     of the updates and a gradient would be written (S3.2). Gradients may share memory
-    with each other. A refusal names the later of the two parameters, as the core does.
-    ``passed`` remembers the last batches and gradients that passed: while the plans
+    with each other. ``passed`` remembers the last batches and gradients that passed: while the plans
     stand, the same ones need no check."""
     signature = [(work.batch, [0 if g is None else g.data_ptr() for g in work.grads],
                   work.kinds) for work in works]
@@ -149,22 +148,11 @@ def check_shared_memory(works: list, passed: dict) -> None:
                                         _written_spans(work.batch)):
             if grad is None or entry.numel == 0:
                 continue  # not stepped: nothing of it is written
-            order = len(spans)  # (start, end, order, written, name) never tie
-            spans.append(_validate.memory_span(grad) + (order, False, "grad", entry))
-            spans.extend((start, end, order, True, name, entry)
+            order = len(spans)
+            spans.append(_validate.memory_span(grad) + (order, False, "grad", entry.place))
+            spans.extend((start, end, order, True, name, entry.place)
                          for start, end, name in written)
-    for spans in by_device.values():
-        overlap = _validate.first_overlap(spans)
-        if overlap is not None:
-            (*_, name0, entry0), (*_, name, entry) = overlap
-            if entry is entry0:
-                rule = (f"{name} shares memory with its {name0} (rule: the buffers of one "
-                        f"parameter must not share memory)")
-            else:
-                rule = (f"{name} shares memory with {entry0.place}'s {name0} (rule: only "
-                        f"gradients may share memory; a buffer the step writes must not "
-                        f"be read as a gradient)")
-            raise ValueError(f"{_validate.CLASS_NAME}: {entry.place}: {rule}")
+    _validate.refuse_shared_grads(by_device)
     passed["torch"] = signature
 
 

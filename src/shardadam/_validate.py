@@ -199,6 +199,27 @@ def first_overlap(spans: list) -> Optional[tuple]:
     return None
 
 
+def refuse_shared_grads(by_device: dict) -> None:
+    """The core's rule on gradients, for spans gathered in Python: raises on the first
+    gradient sharing memory with a buffer a step writes (or two buffers of one parameter
+    sharing memory). ``by_device``: per device, spans ``(start, end, order, written,
+    name, place)`` with one ``order`` per parameter, which ``place`` names; the later
+    parameter of a pair is blamed, as the core does."""
+    for spans in by_device.values():
+        overlap = first_overlap(spans)
+        if overlap is None:
+            continue
+        (_, _, order0, _, name0, place0), (_, _, order, _, name, place) = overlap
+        if order == order0:
+            rule = (f"{name} shares memory with its {name0} (rule: the buffers of one "
+                    f"parameter must not share memory)")
+        else:
+            rule = (f"{name} shares memory with {place0}'s {name0} (rule: only gradients "
+                    f"may share memory; a buffer the step writes must not be read as a "
+                    f"gradient)")
+        raise ValueError(f"{CLASS_NAME}: {place}: {rule}")
+
+
 def check_disjoint_params(groups: list) -> None:
     """No two parameters of the optimizer share memory: each is updated in place, so
     one would see the other half-updated. ``groups``: the param_groups."""

@@ -163,6 +163,8 @@ class FusedAdam(torch.optim.Optimizer):
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
         if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)
+            _backend.check_before_binding([b for _, _, batches in work for b in batches],
+                                          self.state, self._scales)
         for plan, _, _ in work:
             if not plan.bound:
                 plan.bind()

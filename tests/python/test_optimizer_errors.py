@@ -198,6 +198,32 @@ def test_gradient_sharing_a_written_buffer_changes_nothing(aliased, backend):
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_refused_step_after_a_configuration_change_changes_nothing(backend):
+    """S3.1 also when the step would first create state: with `master_weights`
+    switched on, a gradient sharing a parameter's memory is refused before the masters
+    are created."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(11)
+    params = [torch.nn.Parameter(torch.randn(4, generator=generator).bfloat16())
+              for _ in range(2)]
+    opt = fused_adam()(params)
+    for p in params:
+        p.grad = torch.randn(4, generator=generator).bfloat16()
+    with backend_context(backend):
+        opt.step()
+        opt.master_weights = True
+        params[1].grad = params[0].detach()
+        before = snapshot(opt)
+        overlaps = "(overlaps|shares memory with)"
+        with pytest.raises(ValueError,
+                           match=facts(*at(0, 1), rf"grad .*{overlaps} group 0, param 0's")):
+            opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+    assert all("master_param" not in opt.state[p] for p in params)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_gradient_partly_overlapping_a_written_buffer_changes_nothing(backend):
     """Sharing part of a buffer is sharing: a gradient that covers the middle of another
     parameter's exp_avg is refused before anything is updated."""
@@ -297,6 +323,8 @@ def test_core_message_keeps_parameter_names_as_given():
     a, b = (torch.nn.Parameter(torch.randn(4, generator=generator)) for _ in range(2))
     opt = fused_adam()([("tensor 1", a), ("w tensor 7", b)])
     a.grad = torch.randn(4, generator=generator)
+    b.grad = torch.randn(4, generator=generator)
+    opt.step()  # binds the plan: the next refusal is the core's
     b.grad = opt.state[a]["exp_avg"]
     with pytest.raises(ValueError) as raised:
         opt.step()
