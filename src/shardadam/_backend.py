@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple
 
+import torch
+
 from . import _cpu_path, _cuda_path, _dtensor, _slots, _torch_path, _validate
 
 _BACKENDS = ("auto", "torch")
@@ -95,6 +97,8 @@ def check_before_binding(works: list, state, scales) -> None:
             written += [(f"{name}_scale", scale)
                         for name, scale in (scales.get(entry.param) or {}).items()]
             for name, tensor in written:
+                if not isinstance(tensor, torch.Tensor):
+                    continue
                 local = _dtensor.to_local(tensor)
                 if local.numel() > 0:
                     spans.append(_validate.memory_span(local) + (order, True, name, place))
