@@ -133,8 +133,8 @@ def check_shared_memory(works: list, passed: dict) -> None:
     together: a gradient must not share memory with any buffer the step writes (a
     parameter, a master, a moment, a scale), or the result would depend on the order
     of the updates and a gradient would be written (S3.2). Gradients may share memory
-    with each other. ``passed`` remembers the last batches and gradients that passed: while the plans
-    stand, the same ones need no check."""
+    with each other. ``passed`` remembers the last batches and gradients that passed:
+    while the plans stand, the same ones need no check."""
     signature = [(work.batch, [0 if g is None else g.data_ptr() for g in work.grads],
                   work.kinds) for work in works]
     old = passed.get("torch")
