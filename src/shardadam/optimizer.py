@@ -383,9 +383,10 @@ class FusedAdam(torch.optim.Optimizer):
                 state_dict = result
         for key in ("state", "param_groups"):
             if key not in state_dict:
+                held = sorted(map(str, state_dict))
                 raise ValueError(f"{_validate.CLASS_NAME}: the loaded state dict has no "
                                  f"{key!r} (rule: it holds 'state' and 'param_groups', as "
-                                 f"state_dict() makes it; it holds {sorted(map(str, state_dict))})")
+                                 f"state_dict() makes it; it holds {held})")
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
