@@ -586,6 +586,22 @@ def capture_inputs(opt, params):
             for p in params]
 
 
+def verify_moments(opt, p, ref, label):
+    """`p`'s stored exp_avg / exp_avg_sq (and their scales) against the reference step
+    `ref` (an adam_reference() result)."""
+    state = opt.state[p]
+    for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
+                               ("exp_avg_sq", ref.v, ref.v_bound)):
+        fmt = storage_format(state[name])
+        scale = scale_of(opt, p, name).item() if fmt in SCALE_TARGET else None
+        stored = true_state(opt, p, name)
+        tolerance = stored_bound(fmt, stored, value, bound, scale)
+        assert_close_bounded(stored, value, tolerance, f"{label}: {name} ({fmt})")
+        if scale is not None:
+            check_scale(state[name], scale_of(opt, p, name), value, bound,
+                        f"{label}: {name} scale")
+
+
 def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
     """Checks every parameter's new param/master/moments against adam_reference()
     started from `inputs` (see the module docstring for the tolerances). A None
@@ -600,16 +616,7 @@ def verify_step(opt, params, inputs, grads, hyper, step, what, lr=None):
                 assert_bitwise_equal(now[key], t, f"{label}: skipped state {key}")
             continue
         ref = adam_reference(before.w, before.m, before.v, g.double(), hyper, step, lr)
-        for name, value, bound in (("exp_avg", ref.m, ref.m_bound),
-                                   ("exp_avg_sq", ref.v, ref.v_bound)):
-            fmt = storage_format(state[name])
-            scale = scale_of(opt, p, name).item() if fmt in SCALE_TARGET else None
-            stored = true_state(opt, p, name)
-            tolerance = stored_bound(fmt, stored, value, bound, scale)
-            assert_close_bounded(stored, value, tolerance, f"{label}: {name} ({fmt})")
-            if scale is not None:
-                check_scale(state[name], scale_of(opt, p, name), value, bound,
-                            f"{label}: {name} scale")
+        verify_moments(opt, p, ref, label)
         param_fmt = NAME_OF_DTYPE[p.dtype]
         param_now = p.detach().double()
         assert_close_bounded(param_now, ref.w,

@@ -26,7 +26,7 @@ _PYTHON_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _PYTHON_TESTS not in sys.path:
     sys.path.insert(0, _PYTHON_TESTS)
 
-from _optimizer_testing import ABS_SLACK, FP32_TINY, U, stored_bound  # noqa: E402
+from _optimizer_testing import ABS_SLACK, U, expected_scale, stored_bound  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.uint8}
@@ -228,20 +228,8 @@ def assert_bitwise(actual, expected, what):
             f"max |diff| {(a - e).abs().max().item():.3e}")
 
 
-# Largest stored magnitude of a scaled state (S2.3): fp16 max / 2 and the E4M3 maximum.
-_RANGE = {torch.float16: 32752.0, torch.uint8: 448.0}
 # Format names of _optimizer_testing's grids.
 _FORMAT_NAME = {torch.float16: "fp16", torch.uint8: "fp8"}
-
-
-def shard_scale(u, storage):
-    """S2.3's scale of the fp32 values ``u`` (one local shard) stored as ``storage``,
-    evaluated in fp32 exactly as S2.3 writes it (a true division a / R)."""
-    u = u.float()
-    a = u.abs().max() if u.numel() else torch.tensor(0.0)
-    if u.numel() == 0 or a == 0 or not torch.isfinite(a):
-        return 1.0
-    return max((a / torch.tensor(_RANGE[storage], dtype=torch.float32)).item(), FP32_TINY)
 
 
 def rounding_bound(u, storage):
@@ -250,7 +238,7 @@ def rounding_bound(u, storage):
     exposes (S2.2, S5.4). Float64.
 
     Derivation (S2.3): s = max(a / R, tiny) over the LOCAL shard (1 when empty, zero or
-    not finite), reproduced exactly by ``shard_scale``. The code is q = rne(fl(u / s)):
+    not finite), as ``expected_scale`` computes it. The code is q = rne(fl(u / s)):
     the division rounds once (U |u / s|, or to q itself when it crosses up to a power of
     two), the store rounds to nearest, within half the format's spacing at |u / s|. So
     |q s - u| <= s * half_spacing(|u| / s) + U |u| -- ``stored_bound`` with a zero
@@ -263,7 +251,7 @@ def rounding_bound(u, storage):
     u = u.float()
     fmt = _FORMAT_NAME[storage]
     exact = u.double()
-    s = shard_scale(u, storage)
+    s = expected_scale(u, fmt)
     quantized = stored_bound(fmt, exact, exact, torch.zeros_like(exact), scale=s)
     return quantized + U * (exact.abs() + quantized) + ABS_SLACK
 
