@@ -9,7 +9,9 @@
 // know the new moments' absmax before it stores them. Only ratios from one run
 // mean anything here.
 //
-//   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH]
+//   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] [--preset SUBSTR]
+//
+// --preset runs only the presets whose name contains SUBSTR (e.g. "m=fp8").
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -290,12 +292,14 @@ int main(int argc, char** argv) {
   int reps = 11;
   int threads = DefaultThreads();
   const char* json_path = nullptr;
+  std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--numel") numel = std::atoll(argv[i + 1]);
     else if (flag == "--reps") reps = std::atoi(argv[i + 1]);
     else if (flag == "--threads") threads = std::atoi(argv[i + 1]);
     else if (flag == "--json") json_path = argv[i + 1];
+    else if (flag == "--preset") only = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -307,6 +311,7 @@ int main(int argc, char** argv) {
               "probe ms", "Gelem/s", "GB/s", "/probe", "/2-pass");
   std::string json = "[\n";
   for (const Preset& preset : kPresets) {
+    if (std::string(preset.name).find(only) == std::string::npos) continue;
     Case c(preset, numel, threads);
     const bool two_pass = ScaledMoments(preset);
     c.TimeProbe(two_pass);  // warm-up: thread start, page mapping, caches
