@@ -123,11 +123,14 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
-def check_step_counter(group: dict, group_index: int) -> None:
+def check_step_counter(group: dict, group_index: int) -> int:
+    """The group's step counter; a group without one (added to ``param_groups``
+    directly) has taken no step."""
     step = group.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise fail(ValueError, f"group['step'] must be an int >= 0, got {step!r}",
                    group=group_index)
+    return step
 
 
 def loaded_step(step, group_index: int) -> int:

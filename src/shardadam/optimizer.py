@@ -76,8 +76,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.use_decoupled_grad = use_decoupled_grad
-        # Remainders only ever replace an fp32 master (of a bf16 parameter).
-        self.store_param_remainders = bool(store_param_remainders
+        # Remainders only ever replace an fp32 master (of a bf16 parameter); as in TE,
+        # the flag stays off when master weights are off at construction.
+        self.store_param_remainders = bool(store_param_remainders and master_weights
                                            and master_weight_dtype == torch.float32)
         self.set_grad_none = set_grad_none
         self._scales = _tracked.Scales()
@@ -177,16 +178,16 @@ class FusedAdam(torch.optim.Optimizer):
         for group, (_, hyper, _), items in zip(self.param_groups, work, prepared):
             for item in items:
                 _backend.run(item, hyper)
-            group["step"] += 1  # every group, even with no gradient (S2.8)
+            group["step"] = hyper.step  # every group, even with no gradient (S2.8)
         _plan.settle([plan for plan, _, _ in work])
         return loss
 
     def _prepare_group(self, index: int, group: dict):
         """Checks one group and gathers its gradients; reads only."""
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(group, index)
-        _validate.check_step_counter(group, index)
+        step = _validate.check_step_counter(group, index)  # a missing counter is 0
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
-                               bool(group["bias_correction"]), group["step"] + 1)  # S3.6
+                               bool(group["bias_correction"]), step + 1)  # S3.6
         plan = self._plan(index, group)
         decoupled = bool(self.use_decoupled_grad)
         batches = [_plan.gather_grads(batch, decoupled, group, index)
@@ -418,8 +419,8 @@ class FusedAdam(torch.optim.Optimizer):
                     f"that doesn't match the size of optimizer's group "
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
             saved.pop("params")
-            if "step" in saved:
-                saved["step"] = _validate.loaded_step(saved["step"], g)
+            # A checkpoint without a counter (TE's, before its first step) restarts it.
+            saved["step"] = _validate.loaded_step(saved.get("step", 0), g)
             _validate.hyper_parameters(dict(group, **saved), g)
         config = self._config()
         saved_state = state_dict["state"]

@@ -6,6 +6,7 @@ changes between steps being picked up by the next step.
 Numbers are checked with _optimizer_testing.verify_step (float64 reference, derived bounds).
 """
 
+import copy
 import inspect
 import math
 
@@ -106,6 +107,21 @@ def test_master_fp16_ignores_store_param_remainders(backend):
     opt = fused_adam()(params, master_weights=True, master_weight_dtype=torch.float16,
                        store_param_remainders=True)
     assert opt.state[params[0]]["master_param"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_store_param_remainders_needs_master_weights_at_construction(master_weights,
+                                                                      backend):
+    """As in TE: the attribute is on only when master weights are on at construction, so
+    switching master weights on later (S1.5) makes an fp32 master, not remainders."""
+    params = make_params([torch.bfloat16], [(5,)], seed=2)
+    opt = fused_adam()(params, master_weights=master_weights, store_param_remainders=True)
+    assert opt.store_param_remainders is master_weights
+    opt.master_weights = True
+    params[0].grad = torch.ones(5, dtype=torch.bfloat16)
+    opt.step()
+    expected = torch.int16 if master_weights else torch.float32
+    assert opt.state[params[0]]["master_param"].dtype == expected
 
 
 def test_state_exists_from_construction_and_add_param_group(backend):
@@ -247,6 +263,28 @@ def test_step_advances_for_empty_and_gradient_free_groups(backend):
     now = dict(state_tensors(opt, params[1]), param=params[1].detach())
     for key, value in untouched.items():
         assert_bitwise_equal(now[key], value, f"gradient-free param {key}")
+
+
+def test_group_without_step_counter_counts_from_zero(backend):
+    """A group whose 'step' key is gone (or one appended to param_groups directly) has
+    taken no step: its next step is step 1, bitwise as with the counter set to 0."""
+    params = make_params([torch.float32], [(6,)], seed=13)
+    opt = fused_adam()(params, lr=0.1)
+    for _ in range(2):
+        params[0].grad = torch.randn(6, generator=torch.Generator().manual_seed(1))
+        opt.step()
+    twin = copy.deepcopy(opt)
+    twin_param = twin.param_groups[0]["params"][0]
+    del opt.param_groups[0]["step"]
+    twin.param_groups[0]["step"] = 0
+    grad = torch.randn(6, generator=torch.Generator().manual_seed(2))
+    params[0].grad, twin_param.grad = grad.clone(), grad.clone()
+    opt.step()
+    twin.step()
+    assert opt.param_groups[0]["step"] == twin.param_groups[0]["step"] == 1
+    assert_bitwise_equal(params[0].detach(), twin_param.detach(), "param")
+    for key, value in state_tensors(opt, params[0]).items():
+        assert_bitwise_equal(value, state_tensors(twin, twin_param)[key], key)
 
 
 def test_step_with_no_gradients_at_all_still_counts(backend):

@@ -293,6 +293,28 @@ def test_load_state_dict_restores_group_settings_and_step(backend):
         (0.1, (0.8, 0.9), 0.2, 1)
 
 
+def test_load_state_dict_without_step_restarts_the_counter(backend):
+    """A checkpoint group without 'step' (TE's before its first step) has taken no step:
+    the loaded counter is 0, as when torch replaces the group, not the current one."""
+    params = make_params([torch.float32], [(4,)], seed=6)
+    opt = fused_adam()(params, lr=0.1)
+    for _ in range(5):
+        params[0].grad = torch.ones(4)
+        opt.step()
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["step"]
+    other_params = clone_params(params)
+    other = fused_adam()(other_params, lr=0.1)
+    for _ in range(3):
+        other_params[0].grad = torch.ones(4)
+        other.step()
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["step"] == 0
+    other_params[0].grad = torch.ones(4)
+    other.step()
+    assert other.param_groups[0]["step"] == 1
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_optimizer_object_copies_continue_bitwise(how, backend):
     """copy.deepcopy(opt) and pickling the optimizer itself (torch.save(opt)) keep the
