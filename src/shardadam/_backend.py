@@ -115,6 +115,7 @@ def check_together(prepared: list, passed: dict) -> None:
     the same rule by ``_torch_path.check_shared_memory``."""
     _torch_path.check_shared_memory([item.work for item in prepared if item.path is None],
                                     passed)
+    _check_written_back(prepared)
     calls = {}
     for item in prepared:
         if item.call is not None and item.call.slots:
@@ -135,6 +136,31 @@ def check_together(prepared: list, passed: dict) -> None:
             entries = [entry for call in same_device for entry in call.entries]
             raise _slots.refusal(error, entries) from None
         passed[device] = signature
+
+
+def _check_written_back(prepared: list) -> None:
+    """The core sees a non-contiguous parameter only as its contiguous copy; the step
+    writes the parameter's own memory when the copy is written back. A gradient in that
+    memory is refused here, as on a step that binds (check_before_binding) and on the
+    torch path. Only steps with such a parameter pay for this."""
+    if not any(item.call is not None and item.call.write_back for item in prepared):
+        return
+    by_device = {}
+    for item in prepared:
+        if item.call is None:
+            continue
+        spans = by_device.setdefault(item.work.batch.device, [])
+        for entry, grad in zip(item.work.batch.entries, item.work.grads):
+            if entry.numel == 0:
+                continue
+            order = len(spans)
+            if grad is not None and grad.is_contiguous():  # else stepped from a copy
+                spans.append(_validate.memory_span(grad)
+                             + (order, False, "grad", entry.place))
+            if not entry.local.is_contiguous():
+                spans.append(_validate.memory_span(entry.local)
+                             + (order, True, "param", entry.place))
+    _validate.refuse_shared_grads(by_device)
 
 
 def _same_signature(old, new) -> bool:

@@ -92,6 +92,7 @@ class GroupPlan:
         self.state = state
         self.scales = scales
         self.epoch = None  # set by bind()
+        self.state_tensors, self.state_pointers = [], []  # set by bind()
         self.entries = [
             Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)))
             for i, p in enumerate(params)]
@@ -107,7 +108,9 @@ class GroupPlan:
                 and self.config == config
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
-                and _dtensor.local_storage_keys(params, self.plain) == self.param_keys)
+                and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
+                and list(map(torch.Tensor.data_ptr, self.state_tensors))
+                == self.state_pointers)
 
     @property
     def bound(self) -> bool:
@@ -125,6 +128,12 @@ class GroupPlan:
                 _state.apply_entry(state, scales, entry.param, writes, entry.local,
                                    entry.layout)
             entry.bind(specs, state[entry.param], scales.get(entry.param))
+        # A state tensor's memory can move in place (`t.data = ...`, `share_memory_()`,
+        # which torch.multiprocessing applies to every CPU tensor it sends), unseen by
+        # the state's epoch: the plan, which keeps raw pointers, is stale then.
+        self.state_tensors = [t for e in self.entries
+                              for t in (e.exp_avg, e.exp_avg_sq, e.master) if t is not None]
+        self.state_pointers = list(map(torch.Tensor.data_ptr, self.state_tensors))
         for batch in self.batches:
             batch.backend_cache.clear()
         self.epoch = _tracked.state_epoch()

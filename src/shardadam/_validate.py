@@ -142,6 +142,31 @@ def loaded_step(step, group_index: int) -> int:
     return int(value)
 
 
+def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
+    """A checkpoint group's step counter: its ``step``; else, in the layout of
+    ``torch.optim.Adam`` / ``AdamW``, the one ``step`` its parameters' states share;
+    else 0 (TE's checkpoint before its first step). Options those optimizers have and
+    this one lacks are refused rather than ignored."""
+    for option in ("amsgrad", "maximize"):
+        if saved.get(option):
+            raise fail(ValueError, f"the loaded group has {option}=True (rule: FusedAdam "
+                                   f"has no {option}; load such a checkpoint only into an "
+                                   f"optimizer that has)", group=group_index)
+    if "step" in saved:
+        return loaded_step(saved["step"], group_index)
+    steps = set()
+    for key in saved["params"]:
+        values = saved_state.get(key)
+        if isinstance(values, dict) and "step" in values:
+            steps.add(loaded_step(values["step"], group_index))
+    if len(steps) > 1:
+        raise fail(ValueError, f"the loaded parameters' step counts differ "
+                               f"({sorted(steps)}; rule: one step counter per group, as "
+                               f"every parameter of a group steps together)",
+                   group=group_index)
+    return steps.pop() if steps else 0
+
+
 # ---------------------------------------------------------------------------
 # Parameters, gradients and state values.
 
@@ -149,6 +174,10 @@ def param_error(param) -> Optional[str]:
     """Why ``param`` cannot be optimized (S1.4), or None."""
     if not isinstance(param, torch.Tensor):
         return f"parameters must be tensors, got {type(param).__name__}"
+    if isinstance(param, torch.nn.parameter.UninitializedTensorMixin):
+        return ("the parameter is an uninitialized lazy one (rule: state is created "
+                "with the optimizer, so run a forward pass to materialize lazy modules "
+                "first)")
     layout_error = _dtensor.param_layout_error(param)
     if layout_error is not None:
         return layout_error
@@ -156,7 +185,23 @@ def param_error(param) -> Optional[str]:
         return f"sparse parameters are not supported (layout {param.layout})"
     if param.dtype not in FLOAT_KINDS:
         return f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype}"
+    local = _dtensor.to_local(param)
+    if _overlaps_itself(local):
+        return (f"elements of the parameter share memory (shape {list(local.shape)}, "
+                f"strides {list(local.stride())}; rule: a parameter is updated in place, "
+                f"so each element needs memory of its own)")
     return None
+
+
+def _overlaps_itself(tensor) -> bool:
+    """Certainly overlapping (as torch's own check for in-place writes, which would
+    raise only after the moments were updated): a dimension of stride 0, or fewer
+    addresses in reach than elements."""
+    shape, strides = tensor.shape, tensor.stride()
+    if any(size > 1 and stride == 0 for size, stride in zip(shape, strides)):
+        return True
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(shape, strides))
+    return 0 < extent < tensor.numel()
 
 
 def check_params(params, group_index: int, group: dict) -> None:
@@ -174,7 +219,10 @@ def check_params(params, group_index: int, group: dict) -> None:
 
 
 def memory_span(tensor) -> tuple:
-    """``(first byte, end)`` of the memory a non-empty tensor covers."""
+    """``(first byte, end)`` of the memory a non-empty tensor covers; empty for a
+    tensor without memory (the meta device)."""
+    if tensor.is_meta:
+        return 0, 0
     start = tensor.data_ptr()
     if tensor.is_contiguous():
         return start, start + tensor.nbytes

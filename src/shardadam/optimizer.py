@@ -418,9 +418,8 @@ class FusedAdam(torch.optim.Optimizer):
                     f"{_validate.where(g)}: loaded state dict contains a parameter group "
                     f"that doesn't match the size of optimizer's group "
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
+            saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             saved.pop("params")
-            # A checkpoint without a counter (TE's, before its first step) restarts it.
-            saved["step"] = _validate.loaded_step(saved.get("step", 0), g)
             _validate.hyper_parameters(dict(group, **saved), g)
         config = self._config()
         saved_state = state_dict["state"]

@@ -135,11 +135,21 @@ def bad_param(kind):
         return torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
     if kind == "sparse":
         return torch.nn.Parameter(torch.zeros(3, 3).to_sparse())
+    if kind == "stride-0":
+        return torch.nn.Parameter(torch.zeros(1).expand(3))
+    if kind == "overlapping-strides":
+        return torch.nn.Parameter(torch.zeros(5).as_strided((3, 3), (1, 1)))
+    if kind == "lazy":
+        return torch.nn.parameter.UninitializedParameter()
     raise AssertionError(kind)
 
 
+SHARED_ELEMENTS = r"elements of the parameter share memory.*rule: "
 PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_e4m3fn",
-               "complex64": "complex64", "sparse": "(?i)sparse"}
+               "complex64": "complex64", "sparse": "(?i)sparse",
+               "stride-0": SHARED_ELEMENTS + ".*memory of its own",
+               "overlapping-strides": SHARED_ELEMENTS + ".*memory of its own",
+               "lazy": r"uninitialized lazy.*rule: .*forward pass"}
 
 
 @pytest.mark.parametrize("kind", list(PARAM_KINDS))
@@ -254,6 +264,34 @@ def test_gradient_overlapping_its_own_parameter_is_refused(backend):
             ValueError, match=facts(*at(0, 0), "(?i)buffers of one (tensor|parameter) must "
                                                "not share memory")):
         opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_gradient_in_a_non_contiguous_parameter_is_refused_on_later_steps(groups,
+                                                                          backend):
+    """A non-contiguous parameter is stepped through a contiguous copy, which is all the
+    C++ core sees; its own memory is still written when the copy is written back. A
+    gradient lying there is refused on every step, not only on the first (which checks
+    before it creates state), on both paths."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(4)
+    strided = torch.nn.Parameter(torch.randn(4, 3, generator=generator).t())
+    other = torch.nn.Parameter(torch.randn(12, generator=generator))
+    opt = fused_adam()([dict(params=[strided]), dict(params=[other])] if groups == 2
+                       else [strided, other])
+    strided.grad = torch.randn(3, 4, generator=generator)
+    other.grad = torch.randn(12, generator=generator)
+    with backend_context(backend):
+        opt.step()  # a step that passes, so the next one reuses the plans
+        other.grad = torch.as_strided(strided.detach(), (12,), (1,))
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=facts(*at(groups - 1, 2 - groups),
+                                                   r"grad shares memory with group 0, "
+                                                   r"param 0's param", "rule: ")):
+            opt.step()
     assert_unchanged(opt, before, "optimizer after a refused step")
 
 
@@ -446,6 +484,11 @@ def share_memory(opt, params):
     opt.param_groups[1]["params"][1] = torch.nn.Parameter(params[0].data.view(-1)[4:8])
 
 
+def view_with_stride_0(opt, params):
+    """Group 1's param 1 re-viewed in place so that all its elements are one."""
+    params[3].data = params[3].data.view(-1)[:1].expand(2, 2)
+
+
 STEP_ERRORS = [
     ("decoupled-grad-shape", True, set_decoupled(torch.zeros(3)), RuntimeError,
      facts(*at(1, 1), "(?i)shape")),
@@ -495,6 +538,8 @@ STEP_ERRORS = [
      facts(*at(1, 1), "same tensor as param 0")),
     ("param-shares-memory-with-another-group", True, share_memory, RuntimeError,
      facts(*at(1, 1), r"shares memory with group 0, param 0\b")),
+    ("param-re-viewed-with-stride-0", True, view_with_stride_0, RuntimeError,
+     facts(*at(1, 1), SHARED_ELEMENTS)),
 ]
 
 
@@ -653,6 +698,14 @@ def _shrink_group(sd):
     sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:1]
 
 
+def _torch_steps_that_differ(sd):
+    """torch.optim.AdamW's layout (a step per parameter, none in the group), with two
+    parameters of one group at different steps."""
+    del sd["param_groups"][1]["step"]
+    sd["state"][2]["step"] = torch.tensor(2.0)
+    sd["state"][3]["step"] = torch.tensor(3.0)
+
+
 LOAD_ERRORS = [
     ("fewer-groups", _drop_group, ValueError,
      facts("FusedAdam", "(?i)number of parameter groups")),
@@ -677,6 +730,12 @@ LOAD_ERRORS = [
      RuntimeError, facts(*at(1, 0), "(?i)tensor|float")),
     ("bad-lr", lambda sd: sd["param_groups"][1].__setitem__("lr", -1.0), ValueError,
      facts(r"group\W*1\b", r"Invalid learning rate")),
+    ("torch-amsgrad", lambda sd: sd["param_groups"][1].__setitem__("amsgrad", True),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "amsgrad=True", "rule: ")),
+    ("torch-maximize", lambda sd: sd["param_groups"][1].__setitem__("maximize", True),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "maximize=True", "rule: ")),
+    ("torch-step-counts-differ", _torch_steps_that_differ, ValueError,
+     facts("^FusedAdam", r"group\W*1\b", r"step counts differ \(\[2, 3\]", "rule: ")),
 ]
 
 

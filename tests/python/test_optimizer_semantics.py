@@ -221,6 +221,49 @@ def test_param_reviewed_in_place_between_steps(change, backend):
         verify_step(opt, params, inputs, grads, HYPER, step, f"param {change}")
 
 
+@pytest.mark.parametrize("move", ["share_memory_", "data", "set_"])
+def test_state_memory_moved_in_place_is_followed(move, backend):
+    """A state tensor whose memory moves in place between steps (torch.multiprocessing
+    calls share_memory_() on every CPU tensor it sends, e.g. a state_dict() handed to a
+    saving process; `.data =`; `set_`) is stepped where it now lives: bitwise as a twin
+    whose state never moved, and the visible state is the stepped one."""
+    cfg = Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16")
+    params = make_params(cfg.param_dtypes(2), [(5,), (3, 2)], seed=21)
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    opts = [fused_adam()(ps, lr=1e-2, **cfg.optimizer_kwargs())
+            for ps in (params, twin_params)]
+    for step in range(3):
+        grads = make_grads(params, [p.dtype for p in params], step, seed=21)
+        for ps, opt in zip((params, twin_params), opts):
+            attach_grads(ps, [g.clone() for g in grads], decoupled=False)
+            opt.step()
+        if step == 0:
+            for value in opts[0].state[params[1]].values():
+                if move == "share_memory_":
+                    value.share_memory_()
+                elif move == "data":
+                    value.data = value.data.clone()
+                else:
+                    value.set_(value.detach().clone())
+    for p, q in zip(params, twin_params):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        moved, kept = state_tensors(opts[0], p), state_tensors(opts[1], q)
+        for key in kept:
+            assert_bitwise_equal(moved[key], kept[key], key)
+
+
+def test_parameters_without_memory_step_as_a_no_op(backend):
+    """Parameters on the meta device have no memory to share: they are not taken for
+    overlapping tensors, and a step (a no-op there, as torch's) counts (S2.8)."""
+    params = [torch.nn.Parameter(torch.ones(4, device="meta")) for _ in range(2)]
+    opt = fused_adam()(params, master_weights=True)
+    params[0].grad = torch.ones(4, device="meta")
+    opt.step()
+    opt.step()
+    assert opt.param_groups[0]["step"] == 2
+    assert opt.state[params[0]]["exp_avg"].is_meta
+
+
 def test_state_set_between_steps_is_used(backend):
     """set_scaled_state and in-place edits of the state between steps are what the next
     step starts from."""

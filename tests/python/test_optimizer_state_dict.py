@@ -315,6 +315,37 @@ def test_load_state_dict_without_step_restarts_the_counter(backend):
     assert other.param_groups[0]["step"] == 1
 
 
+def test_load_torch_adamw_state_dict_takes_its_per_parameter_step(backend):
+    """torch.optim.AdamW keeps a step per parameter and none in the group: the shared
+    per-parameter step becomes the group's counter, so the next step's bias correction
+    is the uninterrupted run's. Checked bitwise against loading the same moments in
+    this optimizer's own layout with that step."""
+    params = make_params([torch.float32, torch.float32], [(4, 3), (5,)], seed=8)
+    adamw = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    for step in range(5):
+        for i, p in enumerate(params):
+            generator = torch.Generator().manual_seed(step * 2 + i)
+            p.grad = torch.randn(p.shape, generator=generator)
+        adamw.step()
+    torch_sd = adamw.state_dict()
+    assert "step" not in torch_sd["param_groups"][0]
+    own_sd = {"state": {key: {name: values[name] for name in ("exp_avg", "exp_avg_sq")}
+                        for key, values in torch_sd["state"].items()},
+              "param_groups": [dict(torch_sd["param_groups"][0], step=5)]}
+    results = []
+    for sd in (torch_sd, own_sd):
+        copies = clone_params(params)
+        opt = fused_adam()(copies, lr=0.5)
+        opt.load_state_dict(sd)
+        assert opt.param_groups[0]["step"] == 5
+        for i, p in enumerate(copies):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(99 + i))
+        opt.step()
+        results.append((opt, copies))
+    (a, params_a), (b, params_b) = results
+    assert_same_optimizer_state(a, b, params_a, params_b, "loaded from torch's layout")
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_optimizer_object_copies_continue_bitwise(how, backend):
     """copy.deepcopy(opt) and pickling the optimizer itself (torch.save(opt)) keep the
