@@ -5,7 +5,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -147,7 +149,18 @@ void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double b
 #endif
 
 void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t dst_dtype,
-                         int64_t numel, float scale, int num_threads) {
+                         int64_t numel, double scale_value, int num_threads) {
+  // Scales are fp32: a positive finite value that fp32 cannot hold would reach the
+  // core as 0 or inf and be reported as such; name what the caller passed.
+  const float scale = static_cast<float>(scale_value);
+  const bool representable = std::isfinite(scale) && scale > 0;
+  if (std::isfinite(scale_value) && scale_value > 0 && !representable) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.9g", scale_value);
+    throw nb::value_error((std::string("convert: scale ") + text +
+                           " is outside fp32's range; expected a finite fp32 value > 0")
+                              .c_str());
+  }
   RunReleased([&](Error* error) {
     return Convert(Pointer<const void>(src), Tag(src_dtype, "convert", "src_dtype"),
                    Pointer<void>(dst), Tag(dst_dtype, "convert", "dst_dtype"), numel,

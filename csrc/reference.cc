@@ -140,7 +140,9 @@ float Float16ToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1F;
   const uint32_t mantissa = h & 0x03FF;
-  if (exponent == 0x1F) return FloatOf(sign | 0x7F800000 | (mantissa << 13));
+  if (exponent == 0x1F) {  // inf, or NaN made quiet with its payload (as F16C does)
+    return FloatOf(sign | 0x7F800000 | (mantissa << 13) | (mantissa ? 0x00400000 : 0));
+  }
   if (exponent == 0) {
     const float magnitude =
         std::ldexp(static_cast<float>(mantissa), -24);  // exact

@@ -69,6 +69,20 @@ struct Buffer {
   int64_t bytes;
 };
 
+// A range that runs past the top of the address space is no real buffer, and
+// would wrap the overlap arithmetic below.
+bool PastAddressSpace(const void* data, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(data) > UINTPTR_MAX - static_cast<uintptr_t>(bytes);
+}
+
+bool FailPastAddressSpace(Error* error, int64_t tensor, const char* name,
+                          const void* data, int64_t bytes) {
+  return Fail(error, tensor,
+              Format("%s [%p, +%" PRId64 " bytes) runs past the end of the address "
+                     "space; expected a real buffer",
+                     name, data, bytes));
+}
+
 bool Overlap(uintptr_t a, int64_t a_bytes, uintptr_t b, int64_t b_bytes) {
   return a < b + static_cast<uintptr_t>(b_bytes) &&
          b < a + static_cast<uintptr_t>(a_bytes);
@@ -89,6 +103,9 @@ bool CheckScale(int64_t tensor, const char* name, DType dtype,
     return Fail(error, tensor,
                 Format("%s %p is not aligned to %zu bytes", name,
                        static_cast<const void*>(scale), alignof(float)));
+  }
+  if (PastAddressSpace(scale, sizeof(float))) {
+    return FailPastAddressSpace(error, tensor, name, scale, sizeof(float));
   }
   if (values == ScaleValues::kSkip) return true;
   const float value = *scale;
@@ -171,6 +188,10 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
         return Fail(error, i,
                     Format("%s is null but numel is %" PRId64, buffers[b].name,
                            s.numel));
+      }
+      if (PastAddressSpace(buffers[b].data, buffers[b].bytes)) {
+        return FailPastAddressSpace(error, i, buffers[b].name, buffers[b].data,
+                                    buffers[b].bytes);
       }
     }
     for (int a = 0; a < num_buffers; ++a) {
@@ -417,6 +438,12 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
   }
   const int64_t src_bytes = numel * ItemSize(src_dtype);
   const int64_t dst_bytes = numel * ItemSize(dst_dtype);
+  if (PastAddressSpace(src, src_bytes)) {
+    return FailPastAddressSpace(error, -1, "src", src, src_bytes);
+  }
+  if (PastAddressSpace(dst, dst_bytes)) {
+    return FailPastAddressSpace(error, -1, "dst", dst, dst_bytes);
+  }
   const bool in_place = src == dst && ItemSize(src_dtype) == ItemSize(dst_dtype);
   if (!in_place && Overlap(reinterpret_cast<uintptr_t>(src), src_bytes,
                            reinterpret_cast<uintptr_t>(dst), dst_bytes)) {

@@ -73,7 +73,9 @@ SHARDADAM_HOST_DEVICE inline float DecodeF16(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1Fu;
   const uint32_t mantissa = h & 0x3FFu;
-  if (exponent == 0x1F) return FloatOf(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent == 0x1F) {  // inf, or NaN made quiet with its payload (as the CPU core)
+    return FloatOf(sign | 0x7F800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0u));
+  }
   if (exponent == 0) {
     const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // 2^-24, exact
     return FloatOf(sign | BitsOf(magnitude));

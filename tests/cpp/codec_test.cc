@@ -212,6 +212,17 @@ TEST(ReferenceCodecTest, Float16MatchesCompilerConversion) {
     }
   }
 }
+
+// And for widening, bitwise on every code: a NaN keeps its payload, made quiet.
+TEST(ReferenceCodecTest, Float16WideningMatchesCompilerConversion) {
+  for (uint32_t code = 0; code <= 0xFFFF; ++code) {
+    const uint16_t bits = static_cast<uint16_t>(code);
+    _Float16 h;
+    std::memcpy(&h, &bits, sizeof(h));
+    ASSERT_EQ(BitsOf(ref::Float16ToFloat(bits)), BitsOf(static_cast<float>(h)))
+        << "fp16 0x" << std::hex << code;
+  }
+}
 #endif
 
 // Values whose torch `.to(torch.float8_e4m3fn)` codes are known: saturation is
@@ -346,11 +357,17 @@ void ExpectSimdConvert(const ConvertCase& c, int threads) {
   EXPECT_TRUE(SameElements(c.want.data(), got.data(), c.dst_dtype, c.numel))
       << DTypeName(c.src_dtype) << " -> " << DTypeName(c.dst_dtype) << " scale "
       << c.scale << " numel " << c.numel << " threads " << threads;
-  // E4M3 has exactly two NaN codes and torch keeps the sign (S2.4): there
-  // the comparison is strictly bitwise.
-  if (c.dst_dtype == DType::kFloat8E4M3 && bytes > 0) {  // empty: want.data() may be null
+  // E4M3 has exactly two NaN codes and torch keeps the sign (S2.4), and a
+  // 16-bit NaN widens with its payload (made quiet): there the comparison is
+  // strictly bitwise.
+  const bool widens_16_bit =
+      c.dst_dtype == DType::kFloat32 &&
+      (c.src_dtype == DType::kFloat16 || c.src_dtype == DType::kBFloat16);
+  const bool strict = c.dst_dtype == DType::kFloat8E4M3 || widens_16_bit;
+  if (strict && bytes > 0) {  // empty: want.data() may be null
     EXPECT_EQ(std::memcmp(c.want.data(), got.data(), bytes), 0)
-        << DTypeName(c.src_dtype) << " -> fp8: NaN codes differ in sign";
+        << DTypeName(c.src_dtype) << " -> " << DTypeName(c.dst_dtype)
+        << ": NaN codes differ in sign or payload";
   }
   EXPECT_EQ(got[bytes], 0xA5) << "wrote past the end";
 }

@@ -136,5 +136,35 @@ TEST(HugeValidationTest, ConvertRangesAreSixtyFourBit) {
                                          1.0f, &error));
 }
 
+// A range that would wrap past the top of the address space (where overlap
+// arithmetic wraps too) is refused, naming the buffer; one ending just below
+// the top is an ordinary range.
+TEST(HugeValidationTest, RangesPastTheAddressSpaceAreRejected) {
+  constexpr uint64_t kTop = UINTPTR_MAX;
+  TensorSlot slot = HugeSlot(kBase);
+  slot.numel = 16;  // 64 bytes per fp32 buffer
+  Error error;
+  slot.param = At(kTop - 63);
+  EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 1, &error), Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 0);
+  EXPECT_NE(error.message.find("param ["), std::string::npos) << error.message;
+  EXPECT_NE(error.message.find("past the end of the address space"), std::string::npos)
+      << error.message;
+  slot.param = At(kTop - 64);
+  EXPECT_TRUE(internal::ValidateStep(&slot, 1, StepParams(), &error)) << error.message;
+
+  // Two buffers that overlap only modulo 2^64.
+  slot.param = At(kTop - 63);
+  slot.exp_avg = At(kTop - 127);
+  EXPECT_FALSE(internal::ValidateStep(&slot, 1, StepParams(), &error));
+
+  EXPECT_FALSE(internal::ValidateConvert(At(kTop - 7), DType::kFloat32, At(kBase),
+                                         DType::kFloat32, 4, 1.0f, &error));
+  EXPECT_NE(error.message.find("src ["), std::string::npos) << error.message;
+  EXPECT_FALSE(internal::ValidateConvert(At(kBase), DType::kFloat32, At(kTop - 7),
+                                         DType::kBFloat16, 8, 1.0f, &error));
+  EXPECT_NE(error.message.find("dst ["), std::string::npos) << error.message;
+}
+
 }  // namespace
 }  // namespace shardadam

@@ -209,6 +209,18 @@ def test_scale_ignored_for_unscaled_formats(fmt):
                       f"fp32 -> {fmt} with scale 4")
 
 
+@pytest.mark.parametrize("scale", [1e-50, 1e40])
+def test_convert_names_a_scale_outside_fp32(scale):
+    """A positive finite scale that fp32 cannot hold is refused with the value passed,
+    not the 0 or inf it would round to; nothing is written."""
+    src = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    dst = torch.full((8,), 7.0, dtype=torch.float16)
+    before = dst.clone()
+    with pytest.raises(ValueError, match=re.escape(f"scale {scale:g}") + ".*outside fp32"):
+        _C.convert(src.data_ptr(), CODE["fp32"], dst.data_ptr(), CODE["fp16"], 8, scale, 1)
+    assert_bitwise_equal(dst, before, "destination after a rejected convert")
+
+
 def test_convert_empty():
     empty = torch.empty(0)
     out = torch.empty(0, dtype=torch.bfloat16)
