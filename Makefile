@@ -2,7 +2,7 @@
 #   make demo    run the main job
 #   make test    C++ tests (ctest) + Python tests (pytest)
 #   make setup   system packages, .venv with pinned deps, editable package, C++ tests
-#   make bench   side-by-side benchmark (BENCH.md): table, build/bench/bench.{json,png}
+#   make bench   side-by-side benchmark (docs/benchmarking.md): table, build/bench/bench.{json,png}
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPP_BUILD := build/cpp
@@ -13,13 +13,18 @@ TEST_SOURCES := $(shell find tests/cpp benchmarks -type f 2>/dev/null)
 
 setup: build/.package-stamp $(CPP_BUILD)/.build-stamp
 
-# Debian packages: Highway, GoogleTest, Google Benchmark, and the toolchain.
+# Debian packages: Highway, GoogleTest, Google Benchmark, the toolchain, and Python's
+# venv and headers (the binding builds against them).
 system-deps:
 	@if ! pkg-config --exists libhwy || [ ! -f /usr/include/gtest/gtest.h ] \
-	    || [ ! -f /usr/include/benchmark/benchmark.h ] || ! command -v cmake >/dev/null; then \
-	  echo "installing Debian packages (libhwy-dev libgtest-dev libbenchmark-dev cmake)"; \
+	    || [ ! -f /usr/include/benchmark/benchmark.h ] || ! command -v cmake >/dev/null \
+	    || ! python3 -c 'import ensurepip, sysconfig, os, sys; \
+	         sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+	         2>/dev/null; then \
+	  echo "installing Debian packages (libhwy-dev libgtest-dev libbenchmark-dev cmake python3-venv python3-dev)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    g++ cmake make pkg-config libhwy-dev libgtest-dev libbenchmark-dev >/dev/null; \
+	    g++ cmake make pkg-config libhwy-dev libgtest-dev libbenchmark-dev \
+	    python3-venv python3-dev >/dev/null; \
 	fi
 
 $(VENV)/.deps-stamp: requirements-dev.txt | system-deps
@@ -47,7 +52,7 @@ test-cpp: $(CPP_BUILD)/.build-stamp
 test-python: build/.package-stamp
 	$(PY) -m pytest -q
 
-# Full side-by-side run (about 3 minutes; add BENCH_FLAGS=--quick for under 2).
+# Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
 bench: setup
 	mkdir -p build/bench
 	$(PY) -m shardadam bench $(BENCH_FLAGS) --json build/bench/bench.json --png build/bench/bench.png

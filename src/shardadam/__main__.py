@@ -76,7 +76,7 @@ def main(argv=None):
                     "transformer's parameter list, 2,000 small tensors and DTensor "
                     "parameters on 2 gloo ranks; reports elements/s, GB/s, the fraction "
                     "of a bandwidth probe with the step's access pattern, ratios between "
-                    "contenders and each step's peak extra memory (BENCH.md).")
+                    "contenders and each step's peak extra memory (docs/benchmarking.md).")
     bench_cli.add_arguments(bench)
     bench.set_defaults(run=bench_cli.run)
     commands.add_parser("info", help="version, SIMD target, threads, CUDA backend and "

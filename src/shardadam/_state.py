@@ -4,7 +4,7 @@ A parameter's state lives in ``optimizer.state[param]`` as storage tensors under
 ``exp_avg``, ``exp_avg_sq`` and (when SEMANTICS S2.1 gives one) ``master_param``, in
 their storage dtype and nothing else there: torch's checkpoint tools iterate those keys
 and expect a saved value for each. For fp16 / fp8 storage the fp32 scale of each state
-is a 0-dim tensor in ``optimizer._scales[param][name]`` (S2.2, the RFC's 3.3.3 layout).
+is a 0-dim tensor in ``optimizer._scales[param][name]`` (S2.2).
 Storage is self-describing: its dtype and the presence of a scale say how to decode it,
 so state written under one configuration can be converted to another.
 

@@ -1,6 +1,6 @@
 """``FusedAdam``: Adam/AdamW with Transformer Engine's API and a C++ core.
 
-SEMANTICS.md is the contract; rule numbers (S3.1, ...) below point into it.
+docs/semantics.md is the contract; rule numbers (S3.1, ...) below point into it.
 ``step()`` only orchestrates: validate every group, then hand each group's tensors on
 each device to one backend call (``_backend``). State layout and codecs live in
 ``_state``, checks in ``_validate``, DTensor handling in ``_dtensor``.

@@ -185,7 +185,7 @@ def scale_of(opt, param, name):
     """The 0-dim fp32 scale of `param`'s state `name`, or None when it has none.
 
     The package keeps scales beside the state, in ``optimizer._scales[param][name]``
-    (TE's and the RFC's layout), so that ``optimizer.state[param]`` holds exactly the
+    (TE's layout), so that ``optimizer.state[param]`` holds exactly the
     state names torch's checkpoint tools iterate; ``optimizer.state[param][name +
     "_scale"]`` is read as well. Every test reads scales through here only.
     """

@@ -1,5 +1,5 @@
 """``python -m shardadam bench``: runs end to end on tiny sizes and writes well-formed
-JSON and PNG. Checks the shape of the results, never their speed (BENCH.md: benchmarks
+JSON and PNG. Checks the shape of the results, never their speed (docs/benchmarking.md: benchmarks
 do not gate CI)."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 # Every case kind with the contenders it must report (probes included).
 _FP32 = {"shardadam", "torch-fused", "torch-foreach", "deepspeed", "probe"}
-_LOW_PRECISION = {"shardadam", "rfc-multipass", "probe"}
+_LOW_PRECISION = {"shardadam", "multipass", "probe"}
 _PRESETS = {"fp32", "bf16-master-fp32", "bf16-master-bf16m", "bf16-remainder-bf16m",
             "bf16-master-fp8m"}
 _RECORD_TYPES = {

@@ -1,10 +1,10 @@
-"""``python -m shardadam bench``: side-by-side CPU benchmark of one Adam step (BENCH.md).
+"""``python -m shardadam bench``: side-by-side CPU benchmark of one Adam step (docs/benchmarking.md).
 
 Modules, one job each:
 
 * ``cases``        state presets, parameter lists (shapes) and the tensors built for them
 * ``contenders``   every optimizer timed, behind one ``make(name, params, preset)``
-* ``multipass``    the RFC-style unscale -> ``torch._fused_adamw_`` -> rescale path
+* ``multipass``    the multi-pass unscale -> ``torch._fused_adamw_`` -> rescale path
 * ``probe``        the machine's bandwidth ceiling with the step's access pattern
 * ``timing``       interleaved repetitions and their statistics
 * ``memory``       peak extra bytes of ``step()``, in a fresh subprocess per contender

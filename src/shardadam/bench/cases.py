@@ -48,7 +48,7 @@ class Preset:
 
     @property
     def minimum_bytes(self) -> int:
-        """BENCH.md: bytes per element the step must read and write."""
+        """docs/benchmarking.md: bytes per element the step must read and write."""
         p, m, w = _SIZE[self.param_dtype], _SIZE[self.moment_dtype], self._master_size()
         # The weight read is the master, else the param; a remainder completes the param.
         weight_read = p if self.master in (None, "remainder") else 0
@@ -58,7 +58,7 @@ class Preset:
 
     @property
     def effective_bytes(self) -> int:
-        """Minimum plus the write-allocate read of a write-only param (BENCH.md)."""
+        """Minimum plus the write-allocate read of a write-only param (docs/benchmarking.md)."""
         extra = _SIZE[self.param_dtype] if self.master == "fp32" else 0
         return self.minimum_bytes + extra
 
@@ -144,7 +144,7 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
 
 
 CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
-LOW_PRECISION_CONTENDERS = ("shardadam", "rfc-multipass")
+LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
 
 
 def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:

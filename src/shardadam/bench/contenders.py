@@ -19,7 +19,7 @@ DESCRIPTIONS = {
     "torch-fused": "torch.optim.AdamW(fused=True)",
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "deepspeed": "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)",
-    "rfc-multipass": "rfc-multipass: fp32 copies -> torch._fused_adamw_ -> rescale",
+    "multipass": "multipass: fp32 copies -> torch._fused_adamw_ -> rescale",
     "probe": "bandwidth probe: same arrays, in-place integer adds",
     "dtensor": "shardadam.FusedAdam on DTensor (Shard(0)) parameters",
     "plain": "shardadam.FusedAdam on the same local tensors, plain",
@@ -56,7 +56,7 @@ def _deepspeed(params, preset):
         raise Unavailable(f"DeepSpeedCPUAdam failed to build: {error}") from None
 
 
-def _rfc_multipass(params, preset):
+def _multipass(params, preset):
     if preset.master is None:
         raise Unavailable("all-fp32 state needs no unscale/rescale passes")
     return RfcMultipass(params, preset, **HYPER).step
@@ -67,7 +67,7 @@ _FACTORIES = {
     "torch-fused": lambda params, preset: _torch_adamw(params, preset, fused=True),
     "torch-foreach": lambda params, preset: _torch_adamw(params, preset, foreach=True),
     "deepspeed": _deepspeed,
-    "rfc-multipass": _rfc_multipass,
+    "multipass": _multipass,
 }
 
 

@@ -1,4 +1,4 @@
-"""rfc-multipass: the RFC's path for low-precision state, written here as a contender.
+"""multipass: the usual multi-pass path for low-precision state, as a contender.
 
 Per parameter: unscale / widen every stored stream to an fp32 copy (grad, moments, the
 master rebuilt from bf16 + int16 remainder), run ``torch._fused_adamw_`` on the copies,

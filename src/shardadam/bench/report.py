@@ -3,7 +3,7 @@
 JSON: ``{"meta": {...}, "results": [record, ...]}``, one record per (case, contender):
 case, kind, contender, description, preset (dtype combo), dtypes, numel, tensors,
 threads, ranks, status ("ok", "unavailable", "unsupported", "error") and reason,
-seconds {median, min, max}, reps, elements_per_s, gb_per_s (BENCH.md minimum bytes),
+seconds {median, min, max}, reps, elements_per_s, gb_per_s (docs/benchmarking.md minimum bytes),
 bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe (probe median /
 this median), fraction_of_kernel_bench_probe, ratio_to {contender: its median / this
 median; > 1 means this one is faster}, peak_extra_bytes and
@@ -70,12 +70,12 @@ def write_json(path, meta, records) -> None:
 
 _COLORS = {"shardadam": "tab:blue", "torch-fused": "tab:orange",
            "torch-foreach": "tab:green", "deepspeed": "tab:purple",
-           "rfc-multipass": "tab:red", "probe": "0.55", "kernel_bench-probe": "0.75",
+           "multipass": "tab:red", "probe": "0.55", "kernel_bench-probe": "0.75",
            "kernel_bench-kernel": "tab:cyan", "dtensor": "tab:blue", "plain": "tab:olive"}
 
 
 def write_png(path, meta, records) -> None:
-    """Left: GB/s (BENCH.md minimum bytes) per contender, grouped by case, min-max as
+    """Left: GB/s (docs/benchmarking.md minimum bytes) per contender, grouped by case, min-max as
     error bars. Right: peak extra bytes of one step as % of the state bytes."""
     import matplotlib
 
@@ -96,7 +96,7 @@ def write_png(path, meta, records) -> None:
     high = [max(0.0, b / r["seconds"]["min"] - g) for g, b, r in zip(gbs, bytes_, timed)]
     speed.barh(y, gbs, color=colors, xerr=[low, high], error_kw={"elinewidth": 0.8})
     speed.set_yticks(y, labels, fontsize=7)
-    speed.set_xlabel("GB/s (bytes the step must move, BENCH.md minimum); bars: median, "
+    speed.set_xlabel("GB/s (bytes the step must move, docs/benchmarking.md minimum); bars: median, "
                      "whiskers: min-max")
     peak = [100 * (r["peak_extra_fraction_of_state"] or 0) for r in timed]
     mem.barh(y, peak, color=colors)

@@ -319,7 +319,7 @@ def check_state_layout(state, param, dtype, what):
 
 
 def check_raw_entry(opt, param, preset, what):
-    """RFC 3.3.3 / S2.3: ``optimizer.state[param]`` holds exactly the storage tensors (no
+    """S2.2 / S2.3: ``optimizer.state[param]`` holds exactly the storage tensors (no
     scales: DCP's flattened load expects a saved value for every key there), and
     ``optimizer._scales[param]`` holds a plain 0-dim fp32 scale, on the local tensor's
     device, for exactly the fp16 / fp8 states (per local shard, never a DTensor)."""

@@ -1,7 +1,7 @@
 """The distributed cases, as run on every rank (``run`` is the job entry point).
 
 Each function takes the ``Context`` and its ``Case`` and raises on failure; the harness
-records one outcome per case and rank. Contract rules are cited as in SEMANTICS.md.
+records one outcome per case and rank. Contract rules are cited as in docs/semantics.md.
 """
 
 import functools
@@ -64,7 +64,7 @@ def _train_and_check(run, steps, *, full_ref, local_ref, before, none_on_empty=F
         run.set_grads(grads, skip)
         local_skip = set(skip)
         if none_on_empty:
-            # A rank holding nothing of a parameter may have no gradient for it (RFC 3.3.8).
+            # A rank holding nothing of a parameter may have no gradient for it (S3.5).
             for name, p in run.params.items():
                 if local_of(p).numel() == 0:
                     setattr(p, run.grad_attr, None)
