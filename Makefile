@@ -2,7 +2,8 @@
 #   make demo    run the main job
 #   make test    C++ tests (ctest) + Python tests (pytest)
 #   make setup   system packages, .venv with pinned deps, editable package, C++ tests
-#   make bench   side-by-side benchmark (docs/benchmarking.md): table, build/bench/bench.{json,png}
+#   make bench   side-by-side benchmark (docs/benchmarking.md): table,
+#                build/bench/bench.{json,png}
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPP_BUILD := build/cpp
@@ -21,7 +22,8 @@ system-deps:
 	    || ! python3 -c 'import ensurepip, sysconfig, os, sys; \
 	         sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
 	         2>/dev/null; then \
-	  echo "installing Debian packages (libhwy-dev libgtest-dev libbenchmark-dev cmake python3-venv python3-dev)"; \
+	  echo "installing Debian packages (Highway, GoogleTest, Google Benchmark, cmake," \
+	       "python3-venv, python3-dev)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    g++ cmake make pkg-config libhwy-dev libgtest-dev libbenchmark-dev \
 	    python3-venv python3-dev >/dev/null; \

@@ -1,10 +1,11 @@
-"""GPU benchmark of shardadam's CUDA backend, by docs/benchmarking.md's rules, in one process.
+"""GPU benchmark of shardadam's CUDA backend, by docs/benchmarking.md's rules, in one
+process.
 
 (a) copy: the device's copy bandwidth (``dst.copy_(src)`` of a large buffer, read +
     write), the ceiling the step is compared with.
 (b) kernel: ``FusedAdam.step()`` on one large tensor per state preset, beside
-    ``torch.optim.AdamW(fused=True)`` in fp32; GB/s at docs/benchmarking.md's minimum bytes per
-    element and the fraction of (a) (target >= 0.85).
+    ``torch.optim.AdamW(fused=True)`` in fp32; GB/s at docs/benchmarking.md's minimum
+    bytes per element and the fraction of (a) (the goal: >= 0.85).
 (c) model: a transformer's parameter list (``shardadam.bench.cases.transformer_shapes``,
     195 tensors, about 1.3B elements at d_model 2048, reduced to fit the free memory)
     stepped by FusedAdam with each preset and by torch's fused AdamW in fp32 on the

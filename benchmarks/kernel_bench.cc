@@ -2,8 +2,8 @@
 // shardadam::AdamStep and a bandwidth probe that reads the same arrays and writes
 // the same ones in place, with trivial integer arithmetic and the same thread
 // count, interleaved (probe, kernel, probe, kernel, ...). It reports the median
-// (min/max) seconds, elements/s, GB/s at docs/benchmarking.md's minimum bytes per element and
-// the kernel's fraction of the probe. Presets with per-tensor scaled moments also
+// (min/max) seconds, elements/s, GB/s at docs/benchmarking.md's minimum bytes per
+// element and the kernel's fraction of the probe. Presets with per-tensor scaled moments also
 // get a two-pass probe: a read-only pass over grad and both moments, then the
 // one-pass probe -- the traffic of any exact step of such a layout, which must
 // know the new moments' absmax before it stores them. Only ratios from one run
@@ -60,9 +60,9 @@ size_t Bytes(DType t) {
   }
 }
 
-// Bytes the step must move per element (docs/benchmarking.md "minimum"): grad, both moments and
-// the master (or the param when there is none) are read; param, master and both
-// moments are written.
+// Bytes the step must move per element (docs/benchmarking.md "minimum"): grad, both
+// moments and the master (or the param when there is none) are read; param, master
+// and both moments are written.
 size_t MinimumBytes(const Preset& p) {
   // A remainder master is read together with the param it completes.
   const size_t weight_read = p.master == DType::kNone ? Bytes(p.param)

@@ -1,4 +1,5 @@
-"""``python -m shardadam bench``: side-by-side CPU benchmark of one Adam step (docs/benchmarking.md).
+"""``python -m shardadam bench``: side-by-side CPU benchmark of one Adam step
+(docs/benchmarking.md).
 
 Modules, one job each:
 

@@ -58,7 +58,8 @@ class Preset:
 
     @property
     def effective_bytes(self) -> int:
-        """Minimum plus the write-allocate read of a write-only param (docs/benchmarking.md)."""
+        """Minimum plus the write-allocate read of a write-only param
+        (docs/benchmarking.md)."""
         extra = _SIZE[self.param_dtype] if self.master == "fp32" else 0
         return self.minimum_bytes + extra
 

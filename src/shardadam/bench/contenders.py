@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .multipass import RfcMultipass
+from .multipass import Multipass
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -59,7 +59,7 @@ def _deepspeed(params, preset):
 def _multipass(params, preset):
     if preset.master is None:
         raise Unavailable("all-fp32 state needs no unscale/rescale passes")
-    return RfcMultipass(params, preset, **HYPER).step
+    return Multipass(params, preset, **HYPER).step
 
 
 _FACTORIES = {

@@ -43,7 +43,7 @@ def _split_master(master32: torch.Tensor, param: torch.Tensor,
     remainder.copy_(low)
 
 
-class RfcMultipass:
+class Multipass:
     """AdamW over low-precision state, one unscale -> fused kernel -> rescale per tensor."""
 
     def __init__(self, params, preset, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,

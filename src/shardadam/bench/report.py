@@ -3,8 +3,8 @@
 JSON: ``{"meta": {...}, "results": [record, ...]}``, one record per (case, contender):
 case, kind, contender, description, preset (dtype combo), dtypes, numel, tensors,
 threads, ranks, status ("ok", "unavailable", "unsupported", "error") and reason,
-seconds {median, min, max}, reps, elements_per_s, gb_per_s (docs/benchmarking.md minimum bytes),
-bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe (probe median /
+seconds {median, min, max}, reps, elements_per_s, gb_per_s (at docs/benchmarking.md's
+minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe (probe median /
 this median), fraction_of_kernel_bench_probe, ratio_to {contender: its median / this
 median; > 1 means this one is faster}, peak_extra_bytes and
 peak_extra_fraction_of_state.
@@ -75,7 +75,7 @@ _COLORS = {"shardadam": "tab:blue", "torch-fused": "tab:orange",
 
 
 def write_png(path, meta, records) -> None:
-    """Left: GB/s (docs/benchmarking.md minimum bytes) per contender, grouped by case, min-max as
+    """Left: GB/s (minimum bytes) per contender, grouped by case, min-max as
     error bars. Right: peak extra bytes of one step as % of the state bytes."""
     import matplotlib
 
