@@ -1,6 +1,6 @@
 """``python -m shardadam bench``: runs end to end on tiny sizes and writes well-formed
-JSON and PNG. Checks the shape of the results, never their speed (docs/benchmarking.md: benchmarks
-do not gate CI)."""
+JSON and PNG. Checks the shape of the results, never their speed (docs/benchmarking.md:
+benchmarks do not gate CI)."""
 
 import json
 import struct
