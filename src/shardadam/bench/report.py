@@ -4,9 +4,9 @@ JSON: ``{"meta": {...}, "results": [record, ...]}``, one record per (case, conte
 case, kind, contender, description, preset (dtype combo), dtypes, numel, tensors,
 threads, ranks, status ("ok", "unavailable", "unsupported", "error") and reason,
 seconds {median, min, max}, reps, elements_per_s, gb_per_s (at docs/benchmarking.md's
-minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe (probe median /
-this median), fraction_of_kernel_bench_probe, ratio_to {contender: its median / this
-median; > 1 means this one is faster}, peak_extra_bytes and
+minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe
+(probe median / this median), fraction_of_kernel_bench_probe, ratio_to {contender: its
+median / this median; > 1 means this one is faster}, peak_extra_bytes and
 peak_extra_fraction_of_state.
 """
 
@@ -96,7 +96,7 @@ def write_png(path, meta, records) -> None:
     high = [max(0.0, b / r["seconds"]["min"] - g) for g, b, r in zip(gbs, bytes_, timed)]
     speed.barh(y, gbs, color=colors, xerr=[low, high], error_kw={"elinewidth": 0.8})
     speed.set_yticks(y, labels, fontsize=7)
-    speed.set_xlabel("GB/s (bytes the step must move, docs/benchmarking.md minimum); bars: median, "
+    speed.set_xlabel("GB/s (the minimum bytes the step must move); bars: median, "
                      "whiskers: min-max")
     peak = [100 * (r["peak_extra_fraction_of_state"] or 0) for r in timed]
     mem.barh(y, peak, color=colors)
