@@ -81,27 +81,35 @@ def prepare(work) -> Prepared:
 def check_before_binding(works: list, state, scales) -> None:
     """Before a step binds plans, which creates or converts state (a change that a
     refused step must not leave, S3.1): each gradient against the parameters and the
-    state that exist already (buffers that binding creates are new memory). A
-    non-contiguous gradient is stepped through a copy taken before any update, so it is
-    left out here as in the later checks."""
+    state that exist already (buffers that binding creates are new memory)."""
+    def written(entry):
+        tensors = [("param", entry.local)]
+        tensors += state.get(entry.param, {}).items()
+        tensors += [(f"{name}_scale", scale)
+                    for name, scale in (scales.get(entry.param) or {}).items()]
+        return [(name, _dtensor.to_local(tensor)) for name, tensor in tensors
+                if isinstance(tensor, torch.Tensor)]
+
+    _refuse_grads_in_written_memory(works, written)
+
+
+def _refuse_grads_in_written_memory(works: list, written) -> None:
+    """The core's rule on gradients, checked in Python: for every parameter the step
+    updates (one with a gradient), its gradient against ``written(entry)``'s ``(name,
+    tensor)`` pairs and every other updated parameter's. A non-contiguous gradient is
+    stepped through a copy taken before any update, so it is left out, as the core
+    only sees the copy."""
     by_device = {}
     for work in works:
         spans = by_device.setdefault(work.batch.device, [])
         for entry, grad in zip(work.batch.entries, work.grads):
-            if grad is None or entry.numel == 0 or not grad.is_contiguous():
+            if grad is None or entry.numel == 0:
                 continue
             order, place = len(spans), entry.place
-            spans.append(_validate.memory_span(grad) + (order, False, "grad", place))
-            written = [("param", entry.local)]
-            written += state.get(entry.param, {}).items()
-            written += [(f"{name}_scale", scale)
-                        for name, scale in (scales.get(entry.param) or {}).items()]
-            for name, tensor in written:
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                local = _dtensor.to_local(tensor)
-                if local.numel() > 0:
-                    spans.append(_validate.memory_span(local) + (order, True, name, place))
+            if grad.is_contiguous():
+                spans.append(_validate.memory_span(grad) + (order, False, "grad", place))
+            spans += [_validate.memory_span(tensor) + (order, True, name, place)
+                      for name, tensor in written(entry) if tensor.numel() > 0]
     _validate.refuse_shared_grads(by_device)
 
 
@@ -143,24 +151,10 @@ def _check_written_back(prepared: list) -> None:
     writes the parameter's own memory when the copy is written back. A gradient in that
     memory is refused here, as on a step that binds (check_before_binding) and on the
     torch path. Only steps with such a parameter pay for this."""
-    if not any(item.call is not None and item.call.write_back for item in prepared):
-        return
-    by_device = {}
-    for item in prepared:
-        if item.call is None:
-            continue
-        spans = by_device.setdefault(item.work.batch.device, [])
-        for entry, grad in zip(item.work.batch.entries, item.work.grads):
-            if entry.numel == 0:
-                continue
-            order = len(spans)
-            if grad is not None and grad.is_contiguous():  # else stepped from a copy
-                spans.append(_validate.memory_span(grad)
-                             + (order, False, "grad", entry.place))
-            if not entry.local.is_contiguous():
-                spans.append(_validate.memory_span(entry.local)
-                             + (order, True, "param", entry.place))
-    _validate.refuse_shared_grads(by_device)
+    if any(item.call is not None and item.call.write_back for item in prepared):
+        _refuse_grads_in_written_memory(
+            [item.work for item in prepared if item.call is not None],
+            lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)])
 
 
 def _same_signature(old, new) -> bool:

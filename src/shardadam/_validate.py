@@ -197,11 +197,15 @@ def _overlaps_itself(tensor) -> bool:
     """Certainly overlapping (as torch's own check for in-place writes, which would
     raise only after the moments were updated): a dimension of stride 0, or fewer
     addresses in reach than elements."""
-    shape, strides = tensor.shape, tensor.stride()
-    if any(size > 1 and stride == 0 for size, stride in zip(shape, strides)):
+    if any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())):
         return True
-    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(shape, strides))
-    return 0 < extent < tensor.numel()
+    return 0 < _extent(tensor) < tensor.numel()
+
+
+def _extent(tensor) -> int:
+    """Elements from a non-empty tensor's first element to its last, both included."""
+    return 1 + sum((size - 1) * abs(stride)
+                   for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 def check_params(params, group_index: int, group: dict) -> None:
@@ -226,9 +230,7 @@ def memory_span(tensor) -> tuple:
     start = tensor.data_ptr()
     if tensor.is_contiguous():
         return start, start + tensor.nbytes
-    extent = 1 + sum((size - 1) * abs(stride)
-                     for size, stride in zip(tensor.shape, tensor.stride()))
-    return start, start + extent * tensor.element_size()
+    return start, start + _extent(tensor) * tensor.element_size()
 
 
 def first_overlap(spans: list) -> Optional[tuple]:

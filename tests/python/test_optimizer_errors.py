@@ -296,6 +296,32 @@ def test_gradient_in_a_non_contiguous_parameter_is_refused_on_later_steps(groups
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gradient_in_a_skipped_non_contiguous_parameter_is_accepted(backend):
+    """A non-contiguous parameter without a gradient is not stepped, so its memory is
+    not written: a gradient lying there is accepted on every step, and the step equals
+    one fed the same values from memory of their own."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+
+    def run(aliased):
+        generator = torch.Generator().manual_seed(5)
+        skipped = torch.nn.Parameter(torch.randn(4, 3, generator=generator).t())
+        stepped = torch.nn.Parameter(torch.randn(4, 3, generator=generator).t())
+        other = torch.nn.Parameter(torch.randn(12, generator=generator))
+        opt = fused_adam()([skipped, stepped, other])
+        with backend_context(backend):
+            for _ in range(2):  # the second step reuses the plans
+                stepped.grad = torch.ones(3, 4)
+                view = torch.as_strided(skipped.detach(), (12,), (1,))
+                other.grad = view if aliased else view.clone()
+                opt.step()
+        return [p.detach().clone() for p in (skipped, stepped, other)]
+
+    for i, (a, b) in enumerate(zip(run(True), run(False))):
+        assert_bitwise_equal(a, b, f"param {i}")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_gradients_that_share_no_written_memory_are_accepted(backend):
     """Only memory the step writes counts: a gradient lying in the buffers of a
     parameter skipped at this step (no gradient), or a strided gradient interleaved
