@@ -14,11 +14,13 @@
 // --preset runs only the presets whose name contains SUBSTR (e.g. "m=fp8").
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -282,6 +284,26 @@ Stats Summarize(std::vector<double> s) {
   return {s[s.size() / 2], s.front(), s.back()};
 }
 
+const char kUsage[] =
+    "usage: kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] "
+    "[--preset SUBSTR]\n";
+
+// Prints the problem and the usage to stderr; main returns this status.
+int Usage(const char* problem) {
+  std::fprintf(stderr, "kernel_bench: %s\n%s", problem, kUsage);
+  return 2;
+}
+
+// A whole decimal number >= 1, nothing else (atoll would take "12x" or "abc").
+bool ParsePositive(const char* text, int64_t* out) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || errno != 0 || n < 1) return false;
+  *out = n;
+  return true;
+}
+
 }  // namespace
 }  // namespace shardadam
 
@@ -293,17 +315,34 @@ int main(int argc, char** argv) {
   int threads = DefaultThreads();
   const char* json_path = nullptr;
   std::string only;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--numel") numel = std::atoll(argv[i + 1]);
-    else if (flag == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (flag == "--threads") threads = std::atoi(argv[i + 1]);
-    else if (flag == "--json") json_path = argv[i + 1];
-    else if (flag == "--preset") only = argv[i + 1];
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      return 2;
+    if (flag == "--help" || flag == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
     }
+    if (i + 1 == argc) return Usage(("missing value after " + flag).c_str());
+    const char* value = argv[i + 1];
+    if (flag == "--numel") {
+      if (!ParsePositive(value, &numel)) return Usage("--numel wants a positive integer");
+    } else if (flag == "--reps" || flag == "--threads") {
+      int64_t n = 0;
+      if (!ParsePositive(value, &n) || n > 1'000'000) {
+        return Usage((flag + " wants an integer in [1, 1000000]").c_str());
+      }
+      (flag == "--reps" ? reps : threads) = static_cast<int>(n);
+    } else if (flag == "--json") {
+      json_path = value;
+    } else if (flag == "--preset") {
+      only = value;
+    } else {
+      return Usage(("unknown flag " + flag).c_str());
+    }
+  }
+  if (std::none_of(std::begin(kPresets), std::end(kPresets), [&](const Preset& p) {
+        return std::string(p.name).find(only) != std::string::npos;
+      })) {
+    return Usage(("no preset name contains \"" + only + "\"").c_str());
   }
   std::printf("shardadam kernel benchmark: target %s, %d threads, numel %lld, %d reps\n",
               ChosenTarget(), threads, static_cast<long long>(numel), reps);
