@@ -206,7 +206,8 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
 }
 
 // The param is rounded from the updated fp32 w, as in the block path.
-template <int kWeight, bool kEO>
+// kNoNaN: a and b hold no NaN (see FusedStore).
+template <int kWeight, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   if constexpr (kWeight == internal::kFusedParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
@@ -214,11 +215,11 @@ HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
   } else if constexpr (kEO) {
-    StoreRemainderEvenOdd(a, b, static_cast<uint16_t*>(param) + i,
-                          static_cast<uint16_t*>(master) + i);
+    StoreRemainderEvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i,
+                                  static_cast<uint16_t*>(master) + i);
   } else {
-    StoreRemainderx2(a, b, static_cast<uint16_t*>(param) + i,
-                     static_cast<uint16_t*>(master) + i);
+    StoreRemainderx2<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i,
+                             static_cast<uint16_t*>(master) + i);
   }
 }
 
@@ -288,32 +289,42 @@ HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* maste
   LoadMomentx2<internal::ExpAvgSqStream(kMoments), kEO>(v, i, v_factor, p.v0, p.v1);
 }
 
-template <int kGrad, int kWeight, int kMoments, bool kNoNaN>
+// kMomentsNoNaN / kWeightNoNaN: the moments / w hold no NaN (see FusedStore).
+template <int kGrad, int kWeight, int kMoments, bool kMomentsNoNaN, bool kWeightNoNaN>
 HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s,
                               void* param, void* master, void* m, void* v, size_t i) {
   constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
-  StoreWx2<kWeight, kEO>(p.w0, p.w1, param, master, i);
-  StoreMomentx2<internal::ExpAvgStream(kMoments), kEO, kNoNaN>(p.m0, p.m1, s.m_new, m,
-                                                                i);
-  StoreMomentx2<internal::ExpAvgSqStream(kMoments), kEO, kNoNaN>(p.v0, p.v1, s.v_new,
-                                                                  v, i);
+  StoreWx2<kWeight, kEO, kWeightNoNaN>(p.w0, p.w1, param, master, i);
+  StoreMomentx2<internal::ExpAvgStream(kMoments), kEO, kMomentsNoNaN>(p.m0, p.m1,
+                                                                       s.m_new, m, i);
+  StoreMomentx2<internal::ExpAvgSqStream(kMoments), kEO, kMomentsNoNaN>(
+      p.v0, p.v1, s.v_new, v, i);
 }
 
-// bf16 rounding needs a NaN rule, which costs three instructions per vector;
-// a pair of bf16 moments that holds no NaN (their sum is not NaN: any NaN
-// makes it NaN, and inf - inf only sends a pair the exact way) skips it. Only
-// the moments: checking a bf16-rounded param too measured slower.
+// Two stores need a NaN rule, which costs a few instructions per vector: bf16
+// rounding, and a remainder's split (a NaN master is split as the quiet NaN,
+// convert-inl.h). A pair that holds no NaN in those streams (their sum is not
+// NaN: any NaN makes it NaN, and inf - inf only sends a pair the exact way)
+// skips them. Not a bf16-rounded param beside an fp32 master: checking it too
+// measured slower.
 template <int kGrad, int kWeight, int kMoments>
 HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
                            void* param, void* master, void* m, void* v, size_t i) {
-  if constexpr (kMoments == internal::kFusedMomentsBF16) {
-    const VF sum = hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1));
+  constexpr bool kCheckMoments = kMoments == internal::kFusedMomentsBF16;
+  constexpr bool kCheckWeight = kWeight == internal::kFusedRemainder;
+  if constexpr (kCheckMoments || kCheckWeight) {
+    const VF moments = hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1));
+    const VF w = hn::Add(p.w0, p.w1);
+    const VF sum = kCheckMoments && kCheckWeight ? hn::Add(moments, w)
+                   : kCheckMoments              ? moments
+                                                : w;
     if (HWY_LIKELY(hn::AllFalse(DF(), hn::IsNaN(sum)))) {
-      FusedStoreAll<kGrad, kWeight, kMoments, true>(p, s, param, master, m, v, i);
+      FusedStoreAll<kGrad, kWeight, kMoments, kCheckMoments, kCheckWeight>(
+          p, s, param, master, m, v, i);
       return;
     }
   }
-  FusedStoreAll<kGrad, kWeight, kMoments, false>(p, s, param, master, m, v, i);
+  FusedStoreAll<kGrad, kWeight, kMoments, false, false>(p, s, param, master, m, v, i);
 }
 
 // internal::FusedFn. Each stream is read once and written once, with nothing

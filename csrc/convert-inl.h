@@ -374,13 +374,31 @@ HWY_INLINE void LoadRemainderx2(const uint16_t* HWY_RESTRICT param,
                               LoadWideI16(rem + L)));
 }
 
+// A NaN master's bits for the split: the quiet NaN with its sign (S2.5). Its
+// own bits could carry the rounding past the top of the high half (0x7FFF ->
+// 0x8000, a param of -0), and the param must stay NaN.
+HWY_INLINE VU SplittableMaster(VF x) {
+  const DU du;
+  const VU bits = hn::BitCast(du, x);
+  const VU quiet =
+      hn::Or(hn::And(bits, hn::Set(du, 0x80000000u)), hn::Set(du, 0x7FC00000u));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)), quiet, bits);
+}
+
+// The bits a remainder store splits; kNoNaN: the caller knows x holds no NaN.
+template <bool kNoNaN>
+HWY_INLINE VU MasterBits(VF x) {
+  return kNoNaN ? hn::BitCast(DU(), x) : SplittableMaster(x);
+}
+
 // param = high half rounded up when the low half is >= 0x8000 (S2.5),
 // remainder = low half.
+template <bool kNoNaN = false>
 HWY_INLINE void StoreRemainderx2(VF a, VF b, uint16_t* HWY_RESTRICT param,
                                  uint16_t* HWY_RESTRICT rem) {
   const DU du;
-  const VU ua = hn::BitCast(du, a);
-  const VU ub = hn::BitCast(du, b);
+  const VU ua = MasterBits<kNoNaN>(a);
+  const VU ub = MasterBits<kNoNaN>(b);
   const VU half = hn::Set(du, 0x8000u);
   const VU low = hn::Set(du, 0xFFFFu);
   StoreNarrowU16(hn::ShiftRight<16>(hn::Add(ua, half)),
@@ -439,12 +457,13 @@ HWY_INLINE void LoadRemainderEvenOdd(const uint16_t* HWY_RESTRICT param,
   odd = hn::BitCast(DF(), hn::Add(hn::And(p, hn::Set(du, 0xFFFF0000u)), r_odd));
 }
 
+template <bool kNoNaN = false>
 HWY_INLINE void StoreRemainderEvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT param,
                                       uint16_t* HWY_RESTRICT rem) {
   const DU du;
   const DU16Pairs d16;
-  const VU e = hn::BitCast(du, even);
-  const VU o = hn::BitCast(du, odd);
+  const VU e = MasterBits<kNoNaN>(even);
+  const VU o = MasterBits<kNoNaN>(odd);
   const VU half = hn::Set(du, 0x8000u);
   StoreHighHalvesEvenOdd(hn::Add(e, half), hn::Add(o, half), param);
   const auto low_halves =

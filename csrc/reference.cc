@@ -184,11 +184,13 @@ float Float8E4M3ToFloat(uint8_t q) {
 }
 
 void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder) {
-  const uint32_t bits = BitsOf(master);
+  // A NaN splits as the quiet NaN with its sign, so that the param is NaN too:
+  // its own bits may round the high half from 0x7FFF to 0x8000 (-0).
+  const uint32_t bits =
+      std::isnan(master) ? (BitsOf(master) & 0x80000000u) | 0x7FC00000u : BitsOf(master);
   uint16_t high = static_cast<uint16_t>(bits >> 16);
   const uint16_t low = static_cast<uint16_t>(bits & 0xFFFF);
-  // Wraps modulo 2^16 for the largest high halves; MergeMaster undoes it.
-  if (low >= 0x8000) ++high;
+  if (low >= 0x8000) ++high;  // never wraps: only NaN high halves reach 0x7FFF
   *param_bits = high;
   *remainder = static_cast<int16_t>(low);
 }

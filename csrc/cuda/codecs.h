@@ -117,10 +117,14 @@ SHARDADAM_HOST_DEVICE inline float DecodeF8(uint8_t q) {
 }
 
 // S2.5: an fp32 master as a bf16 param (high half, plus one when the low half
-// is >= 0x8000) and an int16 remainder (the low half); Merge undoes Split.
+// is >= 0x8000) and an int16 remainder (the low half); Merge undoes Split. A
+// NaN splits as the quiet NaN with its sign: the device's NaN 0x7FFFFFFF would
+// round its param to 0x8000 (-0).
 SHARDADAM_HOST_DEVICE inline void SplitMaster(float master, uint16_t* param_bits,
                                               int16_t* remainder) {
-  const uint32_t bits = BitsOf(master);
+  const uint32_t raw = BitsOf(master);
+  const bool nan = (raw & 0x7FFFFFFFu) > 0x7F800000u;
+  const uint32_t bits = nan ? (raw & 0x80000000u) | 0x7FC00000u : raw;
   const uint16_t low = static_cast<uint16_t>(bits & 0xFFFFu);
   *param_bits = static_cast<uint16_t>((bits >> 16) + (low >= 0x8000u ? 1u : 0u));
   *remainder = static_cast<int16_t>(low);

@@ -132,7 +132,12 @@ def merge_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tenso
 
 def split_remainder(master: torch.Tensor):
     """The bf16 parameter bits and the int16 remainder of an fp32 master (S2.5)."""
-    halves = master.contiguous().reshape(-1).view(torch.int16).view(-1, 2)
+    bits = master.contiguous().reshape(-1).view(torch.int32)
+    # A NaN splits as the quiet NaN with its sign, so that the parameter is NaN too:
+    # its own bits may round the high half from 0x7FFF to 0x8000 (-0).
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    bits = torch.where(nan, (bits & -0x80000000) | 0x7FC00000, bits)
+    halves = bits.view(torch.int16).view(-1, 2)
     low, high = halves[:, 0], halves[:, 1]
     high = high + (low < 0).to(torch.int16)
     return (high.view(torch.bfloat16).reshape(master.shape),

@@ -283,11 +283,77 @@ TEST(ReferenceCodecTest, RemainderSplitMergeIsLossless) {
     int16_t remainder;
     ref::SplitMaster(FloatOf(bits), &param, &remainder);
     const uint16_t low = static_cast<uint16_t>(remainder);
-    ASSERT_EQ(low, bits & 0xFFFF);
-    ASSERT_EQ(param,
-              static_cast<uint16_t>((bits >> 16) + (low >= 0x8000 ? 1 : 0)));
-    ASSERT_EQ(BitsOf(ref::MergeMaster(param, remainder)), bits)
+    // A NaN master is split as the quiet NaN with its sign (S2.5).
+    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;
+    const uint32_t split = nan ? (bits & 0x80000000u) | 0x7FC00000u : bits;
+    ASSERT_EQ(low, split & 0xFFFF) << std::hex << bits;
+    ASSERT_EQ(param, static_cast<uint16_t>((split >> 16) + (low >= 0x8000 ? 1 : 0)))
         << std::hex << bits;
+    ASSERT_EQ(BitsOf(ref::MergeMaster(param, remainder)), split) << std::hex << bits;
+    ASSERT_EQ(std::isnan(ref::BFloat16ToFloat(param)), nan) << std::hex << bits;
+  }
+}
+
+// Every target's remainder stores split NaN masters as the reference does, also
+// where their payloads would carry the param's rounding into the sign (the
+// all-ones NaN a GPU produces, S2.5). Starting from such splits, an lr = 0 step
+// leaves each master as it was, so the stores see these exact bits.
+TEST(SimdRemainderTest, NaNMasterKeepsTheParamNaN) {
+  std::vector<uint32_t> masters;
+  for (uint32_t high : {0x7F80u, 0x7FBFu, 0x7FC0u, 0x7FFFu}) {
+    for (uint32_t low : {0x0001u, 0x7FFFu, 0x8000u, 0xFFFFu}) {
+      masters.push_back(high << 16 | low);
+      masters.push_back(0x80000000u | high << 16 | low);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(masters.size());
+  // Raw (param, remainder) pairs that merge to these masters, some of them the
+  // wrapped splits (param 0x8000 / 0x0000, remainder -1) that an unguarded
+  // split leaves.
+  std::vector<uint16_t> param(n);
+  std::vector<int16_t> remainder(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = masters[i];
+    remainder[i] = static_cast<int16_t>(bits & 0xFFFF);
+    param[i] = static_cast<uint16_t>((bits >> 16) + ((bits & 0x8000u) ? 1 : 0));
+    ASSERT_EQ(BitsOf(ref::MergeMaster(param[i], remainder[i])), bits);
+  }
+  StepParams params;
+  params.lr = 0.0;
+  params.weight_decay = 0.0;
+  // Grad and moment dtypes select the kernel: fp32 / fp32 and bf16 / bf16 (the
+  // even/odd one) are fused, an fp16 grad takes the block path.
+  const DType layouts[3][2] = {{DType::kFloat32, DType::kFloat32},
+                               {DType::kBFloat16, DType::kBFloat16},
+                               {DType::kFloat16, DType::kFloat32}};
+  for (const auto& layout : layouts) {
+    ForEachTarget([&] {
+      std::vector<uint16_t> p = param;
+      std::vector<int16_t> r = remainder;
+      std::vector<float> grad(n, 0.0f), m(n, 0.0f), v(n, 0.0f);  // zeros in any dtype
+      TensorSlot slot;
+      slot.numel = n;
+      slot.param = p.data();
+      slot.param_dtype = DType::kBFloat16;
+      slot.grad = grad.data();
+      slot.grad_dtype = layout[0];
+      slot.exp_avg = m.data();
+      slot.exp_avg_dtype = layout[1];
+      slot.exp_avg_sq = v.data();
+      slot.exp_avg_sq_dtype = layout[1];
+      slot.master_param = r.data();
+      slot.master_dtype = DType::kInt16Remainder;
+      Error error;
+      ASSERT_EQ(AdamStep(&slot, 1, params, 2, &error), Status::kOk) << error.message;
+      for (int64_t i = 0; i < n; ++i) {
+        uint16_t want_param;
+        int16_t want_remainder;
+        ref::SplitMaster(FloatOf(masters[i]), &want_param, &want_remainder);
+        ASSERT_EQ(p[i], want_param) << std::hex << masters[i];
+        ASSERT_EQ(r[i], want_remainder) << std::hex << masters[i];
+        ASSERT_TRUE(std::isnan(ref::BFloat16ToFloat(p[i]))) << std::hex << masters[i];
+      }
+    });
   }
 }
 

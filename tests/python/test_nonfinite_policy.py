@@ -25,6 +25,7 @@ the caller, e.g. GradScaler, and the step count advances as for any step, S2.8):
 """
 
 import math
+import struct
 
 import pytest
 import torch
@@ -34,7 +35,16 @@ from _optimizer_testing import (
     capture_inputs, fused_adam, quantize_like_spec, scale_of, stored_bound,
     true_state, verify_step)
 
-BAD_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+def _float_of_bits(bits):
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+# "nan-ones": the NaN a GPU produces (all payload bits set), as a CUDA-computed
+# gradient brings it; a remainder split of its own bits would round the parameter to
+# -0 (S2.5 splits a NaN master as the quiet NaN).
+BAD_VALUES = {"nan": math.nan, "nan-ones": _float_of_bits(0x7FFFFFFF),
+              "-nan-ones": _float_of_bits(0xFFFFFFFF), "inf": math.inf,
+              "-inf": -math.inf}
 BAD = 3  # flat index of the poisoned gradient element
 SHAPE = (7,)
 
