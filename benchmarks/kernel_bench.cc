@@ -84,6 +84,10 @@ struct Buffer {
   void Allocate(size_t n) {
     bytes = n;
     data.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (n + 63) / 64 * 64 + 64)));
+    if (!data) {
+      std::fprintf(stderr, "kernel_bench: cannot allocate %zu bytes\n", n);
+      std::exit(1);
+    }
   }
   void* get() const { return data.get(); }
 };
@@ -106,7 +110,16 @@ void ProbeRange(const G* g, W* w, M* m, V* v, P* p, bool param_write_only,
   }
 }
 
-// The read-only pass of the two-pass probe over one range.
+// The read-only pass of the two-pass probe over one range: the gradient and the
+// scaled moments, what the kernel's measuring pass reads (AdamW; an unscaled moment
+// is not measured).
+template <class G, class M>
+uint32_t ReadRange(const G* g, const M* m, size_t begin, size_t end) {
+  uint32_t acc = 0;
+  for (size_t i = begin; i < end; ++i) acc ^= g[i] + m[i];
+  return acc;
+}
+
 template <class G, class M, class V>
 uint32_t ReadRange(const G* g, const M* m, const V* v, size_t begin, size_t end) {
   uint32_t acc = 0;
@@ -125,20 +138,41 @@ std::atomic<uint32_t> g_sink{0};  // keeps the read-only pass from being dropped
 
 using Clock = std::chrono::steady_clock;
 
-struct Case {
-  const Preset& preset;
-  int64_t numel;
-  int threads;
+// A preset's buffers, one per stream.
+struct Streams {
   Buffer param, grad, exp_avg, exp_avg_sq, master;
-  float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
 
-  Case(const Preset& p, int64_t n, int t) : preset(p), numel(n), threads(t) {
+  Streams(const Preset& p, int64_t n) {
     param.Allocate(n * Bytes(p.param));
     grad.Allocate(n * Bytes(p.grad));
     exp_avg.Allocate(n * Bytes(p.exp_avg));
     exp_avg_sq.Allocate(n * Bytes(p.exp_avg_sq));
     if (p.master != DType::kNone) master.Allocate(n * Bytes(p.master));
+  }
+
+  double MiB() const {
+    return (param.bytes + grad.bytes + exp_avg.bytes + exp_avg_sq.bytes + master.bytes) /
+           1048576.0;
+  }
+};
+
+struct Case {
+  const Preset& preset;
+  int64_t numel;
+  int threads;
+  // The kernel's state, and the probe's own copy of the same shape: the probe's
+  // integer adds would turn the kernel's values into garbage (huge, inf, NaN), on
+  // which some kernels take slower paths.
+  Streams state, probe;
+  float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
+
+  Case(const Preset& p, int64_t n, int t)
+      : preset(p), numel(n), threads(t), state(p, n), probe(p, n) {
     Fill();
+    for (Buffer* b : {&probe.param, &probe.grad, &probe.exp_avg, &probe.exp_avg_sq,
+                      &probe.master}) {
+      if (b->get()) std::memset(b->get(), 0, b->bytes);  // first touch, untimed
+    }
   }
 
   // Realistic values (first touch happens here, not in the timed region).
@@ -158,35 +192,35 @@ struct Case {
       Error error;
       Convert(values.data(), DType::kFloat32, b.get(), t, numel, 1.0f, threads, &error);
     };
-    store(param, preset.param, 0.02f, false);
-    store(grad, preset.grad, 1e-3f, false);
-    store(exp_avg, preset.exp_avg, 1e-4f, false);
-    store(exp_avg_sq, preset.exp_avg_sq, 1e-4f, true);
+    store(state.param, preset.param, 0.02f, false);
+    store(state.grad, preset.grad, 1e-3f, false);
+    store(state.exp_avg, preset.exp_avg, 1e-4f, false);
+    store(state.exp_avg_sq, preset.exp_avg_sq, 1e-4f, true);
     if (preset.master == DType::kFloat32) {
       Error error;
       std::vector<float> wide(static_cast<size_t>(numel));
-      Convert(param.get(), preset.param, wide.data(), DType::kFloat32, numel, 1.0f,
+      Convert(state.param.get(), preset.param, wide.data(), DType::kFloat32, numel, 1.0f,
               threads, &error);
-      std::memcpy(master.get(), wide.data(), master.bytes);
+      std::memcpy(state.master.get(), wide.data(), state.master.bytes);
     } else if (preset.master != DType::kNone) {
-      store(master, preset.master, 0.0f, false);
+      store(state.master, preset.master, 0.0f, false);
     }
   }
 
   double TimeKernel(int64_t step) {
     TensorSlot slot;
     slot.numel = numel;
-    slot.param = param.get();
+    slot.param = state.param.get();
     slot.param_dtype = preset.param;
-    slot.grad = grad.get();
+    slot.grad = state.grad.get();
     slot.grad_dtype = preset.grad;
-    slot.exp_avg = exp_avg.get();
+    slot.exp_avg = state.exp_avg.get();
     slot.exp_avg_dtype = preset.exp_avg;
     slot.exp_avg_scale = &exp_avg_scale;
-    slot.exp_avg_sq = exp_avg_sq.get();
+    slot.exp_avg_sq = state.exp_avg_sq.get();
     slot.exp_avg_sq_dtype = preset.exp_avg_sq;
     slot.exp_avg_sq_scale = &exp_avg_sq_scale;
-    slot.master_param = master.get();
+    slot.master_param = state.master.get();
     slot.master_dtype = preset.master;
     slot.master_scale = &master_scale;
     StepParams params;
@@ -207,9 +241,9 @@ struct Case {
   template <class G, class W, class M, class V, class P>
   void ProbeTyped(size_t begin, size_t end) {
     const bool has_master = preset.master != DType::kNone;
-    W* w = has_master ? As<W>(master) : As<W>(param);
-    ProbeRange(As<const G>(grad), w, As<M>(exp_avg), As<V>(exp_avg_sq), As<P>(param),
-               has_master, begin, end);
+    W* w = has_master ? As<W>(probe.master) : As<W>(probe.param);
+    ProbeRange(As<const G>(probe.grad), w, As<M>(probe.exp_avg),
+               As<V>(probe.exp_avg_sq), As<P>(probe.param), has_master, begin, end);
   }
 
   void ProbeRangeForPreset(size_t begin, size_t end) {
@@ -221,9 +255,9 @@ struct Case {
       ProbeTyped<u32, u32, u32, u32, u32>(begin, end);
     } else if (preset.master == DType::kInt16Remainder) {
       // Remainder: param and int16 remainder are both read and written in place.
-      const u16* g = As<const u16>(grad);
-      u16 *p = As<u16>(param), *r = As<u16>(master), *m = As<u16>(exp_avg),
-          *v = As<u16>(exp_avg_sq);
+      const u16* g = As<const u16>(probe.grad);
+      u16 *p = As<u16>(probe.param), *r = As<u16>(probe.master),
+          *m = As<u16>(probe.exp_avg), *v = As<u16>(probe.exp_avg_sq);
       for (size_t i = begin; i < end; ++i) {
         const u16 x = g[i];
         p[i] = static_cast<u16>(p[i] + x);
@@ -245,31 +279,35 @@ struct Case {
   void ReadRangeForPreset(size_t begin, size_t end) {
     uint32_t acc;
     if (Bytes(preset.exp_avg) == 1 && Bytes(preset.exp_avg_sq) == 1) {
-      acc = ReadRange(As<const uint16_t>(grad), As<const uint8_t>(exp_avg),
-                      As<const uint8_t>(exp_avg_sq), begin, end);
-    } else if (Bytes(preset.exp_avg) == 1) {
-      acc = ReadRange(As<const uint16_t>(grad), As<const uint8_t>(exp_avg),
-                      As<const uint16_t>(exp_avg_sq), begin, end);
+      acc = ReadRange(As<const uint16_t>(probe.grad), As<const uint8_t>(probe.exp_avg),
+                      As<const uint8_t>(probe.exp_avg_sq), begin, end);
+    } else if (Bytes(preset.exp_avg) == 1) {  // bf16 exp_avg_sq: not measured
+      acc = ReadRange(As<const uint16_t>(probe.grad), As<const uint8_t>(probe.exp_avg),
+                      begin, end);
     } else {
-      acc = ReadRange(As<const uint16_t>(grad), As<const uint16_t>(exp_avg),
-                      As<const uint16_t>(exp_avg_sq), begin, end);
+      acc = ReadRange(As<const uint16_t>(probe.grad), As<const uint16_t>(probe.exp_avg),
+                      As<const uint16_t>(probe.exp_avg_sq), begin, end);
     }
     g_sink.fetch_xor(acc, std::memory_order_relaxed);
   }
 
+  // The calling thread takes a range itself (as the core's pool does), so one
+  // thread starts none. Starting the others is timed: ~20 us each, noise beside
+  // large cases.
   double TimeProbe(bool two_pass) {
     const auto start = Clock::now();
     std::vector<std::thread> workers;
     const size_t n = static_cast<size_t>(numel);
     const size_t chunk = (n / threads + 63) / 64 * 64;
-    for (int t = 0; t < threads; ++t) {
+    const auto range = [this, two_pass](size_t begin, size_t end) {
+      if (two_pass) ReadRangeForPreset(begin, end);
+      ProbeRangeForPreset(begin, end);
+    };
+    for (int t = 0; t + 1 < threads; ++t) {
       const size_t begin = std::min(n, t * chunk);
-      const size_t end = t + 1 == threads ? n : std::min(n, begin + chunk);
-      workers.emplace_back([this, begin, end, two_pass] {
-        if (two_pass) ReadRangeForPreset(begin, end);
-        ProbeRangeForPreset(begin, end);
-      });
+      workers.emplace_back(range, begin, std::min(n, begin + chunk));
     }
+    range(std::min(n, (threads - 1) * chunk), n);
     for (auto& w : workers) w.join();
     return std::chrono::duration<double>(Clock::now() - start).count();
   }
@@ -326,9 +364,11 @@ int main(int argc, char** argv) {
     if (flag == "--numel") {
       if (!ParsePositive(value, &numel)) return Usage("--numel wants a positive integer");
     } else if (flag == "--reps" || flag == "--threads") {
+      const int64_t most = flag == "--reps" ? 1'000'000 : 1024;
       int64_t n = 0;
-      if (!ParsePositive(value, &n) || n > 1'000'000) {
-        return Usage((flag + " wants an integer in [1, 1000000]").c_str());
+      if (!ParsePositive(value, &n) || n > most) {
+        return Usage((flag + " wants an integer in [1, " + std::to_string(most) + "]")
+                         .c_str());
       }
       (flag == "--reps" ? reps : threads) = static_cast<int>(n);
     } else if (flag == "--json") {
@@ -343,6 +383,15 @@ int main(int argc, char** argv) {
         return std::string(p.name).find(only) != std::string::npos;
       })) {
     return Usage(("no preset name contains \"" + only + "\"").c_str());
+  }
+  // Opened before the run, so that a path it cannot write fails at once.
+  std::unique_ptr<FILE, int (*)(FILE*)> json_file{nullptr, &std::fclose};
+  if (json_path) {
+    json_file.reset(std::fopen(json_path, "w"));
+    if (!json_file) {
+      std::fprintf(stderr, "kernel_bench: cannot write %s\n", json_path);
+      return 1;
+    }
   }
   std::printf("shardadam kernel benchmark: target %s, %d threads, numel %lld, %d reps\n",
               ChosenTarget(), threads, static_cast<long long>(numel), reps);
@@ -363,9 +412,7 @@ int main(int argc, char** argv) {
     }
     const Stats k = Summarize(kernel), p = Summarize(probe);
     const double bytes = static_cast<double>(MinimumBytes(preset)) * numel;
-    const double state_mib =
-        (c.param.bytes + c.grad.bytes + c.exp_avg.bytes + c.exp_avg_sq.bytes +
-         c.master.bytes) / 1048576.0;
+    const double state_mib = c.state.MiB();
     char two_pass_cell[32] = "-";
     char two_pass_json[160] = "";
     if (two_pass) {
@@ -394,14 +441,13 @@ int main(int argc, char** argv) {
     json += std::string(json.size() > 2 ? ",\n" : "") + row;
   }
   json += "\n]\n";
-  if (json_path) {
-    FILE* f = std::fopen(json_path, "w");
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s\n", json_path);
+  if (json_file) {
+    const bool written = std::fputs(json.c_str(), json_file.get()) >= 0 &&
+                         std::fclose(json_file.release()) == 0;
+    if (!written) {
+      std::fprintf(stderr, "kernel_bench: cannot write %s\n", json_path);
       return 1;
     }
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
   }
   return 0;
 }
