@@ -92,6 +92,19 @@ def _number(value) -> Optional[float]:
     return float(value)
 
 
+# What step() reads from every group.
+GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
+
+
+def check_group_keys(group: dict, group_index: int) -> None:
+    """A group edited or appended by hand may lack a key that step() reads."""
+    for key in GROUP_KEYS:
+        if key not in group:
+            raise fail(KeyError, f"the group has no {key!r} (rule: every group holds "
+                       f"{', '.join(GROUP_KEYS)}; add_param_group fills missing ones "
+                       "from the defaults)", group=group_index)
+
+
 def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
     """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2)."""
     def bad(rule, value):

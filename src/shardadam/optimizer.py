@@ -152,6 +152,13 @@ class FusedAdam(torch.optim.Optimizer):
         ``grad_scaler`` is accepted and ignored (S3.8): ``GradScaler.step`` unscales the
         gradients and skips steps with non-finite gradients before calling this.
         """
+        return self._step(closure)
+
+    # Dynamo cannot trace a step (raw storage pointers into the core, cached plans):
+    # compiled code that calls step() breaks its graph here and runs it eagerly. (Not
+    # on step() itself: torch.compile(opt.step) then calls it without `self`.)
+    @torch.compiler.disable
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -184,6 +191,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _prepare_group(self, index: int, group: dict):
         """Checks one group and gathers its gradients; reads only."""
+        _validate.check_group_keys(group, index)
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(group, index)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
@@ -420,7 +428,9 @@ class FusedAdam(torch.optim.Optimizer):
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             saved.pop("params")
-            _validate.hyper_parameters(dict(group, **saved), g)
+            merged = dict(group, **saved)
+            _validate.check_group_keys(merged, g)
+            _validate.hyper_parameters(merged, g)
         config = self._config()
         saved_state = state_dict["state"]
         prepared = []

@@ -112,8 +112,16 @@ def test_constructor_rejects(kwargs, exc, pattern):
 
 
 def test_master_weight_dtype_only_checked_with_master_weights():
-    """S1.2: the master dtype rule applies 'when master_weights'."""
-    fused_adam()(make_params(), master_weights=False, master_weight_dtype=torch.bfloat16)
+    """S1.2: the master dtype rule applies 'when master_weights': without masters an
+    unsupported master dtype is accepted, creates no master, and steps."""
+    params = make_params()
+    opt = fused_adam()(params, master_weights=False, master_weight_dtype=torch.bfloat16)
+    assert all("master_param" not in opt.state[p] for p in params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all("master_param" not in opt.state[p] for p in params)
+    assert opt.param_groups[0]["step"] == 1
 
 
 def test_set_grad_none_is_deprecated():
@@ -389,8 +397,10 @@ def test_core_message_keeps_parameter_names_as_given():
     b.grad = torch.randn(4, generator=generator)
     opt.step()  # binds the plan: the next refusal is the core's
     b.grad = opt.state[a]["exp_avg"]
+    before = snapshot(opt)
     with pytest.raises(ValueError) as raised:
         opt.step()
+    assert_unchanged(opt, before, "optimizer after the core's refusal")
     assert str(raised.value).startswith(
         "FusedAdam: group 0, param 1 ('w tensor 7'): grad "), str(raised.value)
     assert "overlaps group 0, param 0 ('tensor 1')'s exp_avg" in str(raised.value)
@@ -488,6 +498,20 @@ def set_group(key, value):
     return apply
 
 
+def drop_group_key(key):
+    def apply(opt, params):
+        del opt.param_groups[1][key]
+    return apply
+
+
+def append_group_without(key):
+    """A group appended to param_groups by hand (not through add_param_group)."""
+    def apply(opt, params):
+        group = {k: v for k, v in opt.defaults.items() if k != key}
+        opt.param_groups.append(dict(group, params=[torch.nn.Parameter(torch.zeros(2))]))
+    return apply
+
+
 def set_attribute(key, value):
     def apply(opt, params):
         setattr(opt, key, value)
@@ -554,6 +578,12 @@ STEP_ERRORS = [
      RuntimeError, facts(*at(1, 1), "float64")),
     ("swapped-in-fp8-param", True, swap_param(torch.zeros(4).to(torch.float8_e4m3fn)),
      RuntimeError, facts(*at(1, 1), "float8_e4m3fn")),
+    ("group-without-lr", True, drop_group_key("lr"), KeyError,
+     facts("FusedAdam", r"group\W*1\b", "has no 'lr'", "add_param_group")),
+    ("group-without-bias_correction", True, drop_group_key("bias_correction"), KeyError,
+     facts(r"group\W*1\b", "has no 'bias_correction'")),
+    ("appended-group-without-betas", True, append_group_without("betas"), KeyError,
+     facts(r"group\W*2\b", "has no 'betas'")),
     ("group-step-negative", True, set_group("step", -1), ValueError,
      facts(r"group\W*1\b", r"group\['step'\] must be an int >= 0, got -1")),
     ("group-step-string", True, set_group("step", "2"), ValueError,
@@ -683,6 +713,18 @@ def test_state_access_rejects_and_changes_nothing(action, exc, pattern, backend)
         action(opt, params)
     assert_unchanged(opt, before, "optimizer after a rejected state access")
     assert FOREIGN not in opt.state  # S5.2: no implicit creation
+
+
+def test_state_access_to_a_parameter_without_state_creates_none(backend):
+    """S5.2: a parameter of the optimizer whose state was removed has no state to read:
+    KeyError, and nothing is created."""
+    opt, params = remainder_optimizer()
+    del opt.state[params[1]]
+    before = snapshot(opt)
+    with pytest.raises(KeyError, match=facts(*at(0, 1), "no state 'exp_avg' yet")):
+        opt.get_unscaled_state(params[1], "exp_avg")
+    assert_unchanged(opt, before, "optimizer after reading missing state")
+    assert params[1] not in opt.state
 
 
 def test_initialize_state_contradiction_without_remainders(backend):

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    Hyper, Precision, StepInputs, assert_bitwise_equal, assert_unchanged, attach_grads,
-    capture_inputs, fused_adam, make_grads, make_params, scale_of, snapshot,
-    state_tensors, verify_step)
+    Hyper, Precision, StepInputs, assert_bitwise_equal, assert_same_optimizer_state,
+    assert_unchanged, attach_grads, capture_inputs, fused_adam, make_grads, make_params,
+    scale_of, snapshot, state_tensors, verify_step)
 
 HYPER = Hyper(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
 
@@ -282,6 +282,98 @@ def test_state_set_between_steps_is_used(backend):
         inputs = capture_inputs(opt, params)
         opt.step()
         verify_step(opt, params, inputs, grads, HYPER, step, "state edited")
+
+
+def test_state_replaced_or_reinitialized_between_steps_is_used(backend):
+    """A state tensor replaced by a new object, or initialize_state, between two steps
+    of one optimizer with nothing else in between: the next step starts from them (not
+    from the storage the previous step used)."""
+    cfg = Precision(param="bf16", exp_avg="bf16", exp_avg_sq="fp32", master="fp32")
+    params = make_params([torch.bfloat16, torch.bfloat16], [(8,), (5,)], seed=12)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    for step in (1, 2, 3):
+        if step == 2:
+            opt.state[params[0]]["exp_avg_sq"] = torch.full((8,), 0.25)
+        if step == 3:
+            opt.initialize_state(params[1])  # zero moments, master from the param
+        grads = make_grads(params, [torch.bfloat16] * 2, step, seed=13)
+        attach_grads(params, grads, decoupled=False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, HYPER, step, "state replaced")
+
+
+CONFIG_CHANGES = {
+    "master-on": ({}, {"master_weights": True}),
+    "master-off": ({"master_weights": True}, {"master_weights": False}),
+    "exp_avg-bf16": ({"master_weights": True}, {"exp_avg_dtype": torch.bfloat16}),
+    "exp_avg_sq-fp8": ({}, {"exp_avg_sq_dtype": torch.uint8}),
+    "decoupled-grad": ({}, {"use_decoupled_grad": True}),
+}
+
+
+@pytest.mark.parametrize("change", list(CONFIG_CHANGES))
+def test_configuration_changed_between_steps_is_followed(change, backend):
+    """Attributes set between two steps of one optimizer, with nothing else in between
+    (no other optimizer built or stepped): the second step runs the new configuration,
+    bitwise as an optimizer built with it from the first step's values."""
+    before, after = CONFIG_CHANGES[change]
+    shapes = [(8,), (3, 2)]
+
+    def step_once(opt, params, step, decoupled):
+        grads = make_grads(params, [torch.float32] * 2, step, seed=14)
+        # with decoupled gradients set, .grad differs: the configuration picks one
+        attach_grads(params, [(g * 3 if decoupled else g).bfloat16() for g in grads],
+                     decoupled=False)
+        if decoupled:
+            attach_grads(params, grads, decoupled=True)
+        opt.step()
+
+    # The reference first, so that nothing runs between the two steps of `opt`.
+    ref_params = make_params([torch.bfloat16] * 2, shapes, seed=15)
+    first = fused_adam()(ref_params, **HYPER.optimizer_kwargs(), **before)
+    step_once(first, ref_params, 1, False)
+    ref = fused_adam()(ref_params, **HYPER.optimizer_kwargs(), **{**before, **after})
+    for p in ref_params:
+        for name in ("exp_avg", "exp_avg_sq"):
+            ref.set_scaled_state(p, name, first.get_unscaled_state(p, name))
+        if "master_param" in first.state[p] and "master_param" in ref.state[p]:
+            ref.set_scaled_state(p, "master_param", first.get_unscaled_state(p, "master_param"))
+    ref.param_groups[0]["step"] = 1
+    step_once(ref, ref_params, 2, after.get("use_decoupled_grad", False))
+
+    params = make_params([torch.bfloat16] * 2, shapes, seed=15)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **before)
+    step_once(opt, params, 1, False)
+    for key, value in after.items():
+        setattr(opt, key, value)
+    step_once(opt, params, 2, after.get("use_decoupled_grad", False))
+    assert_same_optimizer_state(ref, opt, ref_params, params, change)
+
+
+def test_step_called_from_compiled_code_runs_eagerly(backend):
+    """torch.compile around code that calls step(): dynamo cannot trace the step (raw
+    pointers into the core, cached plans), so the step runs eagerly there -- also the
+    steps that build a plan (the first, and the one after load_state_dict) -- and
+    gives the eager optimizer's bits."""
+    torch._dynamo.reset()
+    cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="bf16", master="fp32")
+    runs = []
+    for compiled in (False, True):
+        params = make_params([torch.bfloat16, torch.float32], [(6,), (2, 3)], seed=16)
+        opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+        step = torch.compile(opt.step, backend="eager", fullgraph=False) if compiled \
+            else opt.step
+        for n in (1, 2, 3):
+            if n == 3:
+                opt.load_state_dict(opt.state_dict())
+            attach_grads(params, make_grads(params, [p.dtype for p in params], n, seed=17),
+                         decoupled=False)
+            step()
+        runs.append((opt, params))
+    (eager, eager_params), (opt, params) = runs
+    assert_same_optimizer_state(eager, opt, eager_params, params, "compiled caller")
+    assert [g["step"] for g in opt.param_groups] == [3]
 
 
 # --------------------------------------------------------------------------------------

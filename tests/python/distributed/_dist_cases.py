@@ -25,7 +25,9 @@ FSDP2_PRESETS = ("p=fp32-m=fp32", "p=bf16-master=fp32-m=bf16",
                  "p=bf16-master=remainder-m=bf16", "p=bf16-master=fp32-m=fp8")
 
 LAYOUT_ERRORS = ("grad-placements", "grad-mesh", "grad-global-shape", "partial-param",
-                 "plain-grad-for-dtensor-param", "dtensor-grad-for-plain-param")
+                 "plain-grad-for-dtensor-param", "dtensor-grad-for-plain-param",
+                 "state-plain-for-dtensor-param", "state-placements",
+                 "state-dtensor-for-plain-param")
 
 DCP_APIS = ("dcp+get_optimizer_state_dict", "dcp+get_optimizer_state_dict-flatten",
             "dcp+optimizer.state_dict")

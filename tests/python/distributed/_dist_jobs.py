@@ -224,15 +224,15 @@ def _attempt(fn):
 
 
 def layout_error(ctx, case):
-    """S3.1 / S3.3: a gradient whose layout does not match its parameter's is rejected with
-    a RuntimeError/ValueError naming the parameter and both layouts, on every rank, and
-    nothing changes (parameters, states, scales, step counters bitwise); the optimizer
-    then steps normally with a good gradient."""
+    """S3.1 / S3.3: a gradient, or a state set between steps, whose layout does not match
+    its parameter's is rejected with a RuntimeError/ValueError naming the parameter and
+    both layouts, on every rank, and nothing changes (parameters, states, scales, step
+    counters bitwise); the optimizer then steps normally with a good gradient (state)."""
     w, what = ctx.world_size, case.detail
     preset = Preset(case.preset)
     n = 2 * w  # divisible: the culprit's local shapes agree on every rank
     culprit = f"mat{n}x3"
-    plain = what == "dtensor-grad-for-plain-param"
+    plain = what in ("dtensor-grad-for-plain-param", "state-dtensor-for-plain-param")
     specs = [ParamSpec("vec7", (7,), ("S0",)), ParamSpec("rep4x3", (4, 3), ("R",)),
              ParamSpec("mat3x5", (3, 5), ("S1",), group=1),
              ParamSpec(culprit, (n, 3), ("plain",) if plain else ("S0",), group=1)]
@@ -249,6 +249,8 @@ def layout_error(ctx, case):
     grads = run.full_grads(2)
     run.set_grads(grads)
     mesh = ctx.mesh()
+    if what.startswith("state-"):
+        return _bad_state(ctx, run, culprit, where, what, mesh)
     good = grads[culprit]
     if what == "grad-placements":
         bad = distribute_tensor(good, mesh, [Replicate()], src_data_rank=None)
@@ -276,6 +278,33 @@ def layout_error(ctx, case):
     symmetric(_check_rejection, error, *where, mentions)
     symmetric(assert_snapshots_bitwise, local_snapshot(run), before, "after the rejected step()")
     run.set_grads(grads)
+    run.step()
+    steps = [g["step"] for g in run.opt.param_groups]
+    same_on_all_ranks(steps, "group['step']")
+    assert steps == [2, 2], f"group steps {steps} after one rejected and two good steps"
+
+
+def _bad_state(ctx, run, culprit, where, what, mesh):
+    """layout_error's states: exp_avg replaced between steps by a tensor of another
+    layout holding the same local values."""
+    entry = run.opt.state[run.params[culprit]]
+    good = entry["exp_avg"]
+    if what == "state-plain-for-dtensor-param":
+        bad = good.to_local()
+        mentions = ["plain", "Shard(dim=0)"]
+    elif what == "state-placements":
+        bad = DTensor.from_local(good.to_local(), mesh, [Replicate()], run_check=False)
+        mentions = ["Shard(dim=0)", "Replicate()"]
+    else:  # the parameter is plain
+        bad = DTensor.from_local(good, mesh, [Shard(0)], run_check=False)
+        mentions = ["DTensor", "plain"]
+    entry["exp_avg"] = bad
+    before = local_snapshot(run)
+    error = _attempt(run.opt.step)
+    symmetric(_check_rejection, error, *where, mentions)
+    symmetric(assert_snapshots_bitwise, local_snapshot(run), before, "after the rejected step()")
+    assert entry["exp_avg"] is bad, "the rejected state was replaced"
+    entry["exp_avg"] = good
     run.step()
     steps = [g["step"] for g in run.opt.param_groups]
     same_on_all_ranks(steps, "group['step']")
