@@ -12,38 +12,44 @@ TEST_SOURCES := $(shell find tests/cpp benchmarks -type f 2>/dev/null)
 
 .PHONY: setup system-deps demo test test-cpp test-python bench clean
 
-setup: build/.package-stamp $(CPP_BUILD)/.build-stamp
+setup: $(VENV)/.package-stamp $(CPP_BUILD)/.build-stamp
 
-# Debian packages: Highway, GoogleTest, Google Benchmark, the toolchain, and Python's
-# venv and headers (the binding builds against them).
+# Debian packages: Highway, GoogleTest, the toolchain, and Python's venv and headers
+# (the binding builds against them). Installed only when something is missing.
+DEBIAN_PACKAGES := g++ cmake make pkg-config libhwy-dev libgtest-dev python3-venv python3-dev
 system-deps:
 	@if ! pkg-config --exists libhwy || [ ! -f /usr/include/gtest/gtest.h ] \
-	    || [ ! -f /usr/include/benchmark/benchmark.h ] || ! command -v cmake >/dev/null \
+	    || ! command -v cmake >/dev/null || ! command -v g++ >/dev/null \
 	    || ! python3 -c 'import ensurepip, sysconfig, os, sys; \
 	         sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
 	         2>/dev/null; then \
-	  echo "installing Debian packages (Highway, GoogleTest, Google Benchmark, cmake," \
-	       "python3-venv, python3-dev)"; \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "missing Debian packages; as root: apt-get install $(DEBIAN_PACKAGES)" >&2; \
+	    exit 1; \
+	  fi; \
+	  echo "installing Debian packages: $(DEBIAN_PACKAGES)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    g++ cmake make pkg-config libhwy-dev libgtest-dev libbenchmark-dev \
-	    python3-venv python3-dev >/dev/null; \
+	    $(DEBIAN_PACKAGES) >/dev/null; \
 	fi
 
+# A venv whose interpreter or pip is gone (base Python upgraded, creation
+# interrupted) is rebuilt rather than left failing.
 $(VENV)/.deps-stamp: requirements-dev.txt | system-deps
-	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip --version >/dev/null 2>&1 || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-build/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES)
+# Kept in the venv: each venv holds its own build of the extension.
+$(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES)
 	$(PY) -m pip install -q --no-build-isolation -e .
-	mkdir -p build && touch $@
+	touch $@
 
 $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) | system-deps
 	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON >/dev/null
 	cmake --build $(CPP_BUILD) -j2
 	touch $@
 
-demo: build/.package-stamp
+demo: $(VENV)/.package-stamp
 	$(PY) -m shardadam demo
 
 test: test-cpp test-python
@@ -51,7 +57,7 @@ test: test-cpp test-python
 test-cpp: $(CPP_BUILD)/.build-stamp
 	ctest --test-dir $(CPP_BUILD) --output-on-failure -j2
 
-test-python: build/.package-stamp
+test-python: $(VENV)/.package-stamp
 	$(PY) -m pytest -q
 
 # Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
