@@ -185,20 +185,70 @@ Status InvalidArgument(Error* error, const std::string& message) {
 
 int64_t BlocksOf(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
 
+// The first buffer or scale slot of `t` not aligned to its element size, or null.
+// (The CPU core takes any alignment; the device does not.)
+const char* MisalignedBuffer(const TensorSlot& t) {
+  const auto off = [](const void* p, int size) {
+    return size > 0 && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(size) != 0;
+  };
+  if (off(t.param, internal::ItemSize(t.param_dtype))) return "param";
+  if (off(t.grad, internal::ItemSize(t.grad_dtype))) return "grad";
+  if (off(t.exp_avg, internal::ItemSize(t.exp_avg_dtype))) return "exp_avg";
+  if (off(t.exp_avg_sq, internal::ItemSize(t.exp_avg_sq_dtype))) return "exp_avg_sq";
+  if (off(t.master_param, internal::ItemSize(t.master_dtype))) return "master_param";
+  const int scale = static_cast<int>(sizeof(float));
+  if (off(t.exp_avg_scale, scale)) return "exp_avg_scale";
+  if (off(t.exp_avg_sq_scale, scale)) return "exp_avg_sq_scale";
+  if (off(t.master_scale, scale)) return "master_scale";
+  return nullptr;
+}
+
 template <bool kAdamW>
 Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream,
                Error* error) {
+  // Each launch is checked before the next: a store must not run on the scales of
+  // a measurement that never launched.
+  const auto launched = [&](const char* what) {
+    const cudaError_t code = cudaGetLastError();
+    return code == cudaSuccess ? Status::kOk : DeviceFail(error, what, code);
+  };
   const int64_t blocks = launch.first_block[launch.count];
   if (launch.any_scaled && blocks > 0) {
     MeasureKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+    if (launched("measuring kernel launch") != Status::kOk) return Status::kDeviceError;
   }
   if (blocks > 0) {
     StoreKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+    if (launched("update kernel launch") != Status::kOk) return Status::kDeviceError;
   }
-  if (launch.any_scaled) WriteScalesKernel<<<1, kMaxSlots, 0, stream>>>(launch);
-  const cudaError_t code = cudaGetLastError();
-  return code == cudaSuccess ? Status::kOk : DeviceFail(error, "kernel launch", code);
+  if (launch.any_scaled) {
+    WriteScalesKernel<<<1, kMaxSlots, 0, stream>>>(launch);
+    return launched("scale kernel launch");
+  }
+  return Status::kOk;
 }
+
+// Makes a device current for one call and restores the caller's afterwards.
+class ScopedDevice {
+ public:
+  ScopedDevice() = default;
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  ~ScopedDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  cudaError_t Enter(int device) {
+    int current = -1;
+    const cudaError_t got = cudaGetDevice(&current);
+    if (got != cudaSuccess) return got;
+    if (current == device) return cudaSuccess;
+    previous_ = current;
+    return cudaSetDevice(device);
+  }
+
+ private:
+  int previous_ = -1;
+};
 
 }  // namespace
 }  // namespace cuda
@@ -219,6 +269,13 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   }
   if (count == 0) return Status::kOk;
   for (int64_t i = 0; i < count; ++i) {
+    if (const char* name = MisalignedBuffer(slots[i])) {
+      char message[160];
+      snprintf(message, sizeof(message),
+               "tensor %" PRId64 ": %s is not aligned to its element size (rule: the "
+               "device faults on misaligned loads)", i, name);
+      return InvalidArgument(error, message);
+    }
     if (BlocksOf(slots[i].numel) > INT_MAX) {
       char message[160];
       snprintf(message, sizeof(message),
@@ -228,10 +285,12 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
     }
   }
   const int64_t needed = CudaWorkspaceBytes(count);
-  if (workspace == nullptr || workspace_bytes < needed) {
+  if (workspace == nullptr || workspace_bytes < needed ||
+      reinterpret_cast<uintptr_t>(workspace) % alignof(uint32_t) != 0) {
     char message[160];
     snprintf(message, sizeof(message),
-             "workspace holds %" PRId64 " bytes at %p; %" PRId64 " tensors need %" PRId64,
+             "workspace holds %" PRId64 " bytes at %p; %" PRId64 " tensors need %" PRId64
+             ", 4-byte aligned",
              workspace == nullptr ? 0 : workspace_bytes, workspace, count, needed);
     return InvalidArgument(error, message);
   }
@@ -240,8 +299,9 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   // The runtime's last error is per thread and sticks until read: drop one left
   // by an earlier call so the launch check below reports only this call's.
   cudaGetLastError();
+  ScopedDevice scoped_device;
   if (device >= 0) {
-    const cudaError_t set = cudaSetDevice(device);
+    const cudaError_t set = scoped_device.Enter(device);
     if (set != cudaSuccess) return DeviceFail(error, "cudaSetDevice", set);
   }
   uint32_t* absmax = static_cast<uint32_t*>(workspace);

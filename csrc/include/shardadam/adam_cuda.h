@@ -15,10 +15,10 @@ namespace shardadam {
 int64_t CudaWorkspaceBytes(int64_t count);
 
 // AdamStep's contract for slots whose buffers and scale slots are in the memory
-// of CUDA device `device` (made current for the call; -1: the current device),
-// with the same bits as the CPU core. Enqueued on `stream` (a cudaStream_t of
-// that device; null is the legacy default stream) and returns without waiting
-// for the device. `workspace` is device memory of at least
+// of CUDA device `device` (made current for the call, the caller's restored
+// after; -1: the current device), with the same bits as the CPU core. Enqueued
+// on `stream` (a cudaStream_t of that device; null is the legacy default stream)
+// and returns without waiting for the device. `workspace` is device memory of at least
 // CudaWorkspaceBytes(count) bytes that the call may use until its work on
 // `stream` completes.
 //

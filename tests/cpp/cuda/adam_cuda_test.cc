@@ -201,6 +201,29 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   EXPECT_EQ(CudaWorkspaceBytes(0), 0);
 }
 
+TEST(CudaValidationTest, MisalignedBuffersAreRejected) {
+  // The device faults on a misaligned element access (and the context is lost):
+  // refused up front, where the CPU core takes any alignment.
+  float buffers[4][8] = {};
+  Error error;
+  int workspace[4] = {};
+  TensorSlot s = Fp32Slot(buffers, 4, 0);
+  s.exp_avg = reinterpret_cast<char*>(buffers[2]) + 2;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), workspace, sizeof(workspace), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("tensor 0: exp_avg is not aligned"), std::string::npos)
+      << error.message;
+  s = Fp32Slot(buffers);
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), reinterpret_cast<char*>(workspace) + 1,
+                         sizeof(workspace) - 1, nullptr, -1, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("4-byte aligned"), std::string::npos) << error.message;
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
+}
+
 TEST(CudaValidationTest, WithoutDeviceAValidCallReportsTheRuntimeError) {
   if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present";
   float buffers[4][8] = {};
