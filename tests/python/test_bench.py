@@ -53,9 +53,12 @@ def test_help_and_bad_arguments(capsys):
     usage = capsys.readouterr().out
     for flag in ("--quick", "--json", "--png", "--scale", "--cases", "--threads"):
         assert flag in usage
-    with pytest.raises(SystemExit) as bad:
-        main(["bench", "--scale", "0"])
-    assert bad.value.code == 2 and "--scale" in capsys.readouterr().err
+    for flag, value in (("--scale", "0"), ("--scale", "inf"), ("--settle-ms", "nan"),
+                        ("--settle-ms", "-5"), ("--json", "/nonexistent/b.json"),
+                        ("--png", "/nonexistent/b.png")):
+        with pytest.raises(SystemExit) as bad:
+            main(["bench", flag, value])
+        assert bad.value.code == 2 and flag in capsys.readouterr().err, (flag, value)
 
 
 def test_table_is_printed(tiny_run):

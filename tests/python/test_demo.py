@@ -143,12 +143,14 @@ def _bad_input_cases(tmp_path):
         (["--steps", "1"], r"--steps: must be at least 2, got 1"),
         (["--model", "tiny", "--ranks", "9"], r"--ranks 9 exceeds the 8 sequences"),
         (["--out", str(blocker / "out")], r"cannot write to output folder"),
+        (["--seed", str(2**64)], r"--seed: must be at most 9223372036854775807"),
     ]
 
 
-@pytest.mark.parametrize("index", range(6), ids=["unknown-preset", "zero-ranks",
+@pytest.mark.parametrize("index", range(7), ids=["unknown-preset", "zero-ranks",
                                                   "zero-resume-ranks", "one-step",
-                                                  "more-ranks-than-rows", "unwritable-out"])
+                                                  "more-ranks-than-rows", "unwritable-out",
+                                                  "seed-beyond-torch"])
 def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     args, pattern = _bad_input_cases(tmp_path)[index]
     try:

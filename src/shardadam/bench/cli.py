@@ -22,14 +22,27 @@ _KINDS = ("large", "transformer", "many", "dtensor")
 _MEMORY_JOBS = 2  # memory subprocesses at a time
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
-    return value
+def _float_in(low, high, *, low_open=False):
+    """argparse type: a finite number in [low, high] ((low, high] with ``low_open``)."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return value
+    return parse
+
+
+def _writable_file(text):
+    """argparse type: a file path whose folder exists and is writable, checked before
+    the run rather than after it."""
+    folder = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {folder!r}")
+    return text
 
 
 def _positive_int(text):
@@ -56,8 +69,10 @@ def add_arguments(parser):
                         help="smaller tensors and fewer repetitions (~2 minutes on 2 "
                              "cores): 7M-element large cases, d_model 256, 7 reps. "
                              "Default: full (25M elements, d_model 512, 15 reps)")
-    parser.add_argument("--json", metavar="PATH", help="write every result as JSON")
-    parser.add_argument("--png", metavar="PATH", help="draw the results as a PNG chart")
+    parser.add_argument("--json", metavar="PATH", type=_writable_file,
+                        help="write every result as JSON")
+    parser.add_argument("--png", metavar="PATH", type=_writable_file,
+                        help="draw the results as a PNG chart")
     parser.add_argument("--cases", type=_kinds, default=list(_KINDS), metavar="KINDS",
                         help=f"comma-separated subset of {','.join(_KINDS)} (default all)")
     parser.add_argument("--threads", type=_positive_int, default=None,
@@ -65,10 +80,10 @@ def add_arguments(parser):
                              "(default: torch's current setting)")
     parser.add_argument("--reps", type=_positive_int, default=None,
                         help="timed repetitions per contender (default 7 quick, 15 full)")
-    parser.add_argument("--scale", type=_positive_float, default=1.0,
-                        help="multiply every tensor size (e.g. 0.001 for a smoke test; "
-                             "results at other scales are not comparable)")
-    parser.add_argument("--settle-ms", type=float, default=1e3 * SETTLE_S,
+    parser.add_argument("--scale", type=_float_in(0, 16, low_open=True), default=1.0,
+                        help="multiply every tensor size, in (0, 16] (e.g. 0.001 for a "
+                             "smoke test; results at other scales are not comparable)")
+    parser.add_argument("--settle-ms", type=_float_in(0, 60_000), default=1e3 * SETTLE_S,
                         help="idle gap before each timed call so no contender starts "
                              "while another's thread pool still spins (default "
                              f"{1e3 * SETTLE_S:g})")
@@ -125,7 +140,7 @@ def run(args) -> int:
     size = cases.settings(mode)
     if args.reps:
         size["reps"] = args.reps
-    size["settle_s"] = max(0.0, args.settle_ms / 1e3)
+    size["settle_s"] = args.settle_ms / 1e3
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     meta = _meta(args, mode, threads, size)

@@ -102,18 +102,20 @@ def time_case(case, size, threads, kernel_rows=None) -> list:
         records = _time_local(case, size, threads)
         if kernel_rows:
             records += _kernel_bench_records(case, kernel_rows, threads)
-    _relate(records)
+    _relate(records, with_probe=case.kind == "large")
     return records
 
 
-def _relate(records):
-    """Fractions of each probe and ratios between contenders of one case."""
+def _relate(records, with_probe):
+    """Fractions of each probe and ratios between contenders of one case. Only large
+    tensors get probe fractions: over many small tensors the probe's own per-tensor
+    overhead, not memory, sets its time, and the fraction would mean nothing."""
     timed = {r["contender"]: r for r in records if r["seconds"]}
     for record in timed.values():
         median = record["seconds"]["median"]
         for probe, field in (("probe", "fraction_of_probe"),
                              ("kernel_bench-probe", "fraction_of_kernel_bench_probe")):
-            if probe in timed:
+            if with_probe and probe in timed:
                 record[field] = timed[probe]["seconds"]["median"] / median
         # ratio_to[other] = other's median / this median: > 1 means this one is faster.
         record["ratio_to"] = {name: other["seconds"]["median"] / median

@@ -30,8 +30,8 @@ class DemoError(Exception):
     """A problem with the demo's input or environment, reported in one line."""
 
 
-def _int_at_least(minimum):
-    """argparse type: a whole number >= ``minimum``."""
+def _int_at_least(minimum, maximum=None):
+    """argparse type: a whole number >= ``minimum`` (and <= ``maximum`` if given)."""
     def parse(text):
         try:
             value = int(text)
@@ -40,6 +40,8 @@ def _int_at_least(minimum):
                 from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
 
@@ -70,8 +72,9 @@ def add_arguments(parser):
                         help="small: 4 layers, width 128, 128-byte context, 16 sequences "
                              "per step; tiny: a few seconds' worth, for tests "
                              "(default small)")
-    parser.add_argument("--seed", type=_int_at_least(0), default=0,
-                        help="seed of the initial weights and of the data order (default 0)")
+    parser.add_argument("--seed", type=_int_at_least(0, 2**63 - 1), default=0,
+                        help="seed of the initial weights and of the data order, up to "
+                             "torch's 2**63 - 1 (default 0)")
     parser.add_argument("--out", default=None,
                         help="folder for demo.json, demo.png and the rank logs "
                              "(default runs/demo-<date>-<time> under the current folder)")
