@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <memory>
 #include <random>
 #include <string>
@@ -75,13 +76,17 @@ struct DeviceTensor {
 
 // Steps `tensors` on the device (on a non-default stream) and on the CPU core
 // through the schedule and compares every buffer and scale after each step.
-void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w) {
+// fresh_grads: a new random gradient before each step, else the tensors' own.
+void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w,
+                          bool fresh_grads = true) {
   std::mt19937 rng(11);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   for (const StepParams& params : Schedule(adam_w)) {
     SCOPED_TRACE("step " + std::to_string(params.step));
-    for (Tensor& t : tensors) FillGrad(&t, &rng);
+    if (fresh_grads) {
+      for (Tensor& t : tensors) FillGrad(&t, &rng);
+    }
     std::vector<Tensor> want = tensors;
     std::vector<TensorSlot> want_slots = Slots(&want);
     Error error;
@@ -146,6 +151,25 @@ TEST(CudaStepListTest, SeveralMiBMatchCpuCore) {
   std::vector<Tensor> tensors;
   for (const Config& c : RepresentativeConfigs()) tensors.push_back(MakeTensor(c, 3 << 20, &rng));
   ExpectCudaMatchesCpu(tensors, false);
+}
+
+TEST(CudaStepListTest, ZeroAndSubnormalValuesMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // All zero (absmax 0: scale 1, S2.3), and subnormal weights, moments and
+  // gradients (scales clamped to FLT_MIN; the device must not flush them).
+  const int64_t n = 1001;
+  const std::vector<float> zeros(n, 0.0f);
+  std::vector<float> tiny(n), tiny_v(n);  // exp_avg_sq >= 0
+  for (int64_t i = 0; i < n; ++i) {
+    tiny_v[i] = std::ldexp(static_cast<float>(i % 7 + 1), -140);
+    tiny[i] = i % 2 ? -tiny_v[i] : tiny_v[i];
+  }
+  std::vector<Tensor> tensors;
+  for (const Config& c : RepresentativeConfigs()) {
+    tensors.push_back(TensorFromValues(c, zeros, zeros, zeros, zeros));
+    tensors.push_back(TensorFromValues(c, tiny, tiny, tiny_v, tiny));
+  }
+  ExpectCudaMatchesCpu(tensors, true, /*fresh_grads=*/false);
 }
 
 // An all-fp32 slot of `numel` elements over host buffers (validation only
