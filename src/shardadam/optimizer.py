@@ -23,6 +23,10 @@ import torch
 from . import _backend, _dtensor, _plan, _state, _tracked, _validate
 from ._state import KIND_INT16_REMAINDER
 
+# torch.compiler.disable with dynamo imported at the first call, not at import
+# (~1.5 s); torch.optim's own optimizers use it so. The public one where it is gone.
+_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
 # Settings beyond torch's defaults that travel with a pickled optimizer.
 _CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
                       "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
@@ -157,7 +161,7 @@ class FusedAdam(torch.optim.Optimizer):
     # Dynamo cannot trace a step (raw storage pointers into the core, cached plans):
     # compiled code that calls step() breaks its graph here and runs it eagerly. (Not
     # on step() itself: torch.compile(opt.step) then calls it without `self`.)
-    @torch.compiler.disable
+    @_disable_dynamo
     def _step(self, closure):
         loss = None
         if closure is not None:

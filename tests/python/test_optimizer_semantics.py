@@ -9,6 +9,8 @@ Numbers are checked with _optimizer_testing.verify_step (float64 reference, deri
 import copy
 import inspect
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -374,6 +376,14 @@ def test_step_called_from_compiled_code_runs_eagerly(backend):
     (eager, eager_params), (opt, params) = runs
     assert_same_optimizer_state(eager, opt, eager_params, params, "compiled caller")
     assert [g["step"] for g in opt.param_groups] == [3]
+
+
+def test_import_leaves_dynamo_unloaded():
+    """Marking the step for torch.compile must not import dynamo with the package (it
+    costs ~1.5 s); it is imported at the first step."""
+    code = ("import sys, torch, shardadam; "
+            "sys.exit('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 # --------------------------------------------------------------------------------------
