@@ -1,12 +1,13 @@
 // Kernel benchmark of the C++ core (docs/benchmarking.md). For each state preset it
-// times shardadam::AdamStep and a bandwidth probe that reads the same arrays and
-// writes the same ones in place, with trivial integer arithmetic and the same thread
-// count, interleaved (probe, kernel, probe, kernel, ...). It reports the median
-// (min/max) seconds, elements/s, GB/s at docs/benchmarking.md's minimum bytes per
-// element and the kernel's fraction of the probe. Presets with per-tensor scaled
-// moments also get a two-pass probe: a read-only pass over grad and both moments, then
-// the one-pass probe -- the traffic of any exact step of such a layout, which must
-// know the new moments' absmax before it stores them. Only ratios from one run mean
+// times shardadam::AdamStep and a bandwidth probe that reads arrays of the same
+// dtypes and sizes (its own copies) and writes the same ones in place, with trivial
+// integer arithmetic and the same thread count, interleaved (probe, kernel, probe,
+// kernel, ...). It reports the median (min/max) seconds, elements/s, GB/s at
+// docs/benchmarking.md's minimum bytes per element and the kernel's fraction of the
+// probe. Presets with per-tensor scaled moments also get a two-pass probe: a
+// read-only pass over grad and the scaled moments, then the one-pass probe -- the
+// traffic of any exact step of such a layout, which must know the new moments'
+// absmax before it stores them. Only ratios from one run mean
 // anything here.
 //
 //   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] [--preset SUBSTR]

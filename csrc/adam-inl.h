@@ -313,11 +313,9 @@ HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
   constexpr bool kCheckMoments = kMoments == internal::kFusedMomentsBF16;
   constexpr bool kCheckWeight = kWeight == internal::kFusedRemainder;
   if constexpr (kCheckMoments || kCheckWeight) {
-    const VF moments = hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1));
-    const VF w = hn::Add(p.w0, p.w1);
-    const VF sum = kCheckMoments && kCheckWeight ? hn::Add(moments, w)
-                   : kCheckMoments              ? moments
-                                                : w;
+    VF sum = kCheckMoments ? hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1))
+                           : hn::Add(p.w0, p.w1);
+    if (kCheckMoments && kCheckWeight) sum = hn::Add(sum, hn::Add(p.w0, p.w1));
     if (HWY_LIKELY(hn::AllFalse(DF(), hn::IsNaN(sum)))) {
       FusedStoreAll<kGrad, kWeight, kMoments, kCheckMoments, kCheckWeight>(
           p, s, param, master, m, v, i);

@@ -415,6 +415,23 @@ def step_constants(hyper, step, lr=None):
         eps=f32(hyper.eps))
 
 
+def fp32_emulated_step(w, m, v, g, hyper, step):
+    """(w, m, v) after S3.6 in fp32 tensor arithmetic: step_constants' scalars, one
+    rounding per operation in the contract's order. fp32 tensors in and out."""
+    k = {name: torch.tensor(value, dtype=torch.float32)
+         for name, value in dataclasses.asdict(step_constants(hyper, step)).items()}
+    if not hyper.adam_w_mode:
+        g = g + k["weight_decay"] * w
+    m = k["beta1"] * m + k["one_minus_beta1"] * g
+    v = k["beta2"] * v + (k["one_minus_beta2"] * g) * g
+    if hyper.adam_w_mode:
+        w = w * k["decay"]
+    # sqrt in float64, rounded once, is fp32's correctly rounded sqrt; torch's own
+    # float32 sqrt on CPU is not (it differs in the last bit for ~18% of inputs)
+    denom = torch.sqrt(v.double()).float() / k["bias_correction2_sqrt"] + k["eps"]
+    return w - (k["step_size"] * m) / denom, m, v
+
+
 @dataclasses.dataclass
 class Reference:
     """Exact (float64) results of one step and per-element bounds for fp32 evaluation."""

@@ -19,8 +19,8 @@ import torch
 
 from _optimizer_testing import (
     FP32_TINY, SCALE_TARGET, adam_reference, assert_bitwise_equal,
-    assert_close_bounded, check_scale, decode_codes, expected_scale, Hyper,
-    near_ties, stored_bound)
+    assert_close_bounded, check_scale, decode_codes, expected_scale, fp32_emulated_step,
+    Hyper, near_ties, stored_bound)
 from _slot_buffers import (
     BAD_HYPER, CODE, COLUMNS, NAMES_TENSOR_1, NULL_CASES, PRESETS, STORAGE, Buffers,
     assert_guards_intact, bad_slots, embed_buffers, embedded, make_bad_call, preset_id)
@@ -389,29 +389,6 @@ def test_fp32_step_within_ulps_of_torch_fused(adam_w_mode):
                                     ("exp_avg_sq", v, ref.v_bound)):
             assert_close_bounded(getattr(ours, name), theirs.double(), 2 * bound,
                                  f"step {step} {name} vs torch fused")
-
-
-def fp32_emulated_step(w, m, v, g, hyper, step):
-    """S3.6 in fp32 tensor arithmetic, one rounding per operation in the contract's
-    order, with every constant computed here from the hyper-parameters in float64 and
-    rounded to fp32 once."""
-    lr, (beta1, beta2), wd = hyper.lr, hyper.betas, hyper.weight_decay
-    c1 = 1.0 - beta1 ** step if hyper.bias_correction else 1.0
-    c2 = 1.0 - beta2 ** step if hyper.bias_correction else 1.0
-
-    def k(x):
-        return torch.tensor(x, dtype=torch.float64).float()
-
-    if not hyper.adam_w_mode:
-        g = g + k(wd) * w
-    m = k(beta1) * m + k(1.0 - beta1) * g
-    v = k(beta2) * v + (k(1.0 - beta2) * g) * g
-    if hyper.adam_w_mode:
-        w = w * k(1.0 - lr * wd)
-    # sqrt in float64, rounded once, is fp32's correctly rounded sqrt; torch's own
-    # float32 sqrt on CPU is not (it differs in the last bit for ~18% of inputs here)
-    denom = torch.sqrt(v.double()).float() / k(math.sqrt(c2)) + k(hyper.eps)
-    return w - (k(lr / c1) * m) / denom, m, v
 
 
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])

@@ -32,8 +32,9 @@ import torch
 
 from _optimizer_testing import (
     SCALE_TARGET, TORCH_DTYPE, Hyper, Precision, adam_reference, assert_close_bounded,
-    capture_inputs, fused_adam, quantize_like_spec, scale_of, stored_bound,
-    true_state, verify_step)
+    capture_inputs, fp32_emulated_step, fused_adam, quantize_like_spec, scale_of,
+    stored_bound, true_state, verify_step)
+
 
 def _float_of_bits(bits):
     return struct.unpack("<f", struct.pack("<I", bits))[0]
@@ -166,15 +167,11 @@ SCALED = [
 
 
 def first_step_moments(grad):
-    """The fp32 values u a first AdamW step from zero moments stores (S3.6, one
-    rounding per operation; beta * 0 + x is x exactly), computed here."""
-    beta1, beta2 = hyper().betas
+    """The fp32 values u a first step from zero moments stores (S3.6), computed here."""
     g = grad.float()
-
-    def one_minus(beta):
-        return torch.tensor(1.0 - beta, dtype=torch.float64).float()
-
-    return {"exp_avg": one_minus(beta1) * g, "exp_avg_sq": (one_minus(beta2) * g) * g}
+    zero = torch.zeros_like(g)
+    _, m, v = fp32_emulated_step(zero, zero, zero, g, hyper(), 1)
+    return {"exp_avg": m, "exp_avg_sq": v}
 
 
 def code_of(values32, fmt):
