@@ -341,24 +341,33 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
   const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
-  // AdamElement is called here, not from a helper: HWY_FLATTEN inlines it
-  // only into the function that carries the attribute.
-  FusedPair current;
+  // The update is split across iterations: pair i + 1's moments and
+  // denominators (the sqrt / divide chain) are computed before pair i's weight
+  // division, encoding and stores, so two long chains are always in flight.
+  // AdamMoments / AdamWeight are called here, not from a helper: HWY_FLATTEN
+  // inlines them only into the function that carries the attribute.
+  FusedPair cur;
   FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor, v_factor,
-                                      0, current);
-  AdamElement<kAdamW>(ops, c, current.g0, current.w0, current.m0, current.v0);
-  AdamElement<kAdamW>(ops, c, current.g1, current.w1, current.m1, current.v1);
+                                      0, cur);
+  VF d0 = AdamMoments<kAdamW>(ops, c, cur.g0, cur.w0, cur.m0, cur.v0);
+  VF d1 = AdamMoments<kAdamW>(ops, c, cur.g1, cur.w1, cur.m1, cur.v1);
   size_t i = 0;
   for (; i + step < n; i += step) {
     FusedPair next;
     FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor,
                                         v_factor, i + step, next);
-    AdamElement<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0);
-    AdamElement<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1);
-    FusedStore<kGrad, kWeight, kMoments>(current, s, param, master, m, v, i);
-    current = next;
+    const VF e0 = AdamMoments<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0);
+    const VF e1 = AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1);
+    AdamWeight(ops, c, cur.w0, cur.m0, d0);
+    AdamWeight(ops, c, cur.w1, cur.m1, d1);
+    FusedStore<kGrad, kWeight, kMoments>(cur, s, param, master, m, v, i);
+    cur = next;
+    d0 = e0;
+    d1 = e1;
   }
-  FusedStore<kGrad, kWeight, kMoments>(current, s, param, master, m, v, i);
+  AdamWeight(ops, c, cur.w0, cur.m0, d0);
+  AdamWeight(ops, c, cur.w1, cur.m1, d1);
+  FusedStore<kGrad, kWeight, kMoments>(cur, s, param, master, m, v, i);
 }
 
 // internal::FusedMeasureFn: FusedSpan's scaled moments, reduced instead of stored.

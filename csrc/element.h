@@ -73,15 +73,29 @@ struct BroadcastConstants {
 // One update. `g` is the gradient in fp32, `w` the fp32 weight (master or widened
 // param), `m`/`v` the true (unscaled) moments. `kAdamW` selects decoupled decay
 // at compile time (StepConstants::adam_w_mode picks the instantiation).
+//
+// Split in two halves so a pipelined kernel can start one element's long
+// sqrt / divide chain (AdamMoments) while it finishes another's (AdamWeight).
 template <bool kAdamW, class Ops, class V>
-SHARDADAM_HOST_DEVICE inline void AdamElement(const Ops& o, const typename Ops::Consts& c,
-                                              V g, V& w, V& m, V& v) {
+SHARDADAM_HOST_DEVICE inline V AdamMoments(const Ops& o, const typename Ops::Consts& c,
+                                           V g, V& w, V& m, V& v) {
   if (!kAdamW) g = o.Add(g, o.Mul(c.weight_decay, w));
   m = o.Add(o.Mul(c.beta1, m), o.Mul(c.one_minus_beta1, g));
   v = o.Add(o.Mul(c.beta2, v), o.Mul(o.Mul(c.one_minus_beta2, g), g));
   if (kAdamW) w = o.Mul(w, c.decay);
-  const V denom = o.Add(o.Div(o.Sqrt(v), c.bias_correction2_sqrt), c.eps);
+  return o.Add(o.Div(o.Sqrt(v), c.bias_correction2_sqrt), c.eps);  // denominator
+}
+
+template <class Ops, class V>
+SHARDADAM_HOST_DEVICE inline void AdamWeight(const Ops& o, const typename Ops::Consts& c,
+                                             V& w, V m, V denom) {
   w = o.Sub(w, o.Div(o.Mul(c.step_size, m), denom));
+}
+
+template <bool kAdamW, class Ops, class V>
+SHARDADAM_HOST_DEVICE inline void AdamElement(const Ops& o, const typename Ops::Consts& c,
+                                              V g, V& w, V& m, V& v) {
+  AdamWeight(o, c, w, m, AdamMoments<kAdamW>(o, c, g, w, m, v));
 }
 
 // Upper bounds of |new m| and |new v| over elements whose inputs have
