@@ -328,9 +328,8 @@ HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
 // internal::FusedFn. Each stream is read once and written once, with nothing
 // staged in fp32 blocks: for the 16-bit and 8-bit layouts the block path's
 // extra L1 stores and reloads cost more than the update's divisions. Software
-// pipelined: pair i + 1 is loaded and updated before pair i is encoded and
-// stored, so the core always has independent work beside the update's long
-// chain of divisions.
+// pipelined (see the loop) so the core always has independent work beside
+// the update's long chain of square root and divisions.
 template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int kMoments>
 HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad,
                                         void* param, void* master, void* m, void* v,
@@ -341,9 +340,11 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
   const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
-  // The update is split across iterations: pair i + 1's moments and
-  // denominators (the sqrt / divide chain) are computed before pair i's weight
-  // division, encoding and stores, so two long chains are always in flight.
+  // The update is split across iterations: pair i + 1 is loaded and its
+  // moments and denominators (square root, division) computed before pair i's
+  // weight division, encoding and stores, so two halves of the long chain,
+  // from different pairs, are in flight at once (in cache, one core: 7-10%
+  // faster than updating pair i + 1 whole there, fp32 unchanged).
   // AdamMoments / AdamWeight are called here, not from a helper: HWY_FLATTEN
   // inlines them only into the function that carries the attribute.
   FusedPair cur;
