@@ -18,6 +18,19 @@
 #define SHARDADAM_HOST_DEVICE
 #endif
 
+// The update's halves are always inlined: the SIMD kernels are compiled per
+// target (Highway), these templates for the baseline one. An out-of-line copy
+// taking or returning vectors would use the baseline's calling convention
+// (clang's sanitizer builds emitted one, which returned garbage); inlined into a
+// target's kernel they are that target's code.
+#if defined(__CUDACC__)
+#define SHARDADAM_ELEMENT_INLINE __forceinline__
+#elif defined(__GNUC__)
+#define SHARDADAM_ELEMENT_INLINE inline __attribute__((always_inline))
+#else
+#define SHARDADAM_ELEMENT_INLINE inline
+#endif
+
 namespace shardadam {
 
 // Per-step scalars, computed once per call in double and rounded to fp32 (as
@@ -77,25 +90,27 @@ struct BroadcastConstants {
 // Split in two halves so a pipelined kernel can start one element's long
 // sqrt / divide chain (AdamMoments) while it finishes another's (AdamWeight).
 template <bool kAdamW, class Ops, class V>
-SHARDADAM_HOST_DEVICE inline V AdamMoments(const Ops& o, const typename Ops::Consts& c,
-                                           V g, V& w, V& m, V& v) {
+SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamMoments(
+    const Ops& o, const typename Ops::Consts& c, V g, V& w, V& m, V& v, V& denom) {
   if (!kAdamW) g = o.Add(g, o.Mul(c.weight_decay, w));
   m = o.Add(o.Mul(c.beta1, m), o.Mul(c.one_minus_beta1, g));
   v = o.Add(o.Mul(c.beta2, v), o.Mul(o.Mul(c.one_minus_beta2, g), g));
   if (kAdamW) w = o.Mul(w, c.decay);
-  return o.Add(o.Div(o.Sqrt(v), c.bias_correction2_sqrt), c.eps);  // denominator
+  denom = o.Add(o.Div(o.Sqrt(v), c.bias_correction2_sqrt), c.eps);
 }
 
 template <class Ops, class V>
-SHARDADAM_HOST_DEVICE inline void AdamWeight(const Ops& o, const typename Ops::Consts& c,
-                                             V& w, V m, V denom) {
+SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamWeight(
+    const Ops& o, const typename Ops::Consts& c, V& w, V m, V denom) {
   w = o.Sub(w, o.Div(o.Mul(c.step_size, m), denom));
 }
 
 template <bool kAdamW, class Ops, class V>
-SHARDADAM_HOST_DEVICE inline void AdamElement(const Ops& o, const typename Ops::Consts& c,
-                                              V g, V& w, V& m, V& v) {
-  AdamWeight(o, c, w, m, AdamMoments<kAdamW>(o, c, g, w, m, v));
+SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamElement(
+    const Ops& o, const typename Ops::Consts& c, V g, V& w, V& m, V& v) {
+  V denom;
+  AdamMoments<kAdamW>(o, c, g, w, m, v, denom);
+  AdamWeight(o, c, w, m, denom);
 }
 
 // Upper bounds of |new m| and |new v| over elements whose inputs have
