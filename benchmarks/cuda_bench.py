@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     report = {"args": vars(args), "parts": {}, "errors": []}
     try:
         report["meta"] = meta(device)
-        if device.type == "cuda" and not _cuda_path.available():
+        if device.type == "cuda" and not _cuda_path.available(device):
             raise RuntimeError("FusedAdam would step CUDA tensors with torch ops: the "
                                "extension has no CUDA backend or sees no device "
                                f"(_C.info() = {report['meta']['shardadam_core']})")

@@ -1,9 +1,11 @@
-// The CUDA backend: AdamStepCuda's launches. The per-element work lives in
-// slot_math.h (shared with the CPU tests); this file maps blocks to tensors,
-// reduces the absmax of scaled states, and orders the passes on the stream.
+// The CUDA backend: AdamStepCuda's launches. The per-element work (slot_math.h),
+// the four-at-a-time accesses (quads.h) and a block's walk over its elements
+// (range.h) are host-device code the CPU tests run too; this file maps blocks to
+// tensors, reduces the absmax of scaled states, and orders the passes on the stream.
 //
-// A call packs up to kMaxSlots tensors into each launch's argument block (no
-// host-to-device copy, so nothing waits on the host). Tensors with a scaled
+// A call packs up to kMaxSlots tensors of one layout (layouts.h: the dtypes the
+// kernels are compiled for) into each launch's argument block (no host-to-device
+// copy, so nothing waits on the host). Tensors with a scaled
 // state (fp16/fp8 moments, fp16 master) need the new state's absmax before any
 // element is stored: pass 1 recomputes the update and only reduces |new value|
 // into the workspace, pass 2 recomputes it and stores with the new scale, and a
@@ -16,6 +18,8 @@
 #include <cstdio>
 #include <string>
 
+#include "cuda/layouts.h"
+#include "cuda/range.h"
 #include "cuda/slot_math.h"
 #include "float_mode.h"
 #include "shardadam/adam_cuda.h"
@@ -27,14 +31,13 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 4;        // elements each thread loads before computing
-// Caps registers at 64 per thread: 4 blocks (half the threads an SM holds) with
-// kUnroll loads each in flight.
+// Caps registers at 64 per thread: 4 blocks (half the threads an SM holds). No
+// kernel spills at 64; 2 blocks (128 registers) measured slower.
 constexpr int kMinBlocksPerSm = 4;
-constexpr int64_t kChunk = 8192;  // elements per block: 32 per thread
+constexpr int64_t kChunk = 8192;  // elements per block (a multiple of 4): 32 per thread
 constexpr int kMaxSlots = 32;     // tensors per launch (argument block < 4 KiB)
 
-// One launch's tensors. Block b works on slot s where
+// One launch's tensors, all of one layout. Block b works on slot s where
 // first_block[s] <= b < first_block[s + 1], chunk b - first_block[s] of it.
 struct Launch {
   DeviceSlot slots[kMaxSlots];
@@ -42,6 +45,7 @@ struct Launch {
   uint32_t* absmax;  // 3 per slot of this launch (kW, kM, kV), zeroed
   int count;
   bool any_scaled;
+  LayoutId layout;
 };
 static_assert(sizeof(Launch) + sizeof(StepConstants) < 4000,
               "kernel arguments must fit the portable 4 KiB limit");
@@ -74,19 +78,6 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t value, uint32_t* shared) {
   return best;
 }
 
-// Loads elements base, base + kThreads, ... (those below `end`) before any is
-// computed or stored, so each thread has kUnroll loads of every stream in
-// flight: the loop is memory-bound and one load at a time leaves the memory
-// system idle between them.
-__device__ __forceinline__ void LoadUnrolled(const DeviceSlot& t, const Scales& old,
-                                             int64_t base, int64_t end, Inputs* e) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t i = base + u * kThreads;
-    if (i < end) e[u] = LoadInputs(t, old, i);
-  }
-}
-
 // This block's tensor and element range.
 struct BlockWork {
   int s;  // slot index in the launch
@@ -94,63 +85,46 @@ struct BlockWork {
   int64_t begin, end;
 };
 
+template <class L>
 __device__ __forceinline__ BlockWork WorkOfBlock(const Launch& launch) {
   const int64_t block = blockIdx.x;
   BlockWork w;
   w.s = SlotOfBlock(launch, block);
   w.t = launch.slots[w.s];
+  L::Fix(w.t);
   w.begin = (block - launch.first_block[w.s]) * kChunk;
   w.end = min(w.begin + kChunk, w.t.numel);
   return w;
 }
 
 // Pass 1: the new state's absmax per scaled state, nothing stored.
-template <bool kAdamW>
+template <bool kAdamW, class L>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     MeasureKernel(const Launch launch, const StepConstants c) {
-  const auto [s, t, begin, end] = WorkOfBlock(launch);
+  const BlockWork w = WorkOfBlock<L>(launch);
   // An unscaled tensor sharing the launch has nothing to measure (whole block).
-  if (!HasScaledState(t)) return;
-  const Scales old = ReadScales(t);
+  if (!HasScaledState(w.t)) return;
   uint32_t best[3] = {0, 0, 0};
-  for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
-    Inputs e[kUnroll];
-    LoadUnrolled(t, old, base, end, e);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * kThreads >= end) break;
-      Update<kAdamW>(c, e[u]);
-      best[kW] = max(best[kW], AbsBits(e[u].w));
-      best[kM] = max(best[kM], AbsBits(e[u].m));
-      best[kV] = max(best[kV], AbsBits(e[u].v));
-    }
-  }
+  UpdateRange<kAdamW, L>(w.t, ReadScales(w.t), c, w.begin, w.end, threadIdx.x, kThreads,
+                         [&](int64_t, int n, const Inputs* e) { FoldAbsMax<L>(n, e, best); });
   __shared__ uint32_t partial[kWarps];
   for (int k = 0; k < 3; ++k) {
-    if (t.scale[k] == nullptr) continue;  // uniform across the block
+    if (w.t.scale[k] == nullptr) continue;  // uniform across the block
     const uint32_t block_best = BlockMax(best[k], partial);
-    if (threadIdx.x == 0 && block_best != 0) atomicMax(&launch.absmax[3 * s + k], block_best);
+    if (threadIdx.x == 0 && block_best != 0) atomicMax(&launch.absmax[3 * w.s + k], block_best);
   }
 }
 
 // Pass 2: the update, stored with the scales measured by pass 1.
-template <bool kAdamW>
+template <bool kAdamW, class L>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     StoreKernel(const Launch launch, const StepConstants c) {
-  const auto [s, t, begin, end] = WorkOfBlock(launch);
-  const Scales old = ReadScales(t);
-  const Scales now = NewScales(t, launch.absmax + 3 * s);
-  for (int64_t base = begin + threadIdx.x; base < end; base += kThreads * kUnroll) {
-    Inputs e[kUnroll];
-    LoadUnrolled(t, old, base, end, e);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads;
-      if (i >= end) break;
-      Update<kAdamW>(c, e[u]);
-      StoreElement(t, now, i, e[u]);
-    }
-  }
+  const BlockWork w = WorkOfBlock<L>(launch);
+  const Scales now = NewScales(w.t, launch.absmax + 3 * w.s);
+  UpdateRange<kAdamW, L>(w.t, ReadScales(w.t), c, w.begin, w.end, threadIdx.x, kThreads,
+                         [&](int64_t i, int n, const Inputs* e) {
+                           StoreUpdated<L>(w.t, now, i, n, e);
+                         });
 }
 
 // After pass 2 (stream order): every scaled state's slot gets its new scale,
@@ -203,7 +177,7 @@ const char* MisalignedBuffer(const TensorSlot& t) {
   return nullptr;
 }
 
-template <bool kAdamW>
+template <bool kAdamW, class L>
 Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream,
                Error* error) {
   // Each launch is checked before the next: a store must not run on the scales of
@@ -214,11 +188,11 @@ Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream
   };
   const int64_t blocks = launch.first_block[launch.count];
   if (launch.any_scaled && blocks > 0) {
-    MeasureKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+    MeasureKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
     if (launched("measuring kernel launch") != Status::kOk) return Status::kDeviceError;
   }
   if (blocks > 0) {
-    StoreKernel<kAdamW><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+    StoreKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
     if (launched("update kernel launch") != Status::kOk) return Status::kDeviceError;
   }
   if (launch.any_scaled) {
@@ -312,13 +286,19 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   launch.count = 0;
   int64_t first = 0;  // index of the launch's first tensor
   for (int64_t i = 0; i <= count; ++i) {
+    const DeviceSlot t = i < count ? MakeDeviceSlot(slots[i]) : DeviceSlot{};
+    const LayoutId layout = LayoutOf(t);
     const bool full = launch.count == kMaxSlots ||
                       (i < count && launch.count > 0 &&
-                       launch.first_block[launch.count] + BlocksOf(slots[i].numel) > INT_MAX);
+                       (layout != launch.layout ||
+                        launch.first_block[launch.count] + BlocksOf(t.numel) > INT_MAX));
     if (launch.count > 0 && (i == count || full)) {
       launch.absmax = absmax + 3 * first;
-      const Status status = c.adam_w_mode ? Enqueue<true>(launch, c, s, error)
-                                          : Enqueue<false>(launch, c, s, error);
+      const Status status = VisitLayout(launch.layout, [&](auto layout) {
+        using L = decltype(layout);
+        return c.adam_w_mode ? Enqueue<true, L>(launch, c, s, error)
+                             : Enqueue<false, L>(launch, c, s, error);
+      });
       if (status != Status::kOk) return status;
       launch.count = 0;
     }
@@ -327,8 +307,8 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
       first = i;
       launch.first_block[0] = 0;
       launch.any_scaled = false;
+      launch.layout = layout;
     }
-    const DeviceSlot t = MakeDeviceSlot(slots[i]);
     launch.slots[launch.count] = t;
     launch.any_scaled = launch.any_scaled || HasScaledState(t);
     launch.first_block[launch.count + 1] = launch.first_block[launch.count] + BlocksOf(t.numel);
@@ -356,7 +336,7 @@ bool CudaKernelsRunOn(int device) {
   // the PTX compiled in fits its architecture.
   cudaFuncAttributes attributes;
   const bool runs =
-      cudaFuncGetAttributes(&attributes, cuda::StoreKernel<true>) == cudaSuccess;
+      cudaFuncGetAttributes(&attributes, cuda::StoreKernel<true, cuda::AnyLayout>) == cudaSuccess;
   cudaGetLastError();
   cudaSetDevice(previous);
   return runs;

@@ -1,8 +1,9 @@
 // What the CUDA kernels do to one element of one tensor, written as host-device
 // code so the C++ tests run exactly these functions on the CPU against the
-// scalar reference. The kernels (adam_cuda.cu) only add the launch: which
-// block and thread handle which element, the block reduction of the absmax,
-// and the ordering of the two passes.
+// scalar reference: read its codes, decode, update, encode, write. The kernels
+// (adam_cuda.cu) add the launch: which block handles which elements (the walk
+// itself is range.h, host-device too), the block reduction of the absmax, and
+// the ordering of the two passes.
 #ifndef SHARDADAM_CUDA_SLOT_MATH_H_
 #define SHARDADAM_CUDA_SLOT_MATH_H_
 
@@ -16,6 +17,22 @@
 namespace shardadam {
 namespace cuda {
 
+// Bytes per element of a buffer of `dtype` (the int16 remainder: 2; no buffer: 0).
+SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kNone:
+      return 0;
+    case DType::kFloat8E4M3:
+      return 1;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+    case DType::kInt16Remainder:
+      return 2;
+    default:
+      return 4;
+  }
+}
+
 // One tensor as the kernels see it: TensorSlot with dtype tags in bytes, so a
 // launch's argument block holds many of them.
 struct DeviceSlot {
@@ -27,6 +44,8 @@ struct DeviceSlot {
   float* scale[3];  // kW, kM, kV; null where the state is not scaled
   int64_t numel;
   uint8_t param_dtype, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, master_dtype;
+  // Every buffer aligned to four of its elements: moved four at a time (quads.h).
+  bool quad_aligned;
 };
 
 // Index of the three states that may carry a per-tensor scale.
@@ -53,6 +72,14 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
   d.scale[kW] = IsScaledTag(d.master_dtype) ? t.master_scale : nullptr;
   d.scale[kM] = IsScaledTag(d.exp_avg_dtype) ? t.exp_avg_scale : nullptr;
   d.scale[kV] = IsScaledTag(d.exp_avg_sq_dtype) ? t.exp_avg_sq_scale : nullptr;
+  const auto aligned = [](const void* p, uint8_t dtype) {
+    const auto quad = static_cast<uintptr_t>(4 * ItemBytes(dtype));
+    return quad == 0 || reinterpret_cast<uintptr_t>(p) % quad == 0;
+  };
+  d.quad_aligned = aligned(d.param, d.param_dtype) && aligned(d.grad, d.grad_dtype) &&
+                   aligned(d.exp_avg, d.exp_avg_dtype) &&
+                   aligned(d.exp_avg_sq, d.exp_avg_sq_dtype) &&
+                   aligned(d.master, d.master_dtype);
   return d;
 }
 
@@ -60,47 +87,67 @@ SHARDADAM_HOST_DEVICE inline bool HasScaledState(const DeviceSlot& t) {
   return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
 }
 
-// Unscaled value of element i of a buffer of fp32/fp16/bf16/fp8 codes.
-SHARDADAM_HOST_DEVICE inline float LoadValue(const void* p, uint8_t dtype, int64_t i) {
-  switch (static_cast<DType>(dtype)) {
-    case DType::kFloat16:
-      return DecodeF16(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16:
-      return DecodeBF16(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat8E4M3:
-      return DecodeF8(static_cast<const uint8_t*>(p)[i]);
+// Element i's storage code: fp32 bits, or a 16-bit or 8-bit code in the low bits.
+SHARDADAM_HOST_DEVICE inline uint32_t ReadCode(const void* p, uint8_t dtype, int64_t i) {
+  switch (ItemBytes(dtype)) {
+    case 1:
+      return static_cast<const uint8_t*>(p)[i];
+    case 2:
+      return static_cast<const uint16_t*>(p)[i];
     default:
-      return static_cast<const float*>(p)[i];
+      return static_cast<const uint32_t*>(p)[i];
   }
 }
 
-SHARDADAM_HOST_DEVICE inline void StoreValue(void* p, uint8_t dtype, int64_t i, float x) {
-  switch (static_cast<DType>(dtype)) {
-    case DType::kFloat16:
-      static_cast<uint16_t*>(p)[i] = EncodeF16(x);
+SHARDADAM_HOST_DEVICE inline void WriteCode(void* p, uint8_t dtype, int64_t i, uint32_t code) {
+  switch (ItemBytes(dtype)) {
+    case 1:
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(code);
       break;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(p)[i] = EncodeBF16(x);
-      break;
-    case DType::kFloat8E4M3:
-      static_cast<uint8_t*>(p)[i] = EncodeF8(x);
+    case 2:
+      static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(code);
       break;
     default:
-      static_cast<float*>(p)[i] = x;
+      static_cast<uint32_t*>(p)[i] = code;
       break;
   }
 }
 
-// S2.2: true value of a state element, q * scale for scaled dtypes.
-SHARDADAM_HOST_DEVICE inline float LoadState(const void* p, uint8_t dtype, float scale,
-                                             int64_t i) {
-  const float q = LoadValue(p, dtype, i);
+// Unscaled value of a code of fp32/fp16/bf16/fp8, and back.
+SHARDADAM_HOST_DEVICE inline float DecodeValue(uint32_t code, uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kFloat16:
+      return DecodeF16(static_cast<uint16_t>(code));
+    case DType::kBFloat16:
+      return DecodeBF16(static_cast<uint16_t>(code));
+    case DType::kFloat8E4M3:
+      return DecodeF8(static_cast<uint8_t>(code));
+    default:
+      return FloatOf(code);
+  }
+}
+
+SHARDADAM_HOST_DEVICE inline uint32_t EncodeValue(float x, uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kFloat16:
+      return EncodeF16(x);
+    case DType::kBFloat16:
+      return EncodeBF16(x);
+    case DType::kFloat8E4M3:
+      return EncodeF8(x);
+    default:
+      return BitsOf(x);
+  }
+}
+
+// S2.2: true value of a state code, q * scale for scaled dtypes, and back.
+SHARDADAM_HOST_DEVICE inline float DecodeState(uint32_t code, uint8_t dtype, float scale) {
+  const float q = DecodeValue(code, dtype);
   return IsScaledTag(dtype) ? q * scale : q;
 }
 
-SHARDADAM_HOST_DEVICE inline void StoreState(void* p, uint8_t dtype, float scale, int64_t i,
-                                             float u) {
-  StoreValue(p, dtype, i, IsScaledTag(dtype) ? u / scale : u);
+SHARDADAM_HOST_DEVICE inline uint32_t EncodeState(float u, uint8_t dtype, float scale) {
+  return EncodeValue(IsScaledTag(dtype) ? u / scale : u, dtype);
 }
 
 // S2.3: the scale of a state whose largest magnitude has fp32 bits `bits`
@@ -136,50 +183,98 @@ SHARDADAM_HOST_DEVICE inline Scales NewScales(const DeviceSlot& t, const uint32_
   return r;
 }
 
-// Element i's gradient, fp32 weight and true moments, decoded with the
+// One element's codes in each buffer the update reads or writes.
+struct Codes {
+  uint32_t param, grad, master, m, v;
+};
+
+// Whether the param holds the weight (no master) or half of it (the remainder's):
+// only then is it read.
+SHARDADAM_HOST_DEVICE inline bool ReadsParam(const DeviceSlot& t) {
+  return t.master_dtype == static_cast<uint8_t>(DType::kNone) ||
+         t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder);
+}
+
+SHARDADAM_HOST_DEVICE inline Codes ReadCodes(const DeviceSlot& t, int64_t i) {
+  Codes c{};
+  c.grad = ReadCode(t.grad, t.grad_dtype, i);
+  if (ReadsParam(t)) c.param = ReadCode(t.param, t.param_dtype, i);
+  if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
+    c.master = ReadCode(t.master, t.master_dtype, i);
+  }
+  c.m = ReadCode(t.exp_avg, t.exp_avg_dtype, i);
+  c.v = ReadCode(t.exp_avg_sq, t.exp_avg_sq_dtype, i);
+  return c;
+}
+
+SHARDADAM_HOST_DEVICE inline void WriteCodes(const DeviceSlot& t, int64_t i, const Codes& c) {
+  WriteCode(t.param, t.param_dtype, i, c.param);
+  if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
+    WriteCode(t.master, t.master_dtype, i, c.master);
+  }
+  WriteCode(t.exp_avg, t.exp_avg_dtype, i, c.m);
+  WriteCode(t.exp_avg_sq, t.exp_avg_sq_dtype, i, c.v);
+}
+
+// An element's gradient, fp32 weight and true moments, decoded with the
 // current scales.
 struct Inputs {
   float g, w, m, v;
 };
 
+SHARDADAM_HOST_DEVICE inline Inputs DecodeInputs(const DeviceSlot& t, const Scales& old,
+                                                 const Codes& c) {
+  Inputs in;
+  in.g = DecodeValue(c.grad, t.grad_dtype);
+  if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
+    in.w = MergeMaster(static_cast<uint16_t>(c.param),
+                       static_cast<int16_t>(static_cast<uint16_t>(c.master)));
+  } else if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
+    in.w = DecodeState(c.master, t.master_dtype, old.s[kW]);
+  } else {
+    in.w = DecodeValue(c.param, t.param_dtype);
+  }
+  in.m = DecodeState(c.m, t.exp_avg_dtype, old.s[kM]);
+  in.v = DecodeState(c.v, t.exp_avg_sq_dtype, old.s[kV]);
+  return in;
+}
+
+// The codes of an element's new values with the new scales. The param is rounded
+// from the fp32 weight itself, independently of the master's encoding (S3.6).
+SHARDADAM_HOST_DEVICE inline Codes EncodeOutputs(const DeviceSlot& t, const Scales& now,
+                                                 const Inputs& out) {
+  Codes c{};
+  if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
+    uint16_t param_bits;
+    int16_t remainder;
+    SplitMaster(out.w, &param_bits, &remainder);
+    c.param = param_bits;
+    c.master = static_cast<uint16_t>(remainder);
+  } else {
+    c.param = EncodeValue(out.w, t.param_dtype);
+    if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
+      c.master = EncodeState(out.w, t.master_dtype, now.s[kW]);
+    }
+  }
+  c.m = EncodeState(out.m, t.exp_avg_dtype, now.s[kM]);
+  c.v = EncodeState(out.v, t.exp_avg_sq_dtype, now.s[kV]);
+  return c;
+}
+
 SHARDADAM_HOST_DEVICE inline Inputs LoadInputs(const DeviceSlot& t, const Scales& old,
                                                int64_t i) {
-  Inputs in;
-  in.g = LoadValue(t.grad, t.grad_dtype, i);
-  if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
-    in.w = MergeMaster(static_cast<const uint16_t*>(t.param)[i],
-                       static_cast<const int16_t*>(t.master)[i]);
-  } else if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
-    in.w = LoadState(t.master, t.master_dtype, old.s[kW], i);
-  } else {
-    in.w = LoadValue(t.param, t.param_dtype, i);
-  }
-  in.m = LoadState(t.exp_avg, t.exp_avg_dtype, old.s[kM], i);
-  in.v = LoadState(t.exp_avg_sq, t.exp_avg_sq_dtype, old.s[kV], i);
-  return in;
+  return DecodeInputs(t, old, ReadCodes(t, i));
+}
+
+SHARDADAM_HOST_DEVICE inline void StoreElement(const DeviceSlot& t, const Scales& now,
+                                               int64_t i, const Inputs& out) {
+  WriteCodes(t, i, EncodeOutputs(t, now, out));
 }
 
 // The updated fp32 weight and moments (SEMANTICS S3.6), in place in `in`.
 template <bool kAdamW>
 SHARDADAM_HOST_DEVICE inline void Update(const StepConstants& c, Inputs& in) {
   AdamElement<kAdamW>(ScalarOps{}, c, in.g, in.w, in.m, in.v);
-}
-
-// Stores element i's new values with the new scales. The param is rounded from
-// the fp32 weight itself, independently of the master's encoding (S3.6).
-SHARDADAM_HOST_DEVICE inline void StoreElement(const DeviceSlot& t, const Scales& now,
-                                               int64_t i, const Inputs& out) {
-  if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
-    SplitMaster(out.w, &static_cast<uint16_t*>(t.param)[i],
-                &static_cast<int16_t*>(t.master)[i]);
-  } else {
-    StoreValue(t.param, t.param_dtype, i, out.w);
-    if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
-      StoreState(t.master, t.master_dtype, now.s[kW], i, out.w);
-    }
-  }
-  StoreState(t.exp_avg, t.exp_avg_dtype, now.s[kM], i, out.m);
-  StoreState(t.exp_avg_sq, t.exp_avg_sq_dtype, now.s[kV], i, out.v);
 }
 
 // |x| as ordered bits: for non-negative floats integer order is value order,

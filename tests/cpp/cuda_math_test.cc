@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "cuda/codecs.h"
+#include "cuda/layouts.h"
+#include "cuda/range.h"
 #include "cuda/slot_math.h"
 #include "gtest/gtest.h"
 #include "reference.h"
@@ -73,35 +75,45 @@ TEST(CudaCodecsTest, EncodersMatchReference) {
   }
 }
 
-// AdamStepCuda's work for one call, in the kernels' order: pass 1 reduces the
-// new state's absmax per scaled state, pass 2 recomputes and stores with the
-// scales it gives, then the scale slots are written.
-void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params) {
+// AdamStepCuda's work for one call, in the kernels' order and with their walk
+// over the elements (one lane): pass 1 reduces the new state's absmax per scaled
+// state, pass 2 recomputes and stores with the scales it gives, then the scale
+// slots are written. Each tensor runs its layout's code (layouts.h), four
+// elements per access where its buffers allow, unless `quads` is false.
+template <bool kAdamW>
+void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params,
+                      bool quads) {
   const StepConstants c = MakeStepConstants(params);
   for (const TensorSlot& slot : slots) {
-    const cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot);
-    const cuda::Scales old = cuda::ReadScales(t);
-    const auto updated = [&](int64_t i) {
-      cuda::Inputs e = cuda::LoadInputs(t, old, i);
-      if (c.adam_w_mode) {
-        cuda::Update<true>(c, e);
-      } else {
-        cuda::Update<false>(c, e);
+    cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot);
+    t.quad_aligned = t.quad_aligned && quads;
+    cuda::VisitLayout(cuda::LayoutOf(t), [&](auto layout) {
+      using L = decltype(layout);
+      L::Fix(t);
+      const cuda::Scales old = cuda::ReadScales(t);
+      uint32_t best[3] = {0, 0, 0};
+      cuda::UpdateRange<kAdamW, L>(t, old, c, 0, t.numel, 0, 1,
+                                   [&](int64_t, int n, const cuda::Inputs* e) {
+                                     cuda::FoldAbsMax<L>(n, e, best);
+                                   });
+      const cuda::Scales now = cuda::NewScales(t, best);
+      cuda::UpdateRange<kAdamW, L>(t, old, c, 0, t.numel, 0, 1,
+                                   [&](int64_t i, int n, const cuda::Inputs* e) {
+                                     cuda::StoreUpdated<L>(t, now, i, n, e);
+                                   });
+      for (int k = 0; k < 3; ++k) {
+        if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
       }
-      return e;
-    };
-    uint32_t best[3] = {0, 0, 0};
-    for (int64_t i = 0; i < t.numel; ++i) {
-      const cuda::Inputs e = updated(i);
-      best[cuda::kW] = std::max(best[cuda::kW], cuda::AbsBits(e.w));
-      best[cuda::kM] = std::max(best[cuda::kM], cuda::AbsBits(e.m));
-      best[cuda::kV] = std::max(best[cuda::kV], cuda::AbsBits(e.v));
-    }
-    const cuda::Scales now = cuda::NewScales(t, best);
-    for (int64_t i = 0; i < t.numel; ++i) cuda::StoreElement(t, now, i, updated(i));
-    for (int k = 0; k < 3; ++k) {
-      if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
-    }
+    });
+  }
+}
+
+void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params,
+                      bool quads = true) {
+  if (params.adam_w_mode) {
+    EmulatedCudaStep<true>(slots, params, quads);
+  } else {
+    EmulatedCudaStep<false>(slots, params, quads);
   }
 }
 
@@ -117,9 +129,12 @@ TEST_P(CudaStepMathTest, MatchesReferenceBitwise) {
     std::vector<Tensor> want = tensors;
     std::vector<TensorSlot> want_slots = Slots(&want);
     ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
-    std::vector<Tensor> got = tensors;
-    EmulatedCudaStep(Slots(&got), params);
-    ASSERT_TRUE(SameTensors(want, got));
+    for (bool quads : {true, false}) {
+      SCOPED_TRACE(quads ? "four elements per access where aligned" : "one element per access");
+      std::vector<Tensor> got = tensors;
+      EmulatedCudaStep(Slots(&got), params, quads);
+      ASSERT_TRUE(SameTensors(want, got));
+    }
     tensors = want;
   }
 }

@@ -33,28 +33,36 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-// A Tensor's buffers and scales copied to the device, and back.
+// A Tensor's buffers and scales copied to the device, and back. With `shifted`,
+// each buffer starts one element past its allocation, so none is aligned to four
+// elements and the kernels move every element alone (else four per access where
+// the layout allows).
 struct DeviceTensor {
   std::vector<std::unique_ptr<DeviceBuffer>> owned;
   TensorSlot slot;
+  int64_t numel;
+  bool shifted;
 
-  void* Upload(const void* host, size_t bytes) {
-    owned.push_back(std::make_unique<DeviceBuffer>(bytes));
-    EXPECT_EQ(cudaMemcpy(owned.back()->data(), host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    return owned.back()->data();
+  void* Upload(const void* host, size_t bytes, bool buffer = true) {
+    const size_t shift = buffer && shifted && numel > 0 ? bytes / static_cast<size_t>(numel) : 0;
+    owned.push_back(std::make_unique<DeviceBuffer>(bytes + shift));
+    void* at = static_cast<char*>(owned.back()->data()) + shift;
+    EXPECT_EQ(cudaMemcpy(at, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return at;
   }
 
-  explicit DeviceTensor(Tensor& t) {
+  DeviceTensor(Tensor& t, bool shift) : numel(t.numel), shifted(shift) {
     slot = t.Slot();
     slot.param = Upload(t.param.data(), t.param.size());
     slot.grad = Upload(t.grad.data(), t.grad.size());
     slot.exp_avg = Upload(t.exp_avg.data(), t.exp_avg.size());
     slot.exp_avg_sq = Upload(t.exp_avg_sq.data(), t.exp_avg_sq.size());
-    slot.exp_avg_scale = static_cast<float*>(Upload(&t.exp_avg_scale, sizeof(float)));
-    slot.exp_avg_sq_scale = static_cast<float*>(Upload(&t.exp_avg_sq_scale, sizeof(float)));
+    slot.exp_avg_scale = static_cast<float*>(Upload(&t.exp_avg_scale, sizeof(float), false));
+    slot.exp_avg_sq_scale =
+        static_cast<float*>(Upload(&t.exp_avg_sq_scale, sizeof(float), false));
     if (t.config.master != DType::kNone) {
       slot.master_param = Upload(t.master.data(), t.master.size());
-      slot.master_scale = static_cast<float*>(Upload(&t.master_scale, sizeof(float)));
+      slot.master_scale = static_cast<float*>(Upload(&t.master_scale, sizeof(float), false));
     }
   }
 
@@ -76,9 +84,10 @@ struct DeviceTensor {
 
 // Steps `tensors` on the device (on a non-default stream) and on the CPU core
 // through the schedule and compares every buffer and scale after each step.
-// fresh_grads: a new random gradient before each step, else the tensors' own.
+// fresh_grads: a new random gradient before each step, else the tensors' own;
+// shifted: see DeviceTensor.
 void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w,
-                          bool fresh_grads = true) {
+                          bool fresh_grads = true, bool shifted = false) {
   std::mt19937 rng(11);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -98,7 +107,7 @@ void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w,
     std::vector<std::unique_ptr<DeviceTensor>> device;
     std::vector<TensorSlot> slots;
     for (Tensor& t : got) {
-      device.push_back(std::make_unique<DeviceTensor>(t));
+      device.push_back(std::make_unique<DeviceTensor>(t, shifted));
       slots.push_back(device.back()->slot);
     }
     const int64_t count = static_cast<int64_t>(slots.size());
@@ -132,9 +141,22 @@ TEST(CudaStepTest, EveryDTypeCombinationMatchesCpuCoreBitwise) {
   }
 }
 
+TEST(CudaStepTest, BuffersAlignedOnlyToTheirElementMatchCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  for (const Config& config : AllConfigs()) {
+    SCOPED_TRACE(ConfigName(config));
+    std::mt19937 rng(9);
+    std::vector<Tensor> tensors;
+    for (int64_t n : {17, 8193}) tensors.push_back(MakeTensor(config, n, &rng));
+    ExpectCudaMatchesCpu(tensors, config.adam_w, true, /*shifted=*/true);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
 TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
-  // 32 tensors per launch: 100 tensors take four, with empty ones anywhere.
+  // 32 tensors per launch, and a new launch wherever the layout changes (layouts.h):
+  // 100 tensors of mixed layouts take many, with empty ones anywhere.
   std::mt19937 rng(6);
   const std::vector<Config> configs = RepresentativeConfigs();
   std::vector<Tensor> tensors;
