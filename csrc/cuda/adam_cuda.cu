@@ -36,6 +36,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int64_t kChunk = 8192;  // elements per block (a multiple of 4): 32 per thread
 constexpr int kMaxSlots = 32;     // tensors per launch (argument block < 4 KiB)
+static_assert(kChunk % 4 == 0, "blocks start on a quad (range.h)");
 
 // One launch's tensors, all of one layout. Block b works on slot s where
 // first_block[s] <= b < first_block[s + 1], chunk b - first_block[s] of it.

@@ -1,8 +1,9 @@
 // The dtype combinations the CUDA kernels are compiled for with every dtype a
 // constant. The codecs switch on a tensor's dtypes per element; with constants
-// the switches fold away and the kernel is straight-line code, which on the GPU
-// is most of the step's cost (it is bound by instructions, not by memory).
-// Combinations not listed run the kernels that read the dtypes per tensor.
+// the switches fold away, the kernel is straight-line code, and element sizes are
+// known (quads.h). On an H200 that took the fp32 step from 0.54 to 0.95 of copy
+// bandwidth and bf16 moments from 0.23 to 0.92 (README, CUDA). Combinations not
+// listed run the kernels that read the dtypes per tensor.
 // Same functions, same values: only where the dtypes come from differs, so the
 // bits stored are the same either way.
 #ifndef SHARDADAM_CUDA_LAYOUTS_H_
@@ -31,8 +32,7 @@ struct Layout {
   }
   // Whether a buffer of dtype `d` (a constant of this layout) may carry a scale.
   SHARDADAM_HOST_DEVICE static constexpr bool MayScale(int d) {
-    return d == kAnyDType || d == static_cast<int>(DType::kFloat16) ||
-           d == static_cast<int>(DType::kFloat8E4M3);
+    return d == kAnyDType || IsScaledTag(static_cast<uint8_t>(d));
   }
   // Replaces the tensor's dtype tags by the constants (equal where Matches).
   SHARDADAM_HOST_DEVICE static void Fix(DeviceSlot& t) {

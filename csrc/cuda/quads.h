@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cuda/layouts.h"
 #include "cuda/slot_math.h"
 
 namespace shardadam {
@@ -74,11 +75,8 @@ SHARDADAM_HOST_DEVICE inline void WriteQuadOf(void* p, int64_t i, const Codes* c
 // ReadCodes and WriteCodes of elements i..i+3, for a fixed layout L.
 template <class L>
 SHARDADAM_HOST_DEVICE inline void ReadQuadCodes(const DeviceSlot& t, int64_t i, Codes* c) {
-  constexpr int kNoMaster = static_cast<int>(DType::kNone);
   ReadQuadOf<L::kGrad>(t.grad, i, c, &Codes::grad);
-  if constexpr (L::kMaster == kNoMaster || L::kMaster == static_cast<int>(DType::kInt16Remainder)) {
-    ReadQuadOf<L::kParam>(t.param, i, c, &Codes::param);
-  }
+  if constexpr (ReadsParam(L::kMaster)) ReadQuadOf<L::kParam>(t.param, i, c, &Codes::param);
   if constexpr (L::kMaster != kNoMaster) ReadQuadOf<L::kMaster>(t.master, i, c, &Codes::master);
   ReadQuadOf<L::kExpAvg>(t.exp_avg, i, c, &Codes::m);
   ReadQuadOf<L::kExpAvgSq>(t.exp_avg_sq, i, c, &Codes::v);
@@ -88,9 +86,7 @@ template <class L>
 SHARDADAM_HOST_DEVICE inline void WriteQuadCodes(const DeviceSlot& t, int64_t i,
                                                  const Codes* c) {
   WriteQuadOf<L::kParam>(t.param, i, c, &Codes::param);
-  if constexpr (L::kMaster != static_cast<int>(DType::kNone)) {
-    WriteQuadOf<L::kMaster>(t.master, i, c, &Codes::master);
-  }
+  if constexpr (L::kMaster != kNoMaster) WriteQuadOf<L::kMaster>(t.master, i, c, &Codes::master);
   WriteQuadOf<L::kExpAvg>(t.exp_avg, i, c, &Codes::m);
   WriteQuadOf<L::kExpAvgSq>(t.exp_avg_sq, i, c, &Codes::v);
 }

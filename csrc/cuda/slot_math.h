@@ -51,7 +51,7 @@ struct DeviceSlot {
 // Index of the three states that may carry a per-tensor scale.
 enum StateIndex { kW = 0, kM = 1, kV = 2 };
 
-SHARDADAM_HOST_DEVICE inline bool IsScaledTag(uint8_t dtype) {
+SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
   return dtype == static_cast<uint8_t>(DType::kFloat16) ||
          dtype == static_cast<uint8_t>(DType::kFloat8E4M3);
 }
@@ -188,17 +188,17 @@ struct Codes {
   uint32_t param, grad, master, m, v;
 };
 
-// Whether the param holds the weight (no master) or half of it (the remainder's):
-// only then is it read.
-SHARDADAM_HOST_DEVICE inline bool ReadsParam(const DeviceSlot& t) {
-  return t.master_dtype == static_cast<uint8_t>(DType::kNone) ||
-         t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder);
+// Whether, beside a master of `master_dtype`, the param holds the weight (no
+// master) or half of it (the remainder's): only then is it read.
+SHARDADAM_HOST_DEVICE constexpr bool ReadsParam(int master_dtype) {
+  return master_dtype == static_cast<int>(DType::kNone) ||
+         master_dtype == static_cast<int>(DType::kInt16Remainder);
 }
 
 SHARDADAM_HOST_DEVICE inline Codes ReadCodes(const DeviceSlot& t, int64_t i) {
   Codes c{};
   c.grad = ReadCode(t.grad, t.grad_dtype, i);
-  if (ReadsParam(t)) c.param = ReadCode(t.param, t.param_dtype, i);
+  if (ReadsParam(t.master_dtype)) c.param = ReadCode(t.param, t.param_dtype, i);
   if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
     c.master = ReadCode(t.master, t.master_dtype, i);
   }

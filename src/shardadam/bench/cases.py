@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 
 # Element sizes of the storage dtypes (fp8 moments are stored as uint8 codes).
-_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.int16: 2, torch.uint8: 1}
-_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int16: "int16",
-         torch.uint8: "fp8"}
+_SIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.int16: 2,
+         torch.uint8: 1}
+_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+         torch.int16: "int16", torch.uint8: "fp8"}
 
 
 @dataclass(frozen=True)
