@@ -29,14 +29,11 @@ namespace shardadam {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Caps registers at 64 per thread: 4 blocks (half the threads an SM holds). No
 // kernel spills at 64; 2 blocks (128 registers) measured slower.
 constexpr int kMinBlocksPerSm = 4;
-constexpr int64_t kChunk = 8192;  // elements per block (a multiple of 4): 32 per thread
 constexpr int kMaxSlots = 32;     // tensors per launch (argument block < 4 KiB)
-static_assert(kChunk % 4 == 0, "blocks start on a quad (range.h)");
 
 // One launch's tensors, all of one layout. Block b works on slot s where
 // first_block[s] <= b < first_block[s + 1], chunk b - first_block[s] of it.

@@ -5,7 +5,9 @@
 #ifndef SHARDADAM_CUDA_QUADS_H_
 #define SHARDADAM_CUDA_QUADS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "cuda/layouts.h"
@@ -32,6 +34,12 @@ struct alignas(4 * kBytes) Quad {
   }
 };
 
+// Host stand-in for the device's fault on a misaligned vector access, so the
+// CPU tests of the kernels' walk catch what the device would.
+inline void RequireQuadAlignment(const void* at, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(at) % bytes != 0) std::abort();
+}
+
 // The quad of elements i..i+3 (i a multiple of 4) of a buffer of kBytes-byte elements.
 template <int kBytes>
 SHARDADAM_HOST_DEVICE inline Quad<kBytes> LoadQuad(const void* p, int64_t i) {
@@ -39,6 +47,7 @@ SHARDADAM_HOST_DEVICE inline Quad<kBytes> LoadQuad(const void* p, int64_t i) {
 #if defined(__CUDA_ARCH__)
   return *reinterpret_cast<const Quad<kBytes>*>(at);
 #else
+  RequireQuadAlignment(at, sizeof(Quad<kBytes>));
   Quad<kBytes> q;  // the host's aliasing rules: copy the bytes
   std::memcpy(&q, at, sizeof(q));
   return q;
@@ -51,6 +60,7 @@ SHARDADAM_HOST_DEVICE inline void StoreQuad(void* p, int64_t i, const Quad<kByte
 #if defined(__CUDA_ARCH__)
   *reinterpret_cast<Quad<kBytes>*>(at) = q;
 #else
+  RequireQuadAlignment(at, sizeof(Quad<kBytes>));
   std::memcpy(at, &q, sizeof(q));
 #endif
 }

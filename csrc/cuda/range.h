@@ -11,6 +11,11 @@
 namespace shardadam {
 namespace cuda {
 
+// A block: kThreads lanes over kChunk consecutive elements of one tensor (32 each).
+constexpr int kThreads = 256;
+constexpr int64_t kChunk = 8192;
+static_assert(kChunk % 4 == 0, "blocks start on a quad");
+
 // Elements a lane loads before it computes any. Loads issued together overlap (the
 // step is bound by latency) but hold registers. Measured on an H200 (250M
 // elements): one quad per lane beats two (up to 15 % faster, fp8 moments) and four
@@ -77,7 +82,9 @@ SHARDADAM_HOST_DEVICE inline void FoldAbsMax(int n, const Inputs* e, uint32_t be
   const auto fold = [](uint32_t& into, float x) {
     into = into > AbsBits(x) ? into : AbsBits(x);
   };
+#if defined(__CUDA_ARCH__)  // n is a constant there once inlined
 #pragma unroll
+#endif
   for (int k = 0; k < n; ++k) {
     if constexpr (L::MayScale(L::kMaster)) fold(best[kW], e[k].w);
     if constexpr (L::MayScale(L::kExpAvg)) fold(best[kM], e[k].m);

@@ -4,8 +4,11 @@
 // two-pass step (measure the absmax, then store with the new scale), in the
 // order the kernels run it, against the reference on every dtype combination.
 // What is left to a GPU is the launch itself (tests/python/test_cuda_backend.py).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -75,32 +78,35 @@ TEST(CudaCodecsTest, EncodersMatchReference) {
   }
 }
 
-// AdamStepCuda's work for one call, in the kernels' order and with their walk
-// over the elements (one lane): pass 1 reduces the new state's absmax per scaled
-// state, pass 2 recomputes and stores with the scales it gives, then the scale
-// slots are written. Each tensor runs its layout's code (layouts.h), four
-// elements per access where its buffers allow, unless `quads` is false.
+// AdamStepCuda's work for one call, in the kernels' order and with their walk:
+// per tensor, every block of kChunk elements with its kThreads lanes one after
+// another. Pass 1 reduces the new state's absmax per scaled state, pass 2
+// recomputes and stores with the scales it gives, then the scale slots are
+// written. Each tensor runs its layout's code (layouts.h), four elements per
+// access where its buffers allow.
 template <bool kAdamW>
-void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params,
-                      bool quads) {
+void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params) {
   const StepConstants c = MakeStepConstants(params);
   for (const TensorSlot& slot : slots) {
     cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot);
-    t.quad_aligned = t.quad_aligned && quads;
     cuda::VisitLayout(cuda::LayoutOf(t), [&](auto layout) {
       using L = decltype(layout);
       L::Fix(t);
-      const cuda::Scales old = cuda::ReadScales(t);
+      const auto each_lane = [&](auto&& done) {
+        for (int64_t begin = 0; begin < t.numel; begin += cuda::kChunk) {
+          const int64_t end = std::min(begin + cuda::kChunk, t.numel);
+          for (int lane = 0; lane < cuda::kThreads; ++lane) {
+            cuda::UpdateRange<kAdamW, L>(t, cuda::ReadScales(t), c, begin, end, lane,
+                                         cuda::kThreads, done);
+          }
+        }
+      };
       uint32_t best[3] = {0, 0, 0};
-      cuda::UpdateRange<kAdamW, L>(t, old, c, 0, t.numel, 0, 1,
-                                   [&](int64_t, int n, const cuda::Inputs* e) {
-                                     cuda::FoldAbsMax<L>(n, e, best);
-                                   });
+      each_lane([&](int64_t, int n, const cuda::Inputs* e) { cuda::FoldAbsMax<L>(n, e, best); });
       const cuda::Scales now = cuda::NewScales(t, best);
-      cuda::UpdateRange<kAdamW, L>(t, old, c, 0, t.numel, 0, 1,
-                                   [&](int64_t i, int n, const cuda::Inputs* e) {
-                                     cuda::StoreUpdated<L>(t, now, i, n, e);
-                                   });
+      each_lane([&](int64_t i, int n, const cuda::Inputs* e) {
+        cuda::StoreUpdated<L>(t, now, i, n, e);
+      });
       for (int k = 0; k < 3; ++k) {
         if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
       }
@@ -108,13 +114,80 @@ void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& pa
   }
 }
 
-void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params,
-                      bool quads = true) {
+void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params) {
   if (params.adam_w_mode) {
-    EmulatedCudaStep<true>(slots, params, quads);
+    EmulatedCudaStep<true>(slots, params);
   } else {
-    EmulatedCudaStep<false>(slots, params, quads);
+    EmulatedCudaStep<false>(slots, params);
   }
+}
+
+// Which buffers of every tensor RelocatedStep places one element past a
+// 16-byte boundary (not aligned to four elements: those go one at a time).
+enum ShiftedBuffers : unsigned {
+  kNoneShifted = 0,
+  kParamShifted = 1,
+  kGradShifted = 2,
+  kExpAvgShifted = 4,
+  kExpAvgSqShifted = 8,
+  kMasterShifted = 16,
+  kAllShifted = 31,
+};
+
+// EmulatedCudaStep on copies of the tensors' buffers placed as the device gets
+// them: 16-byte aligned, or one element past that where `shifted` says, with
+// guard bytes on both sides that must be intact afterwards.
+::testing::AssertionResult RelocatedStep(const std::vector<TensorSlot>& slots,
+                                         const StepParams& params, unsigned shifted) {
+  constexpr size_t kGuard = 16;
+  constexpr uint8_t kGuardByte = 0xA5;
+  struct Copy {
+    std::vector<uint8_t> storage;
+    size_t offset, bytes;
+    void* host;
+  };
+  std::vector<std::unique_ptr<Copy>> copies;
+  std::vector<TensorSlot> moved = slots;
+  const auto relocate = [&](const void* host, DType dtype, int64_t numel, unsigned bit) {
+    const size_t item = static_cast<size_t>(cuda::ItemBytes(static_cast<int>(dtype)));
+    auto copy = std::make_unique<Copy>();
+    copy->bytes = item * static_cast<size_t>(numel);
+    copy->storage.assign(2 * kGuard + 16 + item + copy->bytes, kGuardByte);
+    const auto base = reinterpret_cast<uintptr_t>(copy->storage.data());
+    copy->offset = (16 - base % 16) % 16 + kGuard + ((shifted & bit) ? item : 0);
+    copy->host = const_cast<void*>(host);
+    if (copy->bytes > 0) std::memcpy(copy->storage.data() + copy->offset, host, copy->bytes);
+    copies.push_back(std::move(copy));
+    return static_cast<void*>(copies.back()->storage.data() + copies.back()->offset);
+  };
+  for (TensorSlot& s : moved) {
+    s.param = relocate(s.param, s.param_dtype, s.numel, kParamShifted);
+    s.grad = relocate(s.grad, s.grad_dtype, s.numel, kGradShifted);
+    s.exp_avg = relocate(s.exp_avg, s.exp_avg_dtype, s.numel, kExpAvgShifted);
+    s.exp_avg_sq = relocate(s.exp_avg_sq, s.exp_avg_sq_dtype, s.numel, kExpAvgSqShifted);
+    if (s.master_dtype != DType::kNone) {
+      s.master_param = relocate(s.master_param, s.master_dtype, s.numel, kMasterShifted);
+    }
+  }
+  EmulatedCudaStep(moved, params);
+  for (size_t k = 0; k < copies.size(); ++k) {
+    const Copy& copy = *copies[k];
+    for (size_t b = 0; b < copy.storage.size(); ++b) {
+      const bool inside = b >= copy.offset && b < copy.offset + copy.bytes;
+      if (!inside && copy.storage[b] != kGuardByte) {
+        return ::testing::AssertionFailure() << "buffer " << k << ": byte " << b
+                                             << " outside it was written";
+      }
+    }
+    if (copy.bytes > 0) std::memcpy(copy.host, copy.storage.data() + copy.offset, copy.bytes);
+  }
+  return ::testing::AssertionSuccess();
+}
+
+bool HasCompiledLayout(const Config& config) {
+  Tensor t;
+  t.config = config;
+  return cuda::LayoutOf(cuda::MakeDeviceSlot(t.Slot())) != cuda::LayoutId::kAny;
 }
 
 class CudaStepMathTest : public ::testing::TestWithParam<Config> {};
@@ -122,17 +195,28 @@ class CudaStepMathTest : public ::testing::TestWithParam<Config> {};
 TEST_P(CudaStepMathTest, MatchesReferenceBitwise) {
   std::mt19937 rng(4321);
   std::vector<Tensor> tensors;
-  for (int64_t n : {0, 1, 17, 0, 255, 1001, 0}) tensors.push_back(MakeTensor(GetParam(), n, &rng));
+  // 8192 elements per block: 8195 spans two, and leaves a tail of three.
+  for (int64_t n : {0, 1, 17, 0, 255, 1001, 0, 8195}) {
+    tensors.push_back(MakeTensor(GetParam(), n, &rng));
+  }
+  // Every buffer aligned (quads where the layout is compiled), every buffer
+  // shifted, and, where quads are possible, each buffer shifted alone.
+  std::vector<unsigned> placements = {kNoneShifted, kAllShifted};
+  if (HasCompiledLayout(GetParam())) {
+    placements.insert(placements.end(), {kParamShifted, kGradShifted, kExpAvgShifted,
+                                         kExpAvgSqShifted, kMasterShifted});
+  }
   for (const StepParams& params : Schedule(GetParam().adam_w)) {
     SCOPED_TRACE("step " + std::to_string(params.step));
     for (Tensor& t : tensors) FillGrad(&t, &rng);
     std::vector<Tensor> want = tensors;
     std::vector<TensorSlot> want_slots = Slots(&want);
     ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
-    for (bool quads : {true, false}) {
-      SCOPED_TRACE(quads ? "four elements per access where aligned" : "one element per access");
+    for (unsigned shifted : placements) {
+      SCOPED_TRACE("shifted buffers (bits: param grad exp_avg exp_avg_sq master): " +
+                   std::to_string(shifted));
       std::vector<Tensor> got = tensors;
-      EmulatedCudaStep(Slots(&got), params, quads);
+      ASSERT_TRUE(RelocatedStep(Slots(&got), params, shifted));
       ASSERT_TRUE(SameTensors(want, got));
     }
     tensors = want;
@@ -165,6 +249,52 @@ TEST(CudaStepMathTest, NonFiniteStateGetsUnitScale) {
     EXPECT_EQ(m_scale, 1.0f);
     EXPECT_EQ(v_scale, 1.0f);
   }
+}
+
+// The combinations the kernels are compiled for, spelled out independently of
+// layouts.h: each gets its own layout (whose constants are its dtypes), every
+// other combination the catch-all.
+TEST(CudaLayoutTest, CompiledCombinationsGetTheirLayouts) {
+  using D = DType;
+  const Config compiled[] = {
+      {D::kFloat32, D::kFloat32, D::kFloat32, D::kFloat32, D::kNone, true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat32, D::kFloat32, D::kFloat32, true},
+      {D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kFloat32, true},
+      {D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kInt16Remainder, true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kFloat8E4M3, D::kFloat32, true},
+      {D::kFloat32, D::kFloat32, D::kBFloat16, D::kBFloat16, D::kNone, true},
+      {D::kFloat32, D::kFloat32, D::kFloat8E4M3, D::kFloat8E4M3, D::kNone, true},
+      {D::kBFloat16, D::kBFloat16, D::kFloat8E4M3, D::kBFloat16, D::kFloat32, true},
+  };
+  const auto same = [](const Config& a, const Config& b) {
+    return a.param == b.param && a.grad == b.grad && a.exp_avg == b.exp_avg &&
+           a.exp_avg_sq == b.exp_avg_sq && a.master == b.master;
+  };
+  std::vector<cuda::LayoutId> seen;
+  for (const Config& config : AllConfigs()) {
+    SCOPED_TRACE(ConfigName(config));
+    Tensor t;
+    t.config = config;
+    const cuda::DeviceSlot slot = cuda::MakeDeviceSlot(t.Slot());
+    const cuda::LayoutId id = cuda::LayoutOf(slot);
+    const bool listed = std::any_of(std::begin(compiled), std::end(compiled),
+                                    [&](const Config& c) { return same(c, config); });
+    EXPECT_EQ(id != cuda::LayoutId::kAny, listed);
+    cuda::VisitLayout(id, [&](auto layout) {
+      using L = decltype(layout);
+      EXPECT_EQ(L::kFixed, listed);
+      cuda::DeviceSlot fixed = slot;
+      L::Fix(fixed);
+      EXPECT_TRUE(fixed.param_dtype == slot.param_dtype && fixed.grad_dtype == slot.grad_dtype &&
+                  fixed.master_dtype == slot.master_dtype &&
+                  fixed.exp_avg_dtype == slot.exp_avg_dtype &&
+                  fixed.exp_avg_sq_dtype == slot.exp_avg_sq_dtype)
+          << "Fix changed a dtype tag";
+    });
+    if (listed && config.adam_w) seen.push_back(id);
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(std::unique(seen.begin(), seen.end()) - seen.begin(), 8) << "one layout each";
 }
 
 }  // namespace

@@ -186,8 +186,10 @@ def test_sizes_match_cpu_bitwise(preset):
 
 
 def many_tensors(count, seed):
-    """`count` tensors of random presets and sizes, with empty ones at the edges of
-    32-tensor groups (the kernel's launch packing today), first, last and at random."""
+    """`count` tensors of random presets and sizes, with empty ones first, last, at
+    random, and at the edges of 32-tensor groups. A launch holds up to 32 tensors of
+    one layout, so full launches come only from runs of one compiled layout or of the
+    catch-all (counts 33, 100 and 257 have some)."""
     rng = random.Random(seed)
     empty = {0, count - 1, 31, 32, 33, 63, 64} | {i for i in range(count) if rng.random() < 0.1}
     return [Twin(rng.choice(ALL_PRESETS),
@@ -226,9 +228,11 @@ def test_calls_of_mostly_empty_tensors(shape):
 @pytest.mark.parametrize("preset", [PRESETS[0], PRESETS[7], PRESETS[10], PRESETS[13],
                                     PRESETS[19]], ids=preset_id)
 def test_misaligned_views_match_cpu_and_stay_in_bounds(preset, offset):
-    """Views `offset` elements into larger buffers (not aligned for vector loads), of
-    lengths that leave every kind of tail: the CPU core's bits, nothing written
-    outside them."""
+    """Views `offset` elements past GUARD (37) sentinels in larger buffers, of lengths
+    that leave every kind of tail: the CPU core's bits, nothing written outside them.
+    At offset 1 (38 elements in) no buffer is aligned to four elements, so every
+    element goes alone; at 3 (40 in) all are, and the presets the kernels are compiled
+    for (the first two here) take four elements per access up to the tail."""
     numels = (1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 257, 1031, 8193)
     twins = [Twin(preset, n, 70 + i) for i, n in enumerate(numels)]
     guarded = [g for twin in twins for g in embed_buffers(twin.gpu, offset)]

@@ -33,36 +33,46 @@ class DeviceBuffer {
   void* data_ = nullptr;
 };
 
-// A Tensor's buffers and scales copied to the device, and back. With `shifted`,
-// each buffer starts one element past its allocation, so none is aligned to four
-// elements and the kernels move every element alone (else four per access where
-// the layout allows).
+// Which buffers DeviceTensor places one element past their allocation: not
+// aligned to four elements, so the kernels move those tensors' elements one at a
+// time (else four per access where the layout allows).
+enum ShiftedBuffers : unsigned {
+  kNoneShifted = 0,
+  kParamShifted = 1,
+  kGradShifted = 2,
+  kExpAvgShifted = 4,
+  kExpAvgSqShifted = 8,
+  kMasterShifted = 16,
+  kAllShifted = 31,
+};
+
+// A Tensor's buffers and scales copied to the device, and back.
 struct DeviceTensor {
   std::vector<std::unique_ptr<DeviceBuffer>> owned;
   TensorSlot slot;
   int64_t numel;
-  bool shifted;
+  unsigned shifted;
 
-  void* Upload(const void* host, size_t bytes, bool buffer = true) {
-    const size_t shift = buffer && shifted && numel > 0 ? bytes / static_cast<size_t>(numel) : 0;
+  void* Upload(const void* host, size_t bytes, unsigned buffer = kNoneShifted) {
+    const size_t shift =
+        (shifted & buffer) != 0 && numel > 0 ? bytes / static_cast<size_t>(numel) : 0;
     owned.push_back(std::make_unique<DeviceBuffer>(bytes + shift));
     void* at = static_cast<char*>(owned.back()->data()) + shift;
     EXPECT_EQ(cudaMemcpy(at, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
     return at;
   }
 
-  DeviceTensor(Tensor& t, bool shift) : numel(t.numel), shifted(shift) {
+  DeviceTensor(Tensor& t, unsigned shift) : numel(t.numel), shifted(shift) {
     slot = t.Slot();
-    slot.param = Upload(t.param.data(), t.param.size());
-    slot.grad = Upload(t.grad.data(), t.grad.size());
-    slot.exp_avg = Upload(t.exp_avg.data(), t.exp_avg.size());
-    slot.exp_avg_sq = Upload(t.exp_avg_sq.data(), t.exp_avg_sq.size());
-    slot.exp_avg_scale = static_cast<float*>(Upload(&t.exp_avg_scale, sizeof(float), false));
-    slot.exp_avg_sq_scale =
-        static_cast<float*>(Upload(&t.exp_avg_sq_scale, sizeof(float), false));
+    slot.param = Upload(t.param.data(), t.param.size(), kParamShifted);
+    slot.grad = Upload(t.grad.data(), t.grad.size(), kGradShifted);
+    slot.exp_avg = Upload(t.exp_avg.data(), t.exp_avg.size(), kExpAvgShifted);
+    slot.exp_avg_sq = Upload(t.exp_avg_sq.data(), t.exp_avg_sq.size(), kExpAvgSqShifted);
+    slot.exp_avg_scale = static_cast<float*>(Upload(&t.exp_avg_scale, sizeof(float)));
+    slot.exp_avg_sq_scale = static_cast<float*>(Upload(&t.exp_avg_sq_scale, sizeof(float)));
     if (t.config.master != DType::kNone) {
-      slot.master_param = Upload(t.master.data(), t.master.size());
-      slot.master_scale = static_cast<float*>(Upload(&t.master_scale, sizeof(float), false));
+      slot.master_param = Upload(t.master.data(), t.master.size(), kMasterShifted);
+      slot.master_scale = static_cast<float*>(Upload(&t.master_scale, sizeof(float)));
     }
   }
 
@@ -85,9 +95,9 @@ struct DeviceTensor {
 // Steps `tensors` on the device (on a non-default stream) and on the CPU core
 // through the schedule and compares every buffer and scale after each step.
 // fresh_grads: a new random gradient before each step, else the tensors' own;
-// shifted: see DeviceTensor.
+// shifted: ShiftedBuffers bits.
 void ExpectCudaMatchesCpu(std::vector<Tensor> tensors, bool adam_w,
-                          bool fresh_grads = true, bool shifted = false) {
+                          bool fresh_grads = true, unsigned shifted = kNoneShifted) {
   std::mt19937 rng(11);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -148,21 +158,39 @@ TEST(CudaStepTest, BuffersAlignedOnlyToTheirElementMatchCpuCoreBitwise) {
     std::mt19937 rng(9);
     std::vector<Tensor> tensors;
     for (int64_t n : {17, 8193}) tensors.push_back(MakeTensor(config, n, &rng));
-    ExpectCudaMatchesCpu(tensors, config.adam_w, true, /*shifted=*/true);
+    ExpectCudaMatchesCpu(tensors, config.adam_w, true, kAllShifted);
     if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaStepTest, OneBufferAlignedOnlyToItsElementMatchesCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // A tensor takes four elements per access only if all its buffers allow it.
+  for (const Config& config : RepresentativeConfigs()) {
+    for (unsigned shifted : {kParamShifted, kGradShifted, kExpAvgShifted, kExpAvgSqShifted,
+                             kMasterShifted}) {
+      SCOPED_TRACE(ConfigName(config) + ", shifted buffer bit " + std::to_string(shifted));
+      std::mt19937 rng(10);
+      std::vector<Tensor> tensors;
+      for (int64_t n : {17, 8193}) tensors.push_back(MakeTensor(config, n, &rng));
+      ExpectCudaMatchesCpu(tensors, config.adam_w, true, shifted);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
   }
 }
 
 TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   // 32 tensors per launch, and a new launch wherever the layout changes (layouts.h):
-  // 100 tensors of mixed layouts take many, with empty ones anywhere.
+  // runs of 40 tensors of one combination fill a launch and start the next, then
+  // 60 of alternating combinations take one launch each; empty ones anywhere.
   std::mt19937 rng(6);
   const std::vector<Config> configs = RepresentativeConfigs();
   std::vector<Tensor> tensors;
-  for (int k = 0; k < 100; ++k) {
+  for (int k = 0; k < 180; ++k) {
     const int64_t n = k % 7 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 20000);
-    tensors.push_back(MakeTensor(configs[k % configs.size()], n, &rng));
+    const size_t which = k < 120 ? k / 40 : k;
+    tensors.push_back(MakeTensor(configs[which % configs.size()], n, &rng));
   }
   ExpectCudaMatchesCpu(tensors, true);
 }
