@@ -1,5 +1,5 @@
 // How the kernels walk one block's elements of a tensor, as host-device code so
-// the C++ tests run the same walk on the CPU (one lane) against the reference.
+// the C++ tests run the same walk on the CPU, lane after lane, against the reference.
 #ifndef SHARDADAM_CUDA_RANGE_H_
 #define SHARDADAM_CUDA_RANGE_H_
 
