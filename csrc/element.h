@@ -10,13 +10,8 @@
 
 #include <cmath>
 
+#include "host_device.h"
 #include "shardadam/adam.h"
-
-#if defined(__CUDACC__)
-#define SHARDADAM_HOST_DEVICE __host__ __device__
-#else
-#define SHARDADAM_HOST_DEVICE
-#endif
 
 // The update's halves are always inlined: the SIMD kernels are compiled per
 // target (Highway), these templates for the baseline one. An out-of-line copy

@@ -348,21 +348,6 @@ bool CheckSlots(const TensorSlot* slots, int64_t count, ScaleValues values,
 
 }  // namespace
 
-int ItemSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16Remainder:
-      return 2;
-    case DType::kFloat8E4M3:
-      return 1;
-    default:
-      return 0;
-  }
-}
-
 const char* DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kNone:

@@ -43,7 +43,7 @@ struct Launch {
   uint32_t* absmax;  // 3 per slot of this launch (kW, kM, kV), zeroed
   int count;
   bool any_scaled;
-  LayoutId layout;
+  int layout;  // index in CompiledLayouts, or kAnyLayout
 };
 static_assert(sizeof(Launch) + sizeof(StepConstants) < 4000,
               "kernel arguments must fit the portable 4 KiB limit");
@@ -285,7 +285,7 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   int64_t first = 0;  // index of the launch's first tensor
   for (int64_t i = 0; i <= count; ++i) {
     const DeviceSlot t = i < count ? MakeDeviceSlot(slots[i]) : DeviceSlot{};
-    const LayoutId layout = LayoutOf(t);
+    const int layout = LayoutOf(t);
     const bool full = launch.count == kMaxSlots ||
                       (i < count && launch.count > 0 &&
                        (layout != launch.layout ||

@@ -10,6 +10,7 @@
 #define SHARDADAM_CUDA_LAYOUTS_H_
 
 #include <cstdint>
+#include <tuple>
 
 #include "cuda/slot_math.h"
 
@@ -60,62 +61,39 @@ constexpr int kF8 = static_cast<int>(DType::kFloat8E4M3);
 constexpr int kNoMaster = static_cast<int>(DType::kNone);
 constexpr int kRemainder = static_cast<int>(DType::kInt16Remainder);
 
-// The benchmark's state presets; fp32 params (as FSDP2 shards them) with 16-bit or
-// fp8 moments; fp8 exp_avg beside a bf16 exp_avg_sq. Then the catch-all.
-using Fp32Layout = Layout<kF32, kF32, kNoMaster, kF32, kF32>;
-using Bf16MasterLayout = Layout<kBF16, kBF16, kF32, kF32, kF32>;
-using Bf16MomentsLayout = Layout<kBF16, kBF16, kF32, kBF16, kBF16>;
-using RemainderLayout = Layout<kBF16, kBF16, kRemainder, kBF16, kBF16>;
-using Fp8MomentsLayout = Layout<kBF16, kBF16, kF32, kF8, kF8>;
-using Fp32Bf16MomentsLayout = Layout<kF32, kF32, kNoMaster, kBF16, kBF16>;
-using Fp32Fp8MomentsLayout = Layout<kF32, kF32, kNoMaster, kF8, kF8>;
-using Fp8ExpAvgLayout = Layout<kBF16, kBF16, kF32, kF8, kBF16>;
+// The compiled layouts: the benchmark's state presets; fp32 params (as FSDP2 shards
+// them) with 16-bit or fp8 moments; an fp8 exp_avg beside a bf16 exp_avg_sq.
+// Adding one is one line here.
+using CompiledLayouts = std::tuple<Layout<kF32, kF32, kNoMaster, kF32, kF32>,
+                                   Layout<kBF16, kBF16, kF32, kF32, kF32>,
+                                   Layout<kBF16, kBF16, kF32, kBF16, kBF16>,
+                                   Layout<kBF16, kBF16, kRemainder, kBF16, kBF16>,
+                                   Layout<kBF16, kBF16, kF32, kF8, kF8>,
+                                   Layout<kF32, kF32, kNoMaster, kBF16, kBF16>,
+                                   Layout<kF32, kF32, kNoMaster, kF8, kF8>,
+                                   Layout<kBF16, kBF16, kF32, kF8, kBF16>>;
 using AnyLayout = Layout<kAnyDType, kAnyDType, kAnyDType, kAnyDType, kAnyDType>;
 
-enum class LayoutId : uint8_t {
-  kFp32,
-  kBf16Master,
-  kBf16Moments,
-  kRemainder,
-  kFp8Moments,
-  kFp32Bf16Moments,
-  kFp32Fp8Moments,
-  kFp8ExpAvg,
-  kAny
-};
+// A layout's index in CompiledLayouts; the catch-all's is one past the last.
+constexpr int kAnyLayout = static_cast<int>(std::tuple_size_v<CompiledLayouts>);
 
-// Calls visit(L{}) with the Layout type of `id`.
-template <class Visit>
-decltype(auto) VisitLayout(LayoutId id, Visit&& visit) {
-  switch (id) {
-    case LayoutId::kFp32:
-      return visit(Fp32Layout{});
-    case LayoutId::kBf16Master:
-      return visit(Bf16MasterLayout{});
-    case LayoutId::kBf16Moments:
-      return visit(Bf16MomentsLayout{});
-    case LayoutId::kRemainder:
-      return visit(RemainderLayout{});
-    case LayoutId::kFp8Moments:
-      return visit(Fp8MomentsLayout{});
-    case LayoutId::kFp32Bf16Moments:
-      return visit(Fp32Bf16MomentsLayout{});
-    case LayoutId::kFp32Fp8Moments:
-      return visit(Fp32Fp8MomentsLayout{});
-    case LayoutId::kFp8ExpAvg:
-      return visit(Fp8ExpAvgLayout{});
-    default:
-      return visit(AnyLayout{});
+// Calls visit(L{}) with the Layout type of index `id`.
+template <int kFirst = 0, class Visit>
+decltype(auto) VisitLayout(int id, Visit&& visit) {
+  if constexpr (kFirst == kAnyLayout) {
+    return visit(AnyLayout{});
+  } else {
+    if (id == kFirst) return visit(std::tuple_element_t<kFirst, CompiledLayouts>{});
+    return VisitLayout<kFirst + 1>(id, visit);
   }
 }
 
-// The first listed layout `t` matches (kAny, which matches everything, last).
-inline LayoutId LayoutOf(const DeviceSlot& t) {
-  for (int id = 0; id < static_cast<int>(LayoutId::kAny); ++id) {
-    const LayoutId layout = static_cast<LayoutId>(id);
-    if (VisitLayout(layout, [&](auto l) { return decltype(l)::Matches(t); })) return layout;
+// The first compiled layout `t` matches, else kAnyLayout.
+inline int LayoutOf(const DeviceSlot& t) {
+  for (int id = 0; id < kAnyLayout; ++id) {
+    if (VisitLayout(id, [&](auto l) { return decltype(l)::Matches(t); })) return id;
   }
-  return LayoutId::kAny;
+  return kAnyLayout;
 }
 
 }  // namespace cuda

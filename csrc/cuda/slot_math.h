@@ -13,24 +13,20 @@
 #include "cuda/codecs.h"
 #include "element.h"
 #include "shardadam/adam.h"
+#include "validate.h"
 
 namespace shardadam {
 namespace cuda {
 
-// Bytes per element of a buffer of `dtype` (the int16 remainder: 2; no buffer: 0).
+// The core's dtype rules (validate.h) on the kernels' byte-sized dtype tags: bytes
+// per element (the int16 remainder: 2; no buffer: 0), and whether the stored value
+// carries a per-tensor scale.
 SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
-  switch (static_cast<DType>(dtype)) {
-    case DType::kNone:
-      return 0;
-    case DType::kFloat8E4M3:
-      return 1;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16Remainder:
-      return 2;
-    default:
-      return 4;
-  }
+  return internal::ItemSize(static_cast<DType>(dtype));
+}
+
+SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
+  return internal::IsScaled(static_cast<DType>(dtype));
 }
 
 // One tensor as the kernels see it: TensorSlot with dtype tags in bytes, so a
@@ -50,11 +46,6 @@ struct DeviceSlot {
 
 // Index of the three states that may carry a per-tensor scale.
 enum StateIndex { kW = 0, kM = 1, kV = 2 };
-
-SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
-  return dtype == static_cast<uint8_t>(DType::kFloat16) ||
-         dtype == static_cast<uint8_t>(DType::kFloat8E4M3);
-}
 
 inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
   DeviceSlot d;

@@ -122,18 +122,6 @@ void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& pa
   }
 }
 
-// Which buffers of every tensor RelocatedStep places one element past a
-// 16-byte boundary (not aligned to four elements: those go one at a time).
-enum ShiftedBuffers : unsigned {
-  kNoneShifted = 0,
-  kParamShifted = 1,
-  kGradShifted = 2,
-  kExpAvgShifted = 4,
-  kExpAvgSqShifted = 8,
-  kMasterShifted = 16,
-  kAllShifted = 31,
-};
-
 // EmulatedCudaStep on copies of the tensors' buffers placed as the device gets
 // them: 16-byte aligned, or one element past that where `shifted` says, with
 // guard bytes on both sides that must be intact afterwards.
@@ -187,7 +175,7 @@ enum ShiftedBuffers : unsigned {
 bool HasCompiledLayout(const Config& config) {
   Tensor t;
   t.config = config;
-  return cuda::LayoutOf(cuda::MakeDeviceSlot(t.Slot())) != cuda::LayoutId::kAny;
+  return cuda::LayoutOf(cuda::MakeDeviceSlot(t.Slot())) != cuda::kAnyLayout;
 }
 
 class CudaStepMathTest : public ::testing::TestWithParam<Config> {};
@@ -270,16 +258,16 @@ TEST(CudaLayoutTest, CompiledCombinationsGetTheirLayouts) {
     return a.param == b.param && a.grad == b.grad && a.exp_avg == b.exp_avg &&
            a.exp_avg_sq == b.exp_avg_sq && a.master == b.master;
   };
-  std::vector<cuda::LayoutId> seen;
+  std::vector<int> seen;
   for (const Config& config : AllConfigs()) {
     SCOPED_TRACE(ConfigName(config));
     Tensor t;
     t.config = config;
     const cuda::DeviceSlot slot = cuda::MakeDeviceSlot(t.Slot());
-    const cuda::LayoutId id = cuda::LayoutOf(slot);
+    const int id = cuda::LayoutOf(slot);
     const bool listed = std::any_of(std::begin(compiled), std::end(compiled),
                                     [&](const Config& c) { return same(c, config); });
-    EXPECT_EQ(id != cuda::LayoutId::kAny, listed);
+    EXPECT_EQ(id != cuda::kAnyLayout, listed);
     cuda::VisitLayout(id, [&](auto layout) {
       using L = decltype(layout);
       EXPECT_EQ(L::kFixed, listed);
@@ -294,7 +282,8 @@ TEST(CudaLayoutTest, CompiledCombinationsGetTheirLayouts) {
     if (listed && config.adam_w) seen.push_back(id);
   }
   std::sort(seen.begin(), seen.end());
-  EXPECT_EQ(std::unique(seen.begin(), seen.end()) - seen.begin(), 8) << "one layout each";
+  EXPECT_EQ(std::unique(seen.begin(), seen.end()) - seen.begin(), std::size(compiled))
+      << "one layout each";
 }
 
 }  // namespace

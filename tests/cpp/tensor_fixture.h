@@ -99,6 +99,19 @@ inline std::vector<Config> RepresentativeConfigs() {
 
 // The buffers of one tensor, owned here as a caller would own them. Copies are
 // deep, so one starting state can be stepped by two implementations.
+// Which buffers a test places one element past a 16-byte boundary: not aligned
+// to four elements, so the CUDA kernels move those tensors' elements one at a
+// time (else four per access where the layout allows).
+enum ShiftedBuffers : unsigned {
+  kNoneShifted = 0,
+  kParamShifted = 1,
+  kGradShifted = 2,
+  kExpAvgShifted = 4,
+  kExpAvgSqShifted = 8,
+  kMasterShifted = 16,
+  kAllShifted = 31,
+};
+
 struct Tensor {
   Config config;
   int64_t numel = 0;

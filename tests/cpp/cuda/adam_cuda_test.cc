@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -31,19 +32,6 @@ class DeviceBuffer {
 
  private:
   void* data_ = nullptr;
-};
-
-// Which buffers DeviceTensor places one element past their allocation: not
-// aligned to four elements, so the kernels move those tensors' elements one at a
-// time (else four per access where the layout allows).
-enum ShiftedBuffers : unsigned {
-  kNoneShifted = 0,
-  kParamShifted = 1,
-  kGradShifted = 2,
-  kExpAvgShifted = 4,
-  kExpAvgSqShifted = 8,
-  kMasterShifted = 16,
-  kAllShifted = 31,
 };
 
 // A Tensor's buffers and scales copied to the device, and back.
@@ -151,32 +139,32 @@ TEST(CudaStepTest, EveryDTypeCombinationMatchesCpuCoreBitwise) {
   }
 }
 
-TEST(CudaStepTest, BuffersAlignedOnlyToTheirElementMatchCpuCoreBitwise) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
-  for (const Config& config : AllConfigs()) {
-    SCOPED_TRACE(ConfigName(config));
-    std::mt19937 rng(9);
-    std::vector<Tensor> tensors;
-    for (int64_t n : {17, 8193}) tensors.push_back(MakeTensor(config, n, &rng));
-    ExpectCudaMatchesCpu(tensors, config.adam_w, true, kAllShifted);
-    if (::testing::Test::HasFatalFailure()) return;
-  }
-}
-
-TEST(CudaStepTest, OneBufferAlignedOnlyToItsElementMatchesCpuCoreBitwise) {
-  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
-  // A tensor takes four elements per access only if all its buffers allow it.
-  for (const Config& config : RepresentativeConfigs()) {
-    for (unsigned shifted : {kParamShifted, kGradShifted, kExpAvgShifted, kExpAvgSqShifted,
-                             kMasterShifted}) {
-      SCOPED_TRACE(ConfigName(config) + ", shifted buffer bit " + std::to_string(shifted));
-      std::mt19937 rng(10);
+// Tensors of 17 and 8193 elements of each of `configs`, placed once per
+// ShiftedBuffers value of `placements`.
+void ExpectShiftedMatchCpu(const std::vector<Config>& configs,
+                           std::initializer_list<unsigned> placements) {
+  for (const Config& config : configs) {
+    for (unsigned shifted : placements) {
+      SCOPED_TRACE(ConfigName(config) + ", shifted buffer bits " + std::to_string(shifted));
+      std::mt19937 rng(9);
       std::vector<Tensor> tensors;
       for (int64_t n : {17, 8193}) tensors.push_back(MakeTensor(config, n, &rng));
       ExpectCudaMatchesCpu(tensors, config.adam_w, true, shifted);
       if (::testing::Test::HasFatalFailure()) return;
     }
   }
+}
+
+TEST(CudaStepTest, BuffersAlignedOnlyToTheirElementMatchCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  ExpectShiftedMatchCpu(AllConfigs(), {kAllShifted});
+}
+
+TEST(CudaStepTest, OneBufferAlignedOnlyToItsElementMatchesCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // A tensor takes four elements per access only if all its buffers allow it.
+  ExpectShiftedMatchCpu(RepresentativeConfigs(), {kParamShifted, kGradShifted, kExpAvgShifted,
+                                                  kExpAvgSqShifted, kMasterShifted});
 }
 
 TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
