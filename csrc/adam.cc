@@ -8,12 +8,13 @@
 //   grad; fp32 param, bf16 param + fp32 master, or bf16 param + remainder;
 //   both moments fp32, bf16, fp16 or fp8, or fp8 exp_avg + bf16 exp_avg_sq),
 //   else a decoder and an encoder per stream from the target's KernelTable;
-// - split the whole list of tensors into work items that start on multiples
-//   of kChunk elements (cache-line aligned for every dtype) and run them on the
-//   blocking thread pool. A fused layout walks its range a pair of vectors at
-//   a time, each stream read and written once in registers, software
-//   pipelined (the next pair's moments and denominators are computed before
-//   this pair's weight division and stores) so that the core always has work
+// - split the whole list of tensors into work items of whole kChunks
+//   (cache-line aligned for every dtype; larger items for larger calls, see
+//   ItemElements) and run them on the blocking thread pool. A fused layout
+//   walks its range a pair of vectors at a time, each stream read and
+//   written once in registers, software pipelined (the next pair's moments
+//   and denominators are computed before this pair's weight division and
+//   stores) so that the core always has work
 //   independent of the update's chain of square root and divisions. The
 //   others walk it in kBlock-element fp32 blocks: decode grad / w / m / v,
 //   one update body, encode what changed; fp32 buffers are used in
@@ -508,11 +509,11 @@ struct WorkItem {
   Pass pass;
 };
 
-void AppendChunks(int64_t tensor, int64_t numel, Pass pass,
-                  std::vector<WorkItem>& items) {
-  const int64_t chunks = NumChunks(numel);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const ChunkRange r = ChunkAt(numel, c);
+void AppendItems(int64_t tensor, int64_t numel, int64_t item, Pass pass,
+                 std::vector<WorkItem>& items) {
+  const int64_t count = NumItems(numel, item);
+  for (int64_t c = 0; c < count; ++c) {
+    const ItemRange r = ItemAt(numel, item, c);
     items.push_back({tensor, r.begin, r.end, pass});
   }
 }
@@ -559,6 +560,11 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
   plans.reserve(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) plans.push_back(MakePlan(kt, slots[i]));
 
+  const int threads = ResolveThreads(num_threads);
+  int64_t total = 0;
+  for (const TensorPlan& p : plans) total += p.numel;
+  const int64_t item = ItemElements(total, threads);
+
   // Phase A: every single-pass tensor, every small scaled tensor (both
   // passes), pass 1 of large scaled tensors. Phase B: their pass 2.
   std::vector<WorkItem> phase_a, phase_b;
@@ -567,14 +573,14 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
     const TensorPlan& p = plans[static_cast<size_t>(i)];
     if (p.numel == 0) continue;
     if (!p.Scaled()) {
-      AppendChunks(i, p.numel, Pass::kUpdate, phase_a);
+      AppendItems(i, p.numel, item, Pass::kUpdate, phase_a);
       work_a += p.numel;
     } else if (p.numel <= kSmallScaledMax) {
       phase_a.push_back({i, 0, p.numel, Pass::kBoth});
       work_a += 2 * p.numel;
     } else {
-      AppendChunks(i, p.numel, Pass::kReduce, phase_a);
-      AppendChunks(i, p.numel, Pass::kUpdate, phase_b);
+      AppendItems(i, p.numel, item, Pass::kReduce, phase_a);
+      AppendItems(i, p.numel, item, Pass::kUpdate, phase_b);
       work_a += p.numel;
       work_b += p.numel;
     }
@@ -583,7 +589,6 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
   std::vector<std::atomic<uint32_t>> max_bits(phase_b.empty() ? 0 : 3 * plans.size());
   for (auto& b : max_bits) b.store(0, std::memory_order_relaxed);
 
-  const int threads = ResolveThreads(num_threads);
   RunItems(phase_a.size(), ThreadsFor(threads, work_a, phase_a.size()),
            [&](size_t index, Scratch& s) {
              const WorkItem& item = phase_a[index];
@@ -672,15 +677,20 @@ void ConvertSpan(const char* src, int src_size, DecodeFn decode,
 
 }  // namespace
 
-int64_t NumChunks(int64_t numel) {
-  // numel / kChunk rounded up, without forming numel + kChunk - 1.
-  return numel <= 0 ? 0 : numel / kChunk + (numel % kChunk != 0 ? 1 : 0);
+int64_t ItemElements(int64_t work, int threads) {
+  const int64_t chunks = work / (kChunk * kItemsPerThread * std::max(threads, 1));
+  return kChunk * std::clamp<int64_t>(chunks, 1, kMaxChunksPerItem);
 }
 
-ChunkRange ChunkAt(int64_t numel, int64_t index) {
-  const int64_t begin = index * kChunk;
-  // Compared as a distance so begin + kChunk is never formed past numel.
-  return {begin, numel - begin < kChunk ? numel : begin + kChunk};
+int64_t NumItems(int64_t numel, int64_t item) {
+  // numel / item rounded up, without forming numel + item - 1.
+  return numel <= 0 ? 0 : numel / item + (numel % item != 0 ? 1 : 0);
+}
+
+ItemRange ItemAt(int64_t numel, int64_t item, int64_t index) {
+  const int64_t begin = index * item;
+  // Compared as a distance so begin + item is never formed past numel.
+  return {begin, numel - begin < item ? numel : begin + item};
 }
 
 const KernelTable& ActiveKernels() {
@@ -772,10 +782,12 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
   const bool dst_f32 = dst_dtype == DType::kFloat32;
   const char* from = static_cast<const char*>(src);
   char* to = static_cast<char*>(dst);
-  const size_t chunks = static_cast<size_t>(NumChunks(numel));
-  RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
+  const int threads = ResolveThreads(num_threads);
+  const int64_t item = ItemElements(numel, threads);
+  const size_t items = static_cast<size_t>(NumItems(numel, item));
+  RunItems(items, ThreadsFor(threads, numel, items),
            [&](size_t index, Scratch& s) {
-             const ChunkRange r = ChunkAt(numel, static_cast<int64_t>(index));
+             const ItemRange r = ItemAt(numel, item, static_cast<int64_t>(index));
              const int64_t begin = r.begin;
              const int64_t end = r.end;
              const size_t n = static_cast<size_t>(end - begin);
@@ -802,10 +814,12 @@ float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) 
   if (!IsScaled(dtype) || u == nullptr || numel <= 0) return 1.0f;
   const KernelTable& kt = ActiveKernels();
   std::atomic<uint32_t> best{0};
-  const size_t chunks = static_cast<size_t>(NumChunks(numel));
-  RunItems(chunks, ThreadsFor(ResolveThreads(num_threads), numel, chunks),
+  const int threads = ResolveThreads(num_threads);
+  const int64_t item = ItemElements(numel, threads);
+  const size_t items = static_cast<size_t>(NumItems(numel, item));
+  RunItems(items, ThreadsFor(threads, numel, items),
            [&](size_t index, Scratch&) {
-             const ChunkRange r = ChunkAt(numel, static_cast<int64_t>(index));
+             const ItemRange r = ItemAt(numel, item, static_cast<int64_t>(index));
              AtomicMax(best, kt.abs_max_bits(u + r.begin, static_cast<size_t>(r.end - r.begin)));
            });
   return ScaleFromAbsMaxBits(best.load(), ScaleTarget(dtype));

@@ -98,7 +98,8 @@ TEST_P(AdamLargeTest, MultiMiBTensorMatchesReference) {
 }
 
 // Bitwise equal results for any thread count (S3.7), and equal to the
-// reference.
+// reference. The thread count also changes the work items' size
+// (ItemElements): here two chunks each on one thread, one on more.
 TEST_P(AdamLargeTest, ThreadCountDoesNotChangeBits) {
   std::mt19937 rng(31);
   std::vector<Tensor> start;

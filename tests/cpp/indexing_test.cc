@@ -1,5 +1,5 @@
 // 64-bit index math for tensors of more than 2^31 elements, checked without
-// allocating them: the work-item split (kernels.h's NumChunks / ChunkAt) and
+// allocating them: the work-item split (kernels.h's ItemElements / NumItems / ItemAt) and
 // validation's byte-range and overlap arithmetic, which only compares
 // addresses and never touches the memory behind them. A 32-bit product or sum
 // anywhere in either would show up here as a wrong range or a missed overlap.
@@ -14,41 +14,66 @@
 namespace shardadam {
 namespace {
 
-using internal::ChunkAt;
-using internal::ChunkRange;
+using internal::ItemAt;
+using internal::ItemElements;
+using internal::ItemRange;
 using internal::kChunk;
-using internal::NumChunks;
+using internal::kMaxChunksPerItem;
+using internal::NumItems;
 
 constexpr int64_t kHuge = 3000000000;  // 3e9 elements: above 2^31 and 2^32 / 4
 
 // Splits of sizes around 2^31 and 2^32 and the largest numel validation
-// accepts: the items cover [0, numel) exactly, in order, each kChunk long but
-// the last.
-TEST(ChunkSplitTest, CoversHugeTensorsExactly) {
+// accepts, with the smallest and the largest item: the items cover
+// [0, numel) exactly, in order, each `item` long but the last.
+TEST(ItemSplitTest, CoversHugeTensorsExactly) {
   const int64_t sizes[] = {int64_t{1} << 31,       (int64_t{1} << 31) + 1,
                            kHuge,                  kHuge + 5,
                            (int64_t{1} << 32) + 7, INT64_MAX / 8};
-  for (int64_t numel : sizes) {
-    SCOPED_TRACE("numel " + std::to_string(numel));
-    const int64_t chunks = NumChunks(numel);
-    ASSERT_EQ(chunks, (numel - 1) / kChunk + 1);
-    // Every item's begin is index * kChunk; check the first few, those
-    // around 2^31 elements, and the last few rather than all of them.
-    const int64_t around = (int64_t{1} << 31) / kChunk;
-    for (int64_t c : {int64_t{0}, int64_t{1}, around - 1, around, around + 1,
-                      chunks - 2, chunks - 1}) {
-      if (c < 0 || c >= chunks) continue;
-      const ChunkRange r = ChunkAt(numel, c);
-      EXPECT_EQ(r.begin, c * kChunk);
-      EXPECT_EQ(r.end, c + 1 < chunks ? r.begin + kChunk : numel);
-      EXPECT_LT(r.begin, r.end);
-      if (c + 1 < chunks) EXPECT_EQ(ChunkAt(numel, c + 1).begin, r.end);
+  for (int64_t item : {kChunk, kChunk * kMaxChunksPerItem}) {
+    for (int64_t numel : sizes) {
+      SCOPED_TRACE("item " + std::to_string(item) + ", numel " + std::to_string(numel));
+      const int64_t count = NumItems(numel, item);
+      ASSERT_EQ(count, (numel - 1) / item + 1);
+      // Every item's begin is index * item; check the first few, those
+      // around 2^31 elements, and the last few rather than all of them.
+      const int64_t around = (int64_t{1} << 31) / item;
+      for (int64_t c : {int64_t{0}, int64_t{1}, around - 1, around, around + 1,
+                        count - 2, count - 1}) {
+        if (c < 0 || c >= count) continue;
+        const ItemRange r = ItemAt(numel, item, c);
+        EXPECT_EQ(r.begin, c * item);
+        EXPECT_EQ(r.end, c + 1 < count ? r.begin + item : numel);
+        EXPECT_LT(r.begin, r.end);
+        if (c + 1 < count) EXPECT_EQ(ItemAt(numel, item, c + 1).begin, r.end);
+      }
+    }
+    EXPECT_EQ(NumItems(0, item), 0);
+    EXPECT_EQ(NumItems(1, item), 1);
+    EXPECT_EQ(NumItems(item, item), 1);
+    EXPECT_EQ(NumItems(item + 1, item), 2);
+  }
+}
+
+// Items are whole chunks, one for small calls, growing with the work per
+// thread up to kMaxChunksPerItem, also for work far beyond 2^31 elements.
+TEST(ItemSplitTest, ItemSizeGrowsWithWorkPerThread) {
+  EXPECT_EQ(ItemElements(0, 1), kChunk);
+  EXPECT_EQ(ItemElements(1000, 2), kChunk);
+  const int64_t per_item = kChunk * internal::kItemsPerThread;
+  EXPECT_EQ(ItemElements(2 * per_item * 3, 2), 3 * kChunk);
+  EXPECT_EQ(ItemElements(2 * per_item * 3 - 1, 2), 2 * kChunk);
+  EXPECT_EQ(ItemElements(per_item * 3, 1), 3 * kChunk);
+  EXPECT_EQ(ItemElements(kHuge, 2), kChunk * kMaxChunksPerItem);
+  EXPECT_EQ(ItemElements(INT64_MAX / 8, 1024), kChunk * kMaxChunksPerItem);
+  for (int64_t work : {int64_t{0}, int64_t{12345}, int64_t{20000000}, kHuge}) {
+    for (int threads : {1, 2, 3, 7, 64}) {
+      const int64_t item = ItemElements(work, threads);
+      EXPECT_EQ(item % kChunk, 0);
+      EXPECT_GE(item, kChunk);
+      EXPECT_LE(item, kChunk * kMaxChunksPerItem);
     }
   }
-  EXPECT_EQ(NumChunks(0), 0);
-  EXPECT_EQ(NumChunks(1), 1);
-  EXPECT_EQ(NumChunks(kChunk), 1);
-  EXPECT_EQ(NumChunks(kChunk + 1), 2);
 }
 
 // Addresses only: nothing below is ever dereferenced. They sit far apart in
