@@ -19,9 +19,11 @@
 //   others walk it in kBlock-element fp32 blocks: decode grad / w / m / v,
 //   one update body, encode what changed; fp32 buffers are used in
 //   place, never copied; blocks are short so the out-of-order core overlaps one
-//   block's update with the next one's loads. On 2 AVX2 cores every layout
-//   that moves 20 bytes per element or fewer is bound by instructions, not
-//   memory: the conversions cost more than the two divisions and the square root;
+//   block's update with the next one's loads. On 2 AVX2 (Zen 3) cores every
+//   layout that moves 20 bytes per element or fewer is bound by instructions,
+//   not memory: the conversions cost more than the two divisions and the square
+//   root; on 2 AVX-512 (Zen 5) cores every fused layout runs near the memory
+//   ceiling;
 // - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
 //   need the absmax of the NEW state before anything can be encoded, so they
 //   take two passes without any full-size temporary: pass 1 decodes, updates
