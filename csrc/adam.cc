@@ -562,29 +562,35 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
   plans.reserve(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) plans.push_back(MakePlan(kt, slots[i]));
 
-  const int threads = ResolveThreads(num_threads);
-  int64_t total = 0;
-  for (const TensorPlan& p : plans) total += p.numel;
-  const int64_t item = ItemElements(total, threads);
-
   // Phase A: every single-pass tensor, every small scaled tensor (both
-  // passes), pass 1 of large scaled tensors. Phase B: their pass 2.
+  // passes), pass 1 of large scaled tensors. Phase B: their pass 2. Each
+  // phase sizes its items for its own elements.
+  const auto two_pass = [](const TensorPlan& p) {
+    return p.Scaled() && p.numel > kSmallScaledMax;
+  };
+  int64_t elements_a = 0, elements_b = 0;
+  for (const TensorPlan& p : plans) {
+    elements_a += p.numel;
+    if (two_pass(p)) elements_b += p.numel;
+  }
+  const int threads = ResolveThreads(num_threads);
+  const int64_t item_a = ItemElements(elements_a, threads);
+  const int64_t item_b = ItemElements(elements_b, threads);
   std::vector<WorkItem> phase_a, phase_b;
-  int64_t work_a = 0, work_b = 0;
+  int64_t work_a = 0;  // for ThreadsFor: a small scaled tensor's two passes count twice
   for (int64_t i = 0; i < count; ++i) {
     const TensorPlan& p = plans[static_cast<size_t>(i)];
     if (p.numel == 0) continue;
-    if (!p.Scaled()) {
-      AppendItems(i, p.numel, item, Pass::kUpdate, phase_a);
+    if (two_pass(p)) {
+      AppendItems(i, p.numel, item_a, Pass::kReduce, phase_a);
+      AppendItems(i, p.numel, item_b, Pass::kUpdate, phase_b);
       work_a += p.numel;
-    } else if (p.numel <= kSmallScaledMax) {
+    } else if (p.Scaled()) {
       phase_a.push_back({i, 0, p.numel, Pass::kBoth});
       work_a += 2 * p.numel;
     } else {
-      AppendItems(i, p.numel, item, Pass::kReduce, phase_a);
-      AppendItems(i, p.numel, item, Pass::kUpdate, phase_b);
+      AppendItems(i, p.numel, item_a, Pass::kUpdate, phase_a);
       work_a += p.numel;
-      work_b += p.numel;
     }
   }
   // Largest magnitudes of the new w / m / v of each tensor, as fp32 bits.
@@ -636,7 +642,7 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
         p.new_scale[j] = ScaleFromAbsMaxBits(bits, p.target[j]);
       }
     }
-    RunItems(phase_b.size(), ThreadsFor(threads, work_b, phase_b.size()),
+    RunItems(phase_b.size(), ThreadsFor(threads, elements_b, phase_b.size()),
              [&](size_t index, Scratch& s) {
                const WorkItem& item = phase_b[index];
                uint32_t unused[3] = {0, 0, 0};

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels.h"
 #include "reference.h"
 #include "tensor_fixture.h"
 #include "test_util.h"
@@ -103,10 +104,14 @@ TEST_P(AdamLargeTest, MultiMiBTensorMatchesReference) {
 TEST_P(AdamLargeTest, ThreadCountDoesNotChangeBits) {
   std::mt19937 rng(31);
   std::vector<Tensor> start;
+  int64_t total = 0;
   for (int64_t n : {int64_t{100003}, int64_t{0}, int64_t{33},
                     int64_t{(1 << 18) + 5}, int64_t{4097}}) {
     start.push_back(MakeTensor(GetParam(), n, &rng));
+    total += n;
   }
+  ASSERT_EQ(internal::ItemElements(total, 1), 2 * internal::kChunk);
+  ASSERT_EQ(internal::ItemElements(total, 2), internal::kChunk);
   StepParams params;
   params.adam_w_mode = GetParam().adam_w;
   params.weight_decay = 0.05;

@@ -606,7 +606,8 @@ TEST(SimdMeasureScaleTest, MatchesReference) {
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::vector<std::vector<float>> cases;
-  for (int64_t n : {0, 1, 7, 8, 15, 16, 17, 33, 65, 1000, 100003}) {
+  // 300007: several chunks per work item on one thread (ItemElements).
+  for (int64_t n : {0, 1, 7, 8, 15, 16, 17, 33, 65, 1000, 100003, 300007}) {
     std::vector<float> u(n);
     for (float& x : u) x = normal(rng);
     cases.push_back(u);
