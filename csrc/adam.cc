@@ -14,8 +14,8 @@
 //   walks its range a pair of vectors at a time, each stream read and
 //   written once in registers, software pipelined (the next pair's moments
 //   and denominators are computed before this pair's weight division and
-//   stores) so that the core always has work
-//   independent of the update's chain of square root and divisions. The
+//   stores) so that the core always has work independent of the update's
+//   chain of square root and divisions. The
 //   others walk it in kBlock-element fp32 blocks: decode grad / w / m / v,
 //   one update body, encode what changed; fp32 buffers are used in
 //   place, never copied; blocks are short so the out-of-order core overlaps one

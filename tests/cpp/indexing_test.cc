@@ -1,8 +1,9 @@
 // 64-bit index math for tensors of more than 2^31 elements, checked without
-// allocating them: the work-item split (kernels.h's ItemElements / NumItems / ItemAt) and
-// validation's byte-range and overlap arithmetic, which only compares
-// addresses and never touches the memory behind them. A 32-bit product or sum
-// anywhere in either would show up here as a wrong range or a missed overlap.
+// allocating them: the work-item split (kernels.h's ItemElements, NumItems and
+// ItemAt) and validation's byte-range and overlap arithmetic, which only
+// compares addresses and never touches the memory behind them. A 32-bit
+// product or sum anywhere in either would show up here as a wrong range or a
+// missed overlap.
 #include <cstdint>
 #include <limits>
 
