@@ -44,15 +44,30 @@ TEST(StreamMaximaTest, MatchScalarOnEveryTarget) {
   // A largest magnitude with the sign bit set, in the scalar tail of some sizes.
   halves[4097] = 0xFFFE;
   codes[4097] = 0xFE;
-  ForEachTarget([&] {
+  const auto check = [&](const std::vector<uint16_t>& h, const std::vector<uint8_t>& c) {
     const internal::KernelTable& kt = internal::ActiveKernels();
     for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{31}, size_t{64},
                      size_t{4097}, size_t{4098}, size_t{4099}}) {
       SCOPED_TRACE("n " + std::to_string(n));
-      EXPECT_EQ(kt.abs_max_bits16(halves.data(), n),
-                ScalarMaskedMax<uint16_t>(halves, n, 0x7FFF));
-      EXPECT_EQ(kt.abs_max_code8(codes.data(), n),
-                ScalarMaskedMax<uint8_t>(codes, n, 0x7F));
+      EXPECT_EQ(kt.abs_max_bits16(h.data(), n), ScalarMaskedMax<uint16_t>(h, n, 0x7FFF));
+      EXPECT_EQ(kt.abs_max_code8(c.data(), n), ScalarMaskedMax<uint8_t>(c, n, 0x7F));
+    }
+  };
+  ForEachTarget([&] {
+    check(halves, codes);
+    // The random values stay below 0x4000 / 0x40: a largest magnitude in
+    // every lane position of the widest vector (64 bytes) in turn, each with
+    // a runner-up in every other lane, so a reduction that lets one lane
+    // shadow another shows.
+    for (size_t at = 0; at < 64; ++at) {
+      SCOPED_TRACE("largest at " + std::to_string(at));
+      std::vector<uint16_t> h = halves;
+      std::vector<uint8_t> c = codes;
+      for (size_t i = 0; i < 64; ++i) {
+        h[i] = i == at ? 0xF000 : 0x4000 + static_cast<uint16_t>(i);
+        c[i] = i == at ? 0xF0 : static_cast<uint8_t>(0x40 + i % 32);
+      }
+      check(h, c);
     }
   });
 }
