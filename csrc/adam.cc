@@ -549,6 +549,18 @@ void RunItems(size_t count, int threads, const Fn& run) {
   ThreadPool::Global().Run(threads, body);
 }
 
+// Runs `run(range, scratch)` over the work items of one buffer of `numel`
+// elements (Convert, MeasureScale).
+template <class Fn>
+void RunBufferItems(int64_t numel, int num_threads, const Fn& run) {
+  const int threads = ResolveThreads(num_threads);
+  const int64_t item = ItemElements(numel, threads);
+  const size_t items = static_cast<size_t>(NumItems(numel, item));
+  RunItems(items, ThreadsFor(threads, numel, items), [&](size_t index, Scratch& s) {
+    run(ItemAt(numel, item, static_cast<int64_t>(index)), s);
+  });
+}
+
 void AtomicMax(std::atomic<uint32_t>& target, uint32_t value) {
   uint32_t current = target.load(std::memory_order_relaxed);
   while (value > current &&
@@ -790,29 +802,24 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
   const bool dst_f32 = dst_dtype == DType::kFloat32;
   const char* from = static_cast<const char*>(src);
   char* to = static_cast<char*>(dst);
-  const int threads = ResolveThreads(num_threads);
-  const int64_t item = ItemElements(numel, threads);
-  const size_t items = static_cast<size_t>(NumItems(numel, item));
-  RunItems(items, ThreadsFor(threads, numel, items),
-           [&](size_t index, Scratch& s) {
-             const ItemRange r = ItemAt(numel, item, static_cast<int64_t>(index));
-             const int64_t begin = r.begin;
-             const int64_t end = r.end;
-             const size_t n = static_cast<size_t>(end - begin);
-             const size_t whole = n / kt.pair * kt.pair;
-             ConvertSpan(from + begin * src_size, src_size, decode,
-                         to + begin * dst_size, dst_size, encode, dst_f32, scale,
-                         whole, s);
-             if (whole < n) {
-               const size_t t = n - whole;
-               alignas(64) char in[kGranule * sizeof(float)] = {};
-               alignas(64) char out[kGranule * sizeof(float)];
-               memcpy(in, from + (begin + whole) * src_size, t * src_size);
-               ConvertSpan(in, src_size, decode, out, dst_size, encode, dst_f32,
-                           scale, kt.pair, s);
-               memcpy(to + (begin + whole) * dst_size, out, t * dst_size);
-             }
-           });
+  RunBufferItems(numel, num_threads, [&](const ItemRange& r, Scratch& s) {
+    const int64_t begin = r.begin;
+    const int64_t end = r.end;
+    const size_t n = static_cast<size_t>(end - begin);
+    const size_t whole = n / kt.pair * kt.pair;
+    ConvertSpan(from + begin * src_size, src_size, decode,
+                to + begin * dst_size, dst_size, encode, dst_f32, scale,
+                whole, s);
+    if (whole < n) {
+      const size_t t = n - whole;
+      alignas(64) char in[kGranule * sizeof(float)] = {};
+      alignas(64) char out[kGranule * sizeof(float)];
+      memcpy(in, from + (begin + whole) * src_size, t * src_size);
+      ConvertSpan(in, src_size, decode, out, dst_size, encode, dst_f32,
+                  scale, kt.pair, s);
+      memcpy(to + (begin + whole) * dst_size, out, t * dst_size);
+    }
+  });
   return Status::kOk;
 }
 
@@ -822,14 +829,9 @@ float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) 
   if (!IsScaled(dtype) || u == nullptr || numel <= 0) return 1.0f;
   const KernelTable& kt = ActiveKernels();
   std::atomic<uint32_t> best{0};
-  const int threads = ResolveThreads(num_threads);
-  const int64_t item = ItemElements(numel, threads);
-  const size_t items = static_cast<size_t>(NumItems(numel, item));
-  RunItems(items, ThreadsFor(threads, numel, items),
-           [&](size_t index, Scratch&) {
-             const ItemRange r = ItemAt(numel, item, static_cast<int64_t>(index));
-             AtomicMax(best, kt.abs_max_bits(u + r.begin, static_cast<size_t>(r.end - r.begin)));
-           });
+  RunBufferItems(numel, num_threads, [&](const ItemRange& r, Scratch&) {
+    AtomicMax(best, kt.abs_max_bits(u + r.begin, static_cast<size_t>(r.end - r.begin)));
+  });
   return ScaleFromAbsMaxBits(best.load(), ScaleTarget(dtype));
 }
 
