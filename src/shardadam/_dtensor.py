@@ -15,6 +15,8 @@ Private torch APIs, used here only:
   ``DTensor.from_local`` moves the local tensor to the mesh's device type, which would
   move the states of a CPU-offloaded parameter (FSDP2 keeps CPU local tensors under a
   CUDA mesh) to the GPU; the constructor wraps the local tensor as it is.
+* ``DeviceMesh._shard_order`` (set by Megatron FSDP, not torch): checked to be an order
+  of the mesh's dims; the optimizer never needs the order itself.
 * ``DTensor._local_tensor`` / ``DTensor._spec`` (and the spec's ``mesh``,
   ``placements``, ``tensor_meta``) on the per-step path: what the public ``to_local()``
   returns under ``torch.no_grad()`` and what ``device_mesh`` / ``placements`` /
@@ -271,9 +273,31 @@ def param_layout_error(param: torch.Tensor) -> Optional[str]:
                 f"a Partial parameter still needs a reduction, which the optimizer does "
                 f"not perform), got placements {tuple(param.placements)} on "
                 f"{_mesh_text(param.device_mesh)}")
+    order_error = _shard_order_error(param.device_mesh)
+    if order_error is not None:
+        return order_error
     local = to_local(param)
     if local.layout is not torch.strided:
         return f"sparse local tensors are not supported (layout {local.layout})"
+    return None
+
+
+def _shard_order_error(mesh) -> Optional[str]:
+    """Why Megatron FSDP's ``mesh._shard_order`` (the order in which a parameter's mesh
+    dims split it; read by its checkpoint code, see the module docstring) is not one, or
+    None. The update is elementwise, so any order steps the same; an attribute that names
+    no order means the layout is not what this optimizer was built against."""
+    order = getattr(mesh, "_shard_order", None)
+    if order is None:
+        return None
+    try:
+        valid = sorted(order) == list(range(mesh.ndim))
+    except TypeError:
+        valid = False
+    if not valid:
+        return (f"the mesh's _shard_order {order!r} is not an order of its {mesh.ndim} "
+                f"dims (rule S1.4: Megatron FSDP's shard order names each mesh dim once) "
+                f"on {_mesh_text(mesh)}")
     return None
 
 

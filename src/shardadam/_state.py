@@ -2,9 +2,11 @@
 
 A parameter's state lives in ``optimizer.state[param]`` as storage tensors under
 ``exp_avg``, ``exp_avg_sq`` and (when SEMANTICS S2.1 gives one) ``master_param``, in
-their storage dtype and nothing else there: torch's checkpoint tools iterate those keys
-and expect a saved value for each. For fp16 / fp8 storage the fp32 scale of each state
-is a 0-dim tensor in ``optimizer._scales[param][name]`` (S2.2).
+their storage dtype; nothing of the optimizer's own goes there besides (torch's
+checkpoint tools iterate those keys and expect a saved value for each), and keys others
+write there (Megatron's ``step``) are left alone and carried through checkpoints. For
+fp16 / fp8 storage the fp32 scale of each state is a 0-dim tensor in
+``optimizer._scales[param][name]`` (S2.2).
 Storage is self-describing: its dtype and the presence of a scale say how to decode it,
 so state written under one configuration can be converted to another.
 
@@ -22,6 +24,8 @@ import torch
 from . import _dtensor, _tracked
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+# The param_groups key under which state_dict() records the state layout (S5.4).
+LAYOUT_KEY = "state_layout"
 
 # Storage kinds; the numbers are the C++ core's DType tags (csrc/include/shardadam/adam.h).
 KIND_NONE = 0
@@ -47,6 +51,9 @@ _SCALE_TARGET = {KIND_FLOAT16: 32752.0, KIND_FLOAT8_E4M3: 448.0}
 _TINY = torch.finfo(torch.float32).tiny
 _CONFIGURED_KIND = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16,
                     torch.bfloat16: KIND_BFLOAT16, torch.uint8: KIND_FLOAT8_E4M3}
+# A configured dtype's name in a recorded state layout (StateConfig.record).
+_FORMAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                 torch.uint8: "fp8"}
 
 
 class StateSpec(NamedTuple):
@@ -89,6 +96,35 @@ class StateConfig(NamedTuple):
 
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.kind == KIND_INT16_REMAINDER for s in self.specs(param_dtype))
+
+    def record(self) -> str:
+        """The state layout in words, as checkpoints record it (S5.4), e.g.
+        ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``."""
+        if not self.master_weights:
+            master = "none"
+        elif self.master_weight_dtype == torch.float16:
+            master = "fp16"
+        else:
+            master = "remainder" if self.store_param_remainders else "fp32"
+        return (f"exp_avg={_FORMAT_NAMES[self.exp_avg_dtype]} "
+                f"exp_avg_sq={_FORMAT_NAMES[self.exp_avg_sq_dtype]} master={master}")
+
+    @staticmethod
+    def from_record(record) -> "StateConfig":
+        """The configuration a ``record()`` string describes; ValueError if it is not one."""
+        fields = dict(item.partition("=")[::2] for item in str(record).split())
+        formats = {name: dtype for dtype, name in _FORMAT_NAMES.items()}
+        masters = {"none": (False, torch.float32, False), "fp32": (True, torch.float32, False),
+                   "fp16": (True, torch.float16, False),
+                   "remainder": (True, torch.float32, True)}
+        if (sorted(fields) != ["exp_avg", "exp_avg_sq", "master"]
+                or fields["exp_avg"] not in formats or fields["exp_avg_sq"] not in formats
+                or fields["master"] not in masters):
+            raise ValueError(f"{record!r} is not a state layout (rule: "
+                             f"'exp_avg=F exp_avg_sq=F master=M', F one of "
+                             f"{sorted(formats)}, M one of {sorted(masters)})")
+        return StateConfig(formats[fields["exp_avg"]], formats[fields["exp_avg_sq"]],
+                           *masters[fields["master"]])
 
 
 # ---------------------------------------------------------------------------
@@ -251,17 +287,20 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
 class EntryWrites:
     """The changes that make one parameter's state what it must be, prepared before any
     is applied: local storage by name, scales by name (None removes either), and the
-    bf16 bits the parameter must take (or None)."""
+    bf16 bits the parameter must take (or None), and entries other than the states,
+    stored as they are (``extra``: loaded keys someone else keeps in the state, S5.5)."""
 
-    __slots__ = ("stored", "scales", "param_bits")
+    __slots__ = ("stored", "scales", "param_bits", "extra")
 
     def __init__(self):
         self.stored = {}
         self.scales = {}
         self.param_bits = None
+        self.extra = {}
 
     def empty(self) -> bool:
-        return not self.stored and not self.scales and self.param_bits is None
+        return (not self.stored and not self.scales and self.param_bits is None
+                and not self.extra)
 
 
 def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
@@ -324,6 +363,7 @@ def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
             entry.pop(name, None)
         else:
             entry[name] = layout.wrap(stored)
+    entry.update(writes.extra)
     if writes.scales:
         param_scales = scales.get(param)
         for name, scale in writes.scales.items():

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from . import _dtensor
-from ._state import FLOAT_KINDS
+from ._state import FLOAT_KINDS, KIND_INT16_REMAINDER, StateConfig
 
 CLASS_NAME = "FusedAdam"
 _MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
@@ -180,6 +180,50 @@ def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
     return steps.pop() if steps else 0
 
 
+def loaded_layout(record, group_index: int):
+    """The ``StateConfig`` a checkpoint group recorded under ``state_layout`` (S5.4), or
+    None for a checkpoint that recorded none (TE's, torch's, older ones)."""
+    if record is None:
+        return None
+    try:
+        return StateConfig.from_record(record)
+    except ValueError as error:
+        raise fail(ValueError, f"the loaded group's state_layout: {error}",
+                   group=group_index) from None
+
+
+def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
+    """A loaded ``master_param`` checked against the layout it was saved with (S6.4).
+
+    torch.distributed.checkpoint loads into the tensors of this optimizer's own
+    ``state_dict()``, casting to their dtype: int16 remainders saved under
+    ``store_param_remainders`` arrive here as fp32 (exact, and turned back into int16),
+    an fp32 / fp16 master loaded into this optimizer's int16 remainders has lost its
+    bits (refused).
+    """
+    saved_kinds = {s.name: s.kind for s in saved.specs(param_dtype)}
+    saved_kind = saved_kinds.get("master_param")
+    if saved_kind is None:
+        return value
+    if saved_kind == KIND_INT16_REMAINDER and value.dtype != torch.int16:
+        exact = value.is_floating_point() and bool(
+            (value == value.round()).all() & (value >= -32768).all() & (value <= 32767).all())
+        if not exact:
+            raise RuntimeError(
+                f"{where_}: the checkpoint recorded int16 remainders for 'master_param' "
+                f"({saved.record()}) but holds {value.dtype} values that are not int16 "
+                f"codes (rule S6.4: a recorded layout must match the saved values)")
+        return value.to(torch.int16)
+    if saved_kind != KIND_INT16_REMAINDER and value.dtype == torch.int16:
+        raise RuntimeError(
+            f"{where_}: the checkpoint holds a floating-point 'master_param' (saved with "
+            f"{saved.record()}) but it arrived as int16: torch.distributed.checkpoint "
+            f"cast it into this optimizer's remainders ({config.record()}), which loses "
+            f"its bits (rule S6.4: load it into an optimizer with the saved "
+            f"store_param_remainders, or through load_state_dict with the values as saved)")
+    return value
+
+
 # ---------------------------------------------------------------------------
 # Parameters, gradients and state values.
 
@@ -320,8 +364,9 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
         return f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype}"
     local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
     if local_grad.shape != local_param.shape:
-        return (f"gradient shape {tuple(local_grad.shape)} does not match parameter shape "
-                f"{tuple(local_param.shape)}")
+        what = "local shape" if _dtensor.is_dtensor(param) else "shape"
+        return (f"gradient {what} {tuple(local_grad.shape)} does not match the parameter's "
+                f"{what} {tuple(local_param.shape)} (rule S3.4: local shapes must match)")
     if local_grad.device != local_param.device:
         return (f"gradient is on {local_grad.device} but the parameter is on "
                 f"{local_param.device}")

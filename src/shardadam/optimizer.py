@@ -5,9 +5,10 @@ docs/semantics.md is the contract; rule numbers (S3.1, ...) below point into it.
 each device to one backend call (``_backend``). State layout and codecs live in
 ``_state``, checks in ``_validate``, DTensor handling in ``_dtensor``.
 
-``optimizer.state[param]`` holds exactly the storage tensors ``exp_avg``, ``exp_avg_sq``
-and ``master_param`` (where S2.1 gives one), DTensors like the parameter for a DTensor
-parameter (S2.6); the fp32 scale of each fp16 / fp8 state is a local 0-dim tensor in
+``optimizer.state[param]`` holds the storage tensors ``exp_avg``, ``exp_avg_sq`` and
+``master_param`` (where S2.1 gives one), DTensors like the parameter for a DTensor
+parameter (S2.6), and whatever else a framework writes there (kept, S5.4); the fp32
+scale of each fp16 / fp8 state is a local 0-dim tensor in
 ``optimizer._scales[param][name]`` (S2.3).
 """
 
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import _backend, _dtensor, _plan, _state, _tracked, _validate
-from ._state import KIND_INT16_REMAINDER
+from ._state import KIND_INT16_REMAINDER, LAYOUT_KEY, STATE_NAMES
 
 # torch.compiler.disable with dynamo imported at the first call, not at import
 # (~1.5 s); torch.optim's own optimizers use it so. The public one where it is gone.
@@ -134,6 +135,7 @@ class FusedAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         group.setdefault("step", 0)
         config = self._config()
+        group[LAYOUT_KEY] = config.record()
         for param in group["params"]:
             local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
             self.state = _tracked.tracked(self.state, param)
@@ -347,14 +349,17 @@ class FusedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """torch's layout with, per parameter, exactly ``exp_avg``, ``exp_avg_sq`` and
+        """torch's layout with, per parameter, ``exp_avg``, ``exp_avg_sq`` and
         ``master_param`` where there is one, as fp32 true values (int16 for remainders),
-        wrapped like the parameter (S5.4)."""
+        wrapped like the parameter, plus any other key kept in its state; each group
+        records the state layout under ``state_layout`` (S5.4)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         config = self._config()
+        record = config.record()
         param_groups, packed_state, start = [], {}, 0
         for group in self.param_groups:
+            group[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
             param_groups.append(packed)
@@ -369,7 +374,8 @@ class FusedAdam(torch.optim.Optimizer):
         return state_dict
 
     def _exported_state(self, param, config) -> dict:
-        """``param``'s entry of ``state_dict()`` (S5.4)."""
+        """``param``'s entry of ``state_dict()`` (S5.4): its states, then any other key
+        someone keeps in ``optimizer.state[param]`` (Megatron writes ``step``), as is."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param) or {}
         scales = self._scales.get(param)
@@ -382,6 +388,7 @@ class FusedAdam(torch.optim.Optimizer):
             if spec.kind != KIND_INT16_REMAINDER and value.dtype != torch.float32:
                 value = value.float()
             exported[spec.name] = layout.wrap(value)
+        exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
         return exported
 
     @torch.no_grad()  # state is data, never part of a graph
@@ -407,7 +414,9 @@ class FusedAdam(torch.optim.Optimizer):
         for param, local, layout, writes in prepared:
             _state.apply_entry(new_state, new_scales, param, writes, local, layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
-        self.param_groups = [dict(group, **saved, params=group["params"])
+        record = self._config().record()
+        self.param_groups = [dict(group, **saved, params=group["params"],
+                                  **{LAYOUT_KEY: record})
                              for group, saved in zip(self.param_groups, saved_groups)]
         self.state = new_state
         self._scales = new_scales
@@ -424,13 +433,18 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{where}: loaded state dict has a different number of "
                              f"parameter groups ({len(saved_groups)} vs "
                              f"{len(self.param_groups)})")
+        own_steps, saved_layouts = [], []
         for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"{_validate.where(g)}: loaded state dict contains a parameter group "
                     f"that doesn't match the size of optimizer's group "
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
+            # A group without its own step takes its parameters' (torch's Adam layout):
+            # then their per-parameter "step" is consumed, not kept as an extra key.
+            own_steps.append("step" in saved)
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
+            saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
             merged = dict(group, **saved)
             _validate.check_group_keys(merged, g)
@@ -438,26 +452,29 @@ class FusedAdam(torch.optim.Optimizer):
         config = self._config()
         saved_state = state_dict["state"]
         prepared = []
-        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+        for g, group in enumerate(self.param_groups):
             keys = state_dict["param_groups"][g]["params"]
             for i, (param, key) in enumerate(zip(group["params"], keys)):
                 here = _validate.where(g, i, _validate.param_name(group, i))
-                values = saved_state.get(key)
+                values, saved_layout = saved_state.get(key), saved_layouts[g]
                 if values is None and not param.requires_grad:
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
                     # state out: it keeps its state, re-stored as by any load.
-                    values = self._exported_state(param, config)
+                    values, saved_layout = self._exported_state(param, config), None
                 if not isinstance(values, dict):
                     raise ValueError(f"{here}: the loaded state dict has no state for "
                                      f"this parameter (key {key!r}; only a parameter "
                                      f"with requires_grad=False may have none)")
-                prepared.append(self._prepare_param_load(param, values, config, here))
+                prepared.append(self._prepare_param_load(param, values, config, here,
+                                                         saved_layout, own_steps[g]))
         return prepared
 
-    def _prepare_param_load(self, param, values: dict, config, here: str):
+    def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
+                            own_step: bool):
         """The new state of one parameter from its saved ``values`` (S5.5): a DTensor
         value must have the parameter's layout, a plain one is taken as this rank's local
-        part and must have the local shape."""
+        part and must have the local shape. ``saved_layout``: the ``StateConfig`` the
+        checkpoint recorded (None if it recorded none)."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         error = _validate.param_error(param)
         if error is not None:
@@ -470,6 +487,9 @@ class FusedAdam(torch.optim.Optimizer):
             value = values[spec.name]
             _validate.check_value(param, spec, value, here)
             value = _dtensor.to_local(value)
+            if saved_layout is not None and spec.name == "master_param":
+                value = _validate.loaded_master(value, saved_layout, local.dtype, config,
+                                                here)
             if value.dtype == torch.int16 and local.dtype != torch.bfloat16:
                 raise RuntimeError(f"{here}: an int16 remainder {spec.name!r} needs a bf16 "
                                    f"parameter, this one is {local.dtype}")
@@ -477,5 +497,9 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError(f"{here}: state {spec.name!r} must hold floating "
                                    f"point values (or int16 remainders), got {value.dtype}")
             loaded[spec.name] = value.to(local.device)
-        return (param, local, layout,
-                _state.entry_from_values(config.specs(local.dtype), loaded, local))
+        writes = _state.entry_from_values(config.specs(local.dtype), loaded, local)
+        # Other keys (e.g. Megatron's "step") come back as saved, copied.
+        writes.extra = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in values.items()
+                        if k not in STATE_NAMES and (own_step or k != "step")}
+        return param, local, layout, writes

@@ -804,6 +804,16 @@ LOAD_ERRORS = [
      ValueError, facts("^FusedAdam", r"group\W*1\b", "maximize=True", "rule: ")),
     ("torch-step-counts-differ", _torch_steps_that_differ, ValueError,
      facts("^FusedAdam", r"group\W*1\b", r"step counts differ \(\[2, 3\]", "rule: ")),
+    ("bad-state_layout", lambda sd: sd["param_groups"][1].__setitem__("state_layout",
+                                                                      "exp_avg=fp64"),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "state_layout", "rule: ")),
+    # S6.4: what DCP makes of an fp16 master loaded into an optimizer with remainders
+    ("master-cast-to-int16", lambda sd: sd["state"][1].__setitem__(
+        "master_param", sd["state"][1]["master_param"].round().to(torch.int16)),
+     RuntimeError, facts(*at(0, 1), "int16", "store_param_remainders", "rule S6.4")),
+    ("recorded-remainders-not-codes", lambda sd: sd["param_groups"][0].__setitem__(
+        "state_layout", "exp_avg=fp8 exp_avg_sq=fp16 master=remainder"),
+     RuntimeError, facts(*at(0, 1), "not int16 codes", "rule S6.4")),
 ]
 
 

@@ -338,6 +338,8 @@ def test_load_torch_adamw_state_dict_takes_its_per_parameter_step(backend):
         opt = fused_adam()(copies, lr=0.5)
         opt.load_state_dict(sd)
         assert opt.param_groups[0]["step"] == 5
+        # the per-parameter step became the group's: not kept beside the states (S5.5)
+        assert all("step" not in opt.state[p] for p in copies)
         for i, p in enumerate(copies):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(99 + i))
         opt.step()
@@ -451,3 +453,51 @@ def test_initialize_state_resets_remainder(backend):
         assert scale_of(opt, p, name).item() == 1.0
     assert opt.param_groups[0]["step"] == 3
     opt.initialize_state(p, store_param_remainders=True)  # agrees with the config
+
+
+def test_state_dict_records_the_state_layout_and_carries_other_keys(backend):
+    """S5.4 / S5.5: every group records its state layout; a key written into
+    optimizer.state[p] from outside (Megatron writes "step") is exported as it is and
+    comes back from load_state_dict as a copy; the next steps are unchanged by it."""
+    cfg = Precision(param="bf16", master="rem", exp_avg="bf16", exp_avg_sq="fp8")
+    opt, params = stepped(cfg)
+    twin, twin_params = stepped(cfg)
+    for i, p in enumerate(params):
+        opt.state[p]["step"] = torch.tensor(float(i))
+    sd = opt.state_dict()
+    layout = "exp_avg=bf16 exp_avg_sq=fp8 master=remainder"
+    assert [g["state_layout"] for g in sd["param_groups"]] == [layout]
+    assert opt.param_groups[0]["state_layout"] == layout  # where torch's flattening looks
+    for i in range(len(params)):
+        assert_bitwise_equal(sd["state"][i]["step"], torch.tensor(float(i)), f"step {i}")
+    loaded_params = clone_params(params)
+    loaded = fused_adam()(loaded_params, lr=1e-2, weight_decay=0.1, **cfg.optimizer_kwargs())
+    loaded.load_state_dict(sd)
+    for i, p in enumerate(loaded_params):
+        kept = loaded.state[p]["step"]
+        assert_bitwise_equal(kept, torch.tensor(float(i)), f"loaded step {i}")
+        assert kept is not sd["state"][i]["step"], "the loaded key aliases the state dict"
+    run_precision_steps(opt, params, cfg, None, 2, 4, seed=5, what="with the key",
+                        check=False)
+    run_precision_steps(twin, twin_params, cfg, None, 2, 4, seed=5, what="without",
+                        check=False)
+    for p in params:
+        opt.state[p].pop("step")
+    assert_same_optimizer_state(opt, twin, params, twin_params, "outside key")
+
+
+def test_load_takes_remainders_cast_to_floats_exactly(backend):
+    """S6.4: DCP loads a checkpoint saved with int16 remainders into this optimizer's
+    fp32 master cast to float; with the recorded layout the load turns them back into
+    remainders and merges them with the parameter: the master is exact."""
+    opt, params = stepped(Precision(param="bf16", master="rem"))
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        entry["master_param"] = entry["master_param"].float()  # what DCP's copy_ does
+    copies = clone_params(params)
+    target = fused_adam()(copies, lr=1e-2, master_weights=True)
+    target.load_state_dict(sd)
+    for p, q in zip(params, copies):
+        assert_bitwise_equal(target.get_unscaled_state(q, "master_param"),
+                             merge_remainder(p, opt.get_unscaled_state(p, "master_param")),
+                             "master from the float-cast remainders")

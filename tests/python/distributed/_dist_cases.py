@@ -20,6 +20,9 @@ PRESETS = {
 }
 FP32 = "p=fp32-m=fp32"
 FP8 = "p=bf16-master=fp32-m=fp8"
+REMAINDER = "p=bf16-master=remainder-m=bf16"
+# Driven by the real megatron_fsdp package: exact with and without master, and scaled.
+MEGATRON_FSDP_PRESETS = (FP32, REMAINDER, FP8)
 # The configurations the issue asks for under FSDP2 (no fp16 master there).
 FSDP2_PRESETS = ("p=fp32-m=fp32", "p=bf16-master=fp32-m=bf16",
                  "p=bf16-master=remainder-m=bf16", "p=bf16-master=fp32-m=fp8")
@@ -33,6 +36,10 @@ DCP_APIS = ("dcp+get_optimizer_state_dict", "dcp+get_optimizer_state_dict-flatte
             "dcp+optimizer.state_dict")
 # (saved at, loaded at): same size, growing with uneven/empty shards, shrinking.
 DCP_RESHARDS = ((2, 2), (2, 3), (4, 2))
+
+
+# Megatron FSDP mesh kinds by world size (_megatron_layout.MESH_KINDS); the 2-D ones need 4.
+MEGATRON_KINDS = {2: ("dp", "no_shard"), 3: ("dp",), 4: ("dp", "hsdp", "hfsdp")}
 
 
 def layouts(world_size):
@@ -51,6 +58,10 @@ class Case:
     preset: str
     detail: str = ""     # layout, error kind, API, ...
     needs: tuple = ()    # ids of cases (any world size) whose output this one reads
+    # A named job runs apart from its world size's main one: jobs that read each other's
+    # checkpoints must not form a cycle (2 -> 3, 4 reads what this job saves at 2, while
+    # the main job at 2 reads what 4 saves).
+    job: str = ""
 
     def __str__(self):
         return self.id
@@ -74,6 +85,10 @@ def _build():
                                   preset, what))
         for preset in FSDP2_PRESETS:
             cases.append(Case(f"W={w}-fsdp2-{preset}", w, "fsdp2", preset))
+        for kind in MEGATRON_KINDS[w]:
+            for preset in PRESETS:
+                cases.append(Case(f"W={w}-megatron-{kind}-{preset}", w, "megatron_layout",
+                                  preset, kind))
     for w in (2, 3):
         for preset in PRESETS:
             cases.append(Case(f"W={w}-{preset}-get_optimizer_state_dict-on-fresh-optimizer",
@@ -88,6 +103,27 @@ def _build():
         cases.append(Case(save, 2, "fsdp2_dcp_save", preset))
         cases.append(Case(f"W=3-fsdp2-dcp-2to3-{preset}", 3, "fsdp2_dcp_resume", preset, "2",
                           needs=(save,)))
+    for preset in MEGATRON_FSDP_PRESETS:
+        save = f"W=2-megatron-fsdp-dcp-save-{preset}"
+        cases.append(Case(save, 2, "megatron_fsdp_save", preset, job="megatron-save"))
+        for w in (3, 4):
+            cases.append(Case(f"W={w}-megatron-fsdp-dcp-2to{w}-{preset}", w,
+                              "megatron_fsdp_resume", preset, needs=(save,)))
+    for moments in ("m=fp32", "m=bf16"):  # megatron_fsdp.fully_shard itself, fp32 main weights
+        save = f"W=2-megatron-fully_shard-p=fp32-{moments}-train-and-save"
+        cases.append(Case(save, 2, "megatron_real_save", FP32, moments, job="megatron-save"))
+        for w in (3, 4):
+            cases.append(Case(f"W={w}-megatron-fully_shard-p=fp32-{moments}-dcp-2to{w}", w,
+                              "megatron_real_resume", FP32, moments, needs=(save,)))
+    for preset in (FP32, REMAINDER):
+        cases.append(Case(f"W=3-megatron-dp-handling-{preset}", 3, "megatron_handling",
+                          preset, "dp"))
+    for what in ("grad-local-shape", "grad-placements", "shard-order"):
+        cases.append(Case(f"W=3-megatron-dp-{FP32}-error-{what}", 3, "megatron_error", FP32,
+                          "dp|" + what))
+    for what in ("remainder-to-fp32", "fp32-to-remainder"):
+        cases.append(Case(f"W=2-dcp-state-layout-{what}", 2, "state_layout_mismatch",
+                          REMAINDER, what))
     for api in DCP_APIS:
         for preset in PRESETS:
             save4 = f"W=4-{api}-save-for-4to2-{preset}"

@@ -179,24 +179,30 @@ def _unpack(packed):
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
 
-def assemble(locals_by_rank, like):
-    """The global tensor of DTensor ``like``'s layout from every rank's local tensor."""
-    mesh = like.device_mesh.mesh
+def assemble(locals_by_rank, like, regions):
+    """The global tensor of DTensor ``like`` from every rank's local tensor, each rank's
+    part at the flat indices ``regions[rank]`` (replicas must agree bitwise)."""
     full = torch.empty(like.shape, dtype=like.dtype)
     flat = full.view(-1)
     seen = torch.zeros(flat.numel(), dtype=torch.bool)
     bits = _BITS[like.dtype]
-    for coord, region in region_indices(like.shape, tuple(mesh.shape), like.placements).items():
-        rank = int(mesh[coord])
+    for rank, region in regions.items():
         local = locals_by_rank[rank].reshape(-1)
         assert local.numel() == region.numel(), \
             f"rank {rank} holds {local.numel()} elements, its shard has {region.numel()}"
         if seen[region].any():  # a replica: must be bitwise the same as the one kept
             assert torch.equal(flat[region].view(bits), local.view(bits)), \
-                f"replicas differ (rank {rank}, mesh coordinate {coord})"
+                f"replicas differ (rank {rank})"
         flat[region] = local
         seen[region] = True
     return full
+
+
+def chunk_regions(like):
+    """``{rank: flat indices}`` of DTensor ``like``'s shards by DTensor's chunking rule."""
+    mesh = like.device_mesh.mesh
+    return {int(mesh[coord]): region for coord, region in
+            region_indices(like.shape, tuple(mesh.shape), like.placements).items()}
 
 
 def wrap_like(local, like):
@@ -564,6 +570,10 @@ class ManualRun:
     def mesh_shape(self, name):
         return tuple(self.params[name].device_mesh.shape)
 
+    def regions(self, name):
+        """``{rank: flat indices of the full tensor}`` that each rank holds of ``name``."""
+        return chunk_regions(self.params[name])
+
     def check_layouts(self, sd):
         """S2.6 / S5.4 for every parameter: the names, and each ``state_dict()`` value and
         raw ``optimizer.state`` tensor laid out like its parameter, in the right dtype."""
@@ -608,7 +618,7 @@ class ManualRun:
 
         def full(key, dt):
             return gather(dt) if use_full_tensor else \
-                assemble([_unpack(r[key]) for r in per_rank], dt)
+                assemble([_unpack(r[key]) for r in per_rank], dt, self.regions(key[0]))
 
         out = {"params": {n: full((n, None), self.params[n].detach()) for n in names},
                "state": {}, "steps": [g["step"] for g in sd["param_groups"]]}
@@ -644,6 +654,9 @@ class PlainReference:
         self.run = run
         self.names = run.ordered_names()
         self.params = {n: nn.Parameter(tensors[n].detach().clone()) for n in self.names}
+        # Gradients of another dtype than the parameter only pass as decoupled_grad.
+        self.grad_attr = "decoupled_grad" if run.grad_attr == "decoupled_grad" else "grad"
+        kwargs = dict(kwargs, use_decoupled_grad=self.grad_attr == "decoupled_grad")
         self.opt = fused_adam()(run.groups(self.params), **kwargs)
 
     def load(self, snapshot):
@@ -669,7 +682,7 @@ class PlainReference:
     def step(self, grads, skip=()):
         for n in self.names:
             g = grads.get(n)
-            self.params[n].grad = None if n in skip or g is None else g.clone()
+            setattr(self.params[n], self.grad_attr, None if n in skip or g is None else g.clone())
         self.opt.step()
 
     def snapshot(self, raw=True):
@@ -757,7 +770,6 @@ def compare_full(run, got, ref, what):
     for n, value in ref["params"].items():
         assert_bitwise(got["params"][n], value, f"{what}: param {n} (full)")
     for n, states in got["state"].items():
-        spec = next(s for s in run.specs if s.name == n)
         for sname, value in states.items():
             expected = ref["state"][n][sname]
             label = f"{what}: state_dict() {n}.{sname} (full)"
@@ -765,8 +777,7 @@ def compare_full(run, got, ref, what):
                 storage = run.preset.storage_dtype(sname)
                 bound = torch.empty(expected.numel(), dtype=torch.float64)
                 flat = expected.reshape(-1)
-                regions = region_indices(spec.shape, run.mesh_shape(n), spec.placements)
-                for region in regions.values():
+                for region in run.regions(n).values():
                     bound[region] = rounding_bound(flat[region], storage)
                 assert_within(value, expected, bound.view(expected.shape), label)
             else:

@@ -896,3 +896,12 @@ KINDS = {
     "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
     "state_access": state_access,
 }
+
+
+def _add_megatron_kinds():
+    import _megatron_jobs  # imports this module: registered after KINDS exists
+
+    KINDS.update(_megatron_jobs.KINDS)
+
+
+_add_megatron_kinds()

@@ -1,8 +1,8 @@
 """pytest side of the distributed suite: one job per world size, run on first use.
 
-Tests are parametrized by ``_dist_cases.Case``; the first test of a world size starts that
-world size's job with every *selected* case of that size (``-k`` narrows the job too),
-plus the cases in other jobs that they read from (checkpoints), run first.
+Tests are parametrized by ``_dist_cases.Case``; the first test of a job (a world size, or
+a named job at that size) starts it with every *selected* case of it (``-k`` narrows the
+job too), plus the cases in other jobs that they read from (checkpoints), run first.
 """
 
 import os
@@ -23,7 +23,11 @@ import _launch  # noqa: E402
 _CASE_COST_S = {"numerics": 2.0, "empty_shard_none_grads": 1.5, "zero_collectives": 1.5,
                 "layout_error": 1.0, "fsdp2": 4.0, "fresh_get_state_dict": 2.0,
                 "dcp_save": 2.0, "dcp_resume": 3.0, "fsdp2_dcp_save": 4.0,
-                "fsdp2_dcp_resume": 4.0, "fsdp2_frozen_dcp": 4.0, "state_access": 1.5}
+                "fsdp2_dcp_resume": 4.0, "fsdp2_frozen_dcp": 4.0, "state_access": 1.5,
+                "megatron_layout": 2.0, "megatron_fsdp_save": 4.0,
+                "megatron_fsdp_resume": 4.0, "megatron_handling": 3.0,
+                "state_layout_mismatch": 3.0, "megatron_real_save": 6.0,
+                "megatron_real_resume": 6.0, "megatron_error": 2.0}
 _STARTUP_S = 30.0
 _DEADLINE_FACTOR = 3.0
 
@@ -55,26 +59,29 @@ class JobRunner:
             self._selected = ids
         return self._selected
 
-    def result(self, world_size):
-        if world_size in self._results:
-            return self._results[world_size]
+    def result(self, world_size, job=""):
+        """The outcome of the job that runs the selected cases of ``(world_size, job)``."""
+        key = (world_size, job)
+        if key in self._results:
+            return self._results[key]
         selected = self._selected_ids()
-        cases = [c for c in _dist_cases.CASES if c.world_size == world_size and c.id in selected]
+        cases = [c for c in _dist_cases.CASES
+                 if (c.world_size, c.job) == key and c.id in selected]
         # Jobs that produce what this one reads run first.
         for case in cases:
             for need in case.needs:
-                producer = _dist_cases.BY_ID[need].world_size
-                if producer != world_size:
-                    self.result(producer)
+                producer = _dist_cases.BY_ID[need]
+                if (producer.world_size, producer.job) != key:
+                    self.result(producer.world_size, producer.job)
         timeout = _STARTUP_S + _DEADLINE_FACTOR * sum(_CASE_COST_S[c.kind] for c in cases)
-        workdir = os.path.join(self._root, f"job-W{world_size}")
-        self._results[world_size] = _launch.launch(
+        workdir = os.path.join(self._root, f"job-W{world_size}" + (f"-{job}" if job else ""))
+        self._results[key] = _launch.launch(
             "_dist_jobs:run", world_size, workdir, timeout_s=timeout,
             params={"cases": [c.id for c in cases], "shared_dir": self._root})
-        return self._results[world_size]
+        return self._results[key]
 
     def check(self, case):
-        failure = self.result(case.world_size).case_failure(case.id)
+        failure = self.result(case.world_size, case.job).case_failure(case.id)
         if failure:
             pytest.fail(failure, pytrace=False)
 
