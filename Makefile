@@ -34,9 +34,11 @@ system-deps:
 
 # A venv whose interpreter or pip is gone (base Python upgraded, creation
 # interrupted) is rebuilt rather than left failing.
-$(VENV)/.deps-stamp: requirements-dev.txt | system-deps
+$(VENV)/.deps-stamp: requirements-dev.txt requirements-megatron-core.txt | system-deps
 	$(PY) -m pip --version >/dev/null 2>&1 || python3 -m venv --clear $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/megatron-core \
+	    -r requirements-megatron-core.txt
 	touch $@
 
 # Kept in the venv: each venv holds its own build of the extension.
