@@ -22,7 +22,9 @@ namespace nb = nanobind;
 namespace shardadam {
 namespace {
 
-// Column order of one tensor in the flat `slots` list given to adam_step.
+// Column order of one tensor in the flat `slots` list given to adam_step. The
+// module exports the names in this order (SLOT_COLUMN_NAMES): Python places each
+// value by name, so reordering here cannot misplace a pointer.
 enum Column : size_t {
   kNumel, kParam, kParamDtype, kGrad, kGradDtype,
   kExpAvg, kExpAvgDtype, kExpAvgScale,
@@ -30,6 +32,14 @@ enum Column : size_t {
   kMaster, kMasterDtype, kMasterScale,
   kSlotColumns,
 };
+constexpr const char* kColumnNames[] = {
+    "numel", "param", "param_dtype", "grad", "grad_dtype",
+    "exp_avg", "exp_avg_dtype", "exp_avg_scale",
+    "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
+    "master_param", "master_dtype", "master_scale",
+};
+static_assert(sizeof(kColumnNames) / sizeof(kColumnNames[0]) == kSlotColumns,
+              "one name per column");
 
 template <class T>
 T* Pointer(int64_t address) {
@@ -214,12 +224,16 @@ NB_MODULE(_C, m) {
   m.attr("DTYPE_FLOAT8_E4M3") = static_cast<int>(DType::kFloat8E4M3);
   m.attr("DTYPE_INT16_REMAINDER") = static_cast<int>(DType::kInt16Remainder);
   m.attr("SLOT_COLUMNS") = static_cast<int>(kSlotColumns);
+  nb::list names;
+  for (const char* name : kColumnNames) names.append(name);
+  m.attr("SLOT_COLUMN_NAMES") = nb::tuple(names);
   m.def("adam_step", &AdamStepFromList, nb::arg("slots"), nb::arg("lr"),
         nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
         nb::arg("adam_w_mode"), nb::arg("bias_correction"), nb::arg("step"),
         nb::arg("num_threads"),
         "One Adam/AdamW step over tensors given as a flat list of SLOT_COLUMNS ints "
-        "each (numel, then pointer/dtype/scale-pointer per buffer). Validates "
+        "each, in the order SLOT_COLUMN_NAMES names them (numel, then "
+        "pointer/dtype/scale-pointer per buffer). Validates "
         "everything first; raises ValueError and writes nothing on bad input.");
   m.def("check_step_slots", &CheckStepSlotsFromList, nb::arg("slots"),
         nb::arg("scales_in_device_memory"),

@@ -501,6 +501,9 @@ const internal::KernelTable* GetKernelTable() {
       AbsMaxBits16,
       AbsMaxCode8,
   };
+  // Tails shorter than a pair are staged in kGranule-float stack buffers
+  // (adam.cc), and work items start on multiples of kGranule.
+  HWY_ASSERT(table.pair <= internal::kGranule && internal::kGranule % table.pair == 0);
   return &table;
 }
 

@@ -1,53 +1,8 @@
 // The core's entry points (shardadam/adam.h) and the target-independent driver
-// around the per-target kernels of adam-inl.h / convert-inl.h.
-//
-// Shape of one AdamStep call:
-// - validate every slot and hyper-parameter (validate.cc); nothing is written
-//   before this passes;
-// - per tensor, pick one fused kernel when the layout has one (fp32 or bf16
-//   grad; fp32 param, bf16 param + fp32 master, or bf16 param + remainder;
-//   both moments fp32, bf16, fp16 or fp8, or fp8 exp_avg + bf16 exp_avg_sq),
-//   else a decoder and an encoder per stream from the target's KernelTable;
-// - split the whole list of tensors into work items of whole kChunks
-//   (cache-line aligned for every dtype; larger items for larger calls, see
-//   ItemElements) and run them on the blocking thread pool. A fused layout
-//   walks its range a pair of vectors at a time, each stream read and
-//   written once in registers, software pipelined (the next pair's moments
-//   and denominators are computed before this pair's weight division and
-//   stores) so that the core always has work independent of the update's
-//   chain of square root and divisions. The
-//   others walk it in kBlock-element fp32 blocks: decode grad / w / m / v,
-//   one update body, encode what changed; fp32 buffers are used in
-//   place, never copied; blocks are short so the out-of-order core overlaps one
-//   block's update with the next one's loads. On 2 AVX2 (Zen 3) cores every
-//   layout that moves 20 bytes per element or fewer is bound by instructions,
-//   not memory: the conversions cost more than the two divisions and the square
-//   root; on 2 AVX-512 (Zen 5) cores every fused layout runs near the memory
-//   ceiling;
-// - tensors with a per-tensor scale (fp16 / fp8 moments, fp16 master, S2.3)
-//   need the absmax of the NEW state before anything can be encoded, so they
-//   take two passes without any full-size temporary: pass 1 decodes, updates
-//   in registers and reduces the absmax (storing nothing); the scale follows;
-//   pass 2 recomputes the same bits and stores them. Pass 1 reads grad and the
-//   scaled moments, plus w when the master is scaled or in L2 mode: e.g. a bf16
-//   param with fp32 master and fp8 moments moves 16 bytes/element in one pass
-//   and 2 + 1 + 1 = 4 more in pass 1 (AdamW), so it can reach at most 16/20 of
-//   a one-pass probe. Pass 1 works in kBoundBlock-element blocks and skips
-//   the decoding and update of a block whose new moments provably cannot
-//   exceed the maxima found so far (BlockMayRaiseMax: bounds from the block's
-//   largest input magnitudes, one integer max per stream): still exact, and
-//   on normally distributed data ~80% of blocks are skipped (pass 1 then
-//   costs little more than reading its bytes); data whose every block raises
-//   the maximum pays ~4% more than measuring everything. A scaled master
-//   (its new w has no cheap bound) and a remainder in L2 mode measure every
-//   block. A scaled tensor of
-//   at most kSmallScaledMax elements runs both passes back to back on one
-//   thread, so pass 2 finds its inputs in cache; larger ones split each pass
-//   across threads with one barrier in between. Tensors without scaled state
-//   pay nothing extra.
-//
-// Results are bitwise identical for every thread count and split: the update
-// is elementwise and the absmax is a max of exact integer bit patterns.
+// around the per-target kernels of adam-inl.h / convert-inl.h. How one AdamStep
+// call runs (validation, fused kernels and fp32 blocks, work items, the two
+// passes of per-tensor scaled state and the skipping of pass-1 blocks, why the
+// results do not depend on the thread count): docs/kernel-design.md.
 //
 // Running tests on every SIMD target: see kernels.h (internal::CompiledTargets
 // and internal::SetTargetForTest, which pin every entry point of this file to
@@ -204,10 +159,11 @@ void ChooseFused(const TensorSlot& s, TensorPlan& p) {
   } else {
     return;
   }
-  // The fused fp8 decoder folds a power-of-two factor (at most 256) into the
-  // old scale; an absurdly large scale takes the block path, which does not.
+  // The fused fp8 decoder folds a power-of-two factor (at most kE4M3OverF16)
+  // into the old scale; an absurdly large scale takes the block path, which
+  // does not.
   const auto folds = [](int stream, float old_scale) {
-    return stream != kFusedMomentsF8Scaled || std::isfinite(old_scale * 256.0f);
+    return stream != kFusedMomentsF8Scaled || std::isfinite(old_scale * kE4M3OverF16);
   };
   if (!folds(ExpAvgStream(moments), p.old_scale[1]) ||
       !folds(ExpAvgSqStream(moments), p.old_scale[2])) {
@@ -351,8 +307,7 @@ float StreamMax(const KernelTable& kt, Codec codec, const char* buffer, int64_t 
     case kCodecF8Scaled: {
       const uint32_t code =
           kt.abs_max_code8(reinterpret_cast<const uint8_t*>(buffer) + begin, n);
-      // An E4M3 magnitude code shifted left by 7 is the fp16 pattern of value / 256.
-      value = code == 0x7Fu ? NAN : HalfMagnitude(code << 7) * 256.0f;
+      value = code == 0x7Fu ? NAN : HalfMagnitude(code << 7) * kE4M3OverF16;
       break;
     }
     default:  // kCodecF16, kCodecF16Scaled

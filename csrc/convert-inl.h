@@ -330,7 +330,7 @@ HWY_INLINE void StoreF16x2(VF a, VF b, uint16_t* HWY_RESTRICT p) {
 // reference's float(q) * s whenever kF8RawFactor * s is finite (it is then
 // exact: a power-of-two factor).
 #if defined(SHARDADAM_HARDWARE_F16)
-inline constexpr float kF8RawFactor = 256.0f;
+inline constexpr float kF8RawFactor = internal::kE4M3OverF16;
 #else
 inline constexpr float kF8RawFactor = 1.0f;
 #endif
@@ -639,9 +639,7 @@ uint32_t AbsMaxBits(const float* HWY_RESTRICT x, size_t n) {
 
 // Largest lane of an unsigned 8- or 16-bit vector. Highway 1.0.3 has no 8-bit
 // MaxOfLanes on every target, but every target has a 32-bit one, so the narrow
-// lanes are folded into 32-bit lanes first (a scalar loop over up to 64 lanes
-// through memory, once per 1,024-element block of pass 1, cost ~2% of an fp8
-// step in cache on AVX-512).
+// lanes are folded into 32-bit lanes first, in registers.
 template <class D>
 HWY_INLINE uint32_t MaxLane(D /*d*/, hn::Vec<D> v) {
   const hn::Repartition<uint16_t, D> d16;

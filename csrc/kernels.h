@@ -23,6 +23,11 @@ namespace internal {
 // line for every dtype.
 inline constexpr size_t kGranule = 128;
 
+// An E4M3 code shifted left by 7 is the fp16 bit pattern of its value / 256:
+// the factor the fp16-based fp8 decoders fold into a scale (convert-inl.h
+// kF8RawFactor), and the largest any target folds.
+inline constexpr float kE4M3OverF16 = 256.0f;
+
 // Elements per cache-resident fp32 block of the layouts without a fused kernel,
 // decoded, updated and encoded in turn. Short, so that the out-of-order core
 // overlaps one block's update (divisions, square root) with the next block's

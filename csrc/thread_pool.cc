@@ -2,6 +2,8 @@
 // sleeps instead of spinning.
 #include "thread_pool.h"
 
+#include "float_mode.h"
+
 #include <algorithm>
 #include <atomic>
 #include <system_error>
@@ -100,6 +102,9 @@ void ThreadPool::Run(int num_threads, const std::function<void(int)>& body) {
 }
 
 void ThreadPool::WorkerLoop(int worker) {
+  // For the worker's lifetime: its results must not depend on the mode of the
+  // thread that happened to start it.
+  const ScopedIeeeFloatMode ieee;
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {

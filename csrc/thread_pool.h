@@ -34,9 +34,10 @@ class ThreadPool {
   // Calls body(i) for every i in [0, num_threads): i == 0 on the calling
   // thread, the others on pool workers (started on demand). Returns once every
   // call has returned. Concurrent Run calls are serialised. `body` must not
-  // throw or call Run. A worker keeps the floating-point mode of the thread
-  // that started it: the core calls Run only inside its IEEE-mode entry
-  // points (float_mode.h), so every worker computes in that mode.
+  // throw or call Run. Workers compute in the IEEE mode of float_mode.h,
+  // set once when each starts, whatever the mode of the thread that started it;
+  // the calling thread's share runs in the caller's mode (the core's entry
+  // points set it).
   void Run(int num_threads, const std::function<void(int)>& body);
 
  private:

@@ -3,11 +3,12 @@
 A ``GroupPlan`` holds the group's static picture: its parameters split by device into
 ``DeviceBatch`` objects, each parameter's local tensor and layout (``_dtensor``), and
 (once bound) its local state tensors and scales. It stays valid while the group holds
-the same parameters with the same local storage (pointer, size, strides, dtype), the
-state and scale containers saw no write, and the state configuration is unchanged;
-``is_current`` checks exactly that, so a step re-reads only what changes every step: the
-gradients (for DTensor parameters, checked against the cached layouts and unwrapped to
-local tensors).
+the same parameters with the same local storage (pointer, size, strides, dtype), every
+state and scale it bound is still the object ``optimizer.state`` / ``optimizer._scales``
+hold under its name and still has the same memory, and the state configuration is
+unchanged; ``is_current`` checks exactly that, by identity, so a step re-reads only what
+changes every step: the gradients (for DTensor parameters, checked against the cached
+layouts and unwrapped to local tensors).
 
 Building a plan only reads (it is part of validation); ``bind`` is the one place that
 creates or converts state, and runs after every group has been validated.
@@ -15,16 +16,18 @@ creates or converts state, and runs after every group has been validated.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Optional
 
 import torch
 
-from . import _dtensor, _state, _tracked, _validate
+from . import _dtensor, _state, _validate
 from ._state import FLOAT_KINDS
 
 _Tensor = torch.Tensor
 _grad_of = operator.attrgetter("grad")
+_local_tensor_of = operator.attrgetter("_local_tensor")
 
 
 class Entry:
@@ -91,8 +94,7 @@ class GroupPlan:
         self.config = config
         self.state = state
         self.scales = scales
-        self.epoch = None  # set by bind()
-        self.state_tensors, self.state_pointers = [], []  # set by bind()
+        self.held = None  # set by bind(): what the plan rests on, see is_current
         self.entries = [
             Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)))
             for i, p in enumerate(params)]
@@ -103,18 +105,17 @@ class GroupPlan:
 
     def is_current(self, group: dict, config, state, scales) -> bool:
         params = group["params"]
-        return (self.epoch == _tracked.state_epoch() and self.group is group
+        return (self.held is not None and self.group is group
                 and self.state is state and self.scales is scales
                 and self.config == config
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
-                and list(map(torch.Tensor.data_ptr, self.state_tensors))
-                == self.state_pointers)
+                and self.held.unchanged())
 
     @property
     def bound(self) -> bool:
-        return self.epoch is not None
+        return self.held is not None
 
     def bind(self) -> None:
         """Create or convert each parameter's state to match the configuration, then
@@ -128,23 +129,78 @@ class GroupPlan:
                 _state.apply_entry(state, scales, entry.param, writes, entry.local,
                                    entry.layout)
             entry.bind(specs, state[entry.param], scales.get(entry.param))
-        # A state tensor's memory can move in place (`t.data = ...`, `share_memory_()`,
-        # which torch.multiprocessing applies to every CPU tensor it sends), unseen by
-        # the state's epoch: the plan, which keeps raw pointers, is stale then.
-        self.state_tensors = [t for e in self.entries
-                              for t in (e.exp_avg, e.exp_avg_sq, e.master) if t is not None]
-        self.state_pointers = list(map(torch.Tensor.data_ptr, self.state_tensors))
+        self.held = _Held(self.entries, self.config, state, scales)
         for batch in self.batches:
             batch.backend_cache.clear()
-        self.epoch = _tracked.state_epoch()
 
 
-def settle(plans: list) -> None:
-    """After a step: the state now written is what each plan holds (every plan was
-    current when validated, or bound in this step, and only binding wrote)."""
-    epoch = _tracked.state_epoch()
-    for plan in plans:
-        plan.epoch = epoch
+class _Held:
+    """The state objects a bound plan read, where it found them, and the memory the core
+    is given: the plan is current while every one is still the object found under its
+    name and still has that memory. Objects can be replaced (``optimizer.state[p][name] =
+    t``, ``optimizer.state[p] = {...}``, ``initialize_state``), and memory can move in
+    place (``t.data = ...``, ``share_memory_()``, which torch.multiprocessing applies to
+    every CPU tensor it sends), scales included.
+
+    This runs at every step, so it is written as C-level ``map``s and looks nothing up by
+    parameter (hashing a tensor runs Python code): it remembers where each parameter's
+    entry sits in ``optimizer.state`` / ``optimizer._scales`` (dicts keep insertion
+    order) and checks that the same parameter still sits there; a container whose keys
+    moved (one was deleted) only makes the plan be rebuilt."""
+
+    def __init__(self, entries: list, config, state, scales):
+        self.state, self.scales = state, scales
+        specs = [{spec.name: spec for spec in config.specs(e.local.dtype)} for e in entries]
+        params = [e.param for e in entries]
+        scaled = [any(spec.scaled for spec in by_name.values()) for by_name in specs]
+        self.params = (params, list(itertools.compress(params, scaled)))
+        self.positions = (_positions(state, self.params[0]),
+                          _positions(scales, self.params[1]))
+        scaled_specs = list(itertools.compress(specs, scaled))
+        self.names = ([(name, [name in by_name for by_name in specs])
+                       for name in _state.STATE_NAMES],
+                      [(name, [name in by_name and by_name[name].scaled
+                               for by_name in scaled_specs])
+                       for name in _state.STATE_NAMES])
+        self.objects = self._found()
+        self.storage = [t for e in entries
+                        for t in (e.exp_avg, e.exp_avg_sq, e.master, e.exp_avg_scale,
+                                  e.exp_avg_sq_scale, e.master_scale) if t is not None]
+        self.pointers = list(map(_Tensor.data_ptr, self.storage))
+        # A DTensor state's local tensor may be swapped inside the same DTensor object.
+        self.wrapped = [t for t in self.objects if _dtensor.is_dtensor(t)]
+        self.wrapped_locals = list(map(_local_tensor_of, self.wrapped))
+
+    def _found(self) -> Optional[list]:
+        """What the containers hold now under every key, or None if a parameter's entry
+        is gone or moved, or a name is missing."""
+        found = []
+        for container, params, positions, names in zip(
+                (self.state, self.scales), self.params, self.positions, self.names):
+            keys, entries = list(container), list(container.values())
+            try:
+                if not all(map(operator.is_, map(keys.__getitem__, positions), params)):
+                    return None
+                dicts = list(map(entries.__getitem__, positions))
+                for name, has in names:
+                    found += map(operator.getitem, itertools.compress(dicts, has),
+                                 itertools.repeat(name))
+            except (IndexError, KeyError, TypeError):  # fewer keys, a name gone, no dict
+                return None
+        return found
+
+    def unchanged(self) -> bool:
+        found = self._found()
+        return (found is not None and all(map(operator.is_, found, self.objects))
+                and all(map(operator.is_, map(_local_tensor_of, self.wrapped),
+                            self.wrapped_locals))
+                and list(map(_Tensor.data_ptr, self.storage)) == self.pointers)
+
+
+def _positions(container: dict, params: list) -> list:
+    """Where each of ``params`` sits among ``container``'s keys."""
+    where = {id(key): i for i, key in enumerate(container)}
+    return [where[id(p)] for p in params]
 
 
 def build_plan(group: dict, group_index: int, config, state, scales) -> GroupPlan:

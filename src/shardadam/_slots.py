@@ -1,14 +1,16 @@
 """The slot rows the C++ extension reads, shared by its CPU and CUDA entry points.
 
-``shardadam._C.adam_step`` and ``adam_step_cuda`` take one flat list of 14 integers
-per tensor (``_C.SLOT_COLUMNS``, bindings/module.cc ``Column``): its numel, then the
-data pointer and dtype tag of every buffer and the pointer of each scale. Everything
-but the gradient is fixed while the plan is valid, so each batch keeps its rows and a
-step only writes the gradients' pointers and tags.
+``shardadam._C.adam_step`` and ``adam_step_cuda`` take one flat list of integers per
+tensor: its numel, then the data pointer and dtype tag of every buffer and the pointer
+of each scale, in the order the extension names them (``_C.SLOT_COLUMN_NAMES``,
+bindings/module.cc ``Column``): each value is placed by name, never by an assumed
+position. Everything but the gradient is fixed while the plan is valid, so each batch
+keeps its rows and a step only writes the gradients' pointers and tags.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from . import _state, _validate
@@ -18,25 +20,37 @@ try:
 except ImportError:  # not built: every batch takes the torch path
     extension = None
 
-COLUMNS = 14
-GRAD, GRAD_KIND, _PARAM = 3, 4, 1
+# What a slot row holds, in the order _row() lists it.
+NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",
+         "exp_avg", "exp_avg_dtype", "exp_avg_scale",
+         "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
+         "master_param", "master_dtype", "master_scale")
 
 
-def _check_abi() -> None:
-    """Raw pointers cross this boundary: refuse an extension whose layout differs."""
-    expected = {"SLOT_COLUMNS": COLUMNS, "DTYPE_NONE": _state.KIND_NONE,
+def columns_of(module) -> dict:
+    """``{name: position}`` of the extension's slot columns, after checking that it
+    reads exactly ``NAMES`` and the dtype tags ``_state`` uses: raw pointers cross this
+    boundary, so an extension that differs is refused."""
+    names = tuple(getattr(module, "SLOT_COLUMN_NAMES", ()))
+    expected = {"DTYPE_NONE": _state.KIND_NONE,
                 "DTYPE_FLOAT32": _state.KIND_FLOAT32, "DTYPE_FLOAT16": _state.KIND_FLOAT16,
                 "DTYPE_BFLOAT16": _state.KIND_BFLOAT16,
                 "DTYPE_FLOAT8_E4M3": _state.KIND_FLOAT8_E4M3,
                 "DTYPE_INT16_REMAINDER": _state.KIND_INT16_REMAINDER}
-    found = {name: getattr(extension, name, None) for name in expected}
-    if found != expected:
-        raise ImportError(f"shardadam._C does not match this package (expected {expected}, "
-                          f"found {found}): rebuild the extension")
+    found = {name: getattr(module, name, None) for name in expected}
+    if found != expected or sorted(names) != sorted(NAMES) or len(set(names)) != len(names):
+        raise ImportError(f"shardadam._C does not match this package (expected columns "
+                          f"{sorted(NAMES)} and tags {expected}, found {list(names)} and "
+                          f"{found}): rebuild the extension")
+    return {name: position for position, name in enumerate(names)}
 
 
-if extension is not None:
-    _check_abi()
+_COLUMN = columns_of(extension) if extension is not None \
+    else {name: position for position, name in enumerate(NAMES)}
+COLUMNS = len(NAMES)
+GRAD, GRAD_KIND, _PARAM = _COLUMN["grad"], _COLUMN["grad_dtype"], _COLUMN["param"]
+# Where each of _row()'s values goes.
+_PLACES = [_COLUMN[name] for name in NAMES]
 
 
 def _ptr(tensor) -> int:
@@ -44,12 +58,17 @@ def _ptr(tensor) -> int:
 
 
 def _row(entry) -> list:
-    return [entry.numel,
-            entry.local.data_ptr(), entry.param_kind,
-            0, 0,  # the gradient, filled in at every step
-            entry.exp_avg.data_ptr(), entry.exp_avg_kind, _ptr(entry.exp_avg_scale),
-            entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_kind, _ptr(entry.exp_avg_sq_scale),
-            _ptr(entry.master), entry.master_kind, _ptr(entry.master_scale)]
+    values = (entry.numel,
+              entry.local.data_ptr(), entry.param_kind,
+              0, 0,  # the gradient, filled in at every step
+              entry.exp_avg.data_ptr(), entry.exp_avg_kind, _ptr(entry.exp_avg_scale),
+              entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_kind,
+              _ptr(entry.exp_avg_sq_scale),
+              _ptr(entry.master), entry.master_kind, _ptr(entry.master_scale))
+    row = [0] * COLUMNS
+    for place, value in zip(_PLACES, values):
+        row[place] = value
+    return row
 
 
 def _tensors(entry) -> tuple:
@@ -104,12 +123,21 @@ def prepare(work) -> Call:
     if rows is None:
         rows = batch.backend_cache["slots"] = _Rows(batch)
     kinds = work.kinds
-    if rows.every_position and work.dense and rows.contiguous and 0 not in kinds:
-        # Every tensor steps: patch the gradient columns of the cached rows.
-        slots = rows.flat.copy()
-        slots[GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
-        slots[GRAD_KIND::COLUMNS] = kinds
-        return Call(slots, rows.entries, [], [])
+    if work.dense and rows.contiguous:
+        if rows.every_position and 0 not in kinds:
+            # Every tensor steps: patch the gradient columns of the cached rows.
+            slots = rows.flat.copy()
+            slots[GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
+            slots[GRAD_KIND::COLUMNS] = kinds
+            return Call(slots, rows.entries, [], [])
+        # Empty shards (left out of the rows) and None gradients (kind 0: skipped,
+        # S3.2): the cached rows of the rest, picked without a Python loop.
+        kinds = list(map(kinds.__getitem__, rows.positions))
+        grads = list(itertools.compress(map(work.grads.__getitem__, rows.positions), kinds))
+        slots = list(itertools.chain.from_iterable(itertools.compress(rows.rows, kinds)))
+        slots[GRAD::COLUMNS] = [g.data_ptr() for g in grads]
+        slots[GRAD_KIND::COLUMNS] = list(itertools.compress(kinds, kinds))
+        return Call(slots, list(itertools.compress(rows.entries, kinds)), [], [])
     keep_alive, write_back, slots, entries = [], [], [], []
     for position, entry, row in zip(rows.positions, rows.entries, rows.rows):
         grad = work.grads[position]

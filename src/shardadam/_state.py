@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _dtensor, _tracked
+from . import _dtensor
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # The param_groups key under which state_dict() records the state layout (S5.4).
@@ -356,7 +356,7 @@ def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
     """Apply what ``plan_entry`` / ``entry_from_values`` prepared for ``param``: storage
     into ``state[param]`` (wrapped in the parameter's layout), scales into
     ``scales[param]`` (dropped when none is left), then the parameter's new bf16 bits
-    into its local tensor. ``state`` and ``scales`` are tracked containers."""
+    into its local tensor."""
     entry = state[param]
     for name, stored in writes.stored.items():
         if stored is None:
@@ -369,7 +369,7 @@ def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
         for name, scale in writes.scales.items():
             if scale is not None:
                 if param_scales is None:
-                    param_scales = scales[param] = _tracked.ParamState()
+                    param_scales = scales[param] = {}
                 param_scales[name] = scale
             elif param_scales is not None:
                 param_scales.pop(name, None)
@@ -414,5 +414,5 @@ def migrate_scales(state, scales) -> None:
             if name in entry:
                 param_scales = scales.get(param)
                 if param_scales is None:
-                    param_scales = scales[param] = _tracked.ParamState()
+                    param_scales = scales[param] = {}
                 param_scales[name] = scale

@@ -53,6 +53,20 @@ def fail(exc_type, rule: str, *, group=None, param=None, name=None):
     return exc_type(f"{where(group, param, name)}: {rule}")
 
 
+def shown(value) -> str:
+    """``value`` as an error message may show it: never a tensor's contents (S8: a model
+    tensor given by mistake must not reach the logs), only its kind, dtype and shape,
+    and its value when it holds a single element of a plain local tensor (a DTensor's
+    would need communication, a meta tensor has none). Anything else as its repr."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    kind = "a DTensor" if _dtensor.is_dtensor(value) else "a tensor"
+    text = f"{kind} of dtype {value.dtype} and shape {list(value.shape)}"
+    if value.numel() == 1 and kind == "a tensor" and not value.is_meta:
+        text += f" holding {value.item()!r}"
+    return text
+
+
 # ---------------------------------------------------------------------------
 # Constructor and hyper-parameters (S1.2).
 
@@ -60,23 +74,23 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
                   exp_avg_dtype, exp_avg_sq_dtype) -> None:
     if amsgrad:
         raise RuntimeError("FusedAdam does not support the AMSGrad variant "
-                           f"(rule: amsgrad must be False, got {amsgrad!r}).")
+                           f"(rule: amsgrad must be False, got {shown(amsgrad)}).")
     if capturable:
         raise RuntimeError("FusedAdam does not support capturable mode "
-                           f"(rule: capturable must be False, got {capturable!r}).")
+                           f"(rule: capturable must be False, got {shown(capturable)}).")
     check_master_dtype(master_weights, master_weight_dtype)
     for name, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
         if dtype not in _MOMENT_DTYPES:
             raise RuntimeError(
                 f"FusedAdam only supports fp32/fp16/bf16/fp8 {name} (rule: {name}_dtype "
-                f"in torch.float32/float16/bfloat16/uint8, got {dtype!r}).")
+                f"in torch.float32/float16/bfloat16/uint8, got {shown(dtype)}).")
 
 
 def check_master_dtype(master_weights, master_weight_dtype) -> None:
     if master_weights and master_weight_dtype not in _MASTER_DTYPES:
         raise RuntimeError(
             "FusedAdam only supports fp32/fp16 master weights (rule: master_weight_dtype "
-            f"in torch.float32/float16 when master_weights, got {master_weight_dtype!r}).")
+            f"in torch.float32/float16 when master_weights, got {shown(master_weight_dtype)}).")
 
 
 def _number(value) -> Optional[float]:
@@ -108,7 +122,7 @@ def check_group_keys(group: dict, group_index: int) -> None:
 def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
     """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2)."""
     def bad(rule, value):
-        return fail(ValueError, f"{rule}: {value!r}", group=group_index)
+        return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
 
     lr = _number(group["lr"])
     if lr is None or not math.isfinite(lr) or lr < 0.0:
@@ -141,7 +155,7 @@ def check_step_counter(group: dict, group_index: int) -> int:
     directly) has taken no step."""
     step = group.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise fail(ValueError, f"group['step'] must be an int >= 0, got {step!r}",
+        raise fail(ValueError, f"group['step'] must be an int >= 0, got {shown(step)}",
                    group=group_index)
     return step
 
@@ -150,7 +164,7 @@ def loaded_step(step, group_index: int) -> int:
     """A checkpoint's ``step`` (an int, an integral float or a one-element tensor)."""
     value = _number(step)
     if value is None or not math.isfinite(value) or not value.is_integer() or value < 0:
-        raise fail(ValueError, f"loaded step must be an integer >= 0, got {step!r}",
+        raise fail(ValueError, f"loaded step must be an integer >= 0, got {shown(step)}",
                    group=group_index)
     return int(value)
 

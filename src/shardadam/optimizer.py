@@ -15,13 +15,14 @@ scale of each fp16 / fp8 state is a local 0-dim tensor in
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
 from typing import Optional
 
 import torch
 
-from . import _backend, _dtensor, _plan, _state, _tracked, _validate
+from . import _backend, _dtensor, _plan, _state, _validate
 from ._state import KIND_INT16_REMAINDER, LAYOUT_KEY, STATE_NAMES
 
 # torch.compiler.disable with dynamo imported at the first call, not at import
@@ -86,7 +87,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.store_param_remainders = bool(store_param_remainders and master_weights
                                            and master_weight_dtype == torch.float32)
         self.set_grad_none = set_grad_none
-        self._scales = _tracked.Scales()
+        self._scales = {}  # {param: {state name: 0-dim fp32 scale}} (S2.3)
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
@@ -107,8 +108,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self.state = _tracked.tracked(self.state)
-        self._scales = _tracked.tracked_scales(state.get("_scales"))
+        self._scales = dict(state.get("_scales") or {})
         _state.migrate_scales(self.state, self._scales)
         self._plans = []
         self._param_index = {}
@@ -138,7 +138,6 @@ class FusedAdam(torch.optim.Optimizer):
         group[LAYOUT_KEY] = config.record()
         for param in group["params"]:
             local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-            self.state = _tracked.tracked(self.state, param)
             writes = _state.plan_entry(config.specs(local.dtype), self.state.get(param),
                                        self._scales.get(param), local, layout)
             _state.apply_entry(self.state, self._scales, param, writes, local, layout)
@@ -192,7 +191,6 @@ class FusedAdam(torch.optim.Optimizer):
             for item in items:
                 _backend.run(item, hyper)
             group["step"] = hyper.step  # every group, even with no gradient (S2.8)
-        _plan.settle([plan for plan, _, _ in work])
         return loss
 
     def _prepare_group(self, index: int, group: dict):
@@ -215,8 +213,6 @@ class FusedAdam(torch.optim.Optimizer):
             self._plans.append(None)
         plan = self._plans[index]
         if plan is None or not plan.is_current(group, config, self.state, self._scales):
-            self.state = _tracked.tracked(self.state)
-            self._scales = _tracked.tracked_scales(self._scales)
             plan = self._plans[index] = _plan.build_plan(group, index, config, self.state,
                                                          self._scales)
         return plan
@@ -295,7 +291,6 @@ class FusedAdam(torch.optim.Optimizer):
                 f"the configuration (rule: remainders iff master_weights, fp32 "
                 f"master_weight_dtype, store_param_remainders and a bf16 parameter; "
                 f"implied {implied})")
-        self.state = _tracked.tracked(self.state, param)
         writes = _state.plan_entry(config.specs(local.dtype), None, None, local, layout)
         # A fresh entry holds nothing else.
         for key in self.state.get(param, ()):
@@ -333,7 +328,6 @@ class FusedAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
                                f"got {value.dtype}")
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-        self.state = _tracked.tracked(self.state, param)
         entry, scales = self.state.get(param), self._scales.get(param)
         if entry is not None and _state.entry_matches(spec, entry, scales, local, layout):
             # In place: the storage, its DTensor wrapper and every cached pointer to
@@ -410,7 +404,7 @@ class FusedAdam(torch.optim.Optimizer):
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
-        new_state, new_scales = _tracked.OptimizerState(), _tracked.Scales()
+        new_state, new_scales = defaultdict(dict), {}
         for param, local, layout, writes in prepared:
             _state.apply_entry(new_state, new_scales, param, writes, local, layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.

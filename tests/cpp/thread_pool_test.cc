@@ -15,6 +15,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "gtest/gtest.h"
 #include "reference.h"
 #include "shardadam/adam.h"
@@ -23,6 +27,30 @@ namespace shardadam {
 namespace {
 
 using internal::ThreadPool;
+
+#if defined(__x86_64__) || defined(__i386__)
+TEST(ThreadPoolTest, WorkersComputeInIeeeModeWhateverThreadStartedThem) {
+  // A new thread inherits its creator's floating-point mode: workers started
+  // from a caller in flush-to-zero / denormals-are-zero mode must still
+  // compute in IEEE mode (float_mode.h), while the caller's own share runs in
+  // the caller's mode. A pool of its own, so that this call starts its workers
+  // (leaked: a ThreadPool's workers are never joined).
+  static ThreadPool* const pool = new ThreadPool();
+  constexpr unsigned int kFlushBits = 0x8000 | 0x40;  // MXCSR FTZ | DAZ
+  const unsigned int saved = _mm_getcsr();
+  _mm_setcsr(saved | kFlushBits);
+  std::vector<unsigned int> modes(4, 0);
+  const std::function<void(int)> read = [&](int i) {
+    modes[static_cast<size_t>(i)] = _mm_getcsr();
+  };
+  pool->Run(4, read);
+  _mm_setcsr(saved);
+  EXPECT_EQ(modes[0] & kFlushBits, kFlushBits) << "the caller's share";
+  for (size_t i = 1; i < modes.size(); ++i) {
+    EXPECT_EQ(modes[i] & kFlushBits, 0u) << "worker " << i;
+  }
+}
+#endif
 
 TEST(ThreadPoolTest, EveryIndexRunsOncePerJob) {
   // The global pool: a ThreadPool's workers are never joined, so one must

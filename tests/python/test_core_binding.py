@@ -34,6 +34,31 @@ def test_dtype_tags_and_columns():
     assert _C.SLOT_COLUMNS == COLUMNS
 
 
+def test_slot_columns_are_named_and_the_package_places_values_by_name():
+    """The rows these tests write (_slot_buffers.Buffers.row) follow the names the
+    extension exports; the package places each value by those names, and refuses an
+    extension whose columns or tags it does not know."""
+    import types
+
+    from shardadam import _slots
+
+    assert tuple(_C.SLOT_COLUMN_NAMES) == (
+        "numel", "param", "param_dtype", "grad", "grad_dtype", "exp_avg", "exp_avg_dtype",
+        "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
+        "master_param", "master_dtype", "master_scale")
+    tags = {name: getattr(_C, name) for name in dir(_C) if name.startswith("DTYPE_")}
+    permuted = tuple(reversed(_C.SLOT_COLUMN_NAMES))
+    columns = _slots.columns_of(types.SimpleNamespace(SLOT_COLUMN_NAMES=permuted, **tags))
+    assert columns == {name: i for i, name in enumerate(permuted)}
+    for names in (_C.SLOT_COLUMN_NAMES[:-1], _C.SLOT_COLUMN_NAMES[:-1] + ("grad",),
+                  _C.SLOT_COLUMN_NAMES[:-1] + ("master_scales",)):
+        with pytest.raises(ImportError, match="rebuild the extension"):
+            _slots.columns_of(types.SimpleNamespace(SLOT_COLUMN_NAMES=names, **tags))
+    with pytest.raises(ImportError, match="rebuild the extension"):
+        _slots.columns_of(types.SimpleNamespace(SLOT_COLUMN_NAMES=_C.SLOT_COLUMN_NAMES,
+                                                **dict(tags, DTYPE_FLOAT16=3)))
+
+
 def test_info():
     info = _C.info()
     assert {"version", "simd_target", "supported_targets", "default_threads",

@@ -865,3 +865,46 @@ def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
         expected, actual = state_tensors(twin, twin_params[i]), state_tensors(opt, params[i])
         for key, value in expected.items():
             assert_bitwise_equal(actual[key], value, f"param {i} {key} after the load")
+
+
+# ------------------------------------------------------------------------------------
+# No tensor contents in messages (S8): a tensor given where a number belongs is shown by
+# its kind, dtype and shape only.
+
+SENTINEL = 98765.4321
+
+
+def _sentinel_error(where):
+    """The error of one misuse with a multi-element tensor full of SENTINEL."""
+    bad = torch.full((2, 3), SENTINEL)
+    if where == "constructor-lr":
+        return _attempt(lambda: fused_adam()(make_params(), lr=bad))
+    opt, _ = stepped_optimizer(False)
+    if where in ("group-lr", "group-step"):
+        opt.param_groups[1]["lr" if where == "group-lr" else "step"] = bad
+        return _attempt(opt.step)
+    sd = opt.state_dict()
+    sd["param_groups"][1]["lr" if where == "loaded-lr" else "step"] = bad
+    return _attempt(lambda: opt.load_state_dict(sd))
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test reads any error's text
+        return error
+    return None
+
+
+@pytest.mark.parametrize("where", ["constructor-lr", "group-lr", "group-step",
+                                   "loaded-lr", "loaded-step"])
+def test_messages_show_no_tensor_contents(where, backend):
+    error = _sentinel_error(where)
+    assert isinstance(error, ValueError), f"{where}: {type(error).__name__}: {error}"
+    texts = []
+    while error is not None:  # the message and every cause chained to it
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    text = "\n".join(texts)
+    assert "98765" not in text and "9.8765" not in text, text
+    assert "shape [2, 3]" in text and "torch.float32" in text, text

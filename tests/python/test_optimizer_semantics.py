@@ -254,6 +254,39 @@ def test_state_memory_moved_in_place_is_followed(move, backend):
             assert_bitwise_equal(moved[key], kept[key], key)
 
 
+@pytest.mark.parametrize("move", ["share_memory_", "data", "set_"])
+def test_scale_memory_moved_in_place_is_followed(move, backend):
+    """The same for the scales of fp16 / fp8 states (optimizer._scales): the next step
+    reads and writes each scale where it now lives, so state_dict() decodes every
+    moment with the scale it was stored with (bitwise as the twin)."""
+    cfg = Precision(param="fp32", exp_avg="fp16", exp_avg_sq="fp8")
+    params = make_params(cfg.param_dtypes(2), [(5,), (3, 2)], seed=22)
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    opts = [fused_adam()(ps, lr=1e-2, **cfg.optimizer_kwargs())
+            for ps in (params, twin_params)]
+    for step in range(3):
+        grads = make_grads(params, [p.dtype for p in params], step, seed=22)
+        for ps, opt in zip((params, twin_params), opts):
+            attach_grads(ps, [g.clone() for g in grads], decoupled=False)
+            opt.step()
+        if step == 0:
+            for scale in opts[0]._scales[params[1]].values():
+                if move == "share_memory_":
+                    scale.share_memory_()
+                elif move == "data":
+                    scale.data = scale.data.clone()
+                else:
+                    scale.set_(scale.detach().clone())
+    for p, q in zip(params, twin_params):
+        moved, kept = state_tensors(opts[0], p), state_tensors(opts[1], q)
+        for key in kept:
+            assert_bitwise_equal(moved[key], kept[key], key)
+    exported = [opt.state_dict()["state"] for opt in opts]
+    for i in exported[1]:
+        for name, value in exported[1][i].items():
+            assert_bitwise_equal(exported[0][i][name], value, f"state_dict() {i} {name}")
+
+
 def test_parameters_without_memory_step_as_a_no_op(backend):
     """Parameters on the meta device have no memory to share: they are not taken for
     overlapping tensors, and a step (a no-op there, as torch's) counts (S2.8)."""
