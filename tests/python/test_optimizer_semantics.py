@@ -223,13 +223,21 @@ def test_param_reviewed_in_place_between_steps(change, backend):
         verify_step(opt, params, inputs, grads, HYPER, step, f"param {change}")
 
 
+# What moves: the state tensors (fp8, bf16 and an fp32 master) or the scales of fp16 /
+# fp8 states (optimizer._scales).
+MOVED = {"states": Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16"),
+         "scales": Precision(param="fp32", exp_avg="fp16", exp_avg_sq="fp8")}
+
+
+@pytest.mark.parametrize("what", list(MOVED))
 @pytest.mark.parametrize("move", ["share_memory_", "data", "set_"])
-def test_state_memory_moved_in_place_is_followed(move, backend):
-    """A state tensor whose memory moves in place between steps (torch.multiprocessing
-    calls share_memory_() on every CPU tensor it sends, e.g. a state_dict() handed to a
-    saving process; `.data =`; `set_`) is stepped where it now lives: bitwise as a twin
-    whose state never moved, and the visible state is the stepped one."""
-    cfg = Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16")
+def test_state_memory_moved_in_place_is_followed(move, what, backend):
+    """A state tensor or scale whose memory moves in place between steps
+    (torch.multiprocessing calls share_memory_() on every CPU tensor it sends, e.g. a
+    state_dict() handed to a saving process; `.data =`; `set_`) is read and written
+    where it now lives: bitwise as a twin whose state never moved, and state_dict()
+    decodes every state with the scale it was stored with."""
+    cfg = MOVED[what]
     params = make_params(cfg.param_dtypes(2), [(5,), (3, 2)], seed=21)
     twin_params = [p.detach().clone().requires_grad_() for p in params]
     opts = [fused_adam()(ps, lr=1e-2, **cfg.optimizer_kwargs())
@@ -240,7 +248,8 @@ def test_state_memory_moved_in_place_is_followed(move, backend):
             attach_grads(ps, [g.clone() for g in grads], decoupled=False)
             opt.step()
         if step == 0:
-            for value in opts[0].state[params[1]].values():
+            moved = opts[0].state if what == "states" else opts[0]._scales
+            for value in moved[params[1]].values():
                 if move == "share_memory_":
                     value.share_memory_()
                 elif move == "data":
@@ -249,35 +258,6 @@ def test_state_memory_moved_in_place_is_followed(move, backend):
                     value.set_(value.detach().clone())
     for p, q in zip(params, twin_params):
         assert_bitwise_equal(p.detach(), q.detach(), "param")
-        moved, kept = state_tensors(opts[0], p), state_tensors(opts[1], q)
-        for key in kept:
-            assert_bitwise_equal(moved[key], kept[key], key)
-
-
-@pytest.mark.parametrize("move", ["share_memory_", "data", "set_"])
-def test_scale_memory_moved_in_place_is_followed(move, backend):
-    """The same for the scales of fp16 / fp8 states (optimizer._scales): the next step
-    reads and writes each scale where it now lives, so state_dict() decodes every
-    moment with the scale it was stored with (bitwise as the twin)."""
-    cfg = Precision(param="fp32", exp_avg="fp16", exp_avg_sq="fp8")
-    params = make_params(cfg.param_dtypes(2), [(5,), (3, 2)], seed=22)
-    twin_params = [p.detach().clone().requires_grad_() for p in params]
-    opts = [fused_adam()(ps, lr=1e-2, **cfg.optimizer_kwargs())
-            for ps in (params, twin_params)]
-    for step in range(3):
-        grads = make_grads(params, [p.dtype for p in params], step, seed=22)
-        for ps, opt in zip((params, twin_params), opts):
-            attach_grads(ps, [g.clone() for g in grads], decoupled=False)
-            opt.step()
-        if step == 0:
-            for scale in opts[0]._scales[params[1]].values():
-                if move == "share_memory_":
-                    scale.share_memory_()
-                elif move == "data":
-                    scale.data = scale.data.clone()
-                else:
-                    scale.set_(scale.detach().clone())
-    for p, q in zip(params, twin_params):
         moved, kept = state_tensors(opts[0], p), state_tensors(opts[1], q)
         for key in kept:
             assert_bitwise_equal(moved[key], kept[key], key)
