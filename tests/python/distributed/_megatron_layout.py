@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _dist_helpers import (
-    OPT_DEFAULTS, ManualRun, ParamSpec, _pack, _unpack, assemble, fused_adam, full_grad,
-    full_param, seed_of, symmetric)
+    OPT_DEFAULTS, ManualRun, ParamSpec, _pack, _unpack, assemble, assert_bitwise,
+    fused_adam, full_grad, full_param, local_of, seed_of, symmetric)
 
 MESH_KINDS = ("dp", "no_shard", "hsdp", "hfsdp")
 
@@ -85,6 +85,7 @@ class Placement:
     """A mesh kind at a world size: mesh shape and dim names, placements, shard count."""
 
     def __init__(self, kind, world_size):
+        assert kind in MESH_KINDS, kind
         self.kind = kind
         if kind in ("hsdp", "hfsdp"):
             assert world_size % 2 == 0, f"{kind} needs an even world size"
@@ -231,8 +232,6 @@ class MegatronRun(ManualRun):
     # ------------------------------------------------------------------ checks
 
     def check_raw_against_full(self, ref_raw):
-        from _dist_helpers import assert_bitwise, local_of
-
         for spec in self.specs:
             p = self.params[spec.name]
             for sname in self.preset.state_names(p.dtype):
