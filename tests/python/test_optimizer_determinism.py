@@ -108,3 +108,29 @@ def test_callers_flush_denormal_mode_does_not_reach_the_core(cfg):
         got, got_params = tiny_run(threads, True)
         assert_same_optimizer_state(want, got, want_params, got_params,
                                     f"{cfg.id}: flush-to-zero caller, {threads} threads")
+
+
+@pytest.mark.parametrize("cfg", CONFIGS[1:2], ids=[c.id for c in CONFIGS[1:2]])
+def test_optimizers_stepping_in_two_python_threads_at_once(cfg, backend):
+    """The core releases the GIL: two optimizers stepping at the same time from two
+    Python threads share its thread pool and get the bits each gets alone."""
+    import threading
+
+    def run_steps(results, key, barrier=None):
+        if barrier is not None:
+            barrier.wait()  # both threads start stepping together
+        results[key] = run(cfg, 2, steps=20, seed=key)
+
+    alone = {}
+    for key in (1, 2):
+        run_steps(alone, key)
+    together, barrier = {}, threading.Barrier(2)
+    threads = [threading.Thread(target=run_steps, args=(together, key, barrier))
+               for key in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for key in (1, 2):
+        (a, pa), (b, pb) = alone[key], together[key]
+        assert_same_optimizer_state(a, b, pa, pb, f"optimizer {key} in two threads")
