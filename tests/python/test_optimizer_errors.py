@@ -868,14 +868,93 @@ def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
 
 
 # ------------------------------------------------------------------------------------
-# No tensor contents in messages (S8): a tensor given where a number belongs is shown by
-# its kind, dtype and shape only.
+# No tensor contents in messages (S8): every error of the tables above, raised with
+# parameters, gradients and states that all hold a sentinel value, and a tensor given
+# where a number belongs, are shown by kind, dtype and shape only.
 
-SENTINEL = 98765.4321
+SENTINEL = 0.4140625  # 53 / 128: exact in fp32, bf16 and fp16, and not a whole number
+REMAINDER_SENTINEL = 12345  # what int16 remainders hold instead
+SENTINEL_TEXTS = ("0.414", "12345")
 
 
-def _sentinel_error(where):
-    """The error of one misuse with a multi-element tensor full of SENTINEL."""
+def _message_chain(error):
+    """The message of ``error`` and of every exception chained to it."""
+    texts = []
+    while error is not None:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test reads any error's text
+        return error
+    return None
+
+
+def _fill_with_sentinel(opt, params):
+    """Every parameter, gradient and state (its true value, S5.3) of ``opt`` set to
+    SENTINEL."""
+    with torch.no_grad():
+        for p in params:
+            p.fill_(SENTINEL)
+            for attr in ("grad", "decoupled_grad"):
+                if getattr(p, attr, None) is not None:
+                    getattr(p, attr).fill_(SENTINEL)
+            for name, stored in list(opt.state[p].items()):
+                value = (torch.full(p.shape, REMAINDER_SENTINEL, dtype=torch.int16)
+                         if stored.dtype == torch.int16 else torch.full(p.shape, SENTINEL))
+                opt.set_scaled_state(p, name, value)
+
+
+def _assert_no_contents(error, what):
+    assert error is not None, f"{what}: nothing was raised"
+    text = _message_chain(error)
+    assert not any(t in text for t in SENTINEL_TEXTS), \
+        f"{what}: a message shows tensor contents: {text}"
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in CONSTRUCTOR_ERRORS],
+                         ids=[c[0] for c in CONSTRUCTOR_ERRORS])
+def test_constructor_errors_show_no_tensor_contents(kwargs):
+    params = make_params()
+    with torch.no_grad():
+        for p in params:
+            p.fill_(SENTINEL)
+    _assert_no_contents(_attempt(lambda: fused_adam()(params, **kwargs)), "constructor")
+
+
+@pytest.mark.parametrize("decoupled,mutate", [c[1:3] for c in STEP_ERRORS],
+                         ids=[c[0] for c in STEP_ERRORS])
+def test_step_errors_show_no_tensor_contents(decoupled, mutate, backend):
+    opt, params = stepped_optimizer(decoupled)
+    _fill_with_sentinel(opt, params)
+    mutate(opt, params)
+    _assert_no_contents(_attempt(opt.step), "step()")
+
+
+@pytest.mark.parametrize("action", [c[1] for c in ACCESS_ERRORS],
+                         ids=[c[0] for c in ACCESS_ERRORS])
+def test_state_access_errors_show_no_tensor_contents(action, backend):
+    opt, params = remainder_optimizer()
+    _fill_with_sentinel(opt, params)
+    _assert_no_contents(_attempt(lambda: action(opt, params)), "state access")
+
+
+@pytest.mark.parametrize("edit", [c[1] for c in LOAD_ERRORS],
+                         ids=[c[0] for c in LOAD_ERRORS])
+def test_load_errors_show_no_tensor_contents(edit, backend):
+    opt, params = stepped_optimizer(False)
+    _fill_with_sentinel(opt, params)
+    sd = opt.state_dict()
+    edit(sd)
+    _assert_no_contents(_attempt(lambda: opt.load_state_dict(sd)), "load_state_dict")
+
+
+def _misused_number_error(where):
+    """The error of a multi-element SENTINEL tensor given where a number belongs."""
     bad = torch.full((2, 3), SENTINEL)
     if where == "constructor-lr":
         return _attempt(lambda: fused_adam()(make_params(), lr=bad))
@@ -888,23 +967,11 @@ def _sentinel_error(where):
     return _attempt(lambda: opt.load_state_dict(sd))
 
 
-def _attempt(fn):
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the test reads any error's text
-        return error
-    return None
-
-
 @pytest.mark.parametrize("where", ["constructor-lr", "group-lr", "group-step",
                                    "loaded-lr", "loaded-step"])
 def test_messages_show_no_tensor_contents(where, backend):
-    error = _sentinel_error(where)
+    error = _misused_number_error(where)
     assert isinstance(error, ValueError), f"{where}: {type(error).__name__}: {error}"
-    texts = []
-    while error is not None:  # the message and every cause chained to it
-        texts.append(str(error))
-        error = error.__cause__ or error.__context__
-    text = "\n".join(texts)
-    assert "98765" not in text and "9.8765" not in text, text
+    _assert_no_contents(error, where)
+    text = _message_chain(error)
     assert "shape [2, 3]" in text and "torch.float32" in text, text
