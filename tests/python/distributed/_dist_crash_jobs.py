@@ -65,9 +65,12 @@ def _snapshot(model, opt):
     sd = opt.state_dict()
     out = {"params": {}, "state": {}, "raw": {},
            "steps": [g["step"] for g in sd["param_groups"]]}
-    for i, (name, p) in enumerate(model.named_parameters()):
+    # state_dict() numbers parameters in the order of the optimizer's groups.
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    for name, p in model.named_parameters():
         out["params"][name] = local_of(p).clone()
-        out["state"][name] = {k: local_of(v).clone() for k, v in sd["state"][i].items()}
+        out["state"][name] = {k: local_of(v).clone()
+                              for k, v in sd["state"][index[id(p)]].items()}
         out["raw"][name] = {k: v.clone() for k, v in raw_state(opt, p).items()}
     return out
 
