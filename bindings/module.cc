@@ -50,12 +50,26 @@ T* Pointer(int64_t address) {
 // as they are: the core's validation rejects them, naming the tensor and
 // buffer. Wider ones would wrap into valid tags, so they are refused here.
 // `tensor`: the slot's index, or -1 outside a slot list.
+// Raises `type` with the core's sentence as its text and the Error's fields as
+// attributes (tensor_index, other_tensor_index, rule): callers that name tensors
+// their own way build their message from those, never from the text. Needs the GIL.
+[[noreturn]] void Raise(PyObject* type, const Error& error) {
+  nb::object exception = nb::steal(PyObject_CallFunction(type, "s", error.message.c_str()));
+  if (!exception.is_valid()) throw nb::python_error();
+  nb::setattr(exception, "tensor_index", nb::int_(error.tensor_index));
+  nb::setattr(exception, "other_tensor_index", nb::int_(error.other_tensor_index));
+  nb::setattr(exception, "rule", nb::str(error.rule.c_str()));
+  PyErr_SetObject(type, exception.ptr());
+  throw nb::python_error();
+}
+
 DType Tag(int64_t value, const char* caller, const char* column, int64_t tensor = -1) {
   if (value != static_cast<int32_t>(value)) {
-    const std::string slot = tensor >= 0 ? "tensor " + std::to_string(tensor) + ": " : "";
-    throw nb::value_error((std::string(caller) + ": " + slot + column + " tag " +
-                           std::to_string(value) + " is out of range")
-                              .c_str());
+    Error error;
+    SetError(&error, tensor,
+             std::string(column) + " tag " + std::to_string(value) + " is out of range");
+    error.message = std::string(caller) + ": " + error.message;
+    Raise(PyExc_ValueError, error);
   }
   return static_cast<DType>(static_cast<int32_t>(value));
 }
@@ -70,8 +84,29 @@ void RunReleased(const Call& call) {
     nb::gil_scoped_release release;
     status = call(&error);
   }
-  if (status == Status::kDeviceError) throw std::runtime_error(error.message);
-  if (status != Status::kOk) throw nb::value_error(error.message.c_str());
+  if (status == Status::kDeviceError) Raise(PyExc_RuntimeError, error);
+  if (status != Status::kOk) Raise(PyExc_ValueError, error);
+}
+
+// The format table (formats.h) for the Python registry to check itself against:
+// (tag, name, item_size, scaling, scale_block, scale_target, roles) per state
+// format, roles among "moment" and "master".
+nb::tuple FormatTable() {
+  nb::list formats;
+  for (int i = 0; i < kNumDTypes; ++i) {
+    const FormatInfo f = FormatOf(static_cast<DType>(i));
+    if ((f.roles & (kRoleMoment | kRoleMaster)) == 0 || f.item_size == 0) continue;
+    nb::list roles;
+    if (f.roles & kRoleMoment) roles.append("moment");
+    if (f.roles & kRoleMaster) roles.append("master");
+    const char* scaling = f.scaling == Scaling::kPerTensor  ? "tensor"
+                          : f.scaling == Scaling::kPerBlock ? "block"
+                                                            : "none";
+    formats.append(nb::make_tuple(static_cast<int>(f.dtype), f.name, f.item_size,
+                                  scaling, f.scale_block, f.scale_target,
+                                  nb::tuple(roles)));
+  }
+  return nb::tuple(formats);
 }
 
 std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int64_t>& slots) {
@@ -171,9 +206,11 @@ void ConvertFromPointers(int64_t src, int64_t src_dtype, int64_t dst, int64_t ds
                            " is outside fp32's range; expected a finite fp32 value > 0")
                               .c_str());
   }
+  // Tags are read while the GIL is held: a bad one raises a Python exception.
+  const DType src_tag = Tag(src_dtype, "convert", "src_dtype");
+  const DType dst_tag = Tag(dst_dtype, "convert", "dst_dtype");
   RunReleased([&](Error* error) {
-    return Convert(Pointer<const void>(src), Tag(src_dtype, "convert", "src_dtype"),
-                   Pointer<void>(dst), Tag(dst_dtype, "convert", "dst_dtype"), numel,
+    return Convert(Pointer<const void>(src), src_tag, Pointer<void>(dst), dst_tag, numel,
                    scale, num_threads, error);
   });
 }
@@ -223,6 +260,7 @@ NB_MODULE(_C, m) {
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(DType::kBFloat16);
   m.attr("DTYPE_FLOAT8_E4M3") = static_cast<int>(DType::kFloat8E4M3);
   m.attr("DTYPE_INT16_REMAINDER") = static_cast<int>(DType::kInt16Remainder);
+  m.attr("FORMATS") = FormatTable();
   m.attr("SLOT_COLUMNS") = static_cast<int>(kSlotColumns);
   nb::list names;
   for (const char* name : kColumnNames) names.append(name);

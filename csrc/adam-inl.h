@@ -170,18 +170,24 @@ HWY_NOINLINE HWY_FLATTEN void ReduceBlock(const StepConstants& k,
   }
 }
 
-// The fused kernels' streams: one load and one store policy per layout, chosen
-// at compile time (the block path's codecs, a pair of vectors at a time). The
-// layout whose streams are all 16-bit pairs its vectors in even/odd order
-// (convert-inl.h); the others in natural order.
-template <int kGrad, int kWeight, int kMoments>
-inline constexpr bool kEvenOdd = kGrad == internal::kFusedGradBF16 &&
-                                 kWeight == internal::kFusedRemainder &&
-                                 kMoments == internal::kFusedMomentsBF16;
+// The fused kernels' streams: one load and one store policy per stream of a
+// layout (fused_layouts.h), chosen at compile time (the block path's codecs, a
+// pair of vectors at a time). The layout whose streams are all 16-bit pairs its
+// vectors in even/odd order (convert-inl.h); the others in natural order.
+using internal::Weight;
+constexpr DType kF32 = DType::kFloat32;
+constexpr DType kBF16 = DType::kBFloat16;
+constexpr DType kF16 = DType::kFloat16;
+constexpr DType kF8 = DType::kFloat8E4M3;
 
-template <int kGrad, bool kEO>
+template <class L>
+inline constexpr bool kEvenOdd = L::kGrad == kBF16 && L::kWeight == Weight::kRemainder &&
+                                 L::kExpAvg == kBF16 && L::kExpAvgSq == kBF16;
+
+template <DType kGrad, bool kEO>
 HWY_INLINE void LoadGradx2(const void* g, size_t i, VF& a, VF& b) {
-  if constexpr (kGrad == internal::kFusedGradF32) {
+  static_assert(kGrad == kF32 || kGrad == kBF16, "fused gradients are fp32 or bf16");
+  if constexpr (kGrad == kF32) {
     LoadF32x2(static_cast<const float*>(g) + i, a, b);
   } else if constexpr (kEO) {
     LoadBF16EvenOdd(static_cast<const uint16_t*>(g) + i, a, b);
@@ -190,11 +196,11 @@ HWY_INLINE void LoadGradx2(const void* g, size_t i, VF& a, VF& b) {
   }
 }
 
-template <int kWeight, bool kEO>
+template <Weight kWeight, bool kEO>
 HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, VF& b) {
-  if constexpr (kWeight == internal::kFusedParamF32) {
+  if constexpr (kWeight == Weight::kParamF32) {
     LoadF32x2(static_cast<const float*>(param) + i, a, b);
-  } else if constexpr (kWeight == internal::kFusedMasterF32) {
+  } else if constexpr (kWeight == Weight::kMasterF32) {
     LoadF32x2(static_cast<const float*>(master) + i, a, b);
   } else if constexpr (kEO) {
     LoadRemainderEvenOdd(static_cast<const uint16_t*>(param) + i,
@@ -207,11 +213,11 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
 
 // The param is rounded from the updated fp32 w, as in the block path.
 // kNoNaN: a and b hold no NaN (see FusedStore).
-template <int kWeight, bool kEO, bool kNoNaN>
+template <Weight kWeight, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
-  if constexpr (kWeight == internal::kFusedParamF32) {
+  if constexpr (kWeight == Weight::kParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
-  } else if constexpr (kWeight == internal::kFusedMasterF32) {
+  } else if constexpr (kWeight == Weight::kMasterF32) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
   } else if constexpr (kEO) {
@@ -223,26 +229,31 @@ HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
   }
 }
 
-// A moment stream's decode factor: the old scale (fp8 codes decode to a fixed
-// fraction of their value, folded in here; the plan only picks the fused path
-// when the product is finite, see DecodeF8Scaled). kStream: the stream's codec
-// (internal::ExpAvgStream / ExpAvgSqStream of the layout).
-template <int kStream>
-HWY_INLINE float MomentDecodeFactor(float old_scale) {
-  return kStream == internal::kFusedMomentsF8Scaled ? old_scale * kF8RawFactor
-                                                    : old_scale;
+// A moment stream's decode factor: the old per-tensor scale (fp8 codes decode
+// to a fixed fraction of their value, folded in here; the plan only picks the
+// fused path when the product is finite, see DecodeF8Scaled).
+template <DType kMoment>
+HWY_INLINE float MomentDecodeFactor(const internal::ScaleView& old_scale) {
+  if constexpr (!IsScaled(kMoment)) {
+    return 1.0f;
+  } else {
+    static_assert(NeedsMeasuringPass(kMoment), "fused moments have per-tensor scales");
+    return kMoment == kF8 ? old_scale.PerTensor() * kF8RawFactor : old_scale.PerTensor();
+  }
 }
 
-template <int kStream, bool kEO>
+template <DType kMoment, bool kEO>
 HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b) {
-  if constexpr (kStream == internal::kFusedMomentsF32) {
+  static_assert(kMoment == kF32 || kMoment == kBF16 || kMoment == kF16 || kMoment == kF8,
+                "a fused moment format needs its load here");
+  if constexpr (kMoment == kF32) {
     LoadF32x2(static_cast<const float*>(p) + i, a, b);
   } else if constexpr (kEO) {
     LoadBF16EvenOdd(static_cast<const uint16_t*>(p) + i, a, b);
-  } else if constexpr (kStream == internal::kFusedMomentsBF16) {
+  } else if constexpr (kMoment == kBF16) {
     LoadBF16x2(static_cast<const uint16_t*>(p) + i, a, b);
   } else {
-    if constexpr (kStream == internal::kFusedMomentsF16Scaled) {
+    if constexpr (kMoment == kF16) {
       LoadF16x2(static_cast<const uint16_t*>(p) + i, a, b);
     } else {
       LoadF8x2Raw(static_cast<const uint8_t*>(p) + i, a, b);
@@ -255,17 +266,18 @@ HWY_INLINE void LoadMomentx2(const void* p, size_t i, float factor, VF& a, VF& b
 
 // Scaled moments store round(x / new_scale), dividing as the block encoders do.
 // kNoNaN: a and b hold no NaN (see FusedStore).
-template <int kStream, bool kEO, bool kNoNaN>
-HWY_INLINE void StoreMomentx2(VF a, VF b, float scale, void* p, size_t i) {
-  if constexpr (kStream == internal::kFusedMomentsF32) {
+template <DType kMoment, bool kEO, bool kNoNaN>
+HWY_INLINE void StoreMomentx2(VF a, VF b, const internal::ScaleView& scale, void* p,
+                              size_t i) {
+  if constexpr (kMoment == kF32) {
     StoreF32x2(a, b, static_cast<float*>(p) + i);
   } else if constexpr (kEO) {
     StoreBF16EvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
-  } else if constexpr (kStream == internal::kFusedMomentsBF16) {
+  } else if constexpr (kMoment == kBF16) {
     StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(p) + i);
   } else {
-    const VF s = hn::Set(DF(), scale);
-    if constexpr (kStream == internal::kFusedMomentsF16Scaled) {
+    const VF s = hn::Set(DF(), scale.PerTensor());
+    if constexpr (kMoment == kF16) {
       StoreF16x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint16_t*>(p) + i);
     } else {
       StoreF8x2(hn::Div(a, s), hn::Div(b, s), static_cast<uint8_t*>(p) + i);
@@ -278,27 +290,25 @@ struct FusedPair {
   VF g0, g1, w0, w1, m0, m1, v0, v1;
 };
 
-template <int kGrad, int kWeight, int kMoments>
+template <class L>
 HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* master,
                           const void* m, const void* v, float m_factor,
                           float v_factor, size_t i, FusedPair& p) {
-  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
-  LoadGradx2<kGrad, kEO>(grad, i, p.g0, p.g1);
-  LoadWx2<kWeight, kEO>(param, master, i, p.w0, p.w1);
-  LoadMomentx2<internal::ExpAvgStream(kMoments), kEO>(m, i, m_factor, p.m0, p.m1);
-  LoadMomentx2<internal::ExpAvgSqStream(kMoments), kEO>(v, i, v_factor, p.v0, p.v1);
+  constexpr bool kEO = kEvenOdd<L>;
+  LoadGradx2<L::kGrad, kEO>(grad, i, p.g0, p.g1);
+  LoadWx2<L::kWeight, kEO>(param, master, i, p.w0, p.w1);
+  LoadMomentx2<L::kExpAvg, kEO>(m, i, m_factor, p.m0, p.m1);
+  LoadMomentx2<L::kExpAvgSq, kEO>(v, i, v_factor, p.v0, p.v1);
 }
 
 // kMomentsNoNaN / kWeightNoNaN: the moments / w hold no NaN (see FusedStore).
-template <int kGrad, int kWeight, int kMoments, bool kMomentsNoNaN, bool kWeightNoNaN>
+template <class L, bool kMomentsNoNaN, bool kWeightNoNaN>
 HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s,
                               void* param, void* master, void* m, void* v, size_t i) {
-  constexpr bool kEO = kEvenOdd<kGrad, kWeight, kMoments>;
-  StoreWx2<kWeight, kEO, kWeightNoNaN>(p.w0, p.w1, param, master, i);
-  StoreMomentx2<internal::ExpAvgStream(kMoments), kEO, kMomentsNoNaN>(p.m0, p.m1,
-                                                                       s.m_new, m, i);
-  StoreMomentx2<internal::ExpAvgSqStream(kMoments), kEO, kMomentsNoNaN>(
-      p.v0, p.v1, s.v_new, v, i);
+  constexpr bool kEO = kEvenOdd<L>;
+  StoreWx2<L::kWeight, kEO, kWeightNoNaN>(p.w0, p.w1, param, master, i);
+  StoreMomentx2<L::kExpAvg, kEO, kMomentsNoNaN>(p.m0, p.m1, s.m_new, m, i);
+  StoreMomentx2<L::kExpAvgSq, kEO, kMomentsNoNaN>(p.v0, p.v1, s.v_new, v, i);
 }
 
 // Two stores need a NaN rule, which costs a few instructions per vector: bf16
@@ -307,22 +317,21 @@ HWY_INLINE void FusedStoreAll(const FusedPair& p, const internal::FusedScales& s
 // NaN: any NaN makes it NaN, and inf - inf only sends a pair the exact way)
 // skips them. Not a bf16-rounded param beside an fp32 master: checking it too
 // measured slower.
-template <int kGrad, int kWeight, int kMoments>
+template <class L>
 HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
                            void* param, void* master, void* m, void* v, size_t i) {
-  constexpr bool kCheckMoments = kMoments == internal::kFusedMomentsBF16;
-  constexpr bool kCheckWeight = kWeight == internal::kFusedRemainder;
+  constexpr bool kCheckMoments = L::kExpAvg == kBF16 && L::kExpAvgSq == kBF16;
+  constexpr bool kCheckWeight = L::kWeight == Weight::kRemainder;
   if constexpr (kCheckMoments || kCheckWeight) {
     VF sum = kCheckMoments ? hn::Add(hn::Add(p.m0, p.m1), hn::Add(p.v0, p.v1))
                            : hn::Add(p.w0, p.w1);
     if (kCheckMoments && kCheckWeight) sum = hn::Add(sum, hn::Add(p.w0, p.w1));
     if (HWY_LIKELY(hn::AllFalse(DF(), hn::IsNaN(sum)))) {
-      FusedStoreAll<kGrad, kWeight, kMoments, kCheckMoments, kCheckWeight>(
-          p, s, param, master, m, v, i);
+      FusedStoreAll<L, kCheckMoments, kCheckWeight>(p, s, param, master, m, v, i);
       return;
     }
   }
-  FusedStoreAll<kGrad, kWeight, kMoments, false, false>(p, s, param, master, m, v, i);
+  FusedStoreAll<L, false, false>(p, s, param, master, m, v, i);
 }
 
 // internal::FusedFn. Each stream is read once and written once, with nothing
@@ -330,7 +339,7 @@ HWY_INLINE void FusedStore(const FusedPair& p, const internal::FusedScales& s,
 // extra L1 stores and reloads cost more than the update's divisions. Software
 // pipelined (see the loop) so the core always has independent work beside
 // the update's long chain of square root and divisions.
-template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int kMoments>
+template <bool kAdamW, bool kUnitBc2, class L>
 HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad,
                                         void* param, void* master, void* m, void* v,
                                         const internal::FusedScales& s, size_t n) {
@@ -338,8 +347,8 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   const size_t step = 2 * hn::Lanes(DF());
   const VecOps<kUnitBc2> ops;
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
-  const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
-  const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
+  const float m_factor = MomentDecodeFactor<L::kExpAvg>(s.m_old);
+  const float v_factor = MomentDecodeFactor<L::kExpAvgSq>(s.v_old);
   // The update is split across iterations: pair i + 1 is loaded and its
   // moments and denominators (square root, division) computed before pair i's
   // weight division, encoding and stores, so two halves of the long chain,
@@ -349,69 +358,67 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   // The halves are called here, not from a helper: HWY_FLATTEN inlines the ops
   // object's methods only into the function that carries the attribute.
   FusedPair cur;
-  FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor, v_factor,
-                                      0, cur);
+  FusedLoad<L>(grad, param, master, m, v, m_factor, v_factor, 0, cur);
   VF d0, d1;
   AdamMoments<kAdamW>(ops, c, cur.g0, cur.w0, cur.m0, cur.v0, d0);
   AdamMoments<kAdamW>(ops, c, cur.g1, cur.w1, cur.m1, cur.v1, d1);
   size_t i = 0;
   for (; i + step < n; i += step) {
     FusedPair next;
-    FusedLoad<kGrad, kWeight, kMoments>(grad, param, master, m, v, m_factor,
-                                        v_factor, i + step, next);
+    FusedLoad<L>(grad, param, master, m, v, m_factor, v_factor, i + step, next);
     VF e0, e1;
     AdamMoments<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0, e0);
     AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1, e1);
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
-    FusedStore<kGrad, kWeight, kMoments>(cur, s, param, master, m, v, i);
+    FusedStore<L>(cur, s, param, master, m, v, i);
     cur = next;
     d0 = e0;
     d1 = e1;
   }
   AdamWeight(ops, c, cur.w0, cur.m0, d0);
   AdamWeight(ops, c, cur.w1, cur.m1, d1);
-  FusedStore<kGrad, kWeight, kMoments>(cur, s, param, master, m, v, i);
+  FusedStore<L>(cur, s, param, master, m, v, i);
 }
 
-// internal::FusedMeasureFn: FusedSpan's scaled moments, reduced instead of stored.
-// With AdamW, w's update is unused and the compiler drops it with its square
-// root and divisions.
-template <bool kAdamW, int kGrad, int kWeight, int kMoments>
+// internal::FusedMeasureFn: FusedSpan's measured moments, reduced instead of
+// stored. With AdamW, w's update is unused and the compiler drops it with its
+// square root and divisions.
+template <bool kAdamW, class L>
 HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* grad,
                                            const void* param, const void* master,
                                            const void* m, const void* v,
                                            const internal::FusedScales& s, size_t n,
                                            uint32_t* max_bits) {
-  constexpr int kM = internal::ExpAvgStream(kMoments);
-  constexpr int kV = internal::ExpAvgSqStream(kMoments);
+  constexpr DType kM = L::kExpAvg;
+  constexpr DType kV = L::kExpAvgSq;
   const DI di;
-  const size_t L = hn::Lanes(DF());
+  const size_t L2 = 2 * hn::Lanes(DF());
   const VecOps<true> ops;
   const typename VecOps<true>::Consts c = MakeConsts<true>(k);
-  const float m_factor = MomentDecodeFactor<internal::ExpAvgStream(kMoments)>(s.m_old);
-  const float v_factor = MomentDecodeFactor<internal::ExpAvgSqStream(kMoments)>(s.v_old);
+  const float m_factor = MomentDecodeFactor<kM>(s.m_old);
+  const float v_factor = MomentDecodeFactor<kV>(s.v_old);
   VI acc_m = hn::Zero(di);
   VI acc_v = hn::Zero(di);
-  for (size_t i = 0; i < n; i += 2 * L) {
+  for (size_t i = 0; i < n; i += L2) {
     VF g0, g1, w0, w1, m0, m1, v0, v1;
-    // Only scaled moments are measured: never the even/odd layout.
-    LoadGradx2<kGrad, false>(grad, i, g0, g1);
+    // Only measured layouts come here: never the even/odd one.
+    LoadGradx2<L::kGrad, false>(grad, i, g0, g1);
     if constexpr (kAdamW) {
       w0 = g0;
       w1 = g1;
     } else {
-      LoadWx2<kWeight, false>(param, master, i, w0, w1);
+      LoadWx2<L::kWeight, false>(param, master, i, w0, w1);
     }
     LoadMomentx2<kM, false>(m, i, m_factor, m0, m1);
     LoadMomentx2<kV, false>(v, i, v_factor, v0, v1);
     AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
     AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
-    // An unscaled moment is not measured (with AdamW its update is then dead).
-    if constexpr (internal::IsScaledStream(kM)) {
+    // A moment that needs no measuring is not (with AdamW its update is then dead).
+    if constexpr (NeedsMeasuringPass(kM)) {
       acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
     }
-    if constexpr (internal::IsScaledStream(kV)) {
+    if constexpr (NeedsMeasuringPass(kV)) {
       acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
     }
   }
@@ -421,51 +428,28 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
   if (bits_v > max_bits[2]) max_bits[2] = bits_v;
 }
 
-template <bool kAdamW, int kGrad, int kWeight, int kMoments>
+template <bool kAdamW, class L>
 constexpr internal::FusedMeasureFn FusedMeasureOrNull() {
-  if constexpr (internal::IsScaledMoments(kMoments)) {
-    return FusedMeasure<kAdamW, kGrad, kWeight, kMoments>;
+  if constexpr (NeedsMeasuringPass(L::kExpAvg) || NeedsMeasuringPass(L::kExpAvgSq)) {
+    return FusedMeasure<kAdamW, L>;
   } else {
     return nullptr;
   }
 }
 
-// Every layout's kernels, in FusedTable order, built at compile time.
-template <bool kAdamW, bool kUnitBc2, int kGrad, int kWeight, int... kMoments>
-constexpr void FillFusedMoments(internal::FusedTable& t,
-                                std::integer_sequence<int, kMoments...>) {
-  ((t.fn[kAdamW][kUnitBc2][kGrad][kWeight][kMoments] =
-        FusedSpan<kAdamW, kUnitBc2, kGrad, kWeight, kMoments>),
+// Every listed layout's kernels, in FusedLayouts order, built at compile time.
+template <size_t... I>
+constexpr internal::FusedTable MakeFusedTable(std::index_sequence<I...>) {
+  using internal::FusedLayouts;
+  internal::FusedTable t{};
+  ((t.fn[0][0][I] = FusedSpan<false, false, std::tuple_element_t<I, FusedLayouts>>,
+    t.fn[0][1][I] = FusedSpan<false, true, std::tuple_element_t<I, FusedLayouts>>,
+    t.fn[1][0][I] = FusedSpan<true, false, std::tuple_element_t<I, FusedLayouts>>,
+    t.fn[1][1][I] = FusedSpan<true, true, std::tuple_element_t<I, FusedLayouts>>,
+    t.measure[0][I] = FusedMeasureOrNull<false, std::tuple_element_t<I, FusedLayouts>>(),
+    t.measure[1][I] = FusedMeasureOrNull<true, std::tuple_element_t<I, FusedLayouts>>()),
    ...);
-  ((t.measure[kAdamW][kGrad][kWeight][kMoments] =
-        FusedMeasureOrNull<kAdamW, kGrad, kWeight, kMoments>()),
-   ...);
-}
-
-template <bool kAdamW, bool kUnitBc2, int kGrad, int... kWeight>
-constexpr void FillFusedWeights(internal::FusedTable& t,
-                                std::integer_sequence<int, kWeight...>) {
-  (FillFusedMoments<kAdamW, kUnitBc2, kGrad, kWeight>(
-       t, std::make_integer_sequence<int, internal::kNumFusedMoments>()),
-   ...);
-}
-
-template <bool kAdamW, bool kUnitBc2, int... kGrad>
-constexpr void FillFusedGrads(internal::FusedTable& t,
-                              std::integer_sequence<int, kGrad...>) {
-  (FillFusedWeights<kAdamW, kUnitBc2, kGrad>(
-       t, std::make_integer_sequence<int, internal::kNumFusedWeight>()),
-   ...);
-}
-
-constexpr internal::FusedTable MakeFusedTable() {
-  internal::FusedTable table{};
-  constexpr auto grads = std::make_integer_sequence<int, internal::kNumFusedGrad>();
-  FillFusedGrads<false, false>(table, grads);
-  FillFusedGrads<false, true>(table, grads);
-  FillFusedGrads<true, false>(table, grads);
-  FillFusedGrads<true, true>(table, grads);
-  return table;
+  return t;
 }
 
 // The dispatcher reads every compiled target's table (adam.cc), also of targets
@@ -482,7 +466,8 @@ constexpr internal::FusedTable MakeFusedTable() {
 #endif
 
 const internal::KernelTable* GetKernelTable() {
-  static constexpr internal::FusedTable kFused = MakeFusedTable();
+  static constexpr internal::FusedTable kFused =
+      MakeFusedTable(std::make_index_sequence<internal::kNumFusedLayouts>());
   SHARDADAM_KERNEL_TABLE internal::KernelTable table = {
       HWY_TARGET,
       SHARDADAM_PAIR_LANES,
@@ -502,7 +487,7 @@ const internal::KernelTable* GetKernelTable() {
       AbsMaxCode8,
   };
   // Tails shorter than a pair are staged in kGranule-float stack buffers
-  // (adam.cc), and work items start on multiples of kGranule.
+  // (spans.cc), and work items start on multiples of kGranule.
   HWY_ASSERT(table.pair <= internal::kGranule && internal::kGranule % table.pair == 0);
   return &table;
 }

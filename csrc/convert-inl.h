@@ -476,13 +476,13 @@ HWY_INLINE void StoreRemainderEvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT pa
 // always a multiple of 2 * Lanes (internal::KernelTable::pair).
 
 float* DecodeF32(const void* src, const void* /*aux*/, size_t /*n*/,
-                 float /*scale*/, float* /*scratch*/) {
+                 const internal::ScaleView& /*scale*/, float* /*scratch*/) {
   // No copy: the kernels read (and for states, update) the buffer in place.
   return const_cast<float*>(static_cast<const float*>(src));
 }
 
 float* DecodeBF16(const void* src, const void* /*aux*/, size_t n,
-                  float /*scale*/, float* HWY_RESTRICT out) {
+                  const internal::ScaleView& /*scale*/, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
   for (size_t i = 0; i < n; i += step) {
@@ -494,7 +494,7 @@ float* DecodeBF16(const void* src, const void* /*aux*/, size_t n,
 }
 
 float* DecodeF16(const void* src, const void* /*aux*/, size_t n,
-                 float /*scale*/, float* HWY_RESTRICT out) {
+                 const internal::ScaleView& /*scale*/, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
   for (size_t i = 0; i < n; i += step) {
@@ -506,9 +506,9 @@ float* DecodeF16(const void* src, const void* /*aux*/, size_t n,
 }
 
 float* DecodeF16Scaled(const void* src, const void* /*aux*/, size_t n,
-                       float scale, float* HWY_RESTRICT out) {
+                       const internal::ScaleView& scale, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale);
+  const VF s = hn::Set(DF(), scale.PerTensor());
   const uint16_t* HWY_RESTRICT in = static_cast<const uint16_t*>(src);
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
@@ -519,9 +519,10 @@ float* DecodeF16Scaled(const void* src, const void* /*aux*/, size_t n,
 }
 
 float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
-                      float scale, float* HWY_RESTRICT out) {
+                      const internal::ScaleView& view, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
+  const float scale = view.PerTensor();
   const float folded = scale * kF8RawFactor;
   if (std::isfinite(folded)) {  // one multiply
     const VF s = hn::Set(DF(), folded);
@@ -543,7 +544,7 @@ float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
 }
 
 float* DecodeRemainder(const void* src, const void* aux, size_t n,
-                       float /*scale*/, float* HWY_RESTRICT out) {
+                       const internal::ScaleView& /*scale*/, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint16_t* HWY_RESTRICT param = static_cast<const uint16_t*>(src);
   const int16_t* HWY_RESTRICT rem = static_cast<const int16_t*>(aux);
@@ -555,12 +556,12 @@ float* DecodeRemainder(const void* src, const void* aux, size_t n,
   return out;
 }
 
-void EncodeF32(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+void EncodeF32(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& /*scale*/,
                void* dst, void* /*aux*/) {
   if (x != dst) memcpy(dst, x, n * sizeof(float));
 }
 
-void EncodeBF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+void EncodeBF16(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& /*scale*/,
                 void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
   uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
@@ -571,7 +572,7 @@ void EncodeBF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
   }
 }
 
-void EncodeF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+void EncodeF16(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& /*scale*/,
                void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
   uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
@@ -584,10 +585,10 @@ void EncodeF16(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
 
 // Scaled encoders divide (u / s, never u * (1 / s)), so every target and the
 // reference round the same quotient.
-void EncodeF16Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
+void EncodeF16Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
                      void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale);
+  const VF s = hn::Set(DF(), scale.PerTensor());
   uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
@@ -596,10 +597,10 @@ void EncodeF16Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
   }
 }
 
-void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
+void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
                     void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale);
+  const VF s = hn::Set(DF(), scale.PerTensor());
   uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
@@ -608,7 +609,7 @@ void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, float scale,
   }
 }
 
-void EncodeRemainder(const float* HWY_RESTRICT x, size_t n, float /*scale*/,
+void EncodeRemainder(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& /*scale*/,
                      void* dst, void* aux) {
   const size_t step = 2 * hn::Lanes(DF());
   uint16_t* HWY_RESTRICT param = static_cast<uint16_t*>(dst);

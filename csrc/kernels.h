@@ -1,6 +1,7 @@
 // Internal, target-independent view of the per-target SIMD kernels: the table of
 // codecs and block kernels each Highway target fills in (adam-inl.h), and the
-// hooks tests use to run the core on every target this CPU supports.
+// hooks tests use to run the core on every target this CPU supports
+// (targets.cc).
 //
 // The dtype matrix is large, so nothing here is specialised per dtype
 // combination: a tensor picks one decoder and one encoder per stream from the
@@ -13,6 +14,8 @@
 #include <vector>
 
 #include "element.h"
+#include "fused_layouts.h"
+#include "work_items.h"
 
 namespace shardadam {
 namespace internal {
@@ -36,37 +39,9 @@ inline constexpr float kE4M3OverF16 = 256.0f;
 // vectors of any target divides it.
 inline constexpr size_t kBlock = 128;
 
-// Work items are whole chunks: at least one, at most kMaxChunksPerItem. Each
-// item a thread takes starts its streams afresh, and the hardware prefetchers
-// retrain on every one: with one-chunk items alternating between two threads,
-// up to 14% of a step at 20M elements on 2 Zen 5 cores (fp8 moments' measuring
-// pass alone: 2.4 ms, against 1.8 ms with 16-chunk items); the gain flattened
-// out from 16 chunks up. Below the cap every thread gets at least
-// kItemsPerThread items (dynamic scheduling evens out a thread the machine
-// slows down).
-inline constexpr int64_t kChunk = 16384;
-inline constexpr int64_t kMaxChunksPerItem = 16;
-inline constexpr int64_t kItemsPerThread = 8;
-
-// Elements per work item for a call that covers `work` elements on
-// `threads` threads: a multiple of kChunk (hence of kGranule).
-int64_t ItemElements(int64_t work, int threads);
-
-// The element range [begin, end) of one work item.
-struct ItemRange {
-  int64_t begin;
-  int64_t end;
-};
-
-// How a buffer of `numel` elements is split into work items of `item`
-// elements: the item count, and item `index`'s range. Declared here rather
-// than kept file-local in adam.cc so that a test can check the 64-bit index
-// math for numel above 2^31 without allocating such a buffer.
-int64_t NumItems(int64_t numel, int64_t item);
-ItemRange ItemAt(int64_t numel, int64_t item, int64_t index);
-
-// Storage codecs. fp16 appears twice: parameters are plain casts, scaled states
-// (fp16 master, fp16 moments) multiply / divide by their per-tensor scale.
+// Storage codecs of the block path. fp16 appears twice: parameters are plain
+// casts, scaled states (fp16 master, fp16 moments) multiply / divide by their
+// scale. CodecOf (plan.cc) picks one from a buffer's format and role.
 enum Codec : int {
   kCodecF32 = 0,
   kCodecBF16,
@@ -77,16 +52,27 @@ enum Codec : int {
   kNumCodecs,
 };
 
+// The scales a codec applies to a run of elements: one for the whole tensor
+// (`block` 0) or one per `block` elements, where `first` is the index in its
+// tensor of the run's first element (a staged tail keeps its true index).
+// Unscaled codecs ignore it.
+struct ScaleView {
+  const float* scales = nullptr;
+  int64_t block = 0;
+  int64_t first = 0;
+  float PerTensor() const { return scales[0]; }
+};
+
 // Reads `n` elements (a multiple of KernelTable::pair) as fp32. Returns the block the
 // kernels should use: `scratch`, or for kCodecF32 `src` itself, so that fp32
 // buffers are updated in place with no copy. `aux` is the int16 remainder for
-// kCodecRemainder and ignored otherwise; `scale` is ignored by unscaled codecs.
+// kCodecRemainder and ignored otherwise.
 using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
-                            float scale, float* scratch);
+                            const ScaleView& scale, float* scratch);
 // Stores `n` fp32 values (a multiple of KernelTable::pair); scaled codecs store
 // round(x / scale). kCodecRemainder writes the bf16 param to `dst` and the
 // remainder to `aux`.
-using EncodeFn = void (*)(const float* x, size_t n, float scale, void* dst,
+using EncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale, void* dst,
                           void* aux);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
 using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
@@ -99,10 +85,10 @@ using ReduceFn = void (*)(const StepConstants& k, const float* g,
                           const float* w, const float* m, const float* v,
                           size_t valid, uint32_t* max_bits);
 
-// Per-tensor scales of the moments for a fused kernel: decode with the old
-// scales, encode with the new ones (ignored by unscaled moments).
+// The moments' scales for a fused kernel: decode with the old ones, encode with
+// the new ones (ignored by unscaled moments).
 struct FusedScales {
-  float m_old, v_old, m_new, v_new;
+  ScaleView m_old, v_old, m_new, v_new;
 };
 
 // The whole step of `n` elements (a multiple of KernelTable::pair) of one
@@ -112,55 +98,21 @@ struct FusedScales {
 using FusedFn = void (*)(const StepConstants& k, const void* grad, void* param,
                          void* master, void* m, void* v, const FusedScales& s,
                          size_t n);
-// Pass 1 of a fused layout with scaled moments: the new values of its scaled
-// moments over all `n` elements, stored nowhere, folded into max_bits[1] (m)
-// and max_bits[2] (v) (see ReduceFn). Reads w (param or master) only in L2
-// mode, where m and v depend on it. The driver calls it only on the blocks
-// whose bounds say they may raise max_bits (adam.cc, BlockMayRaiseMax).
+// Pass 1 of a fused layout with per-tensor scaled moments: the new values of
+// those moments over all `n` elements, stored nowhere, folded into
+// max_bits[1] (m) and max_bits[2] (v) (see ReduceFn). Reads w (param or
+// master) only in L2 mode, where m and v depend on it. The driver calls it only
+// on the blocks whose bounds say they may raise max_bits (measure.cc).
 using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
                                 const void* param, const void* master,
                                 const void* m, const void* v, const FusedScales& s,
                                 size_t n, uint32_t* max_bits);
 
-// The layouts with a fused kernel, by stream. A scaled (fp16) master, fp16
-// params or grads, and other pairs of moment dtypes take the block path.
-enum FusedGrad : int { kFusedGradF32 = 0, kFusedGradBF16, kNumFusedGrad };
-enum FusedWeight : int {
-  kFusedParamF32 = 0,   // fp32 param, no master
-  kFusedMasterF32,      // bf16 param + fp32 master
-  kFusedRemainder,      // bf16 param + int16 remainder
-  kNumFusedWeight,
-};
-// Moment layouts with a fused kernel: both moments in one dtype, or fp8 exp_avg
-// beside bf16 exp_avg_sq (fp8's range is narrow for exp_avg_sq).
-enum FusedMoments : int {
-  kFusedMomentsF32 = 0,
-  kFusedMomentsBF16,
-  kFusedMomentsF16Scaled,
-  kFusedMomentsF8Scaled,
-  kFusedMomentsF8BF16,
-  kNumFusedMoments,
-};
-// The codec of each moment stream of a layout, as the FusedMoments value of a
-// layout with both moments in that codec.
-inline constexpr int ExpAvgStream(int moments) {
-  return moments == kFusedMomentsF8BF16 ? kFusedMomentsF8Scaled : moments;
-}
-inline constexpr int ExpAvgSqStream(int moments) {
-  return moments == kFusedMomentsF8BF16 ? kFusedMomentsBF16 : moments;
-}
-inline constexpr bool IsScaledStream(int stream) {
-  return stream == kFusedMomentsF16Scaled || stream == kFusedMomentsF8Scaled;
-}
-inline constexpr bool IsScaledMoments(int moments) {
-  return IsScaledStream(ExpAvgStream(moments)) || IsScaledStream(ExpAvgSqStream(moments));
-}
-
 struct FusedTable {
-  // [adam_w_mode][unit bias_correction2_sqrt][grad][weight][moments]
-  FusedFn fn[2][2][kNumFusedGrad][kNumFusedWeight][kNumFusedMoments];
-  // [adam_w_mode][grad][weight][moments]; null for unscaled moments.
-  FusedMeasureFn measure[2][kNumFusedGrad][kNumFusedWeight][kNumFusedMoments];
+  // [adam_w_mode][unit bias_correction2_sqrt][FusedLayouts index]
+  FusedFn fn[2][2][kNumFusedLayouts];
+  // [adam_w_mode][FusedLayouts index]; null where no moment needs measuring.
+  FusedMeasureFn measure[2][kNumFusedLayouts];
 };
 
 // Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).

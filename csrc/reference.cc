@@ -35,10 +35,6 @@ uint32_t ShiftRoundNearestEven(uint32_t value, int shift) {
   return kept;
 }
 
-float ScaleTarget(DType dtype) {
-  return dtype == DType::kFloat8E4M3 ? kFloat8ScaleTarget : kFloat16ScaleTarget;
-}
-
 // True value of element i of a moment or master buffer (S2.2).
 float LoadState(const void* buffer, DType dtype, const float* scale,
                 int64_t i) {
@@ -202,11 +198,8 @@ float MergeMaster(uint16_t param_bits, int16_t remainder) {
   return FloatOf((static_cast<uint32_t>(high) << 16) | low);
 }
 
-bool IsScaled(DType dtype) {
-  return dtype == DType::kFloat16 || dtype == DType::kFloat8E4M3;
-}
-
 float MeasureScale(const float* u, int64_t numel, DType dtype) {
+  // Only the per-tensor rule exists so far (formats.h).
   if (!IsScaled(dtype) || numel == 0) return 1.0f;
   float absmax = 0.0f;
   for (int64_t i = 0; i < numel; ++i) {
@@ -214,7 +207,7 @@ float MeasureScale(const float* u, int64_t numel, DType dtype) {
     absmax = std::fmax(absmax, std::fabs(u[i]));
   }
   if (absmax == 0.0f) return 1.0f;
-  return std::fmax(absmax / ScaleTarget(dtype), FLT_MIN);
+  return std::fmax(absmax / FormatOf(dtype).scale_target, FLT_MIN);
 }
 
 float LoadElement(const void* buffer, DType dtype, int64_t i) {
@@ -253,11 +246,7 @@ void StoreElement(void* buffer, DType dtype, int64_t i, float value) {
 
 Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale) {
-  const auto is_cast_dtype = [](DType d) {
-    return d == DType::kFloat32 || d == DType::kFloat16 ||
-           d == DType::kBFloat16 || d == DType::kFloat8E4M3;
-  };
-  if (!is_cast_dtype(src_dtype) || !is_cast_dtype(dst_dtype)) {
+  if (!HasRole(src_dtype, kRoleMoment) || !HasRole(dst_dtype, kRoleMoment)) {
     return Status::kInvalidArgument;
   }
   for (int64_t i = 0; i < numel; ++i) {

@@ -35,10 +35,6 @@ float Float8E4M3ToFloat(uint8_t q);
 void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder);
 float MergeMaster(uint16_t param_bits, int16_t remainder);
 
-// True for dtypes stored as q with a per-tensor scale (fp16, fp8) when used as
-// a moment or master; params and grads are never scaled.
-bool IsScaled(DType dtype);
-
 // S2.3: the scale of `numel` fp32 values u stored as `dtype` (1 for unscaled
 // dtypes, an empty tensor, or an absmax that is zero or not finite).
 float MeasureScale(const float* u, int64_t numel, DType dtype);

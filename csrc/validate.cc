@@ -24,24 +24,26 @@ std::string Format(const char* format, ...) {
   return buffer;
 }
 
-bool Fail(Error* error, int64_t tensor, const std::string& message) {
-  if (error != nullptr) {
-    error->tensor_index = tensor;
-    error->message =
-        tensor >= 0 ? Format("tensor %" PRId64 ": ", tensor) + message : message;
-  }
+bool Fail(Error* error, int64_t tensor, const std::string& rule, int64_t other = -1) {
+  SetError(error, tensor, rule, other);
   return false;
 }
 
 int Code(DType dtype) { return static_cast<int>(dtype); }
 
-bool IsValueDType(DType d) {  // param / grad
-  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
-}
-bool IsMomentDType(DType d) { return IsValueDType(d) || d == DType::kFloat8E4M3; }
-bool IsMasterDType(DType d) {
-  return d == DType::kNone || d == DType::kFloat32 || d == DType::kFloat16 ||
-         d == DType::kInt16Remainder;
+// The formats a role allows, for messages: "fp32, fp16, bf16 or fp8".
+std::string RoleFormats(FormatRole role) {
+  std::vector<const char*> names;
+  for (int i = 0; i < kNumDTypes; ++i) {
+    const DType d = static_cast<DType>(i);
+    if (HasRole(d, role)) names.push_back(DTypeName(d));
+  }
+  std::string text;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) text += i + 1 == names.size() ? " or " : ", ";
+    text += names[i];
+  }
+  return text;
 }
 
 bool CheckHyper(const char* name, double value, Error* error) {
@@ -128,26 +130,21 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   const struct {
     const char* field;
     DType dtype;
-    bool ok;
-    const char* role;
-    const char* expected;
+    FormatRole role;
+    const char* what;
   } dtypes[] = {
-      {"param_dtype", s.param_dtype, IsValueDType(s.param_dtype), "a parameter",
-       "fp32, fp16 or bf16"},
-      {"grad_dtype", s.grad_dtype, IsValueDType(s.grad_dtype), "a gradient",
-       "fp32, fp16 or bf16"},
-      {"exp_avg_dtype", s.exp_avg_dtype, IsMomentDType(s.exp_avg_dtype), "a moment",
-       "fp32, fp16, bf16 or fp8"},
-      {"exp_avg_sq_dtype", s.exp_avg_sq_dtype, IsMomentDType(s.exp_avg_sq_dtype),
-       "a moment", "fp32, fp16, bf16 or fp8"},
-      {"master_dtype", s.master_dtype, IsMasterDType(s.master_dtype), "a master",
-       "none, fp32, fp16 or int16 remainder"},
+      {"param_dtype", s.param_dtype, kRoleValue, "a parameter"},
+      {"grad_dtype", s.grad_dtype, kRoleValue, "a gradient"},
+      {"exp_avg_dtype", s.exp_avg_dtype, kRoleMoment, "a moment"},
+      {"exp_avg_sq_dtype", s.exp_avg_sq_dtype, kRoleMoment, "a moment"},
+      {"master_dtype", s.master_dtype, kRoleMaster, "a master"},
   };
   for (const auto& d : dtypes) {
-    if (!d.ok) {
+    if (!HasRole(d.dtype, d.role)) {
       return Fail(error, i,
                   Format("%s %d (%s) is not allowed for %s; expected %s", d.field,
-                         Code(d.dtype), DTypeName(d.dtype), d.role, d.expected));
+                         Code(d.dtype), DTypeName(d.dtype), d.what,
+                         RoleFormats(d.role).c_str()));
     }
   }
   if (s.param_dtype == DType::kFloat32 && s.master_dtype != DType::kNone) {
@@ -158,7 +155,7 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   }
   if (s.master_dtype == DType::kInt16Remainder && s.param_dtype != DType::kBFloat16) {
     return Fail(error, i,
-                Format("master_dtype %d (int16 remainder) requires a bf16 param; "
+                Format("master_dtype %d (remainder) requires a bf16 param; "
                        "param_dtype is %d (%s)",
                        Code(s.master_dtype), Code(s.param_dtype),
                        DTypeName(s.param_dtype)));
@@ -309,14 +306,14 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
       const Interval& first = hit->tensor < cur.tensor ? *hit : cur;
       const Interval& second = hit->tensor < cur.tensor ? cur : *hit;
       return Fail(error, second.tensor,
-                  Format("%s [%p, +%" PRIu64 " bytes) overlaps tensor %" PRId64
-                         "'s %s [%p, +%" PRIu64
+                  Format("%s [%p, +%" PRIu64 " bytes) overlaps {other}'s %s [%p, +%" PRIu64
                          " bytes); tensors must not share memory (only gradients "
                          "may be shared)",
                          second.name, reinterpret_cast<void*>(second.begin),
                          static_cast<uint64_t>(second.end - second.begin),
-                         first.tensor, first.name, reinterpret_cast<void*>(first.begin),
-                         static_cast<uint64_t>(first.end - first.begin)));
+                         first.name, reinterpret_cast<void*>(first.begin),
+                         static_cast<uint64_t>(first.end - first.begin)),
+                  first.tensor);
     }
     if (reach_all == nullptr || cur.end > reach_all->end) reach_all = &cur;
     if (cur.written && (reach_written == nullptr || cur.end > reach_written->end)) {
@@ -348,24 +345,6 @@ bool CheckSlots(const TensorSlot* slots, int64_t count, ScaleValues values,
 
 }  // namespace
 
-const char* DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kNone:
-      return "none";
-    case DType::kFloat32:
-      return "fp32";
-    case DType::kFloat16:
-      return "fp16";
-    case DType::kBFloat16:
-      return "bf16";
-    case DType::kFloat8E4M3:
-      return "fp8";
-    case DType::kInt16Remainder:
-      return "int16 remainder";
-  }
-  return "unknown";
-}
-
 bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                   Error* error, ScaleValues scale_values) {
   if (!CheckSlotList(slots, count, error)) return false;
@@ -395,11 +374,12 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
     DType dtype;
   } ends[2] = {{"src_dtype", src_dtype}, {"dst_dtype", dst_dtype}};
   for (const auto& e : ends) {
-    if (!IsMomentDType(e.dtype)) {
+    // Every moment format is a cast (an element codec with at most one scale).
+    if (!HasRole(e.dtype, kRoleMoment)) {
       return Fail(error, -1,
-                  Format("%s %d (%s) is not allowed for a conversion; expected fp32, "
-                         "fp16, bf16 or fp8",
-                         e.field, Code(e.dtype), DTypeName(e.dtype)));
+                  Format("%s %d (%s) is not allowed for a conversion; expected %s",
+                         e.field, Code(e.dtype), DTypeName(e.dtype),
+                         RoleFormats(kRoleMoment).c_str()));
     }
   }
   if (numel < 0) {
@@ -442,4 +422,19 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
 }
 
 }  // namespace internal
+
+void SetError(Error* error, int64_t tensor, const std::string& rule, int64_t other_tensor) {
+  if (error == nullptr) return;
+  error->tensor_index = tensor;
+  error->other_tensor_index = other_tensor;
+  error->rule = rule;
+  std::string text = rule;
+  const std::string placeholder = "{other}";
+  const size_t at = text.find(placeholder);
+  if (at != std::string::npos) {
+    text.replace(at, placeholder.size(), "tensor " + std::to_string(other_tensor));
+  }
+  error->message = tensor >= 0 ? "tensor " + std::to_string(tensor) + ": " + text : text;
+}
+
 }  // namespace shardadam

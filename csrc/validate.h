@@ -5,35 +5,13 @@
 
 #include <cstdint>
 
-#include "host_device.h"
 #include "shardadam/adam.h"
 
 namespace shardadam {
 namespace internal {
 
-// Bytes per element of a storage dtype (0 for kNone and unknown values). Host-device
-// like IsScaled: the CUDA kernels size their accesses with it.
-SHARDADAM_HOST_DEVICE constexpr int ItemSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kFloat16:
-    case DType::kBFloat16:
-    case DType::kInt16Remainder:
-      return 2;
-    case DType::kFloat8E4M3:
-      return 1;
-    default:
-      return 0;
-  }
-}
-// Short name for messages: "fp32", "fp16", "bf16", "fp8", "int16 remainder",
-// "none", or "unknown".
-const char* DTypeName(DType dtype);
-// True for the dtypes stored as q with a per-tensor scale (fp16, fp8).
-SHARDADAM_HOST_DEVICE constexpr bool IsScaled(DType dtype) {
-  return dtype == DType::kFloat16 || dtype == DType::kFloat8E4M3;
-}
+// Short name for messages: the format's name (formats.h), or "unknown".
+inline const char* DTypeName(DType dtype) { return FormatOf(dtype).name; }
 
 // Whether validation may read the values held in scale slots: not when they
 // live in device memory.

@@ -139,19 +139,14 @@ __global__ void WriteScalesKernel(const Launch launch) {
 
 Status DeviceFail(Error* error, const char* what, cudaError_t code) {
   cudaGetLastError();  // read, so the next call does not report it again
-  if (error != nullptr) {
-    error->tensor_index = -1;
-    error->message = std::string(what) + " failed: " + cudaGetErrorName(code) + " (" +
-                     cudaGetErrorString(code) + ")";
-  }
+  SetError(error, -1,
+           std::string(what) + " failed: " + cudaGetErrorName(code) + " (" +
+               cudaGetErrorString(code) + ")");
   return Status::kDeviceError;
 }
 
-Status InvalidArgument(Error* error, const std::string& message) {
-  if (error != nullptr) {
-    error->tensor_index = -1;
-    error->message = message;
-  }
+Status InvalidArgument(Error* error, const std::string& rule, int64_t tensor = -1) {
+  SetError(error, tensor, rule);
   return Status::kInvalidArgument;
 }
 
@@ -163,11 +158,11 @@ const char* MisalignedBuffer(const TensorSlot& t) {
   const auto off = [](const void* p, int size) {
     return size > 0 && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(size) != 0;
   };
-  if (off(t.param, internal::ItemSize(t.param_dtype))) return "param";
-  if (off(t.grad, internal::ItemSize(t.grad_dtype))) return "grad";
-  if (off(t.exp_avg, internal::ItemSize(t.exp_avg_dtype))) return "exp_avg";
-  if (off(t.exp_avg_sq, internal::ItemSize(t.exp_avg_sq_dtype))) return "exp_avg_sq";
-  if (off(t.master_param, internal::ItemSize(t.master_dtype))) return "master_param";
+  if (off(t.param, ItemSize(t.param_dtype))) return "param";
+  if (off(t.grad, ItemSize(t.grad_dtype))) return "grad";
+  if (off(t.exp_avg, ItemSize(t.exp_avg_dtype))) return "exp_avg";
+  if (off(t.exp_avg_sq, ItemSize(t.exp_avg_sq_dtype))) return "exp_avg_sq";
+  if (off(t.master_param, ItemSize(t.master_dtype))) return "master_param";
   const int scale = static_cast<int>(sizeof(float));
   if (off(t.exp_avg_scale, scale)) return "exp_avg_scale";
   if (off(t.exp_avg_sq_scale, scale)) return "exp_avg_sq_scale";
@@ -244,16 +239,16 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
     if (const char* name = MisalignedBuffer(slots[i])) {
       char message[160];
       snprintf(message, sizeof(message),
-               "tensor %" PRId64 ": %s is not aligned to its element size (rule: the "
-               "device faults on misaligned loads)", i, name);
-      return InvalidArgument(error, message);
+               "%s is not aligned to its element size (rule: the device faults on "
+               "misaligned loads)", name);
+      return InvalidArgument(error, message, i);
     }
     if (BlocksOf(slots[i].numel) > INT_MAX) {
       char message[160];
       snprintf(message, sizeof(message),
-               "tensor %" PRId64 ": numel %" PRId64 " exceeds the CUDA backend's limit of %" PRId64,
-               i, slots[i].numel, static_cast<int64_t>(INT_MAX) * kChunk);
-      return InvalidArgument(error, message);
+               "numel %" PRId64 " exceeds the CUDA backend's limit of %" PRId64,
+               slots[i].numel, static_cast<int64_t>(INT_MAX) * kChunk);
+      return InvalidArgument(error, message, i);
     }
   }
   const int64_t needed = CudaWorkspaceBytes(count);

@@ -9,30 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
-#include "element.h"  // SHARDADAM_HOST_DEVICE
+#include "scale_rule.h"  // BitsOf, FloatOf
 
 namespace shardadam {
 namespace cuda {
-
-SHARDADAM_HOST_DEVICE inline uint32_t BitsOf(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  return bits;
-#endif
-}
-
-SHARDADAM_HOST_DEVICE inline float FloatOf(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
-}
 
 // `value >> shift` rounded to nearest, ties to even; shift in [1, 31].
 SHARDADAM_HOST_DEVICE inline uint32_t RoundShift(uint32_t value, int shift) {

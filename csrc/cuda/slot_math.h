@@ -13,7 +13,7 @@
 #include "cuda/codecs.h"
 #include "element.h"
 #include "shardadam/adam.h"
-#include "validate.h"
+#include "scale_rule.h"
 
 namespace shardadam {
 namespace cuda {
@@ -22,11 +22,11 @@ namespace cuda {
 // per element (the int16 remainder: 2; no buffer: 0), and whether the stored value
 // carries a per-tensor scale.
 SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
-  return internal::ItemSize(static_cast<DType>(dtype));
+  return FormatOf(static_cast<DType>(dtype)).item_size;
 }
 
 SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
-  return internal::IsScaled(static_cast<DType>(dtype));
+  return IsScaled(static_cast<DType>(dtype));
 }
 
 // One tensor as the kernels see it: TensorSlot with dtype tags in bytes, so a
@@ -144,12 +144,7 @@ SHARDADAM_HOST_DEVICE inline uint32_t EncodeState(float u, uint8_t dtype, float 
 // S2.3: the scale of a state whose largest magnitude has fp32 bits `bits`
 // (1 for zero, infinity or NaN); `dtype` is fp16 or fp8.
 SHARDADAM_HOST_DEVICE inline float ScaleFromAbsMaxBits(uint32_t bits, uint8_t dtype) {
-  if (bits == 0 || bits >= 0x7F800000u) return 1.0f;
-  const float target = dtype == static_cast<uint8_t>(DType::kFloat8E4M3)
-                           ? kFloat8ScaleTarget
-                           : kFloat16ScaleTarget;
-  const float s = FloatOf(bits) / target;
-  return s < FLT_MIN ? FLT_MIN : s;
+  return shardadam::ScaleFromAbsMaxBits(bits, FormatOf(static_cast<DType>(dtype)).scale_target);
 }
 
 // Scale values of one tensor's states (1 where unscaled).

@@ -11,7 +11,6 @@ keeps its rows and a step only writes the gradients' pointers and tags.
 from __future__ import annotations
 
 import itertools
-import re
 
 from . import _state, _validate
 
@@ -158,18 +157,16 @@ def prepare(work) -> Call:
     return Call(slots, entries, keep_alive, write_back)
 
 
-_TENSOR = re.compile(r"^tensor (\d+): |\btensor (\d+)('s)?")
-
-
 def refusal(error: ValueError, entries: list) -> ValueError:
-    """The core's message with its tensor indices (positions in one call's slots)
-    replaced by the parameters they are: ``"tensor 1: param [...] overlaps tensor 0's
-    grad"`` becomes ``"FusedAdam: group 0, param 3 ('b'): param [...] overlaps group 0,
-    param 1 ('a')'s grad"``. One pass over the core's own text, so names are never
-    rewritten."""
-    def name(match):
-        if match.group(1) is not None:  # the leading "tensor N: "
-            return entries[int(match.group(1))].place + ": "
-        return entries[int(match.group(2))].place + (match.group(3) or "")
-
-    return ValueError(f"{_validate.CLASS_NAME}: {_TENSOR.sub(name, str(error))}")
+    """The core's refusal with its tensors (positions in one call's slots) named as the
+    parameters they are, built from the error's fields (``tensor_index``,
+    ``other_tensor_index``, ``rule``; bindings/module.cc): ``"param [...] overlaps
+    {other}'s grad"`` about tensors 1 and 0 becomes ``"FusedAdam: group 0, param 3
+    ('b'): param [...] overlaps group 0, param 1 ('a')'s grad"``."""
+    tensor = getattr(error, "tensor_index", -1)
+    other = getattr(error, "other_tensor_index", -1)
+    rule = getattr(error, "rule", str(error))
+    if other >= 0:
+        rule = rule.replace("{other}", entries[other].place, 1)
+    text = f"{entries[tensor].place}: {rule}" if tensor >= 0 else rule
+    return ValueError(f"{_validate.CLASS_NAME}: {text}")

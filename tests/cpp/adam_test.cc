@@ -74,7 +74,7 @@ TEST_P(AdamDTypeTest, NonFiniteGradientsMatchReference) {
   StepParams params;
   params.adam_w_mode = config.adam_w;
   const std::vector<Tensor> want = ExpectStepMatchesReference(tensors, params, 1);
-  if (ref::IsScaled(config.exp_avg)) {
+  if (IsScaled(config.exp_avg)) {
     EXPECT_EQ(want[0].exp_avg_scale, 1.0f);
   }
 }

@@ -383,7 +383,7 @@ TEST(ReferenceScaleTest, FollowsS23) {
 // reference.
 std::vector<uint8_t> EncodeAll(const std::vector<float>& values, DType dtype,
                                float scale) {
-  std::vector<uint8_t> out(values.size() * internal::ItemSize(dtype));
+  std::vector<uint8_t> out(values.size() * ItemSize(dtype));
   EXPECT_EQ(ref::Convert(values.data(), DType::kFloat32, out.data(), dtype,
                          static_cast<int64_t>(values.size()), scale),
             Status::kOk);
@@ -403,7 +403,7 @@ struct ConvertCase {
 ConvertCase ReferenceConvert(const void* src, DType src_dtype, DType dst_dtype,
                              int64_t numel, float scale) {
   ConvertCase c{src, src_dtype, dst_dtype, numel, scale, {}};
-  c.want.resize(static_cast<size_t>(numel) * internal::ItemSize(dst_dtype));
+  c.want.resize(static_cast<size_t>(numel) * ItemSize(dst_dtype));
   EXPECT_EQ(
       ref::Convert(src, src_dtype, c.want.data(), dst_dtype, numel, scale),
       Status::kOk);
@@ -441,7 +441,7 @@ void ExpectSimdConvert(const ConvertCase& c, int threads) {
 TEST(SimdConvertTest, WidensEveryCodeAndNarrowsBack) {
   for (const Format& f : kFormats) {
     const uint32_t count = 2 * f.sign_bit;
-    std::vector<uint8_t> codes(count * internal::ItemSize(f.dtype));
+    std::vector<uint8_t> codes(count * ItemSize(f.dtype));
     for (uint32_t c = 0; c < count; ++c) {
       if (f.dtype == DType::kFloat8E4M3) {
         codes[c] = static_cast<uint8_t>(c);

@@ -140,6 +140,15 @@ TEST(HugeValidationTest, CrossTensorOverlapBeyondFourGiBIsRejected) {
   EXPECT_EQ(AdamStep(slots, 2, StepParams(), 1, &error), Status::kInvalidArgument);
   EXPECT_EQ(error.tensor_index, 1);
   EXPECT_NE(error.message.find("overlaps"), std::string::npos) << error.message;
+  // The typed fields: the other tensor by index, the rule without indices.
+  EXPECT_EQ(error.other_tensor_index, 0);
+  EXPECT_EQ(error.rule.rfind("param [", 0), 0u) << error.rule;
+  EXPECT_NE(error.rule.find("overlaps {other}'s exp_avg ["), std::string::npos)
+      << error.rule;
+  EXPECT_EQ(error.rule.find("tensor "), std::string::npos) << error.rule;
+  EXPECT_EQ(error.message.rfind("tensor 1: param [", 0), 0u) << error.message;
+  EXPECT_NE(error.message.find("overlaps tensor 0's exp_avg ["), std::string::npos)
+      << error.message;
 }
 
 TEST(HugeValidationTest, ConvertRangesAreSixtyFourBit) {

@@ -143,7 +143,7 @@ struct Tensor {
 // A buffer of n elements of `dtype`; never empty, so that even an empty tensor
 // has a distinct, non-null address.
 inline std::vector<uint8_t> Buffer(DType dtype, int64_t n) {
-  return std::vector<uint8_t>(std::max<size_t>(1, n * internal::ItemSize(dtype)), 0);
+  return std::vector<uint8_t>(std::max<size_t>(1, n * ItemSize(dtype)), 0);
 }
 
 // Stores true values u as a state of `dtype` with the S2.3 scale.
@@ -153,7 +153,7 @@ inline void StoreState(const std::vector<float>& u, DType dtype,
   *scale = ref::MeasureScale(u.data(), n, dtype);
   for (int64_t i = 0; i < n; ++i) {
     ref::StoreElement(buffer->data(), dtype, i,
-                      ref::IsScaled(dtype) ? u[i] / *scale : u[i]);
+                      IsScaled(dtype) ? u[i] / *scale : u[i]);
   }
 }
 

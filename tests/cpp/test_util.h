@@ -57,7 +57,7 @@ inline std::string DTypeName(DType dtype) {
 // the code path), so comparisons accept any NaN for any NaN.
 inline bool IsNaNElement(const uint8_t* element, DType dtype) {
   uint32_t bits = 0;
-  std::memcpy(&bits, element, internal::ItemSize(dtype));
+  std::memcpy(&bits, element, ItemSize(dtype));
   switch (dtype) {
     case DType::kFloat32:
       return (bits & 0x7FFFFFFF) > 0x7F800000;
@@ -77,7 +77,7 @@ inline bool IsNaNElement(const uint8_t* element, DType dtype) {
 inline ::testing::AssertionResult SameElements(const void* want,
                                                const void* got, DType dtype,
                                                int64_t numel) {
-  const size_t size = internal::ItemSize(dtype);
+  const size_t size = ItemSize(dtype);
   const auto* a = static_cast<const uint8_t*>(want);
   const auto* b = static_cast<const uint8_t*>(got);
   int64_t mismatches = 0, first = -1;

@@ -38,7 +38,7 @@ constexpr int kMaxNumel = 300;
 
 bool IsNaNAt(const uint8_t* p, DType dtype) {
   uint32_t bits = 0;
-  std::memcpy(&bits, p, static_cast<size_t>(internal::ItemSize(dtype)));
+  std::memcpy(&bits, p, static_cast<size_t>(ItemSize(dtype)));
   switch (dtype) {
     case DType::kFloat32:
       return (bits & 0x7FFFFFFFu) > 0x7F800000u;
@@ -57,7 +57,7 @@ bool IsNaNAt(const uint8_t* p, DType dtype) {
 bool SameValues(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,
                 DType dtype) {
   if (a.size() != b.size()) return false;
-  const int size = internal::ItemSize(dtype);
+  const int size = ItemSize(dtype);
   // Blocks that are not whole elements (aliased scale slots) compare as bytes.
   if (size == 0 || a.size() % static_cast<size_t>(size) != 0) return a == b;
   for (size_t i = 0; i < a.size(); i += static_cast<size_t>(size)) {
@@ -239,7 +239,7 @@ void FuzzStep(FuzzedDataProvider& in) {
         s.data[b] = specs[0].data[1];
         continue;
       }
-      s.data[b] = PickPtr(in, arena, n * static_cast<size_t>(internal::ItemSize(dtypes[b])),
+      s.data[b] = PickPtr(in, arena, n * static_cast<size_t>(ItemSize(dtypes[b])),
                           dtypes[b]);
     }
     for (Ptr& scale : s.scale) {
@@ -364,8 +364,8 @@ void FuzzConvert(FuzzedDataProvider& in) {
   const size_t n = numel > 0 ? static_cast<size_t>(numel) : 0;
 
   Arena arena;
-  const Ptr src = PickPtr(in, arena, n * internal::ItemSize(src_dtype), src_dtype);
-  const Ptr dst = PickPtr(in, arena, n * internal::ItemSize(dst_dtype), dst_dtype);
+  const Ptr src = PickPtr(in, arena, n * ItemSize(src_dtype), src_dtype);
+  const Ptr dst = PickPtr(in, arena, n * ItemSize(dst_dtype), dst_dtype);
   // dst may lie in src's block (in place): the block then ends up as dst_dtype.
   if (dst.block >= 0) arena.dtypes[static_cast<size_t>(dst.block)] = dst_dtype;
   PickTarget(in);
@@ -392,7 +392,7 @@ void FuzzConvert(FuzzedDataProvider& in) {
 
   // Round trip of the original source values: dtype -> fp32 -> dtype.
   const std::vector<uint8_t>& original = before.blocks[static_cast<size_t>(src.block)];
-  if (src.block >= 0 && src.offset == 0 && original.size() == n * internal::ItemSize(src_dtype) && n > 0) {
+  if (src.block >= 0 && src.offset == 0 && original.size() == n * ItemSize(src_dtype) && n > 0) {
     std::vector<float> wide(n);
     std::vector<uint8_t> back(original.size());
     if (Convert(original.data(), src_dtype, wide.data(), DType::kFloat32, numel, 1.0f,

@@ -586,9 +586,29 @@ def test_bad_slot_raises_and_writes_nothing(case):
     # names the offending tensor (index 1 of the call) and the buffer/rule
     assert re.search(NAMES_TENSOR_1, message), message
     assert re.search(pattern, message, flags=re.IGNORECASE), message
+    # ... and carries them as fields: the rule alone, the tensor by index
+    error = raised.value
+    assert (error.tensor_index, error.other_tensor_index) == (1, -1)
+    assert message == f"tensor 1: {error.rule}" and "tensor" not in error.rule
     after = [t for b in (good, bad) for t in b.everything()]
     for i, (a, b) in enumerate(zip(after, before)):
         assert_bitwise_equal(a, b, f"buffer {i} after a rejected adam_step")
+
+
+def test_overlap_refusal_names_both_tensors_by_index():
+    """A rule about two tensors carries the second one's index beside the rule, where
+    "{other}" stands for it: the package names both without reading the text."""
+    good, bad, rows = make_bad_call(("fp32", "fp32", "fp32", "fp32", "none"), {})
+    columns = {name: i for i, name in enumerate(_C.SLOT_COLUMN_NAMES)}
+    width = len(columns)
+    rows[width + columns["param"]] = rows[columns["exp_avg"]]  # tensor 1's param
+    with pytest.raises(ValueError) as raised:
+        _C.adam_step(rows, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+    error = raised.value
+    assert (error.tensor_index, error.other_tensor_index) == (1, 0)
+    assert re.fullmatch(r"param \[.*\) overlaps \{other\}'s exp_avg \[.*", error.rule), \
+        error.rule
+    assert str(error) == "tensor 1: " + error.rule.replace("{other}", "tensor 0")
 
 
 @pytest.mark.parametrize("case", BAD_HYPER, ids=[c[0] for c in BAD_HYPER])

@@ -8,28 +8,15 @@
 #include <cstdint>
 #include <string>
 
+#include "shardadam/formats.h"
+
 namespace shardadam {
 
-// Storage dtype of one buffer. The numeric values are part of the ABI: the Python
-// package passes them through the binding as plain integers.
-enum class DType : int32_t {
-  kNone = 0,            // buffer absent (only for master_param)
-  kFloat32 = 1,
-  kFloat16 = 2,         // moments/master: stored value q, true value float(q) * scale
-  kBFloat16 = 3,
-  kFloat8E4M3 = 4,      // moments only: uint8 codes of fp8 E4M3 (fn), scaled like fp16
-  kInt16Remainder = 5,  // master only: low 16 bits of the fp32 master beside a bf16 param
-};
-
-// Largest magnitude a scaled state is encoded to (SEMANTICS S2.3):
-// fp16 finfo.max / 2 and the largest finite E4M3 value.
-inline constexpr float kFloat16ScaleTarget = 32752.0f;
-inline constexpr float kFloat8ScaleTarget = 448.0f;
-
 // One tensor's buffers. All buffers hold `numel` elements, contiguous, in the dtype
-// given beside them. Scale slots hold one fp32 each: read as the current scale
-// before the step, overwritten with the scale measured on the new state after it.
-// A scale slot is required exactly for fp16 and fp8 states and ignored otherwise.
+// given beside them (formats.h). A state whose format is scaled needs its scale
+// slot: for Scaling::kPerTensor one fp32, read as the current scale before the
+// step and overwritten with the scale measured on the new state after it.
+// Scale slots of unscaled states are ignored.
 struct TensorSlot {
   int64_t numel = 0;
   void* param = nullptr;
@@ -67,12 +54,24 @@ enum class Status : int32_t {
   kDeviceError = 2,      // CUDA backend only: the runtime refused a call (message names it)
 };
 
-// Filled on failure: which tensor (-1 for a hyper-parameter or the call itself)
-// and a sentence naming the buffer, the rule and the offending value.
+// Filled on failure. The fields name the tensors by their index in the call, so
+// a caller with its own names for them (the Python package) builds its own text
+// from `rule` instead of parsing `message`.
 struct Error {
-  int64_t tensor_index = -1;
+  int64_t tensor_index = -1;        // the tensor the rule concerns; -1: the call itself
+                                    // or a hyper-parameter
+  int64_t other_tensor_index = -1;  // the second tensor of a rule about two, else -1
+  // The broken rule: the buffer or hyper-parameter, the rule and the offending
+  // number or address (never buffer contents), without the tensor's index;
+  // "{other}" stands for the second tensor.
+  std::string rule;
+  // The whole sentence: "tensor 3: " + rule, "{other}" written as "tensor 1".
   std::string message;
 };
+
+// Fills every field of `error` (if non-null) from a rule and its tensors.
+void SetError(Error* error, int64_t tensor, const std::string& rule,
+              int64_t other_tensor = -1);
 
 // Updates every tensor of `slots` in place (SEMANTICS S3.6). Validates every slot and
 // hyper-parameter first; on any failure returns kInvalidArgument, fills `error`

@@ -1,0 +1,111 @@
+// The layouts the CPU core steps with a fused kernel (adam-inl.h FusedSpan):
+// each stream read once and written once, in registers. One line per layout,
+// like cuda/layouts.h; a layout not listed takes the block path (decode into
+// fp32 blocks, update, encode), which gives the same bits more slowly.
+#ifndef SHARDADAM_FUSED_LAYOUTS_H_
+#define SHARDADAM_FUSED_LAYOUTS_H_
+
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+#include "shardadam/formats.h"
+
+namespace shardadam {
+namespace internal {
+
+// How a fused kernel reads and writes the weight.
+enum class Weight : int {
+  kParamF32,   // fp32 param, no master
+  kMasterF32,  // bf16 param + fp32 master
+  kRemainder,  // bf16 param + int16 remainder
+};
+
+template <DType G, Weight W, DType M, DType V>
+struct FusedLayout {
+  static constexpr DType kGrad = G, kExpAvg = M, kExpAvgSq = V;
+  static constexpr Weight kWeight = W;
+};
+
+constexpr DType kF32 = DType::kFloat32;
+constexpr DType kBF16 = DType::kBFloat16;
+constexpr DType kF16 = DType::kFloat16;
+constexpr DType kF8 = DType::kFloat8E4M3;
+
+// fp32 or bf16 gradients; each weight kind; both moments in one format, or fp8
+// exp_avg beside bf16 exp_avg_sq (fp8's range is narrow for exp_avg_sq).
+using FusedLayouts = std::tuple<
+    FusedLayout<kF32, Weight::kParamF32, kF32, kF32>,
+    FusedLayout<kF32, Weight::kParamF32, kBF16, kBF16>,
+    FusedLayout<kF32, Weight::kParamF32, kF16, kF16>,
+    FusedLayout<kF32, Weight::kParamF32, kF8, kF8>,
+    FusedLayout<kF32, Weight::kParamF32, kF8, kBF16>,
+    FusedLayout<kF32, Weight::kMasterF32, kF32, kF32>,
+    FusedLayout<kF32, Weight::kMasterF32, kBF16, kBF16>,
+    FusedLayout<kF32, Weight::kMasterF32, kF16, kF16>,
+    FusedLayout<kF32, Weight::kMasterF32, kF8, kF8>,
+    FusedLayout<kF32, Weight::kMasterF32, kF8, kBF16>,
+    FusedLayout<kF32, Weight::kRemainder, kF32, kF32>,
+    FusedLayout<kF32, Weight::kRemainder, kBF16, kBF16>,
+    FusedLayout<kF32, Weight::kRemainder, kF16, kF16>,
+    FusedLayout<kF32, Weight::kRemainder, kF8, kF8>,
+    FusedLayout<kF32, Weight::kRemainder, kF8, kBF16>,
+    FusedLayout<kBF16, Weight::kParamF32, kF32, kF32>,
+    FusedLayout<kBF16, Weight::kParamF32, kBF16, kBF16>,
+    FusedLayout<kBF16, Weight::kParamF32, kF16, kF16>,
+    FusedLayout<kBF16, Weight::kParamF32, kF8, kF8>,
+    FusedLayout<kBF16, Weight::kParamF32, kF8, kBF16>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF32, kF32>,
+    FusedLayout<kBF16, Weight::kMasterF32, kBF16, kBF16>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF16, kF16>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF8, kF8>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF8, kBF16>,
+    FusedLayout<kBF16, Weight::kRemainder, kF32, kF32>,
+    FusedLayout<kBF16, Weight::kRemainder, kBF16, kBF16>,
+    FusedLayout<kBF16, Weight::kRemainder, kF16, kF16>,
+    FusedLayout<kBF16, Weight::kRemainder, kF8, kF8>,
+    FusedLayout<kBF16, Weight::kRemainder, kF8, kBF16>>;
+
+inline constexpr int kNumFusedLayouts = static_cast<int>(std::tuple_size_v<FusedLayouts>);
+
+// The index in FusedLayouts of a tensor's layout, or -1: a lookup table over
+// dtype tags, built at compile time, so choosing costs one load per tensor.
+class FusedLayoutIndex {
+ public:
+  constexpr FusedLayoutIndex() : index_{} {
+    for (auto& i : index_) i = -1;
+    Fill(std::make_index_sequence<kNumFusedLayouts>());
+  }
+  constexpr int Of(DType grad, Weight weight, DType exp_avg, DType exp_avg_sq) const {
+    const int g = static_cast<int>(grad), m = static_cast<int>(exp_avg),
+              v = static_cast<int>(exp_avg_sq);
+    if (g < 0 || g >= kNumDTypes || m < 0 || m >= kNumDTypes || v < 0 || v >= kNumDTypes) {
+      return -1;
+    }
+    return index_[Key(grad, weight, exp_avg, exp_avg_sq)];
+  }
+
+ private:
+  static constexpr int kWeights = 3;
+  static constexpr int Key(DType g, Weight w, DType m, DType v) {
+    return ((static_cast<int>(g) * kWeights + static_cast<int>(w)) * kNumDTypes +
+            static_cast<int>(m)) * kNumDTypes + static_cast<int>(v);
+  }
+  template <size_t... I>
+  constexpr void Fill(std::index_sequence<I...>) {
+    ((index_[Key(std::tuple_element_t<I, FusedLayouts>::kGrad,
+                  std::tuple_element_t<I, FusedLayouts>::kWeight,
+                  std::tuple_element_t<I, FusedLayouts>::kExpAvg,
+                  std::tuple_element_t<I, FusedLayouts>::kExpAvgSq)] =
+          static_cast<int8_t>(I)),
+     ...);
+  }
+  int8_t index_[kNumDTypes * kWeights * kNumDTypes * kNumDTypes];
+};
+
+inline constexpr FusedLayoutIndex kFusedLayoutIndex{};
+
+}  // namespace internal
+}  // namespace shardadam
+
+#endif  // SHARDADAM_FUSED_LAYOUTS_H_

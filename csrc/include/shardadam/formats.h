@@ -1,0 +1,122 @@
+// Every storage format of the shardadam core, declared once: the dtype tag a
+// buffer carries, and the facts the validation, the CPU kernels, the CUDA
+// kernels, the scalar reference and the Python package (through the binding's
+// FORMATS) read from it. Host-device, so the CUDA kernels fold it at compile time.
+//
+// Adding a format: a DType value, one line in FormatOf's table, its element
+// codec in each backend (csrc/convert-inl.h, csrc/cuda/codecs.h, the reference)
+// and its tests; the Python registry (src/shardadam/_formats.py) declares the
+// same facts and is checked against these when the extension loads.
+#ifndef SHARDADAM_FORMATS_H_
+#define SHARDADAM_FORMATS_H_
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SHARDADAM_FORMAT_FN __host__ __device__ constexpr
+#else
+#define SHARDADAM_FORMAT_FN constexpr
+#endif
+
+namespace shardadam {
+
+// Storage format of one buffer. The numeric values are part of the ABI: the
+// Python package passes them through the binding as plain integers.
+enum class DType : int32_t {
+  kNone = 0,            // buffer absent (only for master_param)
+  kFloat32 = 1,
+  kFloat16 = 2,         // moments/master: stored value q, true value float(q) * scale
+  kBFloat16 = 3,
+  kFloat8E4M3 = 4,      // moments only: uint8 codes of fp8 E4M3 (fn), scaled like fp16
+  kInt16Remainder = 5,  // master only: low 16 bits of the fp32 master beside a bf16 param
+};
+inline constexpr int kNumDTypes = 6;
+
+// How the stored bits of one element read as a number (before any scale).
+enum class Element : int32_t {
+  kNone = 0,
+  kFloat32,
+  kFloat16,
+  kBFloat16,
+  kFloat8E4M3,       // "fn": no infinities, NaN = 0x7F / 0xFF
+  kInt16Remainder,   // the low half of an fp32 whose high half is the bf16 param
+};
+
+// Where a format keeps its scales when it stores a state (moment or master):
+// none, one fp32 per tensor, or one fp32 per block of `scale_block` elements.
+// Parameters and gradients are never scaled, whatever their format.
+enum class Scaling : int32_t { kNone = 0, kPerTensor = 1, kPerBlock = 2 };
+
+// Which buffers may hold a format (bit set).
+enum FormatRole : uint32_t {
+  kRoleValue = 1,   // param, grad
+  kRoleMoment = 2,  // exp_avg, exp_avg_sq
+  kRoleMaster = 4,  // master_param
+};
+
+struct FormatInfo {
+  DType dtype = DType::kNone;
+  const char* name = "unknown";  // as messages and recorded state layouts name it
+  int32_t item_size = 0;         // bytes per element
+  Element element = Element::kNone;
+  Scaling scaling = Scaling::kNone;
+  int32_t scale_block = 0;       // elements per scale (Scaling::kPerBlock only)
+  float scale_target = 0.0f;     // largest magnitude a scaled state is encoded to (S2.3)
+  uint32_t roles = 0;
+};
+
+// Largest magnitudes of S2.3: fp16 finfo.max / 2 and the largest finite E4M3 value.
+inline constexpr float kFloat16ScaleTarget = 32752.0f;
+inline constexpr float kFloat8ScaleTarget = 448.0f;
+
+// The format of a dtype tag; for a tag no format has, a FormatInfo with no roles
+// (so validation refuses it) and name "unknown".
+SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
+  // In DType order, one line per format.
+  const FormatInfo table[kNumDTypes] = {
+      {DType::kNone, "none", 0, Element::kNone, Scaling::kNone, 0, 0.0f, kRoleMaster},
+      {DType::kFloat32, "fp32", 4, Element::kFloat32, Scaling::kNone, 0, 0.0f,
+       kRoleValue | kRoleMoment | kRoleMaster},
+      {DType::kFloat16, "fp16", 2, Element::kFloat16, Scaling::kPerTensor, 0,
+       kFloat16ScaleTarget, kRoleValue | kRoleMoment | kRoleMaster},
+      {DType::kBFloat16, "bf16", 2, Element::kBFloat16, Scaling::kNone, 0, 0.0f,
+       kRoleValue | kRoleMoment},
+      {DType::kFloat8E4M3, "fp8", 1, Element::kFloat8E4M3, Scaling::kPerTensor, 0,
+       kFloat8ScaleTarget, kRoleMoment},
+      {DType::kInt16Remainder, "remainder", 2, Element::kInt16Remainder, Scaling::kNone,
+       0, 0.0f, kRoleMaster},
+  };
+  const int i = static_cast<int>(dtype);
+  return i >= 0 && i < kNumDTypes ? table[i] : FormatInfo{};
+}
+
+// Shorthands for the facts the kernels branch on.
+SHARDADAM_FORMAT_FN int ItemSize(DType dtype) { return FormatOf(dtype).item_size; }
+// A state of this format carries scales (and a scale slot).
+SHARDADAM_FORMAT_FN bool IsScaled(DType dtype) {
+  return FormatOf(dtype).scaling != Scaling::kNone;
+}
+// A state of this format is rescaled from the absmax of the whole new tensor, so a
+// step first measures it (pass 1) before storing anything (pass 2).
+SHARDADAM_FORMAT_FN bool NeedsMeasuringPass(DType dtype) {
+  return FormatOf(dtype).scaling == Scaling::kPerTensor;
+}
+SHARDADAM_FORMAT_FN bool HasRole(DType dtype, FormatRole role) {
+  return (FormatOf(dtype).roles & role) != 0;
+}
+
+namespace internal {
+constexpr bool TableInDTypeOrder() {
+  for (int i = 0; i < kNumDTypes; ++i) {
+    if (static_cast<int>(FormatOf(static_cast<DType>(i)).dtype) != i) return false;
+  }
+  return true;
+}
+static_assert(TableInDTypeOrder(), "FormatOf's table is indexed by DType value");
+}  // namespace internal
+
+}  // namespace shardadam
+
+#undef SHARDADAM_FORMAT_FN
+
+#endif  // SHARDADAM_FORMATS_H_

@@ -1,0 +1,116 @@
+// Tensor plans (plan.h): every choice that depends only on a slot's formats.
+#include "plan.h"
+
+#include <cmath>
+
+namespace shardadam {
+namespace internal {
+namespace {
+
+// How the fused kernels read the weight of this slot, if any of them can.
+bool FusedWeightOf(const TensorSlot& s, Weight& weight) {
+  if (s.param_dtype == DType::kFloat32 && s.master_dtype == DType::kNone) {
+    weight = Weight::kParamF32;
+  } else if (s.param_dtype == DType::kBFloat16 && s.master_dtype == DType::kFloat32) {
+    weight = Weight::kMasterF32;
+  } else if (s.param_dtype == DType::kBFloat16 &&
+             s.master_dtype == DType::kInt16Remainder) {
+    weight = Weight::kRemainder;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// FusedLayouts index of the slot's layout, or -1. Needs the plan's old scales.
+int ChooseFused(const TensorSlot& s, const TensorPlan& p) {
+  Weight weight;
+  if (!FusedWeightOf(s, weight)) return -1;
+  const int index =
+      kFusedLayoutIndex.Of(s.grad_dtype, weight, s.exp_avg_dtype, s.exp_avg_sq_dtype);
+  // The fused fp8 decoder folds a power-of-two factor (at most kE4M3OverF16)
+  // into the old scale; an absurdly large scale takes the block path, which
+  // does not.
+  const auto folds = [](DType moment, float old_scale) {
+    return FormatOf(moment).element != Element::kFloat8E4M3 ||
+           std::isfinite(old_scale * kE4M3OverF16);
+  };
+  if (index < 0 || !folds(s.exp_avg_dtype, p.old_scale[kStreamM]) ||
+      !folds(s.exp_avg_sq_dtype, p.old_scale[kStreamV])) {
+    return -1;
+  }
+  return index;
+}
+
+}  // namespace
+
+Codec CodecOf(DType dtype, bool is_state) {
+  const FormatInfo f = FormatOf(dtype);
+  const bool scaled = is_state && f.scaling != Scaling::kNone;
+  switch (f.element) {
+    case Element::kFloat16:
+      return scaled ? kCodecF16Scaled : kCodecF16;
+    case Element::kBFloat16:
+      return kCodecBF16;
+    case Element::kFloat8E4M3:
+      return kCodecF8Scaled;
+    case Element::kInt16Remainder:
+      return kCodecRemainder;
+    default:
+      return kCodecF32;
+  }
+}
+
+TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
+  TensorPlan p;
+  p.numel = s.numel;
+  p.param = static_cast<char*>(s.param);
+  p.grad = static_cast<const char*>(s.grad);
+  p.exp_avg = static_cast<char*>(s.exp_avg);
+  p.exp_avg_sq = static_cast<char*>(s.exp_avg_sq);
+  p.param_size = ItemSize(s.param_dtype);
+  p.grad_size = ItemSize(s.grad_dtype);
+  p.exp_avg_size = ItemSize(s.exp_avg_dtype);
+  p.exp_avg_sq_size = ItemSize(s.exp_avg_sq_dtype);
+  p.grad_codec = CodecOf(s.grad_dtype, false);
+  p.decode_grad = kt.decode[p.grad_codec];
+
+  const Codec param_codec = CodecOf(s.param_dtype, false);
+  if (s.master_dtype == DType::kNone) {
+    p.w_codec = param_codec;
+    if (param_codec != kCodecF32) p.encode_param = kt.encode[param_codec];
+  } else {
+    p.master = static_cast<char*>(s.master_param);
+    p.master_size = ItemSize(s.master_dtype);
+    p.w_codec = CodecOf(s.master_dtype, true);
+    if (p.w_codec == kCodecRemainder) {
+      // w is rebuilt from the param and the remainder, and split back.
+      p.encode_param = kt.encode[kCodecRemainder];
+    } else {
+      p.w_from_master = true;
+      p.encode_param = kt.encode[param_codec];
+      if (p.w_codec != kCodecF32) p.encode_master = kt.encode[p.w_codec];
+    }
+  }
+  p.decode_w = kt.decode[p.w_codec];
+  p.m_codec = CodecOf(s.exp_avg_dtype, true);
+  p.v_codec = CodecOf(s.exp_avg_sq_dtype, true);
+  p.decode_m = kt.decode[p.m_codec];
+  p.decode_v = kt.decode[p.v_codec];
+  if (p.m_codec != kCodecF32) p.encode_m = kt.encode[p.m_codec];
+  if (p.v_codec != kCodecF32) p.encode_v = kt.encode[p.v_codec];
+
+  const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
+  float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
+  for (int i = 0; i < 3; ++i) {
+    if (!NeedsMeasuringPass(state_dtypes[i])) continue;
+    p.target[i] = FormatOf(state_dtypes[i]).scale_target;
+    p.scale_slot[i] = slots[i];
+    p.old_scale[i] = *slots[i];  // read before any scale is written
+  }
+  p.fused = ChooseFused(s, p);
+  return p;
+}
+
+}  // namespace internal
+}  // namespace shardadam

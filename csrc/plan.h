@@ -1,0 +1,78 @@
+// One tensor's plan for one AdamStep call: its buffers, the codec or fused
+// kernel of each stream, and its scales, chosen once from the slot's formats
+// (formats.h) before any element is touched.
+#ifndef SHARDADAM_PLAN_H_
+#define SHARDADAM_PLAN_H_
+
+#include <cstdint>
+
+#include "kernels.h"
+#include "shardadam/adam.h"
+
+namespace shardadam {
+namespace internal {
+
+// Index 0 / 1 / 2 of a plan's scale arrays: the master (w), exp_avg (m),
+// exp_avg_sq (v).
+enum StateStream { kStreamW = 0, kStreamM = 1, kStreamV = 2 };
+
+struct TensorPlan {
+  int64_t numel = 0;
+  char* param = nullptr;
+  const char* grad = nullptr;
+  char* master = nullptr;  // fp32 / fp16 master or the int16 remainder
+  char* exp_avg = nullptr;
+  char* exp_avg_sq = nullptr;
+  int param_size = 0, grad_size = 0, master_size = 0, exp_avg_size = 0,
+      exp_avg_sq_size = 0;
+  // Index in the tensor of element 0 of the buffers above: 0, or where a
+  // staged copy of a tail starts (its scales are still the tensor's).
+  int64_t first = 0;
+
+  Codec grad_codec = kCodecF32, w_codec = kCodecF32, m_codec = kCodecF32,
+        v_codec = kCodecF32;
+  DecodeFn decode_grad = nullptr, decode_w = nullptr, decode_m = nullptr,
+           decode_v = nullptr;
+  bool w_from_master = false;  // else from param (+ remainder as aux)
+  // Null where the update already wrote the buffer in place (fp32).
+  EncodeFn encode_param = nullptr, encode_master = nullptr, encode_m = nullptr,
+           encode_v = nullptr;
+
+  // Per-tensor scales (StateStream order): read from the slots before the step,
+  // measured on the new state, written back after it.
+  float old_scale[3] = {1.0f, 1.0f, 1.0f};
+  float new_scale[3] = {1.0f, 1.0f, 1.0f};
+  // The format's scale_target where a stream needs a measuring pass, else 0.
+  float target[3] = {0.0f, 0.0f, 0.0f};
+  float* scale_slot[3] = {nullptr, nullptr, nullptr};
+
+  // Index in FusedLayouts when the layout has a fused kernel, else -1.
+  int fused = -1;
+
+  bool NeedsMeasuringPass() const {
+    return target[kStreamW] != 0 || target[kStreamM] != 0 || target[kStreamV] != 0;
+  }
+  // The scales of element `e` onwards (an index into the buffers above).
+  ScaleView OldScale(int stream, int64_t e) const {
+    return {&old_scale[stream], 0, first + e};
+  }
+  ScaleView NewScale(int stream, int64_t e) const {
+    return {&new_scale[stream], 0, first + e};
+  }
+  FusedScales FusedScalesAt(int64_t e) const {
+    return {OldScale(kStreamM, e), OldScale(kStreamV, e), NewScale(kStreamM, e),
+            NewScale(kStreamV, e)};
+  }
+};
+
+// The plan of a validated slot; reads its old scales.
+TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s);
+
+// The block-path codec of a buffer of `dtype`: a state's (moment, master) or a
+// value's (param, grad, which are never scaled).
+Codec CodecOf(DType dtype, bool is_state);
+
+}  // namespace internal
+}  // namespace shardadam
+
+#endif  // SHARDADAM_PLAN_H_

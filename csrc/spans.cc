@@ -1,0 +1,103 @@
+// The update pass over a span of one tensor, and tails staged to whole pairs
+// (spans.h).
+#include "spans.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace shardadam {
+namespace internal {
+namespace {
+
+// The last `t` < kt.pair elements of a tensor, staged through zero-padded
+// copies one pair long so every kernel sees whole pairs of vectors.
+void StagedTail(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t t, bool update, Scratch& s,
+                uint32_t* max_bits) {
+  alignas(64) char buffers[5][kGranule * sizeof(float)];
+  // Copies t elements into a buffer; the padding is zero so that nothing
+  // depends on stale stack bytes.
+  const auto stage = [&](const char* from, int size, char* buffer) {
+    memcpy(buffer, from + begin * size, t * size);
+    memset(buffer + t * size, 0, (kt.pair - t) * size);
+    return buffer;
+  };
+  TensorPlan q = p;
+  q.first = p.first + begin;
+  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
+  const int sizes[4] = {p.param_size, p.master_size, p.exp_avg_size,
+                        p.exp_avg_sq_size};
+  for (int b = 0; b < 4; ++b) {
+    if (*writable[b] != nullptr) *writable[b] = stage(*writable[b], sizes[b], buffers[b]);
+  }
+  q.grad = stage(p.grad, p.grad_size, buffers[4]);
+  if (!update) {
+    ReduceSpan(kt, q, k, 0, kt.pair, t, s, max_bits);
+    return;
+  }
+  UpdateSpan(kt, q, k, 0, kt.pair, s);
+  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
+  for (int b = 0; b < 4; ++b) {
+    if (originals[b] != nullptr) {
+      memcpy(originals[b] + begin * sizes[b], buffers[b], t * sizes[b]);
+    }
+  }
+}
+
+}  // namespace
+
+void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                int64_t begin, size_t n, Scratch& s) {
+  const int adam_w = k.adam_w_mode ? 1 : 0;
+  const int unit_bc2 = k.bias_correction2_sqrt == 1.0f ? 1 : 0;
+  if (p.fused >= 0) {
+    kt.fused.fn[adam_w][unit_bc2][p.fused](
+        k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
+        p.master ? p.master + begin * p.master_size : nullptr,
+        p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+        p.FusedScalesAt(begin), n);
+    return;
+  }
+  const UpdateFn update = kt.update[adam_w][unit_bc2];
+  const ScaleView unscaled;
+  for (size_t done = 0; done < n; done += kBlock) {
+    const size_t c = std::min(kBlock, n - done);
+    const int64_t e = begin + static_cast<int64_t>(done);
+    char* master = p.master ? p.master + e * p.master_size : nullptr;
+    char* param = p.param + e * p.param_size;
+    char* exp_avg = p.exp_avg + e * p.exp_avg_size;
+    char* exp_avg_sq = p.exp_avg_sq + e * p.exp_avg_sq_size;
+    const float* g = p.decode_grad(p.grad + e * p.grad_size, nullptr, c, unscaled, s.g);
+    float* w = p.decode_w(p.w_from_master ? master : param, master, c,
+                          p.OldScale(kStreamW, e), s.w);
+    float* m = p.decode_m(exp_avg, nullptr, c, p.OldScale(kStreamM, e), s.m);
+    float* v = p.decode_v(exp_avg_sq, nullptr, c, p.OldScale(kStreamV, e), s.v);
+    update(k, g, w, m, v, c);
+    // The param is rounded from the updated w before the master is re-stored.
+    if (p.encode_param) p.encode_param(w, c, unscaled, param, master);
+    if (p.encode_master) p.encode_master(w, c, p.NewScale(kStreamW, e), master, nullptr);
+    if (p.encode_m) p.encode_m(m, c, p.NewScale(kStreamM, e), exp_avg, nullptr);
+    if (p.encode_v) p.encode_v(v, c, p.NewScale(kStreamV, e), exp_avg_sq, nullptr);
+  }
+}
+
+void RunSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+             int64_t begin, int64_t end, bool update, Scratch& s,
+             uint32_t* max_bits) {
+  const size_t n = static_cast<size_t>(end - begin);
+  const size_t whole = n / kt.pair * kt.pair;
+  if (whole > 0) {
+    if (update) {
+      UpdateSpan(kt, p, k, begin, whole, s);
+    } else {
+      ReduceSpan(kt, p, k, begin, whole, whole, s, max_bits);
+    }
+  }
+  if (whole < n) {
+    StagedTail(kt, p, k, begin + static_cast<int64_t>(whole), n - whole, update, s,
+               max_bits);
+  }
+}
+
+}  // namespace internal
+}  // namespace shardadam
