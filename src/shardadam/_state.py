@@ -143,8 +143,9 @@ def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
     if fmt is None:
         return stored.float()
     scale = scales.get(name) if scales else None
-    if fmt.scaled:
-        scale = (torch.ones((), dtype=torch.float32, device=stored.device) if scale is None
+    if fmt.scaled:  # a missing scale reads as 1
+        scale = (torch.ones(fmt.scale_shape(stored.numel()), dtype=torch.float32,
+                            device=stored.device) if scale is None
                  else scale.to(stored.device))
     return fmt.decode(stored, scale)
 
