@@ -7,7 +7,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CPP_BUILD := build/cpp
-CORE_SOURCES := $(shell find csrc bindings -type f) CMakeLists.txt pyproject.toml
+CORE_SOURCES := $(shell find csrc bindings cmake -type f) CMakeLists.txt pyproject.toml
 TEST_SOURCES := $(shell find tests/cpp benchmarks -type f 2>/dev/null)
 
 .PHONY: setup system-deps demo test test-cpp test-python bench clean
