@@ -4,8 +4,8 @@
 //
 // In short (docs/cpp.md walks through one step):
 // - The caller owns every buffer. The core never allocates, frees or keeps a
-//   pointer it is given; each must stay valid, and untouched by other threads,
-//   until the call returns.
+//   pointer it is given; each must stay valid until the call returns, and no
+//   other thread may meanwhile write it, or read a buffer the call writes.
 // - Every call validates all its input first. A refused call returns
 //   Status::kInvalidArgument, describes the first broken rule in `Error` and has
 //   written nothing: no buffer, no scale slot.
