@@ -173,7 +173,8 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
 // Pair it with Convert to store fp32 values as a scaled state.
 float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads);
 
-// Name of the SIMD target the dispatcher picked on this CPU, e.g. "AVX2".
+// Name of the SIMD target the dispatcher picked on this CPU, e.g. "AVX2" (a
+// string with static storage: never free it).
 const char* ChosenTarget();
 // Space-separated names of every target compiled in and supported by this CPU.
 std::string SupportedTargets();

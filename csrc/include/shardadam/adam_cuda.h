@@ -54,7 +54,7 @@ int CudaDeviceCount();
 bool CudaKernelsRunOn(int device);
 
 // The GPU architectures compiled in, space-separated, e.g.
-// "80-real 90-real 90-virtual".
+// "80-real 90-real 90-virtual" (a string with static storage).
 const char* CudaArchitectures();
 
 }  // namespace shardadam
