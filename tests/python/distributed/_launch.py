@@ -163,26 +163,15 @@ def launch(job, world_size, workdir, *, params=None, timeout_s=120.0, expect_exi
     that kills itself, as multiprocessing reports it); every other rank must exit 0.
     """
     expect_exit = dict(expect_exit or {})
-    os.makedirs(workdir, exist_ok=True)
-    ctx = _context()
     timeout_s *= timeout_scale()
-    with open(os.path.join(workdir, "params.json"), "w") as f:
-        json.dump(params or {}, f)
     procs = []
     start = time.monotonic()
     failure = None
     try:
-        for rank in range(world_size):
-            proc = ctx.Process(target=_forked_child, name=f"rank{rank}",
-                               args=(job, rank, world_size, workdir))
-            proc.start()
-            procs.append(proc)
+        start_ranks(job, world_size, workdir, params=params, started=procs)
         failure = _watch(procs, start + timeout_s, timeout_s, expect_exit)
     finally:
-        for proc in procs:
-            if proc.exitcode is None:
-                _kill(proc)
-            proc.join()
+        stop_ranks(procs)
     result = JobResult(job=job, world_size=world_size, workdir=workdir,
                        seconds=time.monotonic() - start, pids=[p.pid for p in procs],
                        expect_exit=expect_exit)
@@ -205,6 +194,31 @@ def launch(job, world_size, workdir, *, params=None, timeout_s=120.0, expect_exi
                            f"{_tail(os.path.join(workdir, f'rank{rank}.log')).rstrip()}")
         result.failure = "\n".join(details)
     return result
+
+
+def start_ranks(job, world_size, workdir, *, params=None, started=None):
+    """Start ``job`` on ``world_size`` ranks as ``launch`` does, and return their processes
+    at once, for a caller that watches (and kills) them itself; ``stop_ranks`` ends them.
+    ``started``: a list the processes are appended to as they start."""
+    procs = [] if started is None else started
+    os.makedirs(workdir, exist_ok=True)
+    ctx = _context()
+    with open(os.path.join(workdir, "params.json"), "w") as f:
+        json.dump(params or {}, f)
+    for rank in range(world_size):
+        proc = ctx.Process(target=_forked_child, name=f"rank{rank}",
+                           args=(job, rank, world_size, workdir))
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def stop_ranks(procs):
+    """SIGKILL every rank still running (and what it started), then reap them all."""
+    for proc in procs:
+        if proc.exitcode is None:
+            _kill(proc)
+        proc.join()
 
 
 def _watch(procs, deadline, timeout_s, expect_exit):
