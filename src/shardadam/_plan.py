@@ -2,13 +2,14 @@
 
 A ``GroupPlan`` holds the group's static picture: its parameters split by device into
 ``DeviceBatch`` objects, each parameter's local tensor and layout (``_dtensor``), and
-(once bound) its local state tensors and scales. It stays valid while the group holds
-the same parameters with the same local storage (pointer, size, strides, dtype), every
-state and scale it bound is still the object ``optimizer.state`` / ``optimizer._scales``
-hold under its name and still has the same memory, and the state configuration is
-unchanged; ``is_current`` checks exactly that, by identity, so a step re-reads only what
-changes every step: the gradients (for DTensor parameters, checked against the cached
-layouts and unwrapped to local tensors).
+(once bound) its local state tensors and scales, with the format of each (``_formats``,
+from the configuration). It stays valid while the group holds the same parameters with
+the same local storage (pointer, size, strides, dtype), every state and scale it bound
+is still the object ``optimizer.state`` / ``optimizer._scales`` hold under its name and
+still has the same memory, and the state configuration is unchanged; ``is_current``
+checks exactly that, by identity, so a step re-reads only what changes every step: the
+gradients (for DTensor parameters, checked against the cached layouts and unwrapped to
+local tensors).
 
 Building a plan only reads (it is part of validation); ``bind`` is the one place that
 creates or converts state, and runs after every group has been validated.
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import _dtensor, _state, _validate
-from ._state import FLOAT_KINDS
+from ._formats import PARAM_TAGS
 
 _Tensor = torch.Tensor
 _grad_of = operator.attrgetter("grad")
@@ -31,11 +32,13 @@ _local_tensor_of = operator.attrgetter("_local_tensor")
 
 
 class Entry:
-    """One parameter of a batch: its local tensor, layout and local state storage."""
+    """One parameter of a batch: its local tensor, layout and local state storage, with
+    the format of each state (from the configuration it was bound to; None for no
+    master) and its scale."""
 
     __slots__ = ("index", "place", "param", "local", "layout", "numel", "param_kind",
-                 "exp_avg", "exp_avg_kind", "exp_avg_scale", "exp_avg_sq",
-                 "exp_avg_sq_kind", "exp_avg_sq_scale", "master", "master_kind",
+                 "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
+                 "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
                  "master_scale")
 
     def __init__(self, index: int, param: torch.Tensor, place: str):
@@ -45,22 +48,24 @@ class Entry:
         self.local = _dtensor.to_local(param)
         self.layout = _dtensor.layout_of(param)
         self.numel = self.local.numel()
-        self.param_kind = FLOAT_KINDS[self.local.dtype]
+        self.param_kind = PARAM_TAGS[self.local.dtype]
 
     def bind(self, specs: tuple, entry: dict, scales: Optional[dict]) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
         exactly ``specs``)."""
-        self.master, self.master_kind, self.master_scale = None, _state.KIND_NONE, None
+        self.master, self.master_format, self.master_scale = None, None, None
         for spec in specs:
             stored = _dtensor.to_local(entry[spec.name])
             scale = scales.get(spec.name) if scales else None
             if spec.name == "exp_avg":
-                self.exp_avg, self.exp_avg_kind, self.exp_avg_scale = stored, spec.kind, scale
+                self.exp_avg, self.exp_avg_format = stored, spec.format
+                self.exp_avg_scale = scale
             elif spec.name == "exp_avg_sq":
-                self.exp_avg_sq, self.exp_avg_sq_kind = stored, spec.kind
+                self.exp_avg_sq, self.exp_avg_sq_format = stored, spec.format
                 self.exp_avg_sq_scale = scale
             else:
-                self.master, self.master_kind, self.master_scale = stored, spec.kind, scale
+                self.master, self.master_format = stored, spec.format
+                self.master_scale = scale
 
 
 class DeviceBatch:
@@ -86,7 +91,7 @@ class GroupPlan:
     from (to tell when it is stale)."""
 
     def __init__(self, group: dict, group_index: int, params: list,
-                 config: _state.StateConfig, state, scales):
+                 config: _state.StateConfig, state, scales, formats):
         self.group = group
         self.params = params
         self.plain = not _dtensor.any_dtensor(params)
@@ -94,6 +99,7 @@ class GroupPlan:
         self.config = config
         self.state = state
         self.scales = scales
+        self.formats = formats
         self.held = None  # set by bind(): what the plan rests on, see is_current
         self.entries = [
             Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)))
@@ -103,10 +109,11 @@ class GroupPlan:
             by_device.setdefault(entry.local.device, []).append(entry)
         self.batches = [DeviceBatch(device, entries) for device, entries in by_device.items()]
 
-    def is_current(self, group: dict, config, state, scales) -> bool:
+    def is_current(self, group: dict, config, state, scales, formats) -> bool:
         params = group["params"]
         return (self.held is not None and self.group is group
                 and self.state is state and self.scales is scales
+                and self.formats is formats
                 and self.config == config
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
@@ -120,13 +127,13 @@ class GroupPlan:
     def bind(self) -> None:
         """Create or convert each parameter's state to match the configuration, then
         remember the storage. Runs after validation: this is a mutation."""
-        state, scales = self.state, self.scales
+        state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
             specs = self.config.specs(entry.local.dtype)
             writes = _state.plan_entry(specs, state.get(entry.param), scales.get(entry.param),
-                                       entry.local, entry.layout)
+                                       formats.get(entry.param), entry.local, entry.layout)
             if not writes.empty():  # leave a settled entry alone
-                _state.apply_entry(state, scales, entry.param, writes, entry.local,
+                _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
                                    entry.layout)
             entry.bind(specs, state[entry.param], scales.get(entry.param))
         self.held = _Held(self.entries, self.config, state, scales)
@@ -203,14 +210,15 @@ def _positions(container: dict, params: list) -> list:
     return [where[id(p)] for p in params]
 
 
-def build_plan(group: dict, group_index: int, config, state, scales) -> GroupPlan:
+def build_plan(group: dict, group_index: int, config, state, scales,
+               formats) -> GroupPlan:
     """A new plan for ``group`` after checking its parameters and existing state.
 
     Reads only: raises before anything is written.
     """
     params = list(group["params"])
     _validate.check_params(params, group_index, group)
-    plan = GroupPlan(group, group_index, params, config, state, scales)
+    plan = GroupPlan(group, group_index, params, config, state, scales, formats)
     for entry in plan.entries:
         existing = state.get(entry.param)
         error = _state.consistency_error(config.specs(entry.local.dtype), existing,
@@ -258,7 +266,7 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
                                  name=_validate.param_name(group, entry.index))
         grad = _dtensor.to_local(grad)
         dense = dense and grad.is_contiguous()
-        kinds.append(FLOAT_KINDS[grad.dtype])
+        kinds.append(PARAM_TAGS[grad.dtype])
         local_grads.append(grad)
     return BatchGrads(batch, local_grads, kinds, dense)
 
@@ -268,7 +276,7 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
     batch's device (the common case, checked with as few calls as possible); else None,
     and the caller checks each gradient in full."""
     kinds = []
-    get_kind = FLOAT_KINDS.get
+    get_kind = PARAM_TAGS.get
     device = batch.device
     is_cpu = batch.is_cpu
     for grad, shape in zip(grads, batch.shapes):

@@ -1,18 +1,20 @@
 """The slot rows the C++ extension reads, shared by its CPU and CUDA entry points.
 
 ``shardadam._C.adam_step`` and ``adam_step_cuda`` take one flat list of integers per
-tensor: its numel, then the data pointer and dtype tag of every buffer and the pointer
-of each scale, in the order the extension names them (``_C.SLOT_COLUMN_NAMES``,
-bindings/module.cc ``Column``): each value is placed by name, never by an assumed
-position. Everything but the gradient is fixed while the plan is valid, so each batch
-keeps its rows and a step only writes the gradients' pointers and tags.
+tensor: its numel, then the data pointer and dtype tag of every buffer (a format's
+``tag``, ``_formats``) and the pointer of each scale, in the order the extension names
+them (``_C.SLOT_COLUMN_NAMES``, bindings/module.cc ``Column``): each value is placed by
+name, never by an assumed position. Everything but the gradient is fixed while the plan
+is valid, so each batch keeps its rows and a step only writes the gradients' pointers
+and tags.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from . import _state, _validate
+from . import _formats, _validate
+from ._formats import TAG_NONE
 
 try:
     from . import _C as extension
@@ -25,17 +27,19 @@ NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",
          "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
          "master_param", "master_dtype", "master_scale")
 
+# The extension's names of the formats' tags.
+_TAG_NAMES = {"DTYPE_NONE": None, "DTYPE_FLOAT32": "fp32", "DTYPE_FLOAT16": "fp16",
+              "DTYPE_BFLOAT16": "bf16", "DTYPE_FLOAT8_E4M3": "fp8",
+              "DTYPE_INT16_REMAINDER": "remainder"}
+
 
 def columns_of(module) -> dict:
     """``{name: position}`` of the extension's slot columns, after checking that it
-    reads exactly ``NAMES`` and the dtype tags ``_state`` uses: raw pointers cross this
-    boundary, so an extension that differs is refused."""
+    reads exactly ``NAMES`` and the formats' tags (``_formats``): raw pointers cross
+    this boundary, so an extension that differs is refused."""
     names = tuple(getattr(module, "SLOT_COLUMN_NAMES", ()))
-    expected = {"DTYPE_NONE": _state.KIND_NONE,
-                "DTYPE_FLOAT32": _state.KIND_FLOAT32, "DTYPE_FLOAT16": _state.KIND_FLOAT16,
-                "DTYPE_BFLOAT16": _state.KIND_BFLOAT16,
-                "DTYPE_FLOAT8_E4M3": _state.KIND_FLOAT8_E4M3,
-                "DTYPE_INT16_REMAINDER": _state.KIND_INT16_REMAINDER}
+    expected = {name: TAG_NONE if fmt is None else _formats.by_name(fmt).tag
+                for name, fmt in _TAG_NAMES.items()}
     found = {name: getattr(module, name, None) for name in expected}
     if found != expected or sorted(names) != sorted(NAMES) or len(set(names)) != len(names):
         raise ImportError(f"shardadam._C does not match this package (expected columns "
@@ -46,6 +50,8 @@ def columns_of(module) -> dict:
 
 _COLUMN = columns_of(extension) if extension is not None \
     else {name: position for position, name in enumerate(NAMES)}
+if extension is not None:
+    _formats.check_extension(extension)  # the core's own table of the formats
 COLUMNS = len(NAMES)
 GRAD, GRAD_KIND, _PARAM = _COLUMN["grad"], _COLUMN["grad_dtype"], _COLUMN["param"]
 # Where each of _row()'s values goes.
@@ -56,14 +62,18 @@ def _ptr(tensor) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+def _tag(fmt) -> int:
+    return TAG_NONE if fmt is None else fmt.tag
+
+
 def _row(entry) -> list:
     values = (entry.numel,
               entry.local.data_ptr(), entry.param_kind,
               0, 0,  # the gradient, filled in at every step
-              entry.exp_avg.data_ptr(), entry.exp_avg_kind, _ptr(entry.exp_avg_scale),
-              entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_kind,
+              entry.exp_avg.data_ptr(), entry.exp_avg_format.tag, _ptr(entry.exp_avg_scale),
+              entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_format.tag,
               _ptr(entry.exp_avg_sq_scale),
-              _ptr(entry.master), entry.master_kind, _ptr(entry.master_scale))
+              _ptr(entry.master), _tag(entry.master_format), _ptr(entry.master_scale))
     row = [0] * COLUMNS
     for place, value in zip(_PLACES, values):
         row[place] = value

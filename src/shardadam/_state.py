@@ -5,10 +5,11 @@ A parameter's state lives in ``optimizer.state[param]`` as storage tensors under
 their storage dtype; nothing of the optimizer's own goes there besides (torch's
 checkpoint tools iterate those keys and expect a saved value for each), and keys others
 write there (Megatron's ``step``) are left alone and carried through checkpoints. For
-fp16 / fp8 storage the fp32 scale of each state is a 0-dim tensor in
-``optimizer._scales[param][name]`` (S2.2).
-Storage is self-describing: its dtype and the presence of a scale say how to decode it,
-so state written under one configuration can be converted to another.
+scaled formats (fp16 / fp8) the fp32 scale of each state is a tensor in
+``optimizer._scales[param][name]`` (0-dim: one scale per tensor, S2.2), and the format
+each state was stored in (``_formats``) is kept in ``optimizer._formats[param][name]``,
+so state written under one configuration is read in its own format and converted to
+another (S1.5).
 
 Everything here works on local tensors; a DTensor parameter's states are wrapped in its
 layout (``_dtensor``) only when they are put into ``optimizer.state``, and unwrapped when
@@ -21,54 +22,23 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _dtensor
+from . import _dtensor, _formats
+from ._formats import Format
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # The param_groups key under which state_dict() records the state layout (S5.4).
 LAYOUT_KEY = "state_layout"
 
-# Storage kinds; the numbers are the C++ core's DType tags (csrc/include/shardadam/adam.h).
-KIND_NONE = 0
-KIND_FLOAT32 = 1
-KIND_FLOAT16 = 2
-KIND_BFLOAT16 = 3
-KIND_FLOAT8_E4M3 = 4
-KIND_INT16_REMAINDER = 5
-
-# Tags of parameter and gradient dtypes (the same numbering).
-FLOAT_KINDS = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16,
-               torch.bfloat16: KIND_BFLOAT16}
-
-_STORAGE_DTYPE = {
-    KIND_FLOAT32: torch.float32,
-    KIND_FLOAT16: torch.float16,
-    KIND_BFLOAT16: torch.bfloat16,
-    KIND_FLOAT8_E4M3: torch.uint8,
-    KIND_INT16_REMAINDER: torch.int16,
-}
-# The largest magnitude a scaled state is encoded to (S2.3).
-_SCALE_TARGET = {KIND_FLOAT16: 32752.0, KIND_FLOAT8_E4M3: 448.0}
-_TINY = torch.finfo(torch.float32).tiny
-_CONFIGURED_KIND = {torch.float32: KIND_FLOAT32, torch.float16: KIND_FLOAT16,
-                    torch.bfloat16: KIND_BFLOAT16, torch.uint8: KIND_FLOAT8_E4M3}
-# A configured dtype's name in a recorded state layout (StateConfig.record).
-_FORMAT_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                 torch.uint8: "fp8"}
-
 
 class StateSpec(NamedTuple):
-    """One state entry of one parameter: its name and storage kind."""
+    """One state entry of one parameter: its name and storage format."""
 
     name: str
-    kind: int
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _STORAGE_DTYPE[self.kind]
+    format: Format
 
     @property
     def scaled(self) -> bool:
-        return self.kind in _SCALE_TARGET
+        return self.format.scaled
 
 
 class StateConfig(NamedTuple):
@@ -81,222 +51,203 @@ class StateConfig(NamedTuple):
     store_param_remainders: bool
 
     def specs(self, param_dtype: torch.dtype) -> tuple:
-        specs = (StateSpec("exp_avg", _CONFIGURED_KIND[self.exp_avg_dtype]),
-                 StateSpec("exp_avg_sq", _CONFIGURED_KIND[self.exp_avg_sq_dtype]))
-        if not self.master_weights or param_dtype == torch.float32:
+        specs = (StateSpec("exp_avg", _moment(self.exp_avg_dtype)),
+                 StateSpec("exp_avg_sq", _moment(self.exp_avg_sq_dtype)))
+        master = self.master_format()
+        if master is None or param_dtype == torch.float32:
             return specs  # an fp32 parameter is its own master
-        return specs + (StateSpec("master_param", self.master_kind(param_dtype)),)
+        if master.pairs_with is not None and master.pairs_with != param_dtype:
+            master = _formats.FP32  # remainders stand for an fp32 master (S2.5)
+        return specs + (StateSpec("master_param", master),)
 
-    def master_kind(self, param_dtype: torch.dtype) -> int:
-        if self.master_weight_dtype == torch.float16:
-            return KIND_FLOAT16
-        if self.store_param_remainders and param_dtype == torch.bfloat16:
-            return KIND_INT16_REMAINDER
-        return KIND_FLOAT32
+    def master_format(self) -> Optional[Format]:
+        """The master's format as the layout records it (None: no master); remainders
+        are used beside bf16 parameters and stand for an fp32 master elsewhere."""
+        if not self.master_weights:
+            return None
+        # A dtype that names no master format is refused at the next step; until then
+        # it reads as the default, fp32.
+        chosen = _formats.configured(self.master_weight_dtype, "master") or _formats.FP32
+        if chosen is _formats.FP32 and self.store_param_remainders:
+            return _formats.REMAINDER
+        return chosen
 
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
-        return any(s.kind == KIND_INT16_REMAINDER for s in self.specs(param_dtype))
+        return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
 
     def record(self) -> str:
         """The state layout in words, as checkpoints record it (S5.4), e.g.
         ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``."""
-        if not self.master_weights:
-            master = "none"
-        elif self.master_weight_dtype == torch.float16:
-            master = "fp16"
-        else:
-            master = "remainder" if self.store_param_remainders else "fp32"
-        return (f"exp_avg={_FORMAT_NAMES[self.exp_avg_dtype]} "
-                f"exp_avg_sq={_FORMAT_NAMES[self.exp_avg_sq_dtype]} master={master}")
+        master = self.master_format()
+        return (f"exp_avg={_moment(self.exp_avg_dtype).name} "
+                f"exp_avg_sq={_moment(self.exp_avg_sq_dtype).name} "
+                f"master={'none' if master is None else master.name}")
 
     @staticmethod
     def from_record(record) -> "StateConfig":
         """The configuration a ``record()`` string describes; ValueError if it is not one."""
         fields = dict(item.partition("=")[::2] for item in str(record).split())
-        formats = {name: dtype for dtype, name in _FORMAT_NAMES.items()}
-        masters = {"none": (False, torch.float32, False), "fp32": (True, torch.float32, False),
-                   "fp16": (True, torch.float16, False),
-                   "remainder": (True, torch.float32, True)}
+        formats = {f.name: f for f in _formats.choices("moment")}
+        masters = {f.name: f for f in _formats.FORMATS if "master" in f.roles}
+        masters["none"] = None
         if (sorted(fields) != ["exp_avg", "exp_avg_sq", "master"]
                 or fields["exp_avg"] not in formats or fields["exp_avg_sq"] not in formats
                 or fields["master"] not in masters):
             raise ValueError(f"{record!r} is not a state layout (rule: "
                              f"'exp_avg=F exp_avg_sq=F master=M', F one of "
                              f"{sorted(formats)}, M one of {sorted(masters)})")
-        return StateConfig(formats[fields["exp_avg"]], formats[fields["exp_avg_sq"]],
-                           *masters[fields["master"]])
+        master = masters[fields["master"]]
+        # Remainders are chosen with an fp32 master dtype (S2.5); no master: the default.
+        master_dtype = getattr(master, "argument", None) or _formats.FP32.argument
+        return StateConfig(formats[fields["exp_avg"]].argument,
+                           formats[fields["exp_avg_sq"]].argument, master is not None,
+                           master_dtype, master is _formats.REMAINDER)
 
 
-# ---------------------------------------------------------------------------
-# Scales and codecs (torch ops; the C++ core implements the same rules bit for bit).
-
-def measure_scale(value: torch.Tensor, kind: int) -> torch.Tensor:
-    """The scale S2.3 gives to fp32 ``value`` stored as ``kind``: a 0-dim fp32 tensor."""
-    one = torch.ones((), dtype=torch.float32, device=value.device)
-    if value.numel() == 0:
-        return one
-    absmax = torch.amax(torch.abs(value))  # NaN propagates, and NaN is not finite
-    # A device tensor divisor: CUDA would multiply by the reciprocal of a host scalar.
-    target = torch.full((), _SCALE_TARGET[kind], dtype=torch.float32, device=value.device)
-    scale = torch.clamp_min(absmax / target, _TINY)
-    return torch.where(torch.isfinite(absmax) & (absmax > 0), scale, one)
-
-
-def quantize(value: torch.Tensor, kind: int, scale: torch.Tensor) -> torch.Tensor:
-    """``round(value / scale)`` in the storage dtype of ``kind`` (fp16 or fp8 codes)."""
-    scaled = value / scale  # a true division, as the C++ core does
-    if kind == KIND_FLOAT16:
-        return scaled.to(torch.float16)
-    return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-
-
-def dequantize(stored: torch.Tensor, kind: int, scale: torch.Tensor) -> torch.Tensor:
-    """``float(q) * scale``: a new fp32 tensor."""
-    if kind == KIND_FLOAT8_E4M3:
-        stored = stored.view(torch.float8_e4m3fn)
-    return stored.float() * scale
-
-
-def merge_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master rebuilt from a bf16 parameter and its int16 remainder (S2.5)."""
-    # The split rounded the high half up when the low half was >= 0x8000 (negative as
-    # int16); undo that, then lay the halves side by side (little-endian) as one fp32.
-    high = param.view(torch.int16) - (remainder < 0).to(torch.int16)
-    pair = torch.stack((remainder, high), dim=-1)
-    return pair.view(torch.float32).squeeze(-1)
-
-
-def split_remainder(master: torch.Tensor):
-    """The bf16 parameter bits and the int16 remainder of an fp32 master (S2.5)."""
-    bits = master.contiguous().reshape(-1).view(torch.int32)
-    # A NaN splits as the quiet NaN with its sign, so that the parameter is NaN too:
-    # its own bits may round the high half from 0x7FFF to 0x8000 (-0).
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    bits = torch.where(nan, (bits & -0x80000000) | 0x7FC00000, bits)
-    halves = bits.view(torch.int16).view(-1, 2)
-    low, high = halves[:, 0], halves[:, 1]
-    high = high + (low < 0).to(torch.int16)
-    return (high.view(torch.bfloat16).reshape(master.shape),
-            low.reshape(master.shape))
+def _moment(dtype) -> Format:
+    """The format a moment's configured ``dtype`` names (checked by ``_validate``
+    before any state is made; KeyError if it names none)."""
+    fmt = _formats.configured(dtype, "moment")
+    if fmt is None:
+        raise KeyError(dtype)
+    return fmt
 
 
 # ---------------------------------------------------------------------------
 # Reading and writing whole entries. ``entry`` is ``optimizer.state[param]`` (storage,
-# possibly DTensors), ``scales`` is ``optimizer._scales.get(param)`` (or None).
+# possibly DTensors); ``scales`` is ``optimizer._scales.get(param)`` and ``formats``
+# ``optimizer._formats.get(param)`` (each may be None): each state's scale, and the
+# format it was stored in.
 
-def storage_kind(stored: torch.Tensor) -> int:
-    """The kind a stored tensor holds, from its dtype (the storage is self-describing)."""
-    for kind, dtype in _STORAGE_DTYPE.items():
-        if stored.dtype == dtype:
-            return kind
-    return KIND_NONE
+def stored_format(stored: torch.Tensor, formats: Optional[dict],
+                  name: str) -> Optional[Format]:
+    """The format of local storage ``stored`` (``entry[name]``): the one recorded when
+    it was stored, while the tensor there has that format's storage dtype; else, for a
+    tensor put there from outside or state of an optimizer pickled before formats were
+    recorded, the one its dtype has always meant (``_formats.legacy_format``; None for a
+    dtype no format has)."""
+    recorded = formats.get(name) if formats else None
+    if recorded is not None and stored.dtype == recorded.storage:
+        return recorded
+    return _formats.legacy_format(stored.dtype)
 
 
-def read_value(entry: dict, scales: Optional[dict], name: str) -> torch.Tensor:
+def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
+               name: str) -> torch.Tensor:
     """The true value of ``entry[name]`` as a local tensor: fp32, or the raw int16 for
-    remainders. fp32 storage is returned itself; every other kind as a new fp32 tensor.
+    remainders. fp32 storage is returned itself; every other format as a new fp32
+    tensor.
     """
     stored = _dtensor.to_local(entry[name])
-    kind = storage_kind(stored)
-    if kind in (KIND_FLOAT32, KIND_INT16_REMAINDER):
-        return stored
-    if kind in _SCALE_TARGET:
-        scale = scales.get(name) if scales else None
-        if scale is None:
-            scale = torch.ones((), dtype=torch.float32, device=stored.device)
-        return dequantize(stored, kind, scale.to(stored.device))
-    return stored.float()
+    fmt = stored_format(stored, formats, name)
+    if fmt is None:
+        return stored.float()
+    scale = scales.get(name) if scales else None
+    if fmt.scaled:  # a missing scale reads as 1
+        scale = (torch.ones(fmt.scale_shape(stored.numel()), dtype=torch.float32,
+                            device=stored.device) if scale is None
+                 else scale.to(stored.device))
+    return fmt.decode(stored, scale)
 
 
-def as_fp32(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """fp32 value of an exported entry (int16 remainders are merged with ``param``)."""
-    if value.dtype == torch.int16:
-        return merge_remainder(param, value.to(param.device))
+def true_value(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """fp32 true values of an exported value. Exported values are told apart by dtype
+    (S5.4): int16 ones are remainder codes, merged here with the local ``param``."""
+    codes = _formats.REMAINDER
+    if value.dtype == codes.value_dtype:
+        return codes.true_value(value, param)
     return value.float()
+
+
+def value_for(fmt: Format, value: torch.Tensor, param: torch.Tensor):
+    """The exported ``value`` in the form ``fmt`` stores (fp32 true values or remainder
+    codes), plus the bf16 bits the parameter must take when a master becomes a
+    remainder (else None)."""
+    if value.dtype == fmt.value_dtype:
+        return value, None
+    return fmt.from_true(true_value(value, param))
 
 
 def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
                 scale: Optional[torch.Tensor]) -> None:
     """Store ``value`` (fp32, int16 for remainders) into existing local ``stored`` /
-    ``scale``. The caller's ``value`` is never modified. Scaled kinds get a fresh scale
-    (S2.3), measured over this local tensor only.
+    ``scale``. The caller's ``value`` is never modified. Scaled formats get a fresh
+    scale (S2.3), measured over this local tensor only.
     """
-    value = value.to(stored.device)
-    if spec.scaled:
-        new_scale = measure_scale(value, spec.kind)
-        stored.copy_(quantize(value, spec.kind, new_scale))
-        scale.copy_(new_scale)
-    else:
-        stored.copy_(value)
+    spec.format.encode(value.to(stored.device), stored, scale)
 
 
 def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
     """Fresh local storage (and scale) for ``spec`` holding ``value``, allocated like the
     local tensor ``like`` (its shape and device; S2.6)."""
-    stored = torch.empty(like.shape, dtype=spec.dtype, device=like.device)
+    stored = torch.empty(like.shape, dtype=spec.format.storage, device=like.device)
+    scale_shape = spec.format.scale_shape(like.numel())
     scale = None
-    if spec.scaled:
-        scale = torch.ones((), dtype=torch.float32, device=like.device)
+    if scale_shape is not None:
+        scale = torch.ones(scale_shape, dtype=torch.float32, device=like.device)
     write_value(spec, value, stored, scale)
     return stored, scale
 
 
 def initial_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
     """What a new entry holds (S1.6): zero moments and remainder, master = parameter."""
-    if spec.name != "master_param":
-        return torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-    if spec.kind == KIND_INT16_REMAINDER:
-        return torch.zeros(param.shape, dtype=torch.int16, device=param.device)
-    return param.detach().float()
+    if spec.name == "master_param" and spec.format.pairs_with is None:
+        return param.detach().float()
+    # A zero remainder: the parameter alone is then the master (S2.5).
+    return torch.zeros(param.shape, dtype=spec.format.value_dtype, device=param.device)
 
 
 def converted_value(spec: StateSpec, entry: dict, scales: Optional[dict],
-                    param: torch.Tensor):
+                    formats: Optional[dict], param: torch.Tensor):
     """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),
     plus the bf16 bits the parameter must take when an fp32 master becomes a remainder.
     """
-    value = read_value(entry, scales, spec.name)
-    if spec.kind != KIND_INT16_REMAINDER:
-        return as_fp32(value, param), None
-    if value.dtype == torch.int16:
-        return value, None
-    high, low = split_remainder(value.float())
-    return low, high
+    return value_for(spec.format, read_value(entry, scales, formats, spec.name), param)
 
 
 def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
-                  param: torch.Tensor, layout) -> bool:
+                  formats: Optional[dict], param: torch.Tensor, layout) -> bool:
     """Whether ``entry`` already stores ``spec`` usably for the local tensor ``param``
-    whose parameter has ``layout``."""
+    whose parameter has ``layout``: in its format, with the scale its granularity
+    gives (a plain local fp32 tensor; 0-dim for a per-tensor scale)."""
     stored = entry.get(spec.name)
     if stored is None or layout.state_error(stored) is not None:
         return False
     stored = _dtensor.to_local(stored)
-    if stored.dtype != spec.dtype or stored.device != param.device:
+    if stored_format(stored, formats, spec.name) is not spec.format \
+            or stored.device != param.device:
         return False
     if stored.shape != param.shape or not stored.is_contiguous():
         return False
-    if not spec.scaled:
+    scale_shape = spec.format.scale_shape(param.numel())
+    if scale_shape is None:
         return True
     scale = scales.get(spec.name) if scales else None
     return (isinstance(scale, torch.Tensor) and not _dtensor.is_dtensor(scale)
-            and scale.dtype == torch.float32 and scale.dim() == 0
+            and scale.dtype == torch.float32 and tuple(scale.shape) == scale_shape
             and scale.device == param.device)
 
 
 class EntryWrites:
     """The changes that make one parameter's state what it must be, prepared before any
-    is applied: local storage by name, scales by name (None removes either), and the
-    bf16 bits the parameter must take (or None), and entries other than the states,
-    stored as they are (``extra``: loaded keys someone else keeps in the state, S5.5)."""
+    is applied: local storage by name (None removes it) with the format each new one
+    holds, scales by name (None removes one), the bf16 bits the parameter must take (or
+    None), and entries other than the states, stored as they are (``extra``: loaded
+    keys someone else keeps in the state, S5.5)."""
 
-    __slots__ = ("stored", "scales", "param_bits", "extra")
+    __slots__ = ("stored", "formats", "scales", "param_bits", "extra")
 
     def __init__(self):
         self.stored = {}
+        self.formats = {}
         self.scales = {}
         self.param_bits = None
         self.extra = {}
+
+    def put(self, spec: StateSpec, value: torch.Tensor, like: torch.Tensor) -> None:
+        """Fresh storage for ``spec`` holding ``value``, allocated like ``like``."""
+        self.stored[spec.name], self.scales[spec.name] = new_entry(spec, value, like)
+        self.formats[spec.name] = spec.format
 
     def empty(self) -> bool:
         return (not self.stored and not self.scales and self.param_bits is None
@@ -304,7 +255,7 @@ class EntryWrites:
 
 
 def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
-               param: torch.Tensor, layout) -> EntryWrites:
+               formats: Optional[dict], param: torch.Tensor, layout) -> EntryWrites:
     """The writes that make ``entry`` / ``scales`` hold exactly ``specs`` for ``param``
     (the local tensor of a parameter with ``layout``). Pure: nothing is written, so
     callers can prepare every change before they apply any.
@@ -314,17 +265,17 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
     writes = EntryWrites()
     wanted = {spec.name for spec in specs}
     for spec in specs:
-        if entry_matches(spec, entry, scales, param, layout):
+        if entry_matches(spec, entry, scales, formats, param, layout):
             if not spec.scaled and spec.name in scales:
-                writes.scales[spec.name] = None  # a stale scale of an unscaled kind
+                writes.scales[spec.name] = None  # a stale scale of an unscaled format
             continue
         stored = entry.get(spec.name)
         if stored is not None and _dtensor.to_local(stored).shape == param.shape:
-            value, bits = converted_value(spec, entry, scales, param)
+            value, bits = converted_value(spec, entry, scales, formats, param)
             writes.param_bits = bits if bits is not None else writes.param_bits
         else:
             value = initial_value(spec, param)
-        writes.stored[spec.name], writes.scales[spec.name] = new_entry(spec, value, param)
+        writes.put(spec, value, param)
     for name in STATE_NAMES:
         if name not in wanted:
             if name in entry:
@@ -342,21 +293,19 @@ def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> EntryW
     """
     writes = EntryWrites()
     for spec in specs:
-        value = values[spec.name]
-        if spec.kind == KIND_INT16_REMAINDER and value.dtype != torch.int16:
-            writes.param_bits, value = split_remainder(value.float())
-        elif spec.kind != KIND_INT16_REMAINDER:
-            value = as_fp32(value, param)
-        writes.stored[spec.name], writes.scales[spec.name] = new_entry(spec, value, param)
+        value, bits = value_for(spec.format, values[spec.name], param)
+        if bits is not None:
+            writes.param_bits = bits
+        writes.put(spec, value, param)
     return writes
 
 
-def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
+def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch.Tensor,
                 layout) -> None:
     """Apply what ``plan_entry`` / ``entry_from_values`` prepared for ``param``: storage
-    into ``state[param]`` (wrapped in the parameter's layout), scales into
-    ``scales[param]`` (dropped when none is left), then the parameter's new bf16 bits
-    into its local tensor."""
+    into ``state[param]`` (wrapped in the parameter's layout) and its format into
+    ``formats[param]``, scales into ``scales[param]``, then the parameter's new bf16
+    bits into its local tensor."""
     entry = state[param]
     for name, stored in writes.stored.items():
         if stored is None:
@@ -364,20 +313,28 @@ def apply_entry(state, scales, param, writes: EntryWrites, local: torch.Tensor,
         else:
             entry[name] = layout.wrap(stored)
     entry.update(writes.extra)
-    if writes.scales:
-        param_scales = scales.get(param)
-        for name, scale in writes.scales.items():
-            if scale is not None:
-                if param_scales is None:
-                    param_scales = scales[param] = {}
-                param_scales[name] = scale
-            elif param_scales is not None:
-                param_scales.pop(name, None)
-        if param_scales is not None and not param_scales:
-            del scales[param]
+    _update(formats, param, {name: writes.formats.get(name) for name in writes.stored})
+    _update(scales, param, writes.scales)
     if writes.param_bits is not None:
         with torch.no_grad():  # the parameter is a leaf that requires grad
             local.copy_(writes.param_bits)
+
+
+def _update(container: dict, param, changes: dict) -> None:
+    """``container[param][name] = value`` for each change (None removes it); a
+    parameter left with nothing has no dict there."""
+    if not changes:
+        return
+    held = container.get(param)
+    for name, value in changes.items():
+        if value is not None:
+            if held is None:
+                held = container[param] = {}
+            held[name] = value
+        elif held is not None:
+            held.pop(name, None)
+    if held is not None and not held:
+        del container[param]
 
 
 def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout):

@@ -3,8 +3,9 @@
 It follows the C++ core's contract bit for bit on CPU: the same fp32 constants
 (computed in double, rounded once, as ``MakeStepConstants`` in csrc/element.h), the
 same order of operations as ``AdamElement`` (one rounding per op, nothing fused), and
-the same codecs (``_state``). The math runs as ``torch._foreach_*`` ops over fp32
-working lists: the stored fp32 tensors themselves, fp32 copies of everything else.
+the same codecs (each format's, ``_formats``). The math runs as ``torch._foreach_*``
+ops over fp32 working lists: the stored fp32 tensors themselves, fp32 copies of
+everything else.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from array import array
 
 import torch
 
-from . import _state, _validate
-from ._state import (KIND_FLOAT16, KIND_FLOAT32, KIND_FLOAT8_E4M3, KIND_INT16_REMAINDER,
-                     KIND_NONE)
+from . import _validate
 
 
 def _f32(value: float) -> float:
@@ -59,47 +58,25 @@ def _sqrt(values: list) -> list:
     return torch._foreach_sqrt(values)
 
 
-def _decode(stored, kind, scale):
-    """fp32 working copy of a moment or master (the fp32 storage itself when fp32)."""
-    if kind == KIND_FLOAT32:
-        return stored
-    if kind in (KIND_FLOAT16, KIND_FLOAT8_E4M3):
-        return _state.dequantize(stored, kind, scale)
-    return stored.float()
-
-
-def _encode(value, stored, kind, scale) -> None:
-    """Store the updated fp32 ``value`` (nothing to do when ``stored`` is ``value``)."""
-    if kind == KIND_FLOAT32:
-        return
-    if kind in (KIND_FLOAT16, KIND_FLOAT8_E4M3):
-        new_scale = _state.measure_scale(value, kind)
-        stored.copy_(_state.quantize(value, kind, new_scale))
-        scale.copy_(new_scale)
-    else:
-        stored.copy_(value)  # bf16: round to nearest even, as .to() does
-
-
 def _weight(entry):
-    """fp32 working weight: the master (S2.5 / unscaled fp16 / fp32) or the parameter."""
-    if entry.master_kind == KIND_NONE:
-        return entry.local if entry.param_kind == KIND_FLOAT32 else entry.local.float()
-    if entry.master_kind == KIND_INT16_REMAINDER:
-        return _state.merge_remainder(entry.local, entry.master)
-    return _decode(entry.master, entry.master_kind, entry.master_scale)
+    """fp32 working weight: the master (S2.5 / unscaled fp16 / fp32) or the parameter
+    (an fp32 one itself)."""
+    fmt = entry.master_format
+    if fmt is None:
+        return entry.local.float()
+    return fmt.true_value(fmt.decode(entry.master, entry.master_scale), entry.local)
 
 
 def _store_weight(entry, w) -> None:
-    """The parameter from the updated ``w`` first, then the master (S3.6)."""
-    if entry.master_kind == KIND_INT16_REMAINDER:
-        high, low = _state.split_remainder(w)
-        entry.local.copy_(high)
-        entry.master.copy_(low)
-        return
-    if w is not entry.local:
-        entry.local.copy_(w)
-    if entry.master_kind != KIND_NONE:
-        _encode(w, entry.master, entry.master_kind, entry.master_scale)
+    """The parameter from the updated ``w`` first (a remainder's high half), then the
+    master (S3.6)."""
+    fmt = entry.master_format
+    value, bits = (w, None) if fmt is None else fmt.from_true(w)
+    param = w if bits is None else bits
+    if param is not entry.local:
+        entry.local.copy_(param)
+    if fmt is not None:
+        fmt.encode(value, entry.master, entry.master_scale)
 
 
 _WRITTEN = (("param", "local"), ("master_param", "master"), ("exp_avg", "exp_avg"),
@@ -167,8 +144,9 @@ def step(work, hyper) -> None:
     # below that touches `g` is out of place.
     g = [grad.float() for _, grad in active]
     w = [_weight(e) for e in entries]
-    m = [_decode(e.exp_avg, e.exp_avg_kind, e.exp_avg_scale) for e in entries]
-    v = [_decode(e.exp_avg_sq, e.exp_avg_sq_kind, e.exp_avg_sq_scale) for e in entries]
+    # fp32 working copies (the fp32 storage itself), stored back by encode below.
+    m = [e.exp_avg_format.decode(e.exp_avg, e.exp_avg_scale) for e in entries]
+    v = [e.exp_avg_sq_format.decode(e.exp_avg_sq, e.exp_avg_sq_scale) for e in entries]
 
     # csrc/element.h AdamElement, one op at a time.
     if not hyper.adam_w_mode:
@@ -190,5 +168,5 @@ def step(work, hyper) -> None:
 
     for entry, w_i, m_i, v_i in zip(entries, w, m, v):
         _store_weight(entry, w_i)
-        _encode(m_i, entry.exp_avg, entry.exp_avg_kind, entry.exp_avg_scale)
-        _encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_kind, entry.exp_avg_sq_scale)
+        entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale)
+        entry.exp_avg_sq_format.encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale)

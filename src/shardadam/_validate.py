@@ -15,12 +15,11 @@ from typing import Optional
 
 import torch
 
-from . import _dtensor
-from ._state import FLOAT_KINDS, KIND_INT16_REMAINDER, StateConfig
+from . import _dtensor, _formats
+from ._formats import PARAM_TAGS
+from ._state import StateConfig
 
 CLASS_NAME = "FusedAdam"
-_MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-_MASTER_DTYPES = (torch.float32, torch.float16)
 
 
 def place(group: Optional[int] = None, param: Optional[int] = None,
@@ -79,18 +78,28 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
         raise RuntimeError("FusedAdam does not support capturable mode "
                            f"(rule: capturable must be False, got {shown(capturable)}).")
     check_master_dtype(master_weights, master_weight_dtype)
+    names, dtypes = _spelled("moment")
     for name, dtype in (("exp_avg", exp_avg_dtype), ("exp_avg_sq", exp_avg_sq_dtype)):
-        if dtype not in _MOMENT_DTYPES:
+        if _formats.configured(dtype, "moment") is None:
             raise RuntimeError(
-                f"FusedAdam only supports fp32/fp16/bf16/fp8 {name} (rule: {name}_dtype "
-                f"in torch.float32/float16/bfloat16/uint8, got {shown(dtype)}).")
+                f"FusedAdam only supports {names} {name} (rule: {name}_dtype "
+                f"in {dtypes}, got {shown(dtype)}).")
 
 
 def check_master_dtype(master_weights, master_weight_dtype) -> None:
-    if master_weights and master_weight_dtype not in _MASTER_DTYPES:
+    if master_weights and _formats.configured(master_weight_dtype, "master") is None:
+        names, dtypes = _spelled("master")
         raise RuntimeError(
-            "FusedAdam only supports fp32/fp16 master weights (rule: master_weight_dtype "
-            f"in torch.float32/float16 when master_weights, got {shown(master_weight_dtype)}).")
+            f"FusedAdam only supports {names} master weights (rule: master_weight_dtype "
+            f"in {dtypes} when master_weights, got {shown(master_weight_dtype)}).")
+
+
+def _spelled(role: str) -> tuple:
+    """The formats the constructor can name for ``role``, and their dtypes, as the
+    messages spell them: ``("fp32/fp16", "torch.float32/float16")``."""
+    formats = _formats.choices(role)
+    dtypes = "/".join(str(f.argument).removeprefix("torch.") for f in formats)
+    return "/".join(f.name for f in formats), "torch." + dtypes
 
 
 def _number(value) -> Optional[float]:
@@ -215,20 +224,22 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
     an fp32 / fp16 master loaded into this optimizer's int16 remainders has lost its
     bits (refused).
     """
-    saved_kinds = {s.name: s.kind for s in saved.specs(param_dtype)}
-    saved_kind = saved_kinds.get("master_param")
-    if saved_kind is None:
+    saved_formats = {s.name: s.format for s in saved.specs(param_dtype)}
+    saved_format = saved_formats.get("master_param")
+    if saved_format is None:
         return value
-    if saved_kind == KIND_INT16_REMAINDER and value.dtype != torch.int16:
+    codes = _formats.REMAINDER.value_dtype  # int16: remainder codes, the only such values
+    if saved_format.value_dtype == codes and value.dtype != codes:
+        low, high = torch.iinfo(codes).min, torch.iinfo(codes).max
         exact = value.is_floating_point() and bool(
-            (value == value.round()).all() & (value >= -32768).all() & (value <= 32767).all())
+            (value == value.round()).all() & (value >= low).all() & (value <= high).all())
         if not exact:
             raise RuntimeError(
                 f"{where_}: the checkpoint recorded int16 remainders for 'master_param' "
                 f"({saved.record()}) but holds {value.dtype} values that are not int16 "
                 f"codes (rule S6.4: a recorded layout must match the saved values)")
-        return value.to(torch.int16)
-    if saved_kind != KIND_INT16_REMAINDER and value.dtype == torch.int16:
+        return value.to(codes)
+    if saved_format.value_dtype != codes and value.dtype == codes:
         raise RuntimeError(
             f"{where_}: the checkpoint holds a floating-point 'master_param' (saved with "
             f"{saved.record()}) but it arrived as int16: torch.distributed.checkpoint "
@@ -236,6 +247,18 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
             f"its bits (rule S6.4: load it into an optimizer with the saved "
             f"store_param_remainders, or through load_state_dict with the values as saved)")
     return value
+
+
+def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str) -> None:
+    """A loaded state value holds true values in a floating dtype, or int16 remainder
+    codes (S5.4: exported values are told apart by dtype) beside a bf16 parameter."""
+    codes = _formats.REMAINDER
+    if value.dtype == codes.value_dtype and param_dtype != codes.pairs_with:
+        raise RuntimeError(f"{where_}: an int16 remainder {spec.name!r} needs a bf16 "
+                           f"parameter, this one is {param_dtype}")
+    if value.dtype != codes.value_dtype and not value.is_floating_point():
+        raise RuntimeError(f"{where_}: state {spec.name!r} must hold floating "
+                           f"point values (or int16 remainders), got {value.dtype}")
 
 
 # ---------------------------------------------------------------------------
@@ -254,7 +277,7 @@ def param_error(param) -> Optional[str]:
         return layout_error
     if param.layout is not torch.strided:
         return f"sparse parameters are not supported (layout {param.layout})"
-    if param.dtype not in FLOAT_KINDS:
+    if param.dtype not in PARAM_TAGS:
         return f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype}"
     local = _dtensor.to_local(param)
     if _overlaps_itself(local):
@@ -374,7 +397,7 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
         return layout_error
     if grad.layout is not torch.strided:
         return f"sparse gradients are not supported (layout {grad.layout})"
-    if grad.dtype not in FLOAT_KINDS:
+    if grad.dtype not in PARAM_TAGS:
         return f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype}"
     local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
     if local_grad.shape != local_param.shape:

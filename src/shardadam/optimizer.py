@@ -9,7 +9,8 @@ each device to one backend call (``_backend``). State layout and codecs live in
 ``master_param`` (where S2.1 gives one), DTensors like the parameter for a DTensor
 parameter (S2.6), and whatever else a framework writes there (kept, S5.4); the fp32
 scale of each fp16 / fp8 state is a local 0-dim tensor in
-``optimizer._scales[param][name]`` (S2.3).
+``optimizer._scales[param][name]`` (S2.3), and the format each state was stored in
+(``_formats``) in ``optimizer._formats[param][name]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import _backend, _dtensor, _plan, _state, _validate
-from ._state import KIND_INT16_REMAINDER, LAYOUT_KEY, STATE_NAMES
+from ._state import LAYOUT_KEY, STATE_NAMES
 
 # torch.compiler.disable with dynamo imported at the first call, not at import
 # (~1.5 s); torch.optim's own optimizers use it so. The public one where it is gone.
@@ -88,6 +89,7 @@ class FusedAdam(torch.optim.Optimizer):
                                            and master_weight_dtype == torch.float32)
         self.set_grad_none = set_grad_none
         self._scales = {}  # {param: {state name: 0-dim fp32 scale}} (S2.3)
+        self._formats = {}  # {param: {state name: the _formats.Format it was stored in}}
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
@@ -99,16 +101,19 @@ class FusedAdam(torch.optim.Optimizer):
                 stacklevel=2)
 
     def __getstate__(self) -> dict:
-        # torch pickles defaults, state and groups only; the configuration and the
-        # scales go too (one pickle, so parameters stay shared between the three).
+        # torch pickles defaults, state and groups only; the configuration, the scales
+        # and the formats go too (one pickle, so parameters stay shared between them).
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in _CONFIG_ATTRIBUTES})
         state["_scales"] = self._scales
+        state["_formats"] = self._formats
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._scales = dict(state.get("_scales") or {})
+        # An older pickle has none: its states are read by their dtypes.
+        self._formats = dict(state.get("_formats") or {})
         _state.migrate_scales(self.state, self._scales)
         self._plans = []
         self._param_index = {}
@@ -139,8 +144,13 @@ class FusedAdam(torch.optim.Optimizer):
         for param in group["params"]:
             local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
             writes = _state.plan_entry(config.specs(local.dtype), self.state.get(param),
-                                       self._scales.get(param), local, layout)
-            _state.apply_entry(self.state, self._scales, param, writes, local, layout)
+                                       self._scales.get(param), self._formats.get(param),
+                                       local, layout)
+            self._apply(param, writes, local, layout)
+
+    def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
+        _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
+                           layout)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
@@ -212,9 +222,9 @@ class FusedAdam(torch.optim.Optimizer):
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
-        if plan is None or not plan.is_current(group, config, self.state, self._scales):
-            plan = self._plans[index] = _plan.build_plan(group, index, config, self.state,
-                                                         self._scales)
+        held = (self.state, self._scales, self._formats)
+        if plan is None or not plan.is_current(group, config, *held):
+            plan = self._plans[index] = _plan.build_plan(group, index, config, *held)
         return plan
 
     # ------------------------------------------------------------------ grads
@@ -291,13 +301,14 @@ class FusedAdam(torch.optim.Optimizer):
                 f"the configuration (rule: remainders iff master_weights, fp32 "
                 f"master_weight_dtype, store_param_remainders and a bf16 parameter; "
                 f"implied {implied})")
-        writes = _state.plan_entry(config.specs(local.dtype), None, None, local, layout)
+        writes = _state.plan_entry(config.specs(local.dtype), None, None, None, local,
+                                   layout)
         # A fresh entry holds nothing else.
         for key in self.state.get(param, ()):
             writes.stored.setdefault(key, None)
         for key in self._scales.get(param, ()):
             writes.scales.setdefault(key, None)
-        _state.apply_entry(self.state, self._scales, param, writes, local, layout)
+        self._apply(param, writes, local, layout)
 
     def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False):
         """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
@@ -307,10 +318,12 @@ class FusedAdam(torch.optim.Optimizer):
         entry = self.state.get(param)
         if entry is None or state_name not in entry:
             raise KeyError(f"{where}: no state {state_name!r} yet")
+        formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
-        if skip_unscale and stored.dtype == torch.bfloat16:
-            return stored
-        return _state.read_value(entry, self._scales.get(param), state_name)
+        fmt = _state.stored_format(stored, formats, state_name)
+        if skip_unscale and fmt is not None and not fmt.scaled:
+            return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
+        return _state.read_value(entry, self._scales.get(param), formats, state_name)
 
     @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
@@ -323,22 +336,23 @@ class FusedAdam(torch.optim.Optimizer):
         where, spec = self._spec(param, state_name)
         _validate.check_value(param, spec, unscaled_state, where)
         value = _dtensor.to_local(unscaled_state)
-        wanted = torch.int16 if spec.kind == KIND_INT16_REMAINDER else torch.float32
+        wanted = spec.format.value_dtype
         if value.dtype != wanted:
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
                                f"got {value.dtype}")
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry, scales = self.state.get(param), self._scales.get(param)
-        if entry is not None and _state.entry_matches(spec, entry, scales, local, layout):
+        if entry is not None and _state.entry_matches(spec, entry, scales,
+                                                      self._formats.get(param), local,
+                                                      layout):
             # In place: the storage, its DTensor wrapper and every cached pointer to
             # them stay valid.
             _state.write_value(spec, value, _dtensor.to_local(entry[state_name]),
                                scales.get(state_name) if scales else None)
             return
         writes = _state.EntryWrites()
-        writes.stored[state_name], writes.scales[state_name] = \
-            _state.new_entry(spec, value, local)
-        _state.apply_entry(self.state, self._scales, param, writes, local, layout)
+        writes.put(spec, value, local)
+        self._apply(param, writes, local, layout)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -372,15 +386,13 @@ class FusedAdam(torch.optim.Optimizer):
         someone keeps in ``optimizer.state[param]`` (Megatron writes ``step``), as is."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param) or {}
-        scales = self._scales.get(param)
+        scales, formats = self._scales.get(param), self._formats.get(param)
         exported = {}
         for spec in config.specs(local.dtype):
             if spec.name in entry:
-                value, _ = _state.converted_value(spec, entry, scales, local)
+                value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
                 value = _state.initial_value(spec, local)
-            if spec.kind != KIND_INT16_REMAINDER and value.dtype != torch.float32:
-                value = value.float()
             exported[spec.name] = layout.wrap(value)
         exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
         return exported
@@ -404,9 +416,10 @@ class FusedAdam(torch.optim.Optimizer):
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
-        new_state, new_scales = defaultdict(dict), {}
+        new_state, new_scales, new_formats = defaultdict(dict), {}, {}
         for param, local, layout, writes in prepared:
-            _state.apply_entry(new_state, new_scales, param, writes, local, layout)
+            _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
+                               layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
         record = self._config().record()
         self.param_groups = [dict(group, **saved, params=group["params"],
@@ -414,6 +427,7 @@ class FusedAdam(torch.optim.Optimizer):
                              for group, saved in zip(self.param_groups, saved_groups)]
         self.state = new_state
         self._scales = new_scales
+        self._formats = new_formats
         self._plans = []
         self._checked = {}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -484,12 +498,7 @@ class FusedAdam(torch.optim.Optimizer):
             if saved_layout is not None and spec.name == "master_param":
                 value = _validate.loaded_master(value, saved_layout, local.dtype, config,
                                                 here)
-            if value.dtype == torch.int16 and local.dtype != torch.bfloat16:
-                raise RuntimeError(f"{here}: an int16 remainder {spec.name!r} needs a bf16 "
-                                   f"parameter, this one is {local.dtype}")
-            if value.dtype != torch.int16 and not value.is_floating_point():
-                raise RuntimeError(f"{here}: state {spec.name!r} must hold floating "
-                                   f"point values (or int16 remainders), got {value.dtype}")
+            _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
         writes = _state.entry_from_values(config.specs(local.dtype), loaded, local)
         # Other keys (e.g. Megatron's "step") come back as saved, copied.

@@ -3,7 +3,9 @@
 What lives here:
 
 * dtype names as test ids spell them (``fp32``, ``bf16``, ``fp16``, ``fp8``, ``rem``) and
-  the storage each one implies (SEMANTICS S2.2);
+  the storage each one implies (SEMANTICS S2.2), stated here independently of the
+  package; the lists of formats that tests run through, taken from the package's
+  declarations (``shardadam._formats``);
 * decoders that read the optimizer's raw state storage back to float64 *in the test*
   (fp8 codes, fp16 with scale, int16 remainders), independent of the package's getters;
 * a float64 Adam/AdamW step (SEMANTICS S3.6) that also returns, per element, a bound on
@@ -32,6 +34,8 @@ import dataclasses
 import math
 
 import torch
+
+from shardadam import _formats
 
 # --------------------------------------------------------------------------------------
 # Constants of the formats
@@ -68,6 +72,19 @@ NAME_OF_DTYPE = {
 GRID = {"fp32": (23, -126), "bf16": (7, -126), "fp16": (10, -14), "fp8": (3, -6)}
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
+
+
+def id_name(fmt):
+    """A declared format's name as test ids spell it."""
+    return "rem" if fmt is _formats.REMAINDER else fmt.name
+
+
+# The formats tests run through: every one the package declares for the moments, for the
+# master, and with a scale. A format added there is run here at once and needs its facts
+# above (test_formats.py checks that they agree with the declarations).
+MOMENT_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if "moment" in f.roles)
+MASTER_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if "master" in f.roles)
+SCALED_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if f.scaled)
 
 
 def have_core():

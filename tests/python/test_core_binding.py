@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    FP32_TINY, SCALE_TARGET, adam_reference, assert_bitwise_equal,
-    assert_close_bounded, check_scale, decode_codes, expected_scale, fp32_emulated_step,
-    Hyper, near_ties, stored_bound)
+    FP32_TINY, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, adam_reference,
+    assert_bitwise_equal, assert_close_bounded, check_scale, decode_codes, expected_scale,
+    fp32_emulated_step, Hyper, near_ties, stored_bound)
 from _slot_buffers import (
     BAD_HYPER, CODE, COLUMNS, NAMES_TENSOR_1, NULL_CASES, PRESETS, STORAGE, Buffers,
     assert_guards_intact, bad_slots, embed_buffers, embedded, make_bad_call, preset_id)
@@ -71,6 +71,8 @@ def test_info():
 
 # --------------------------------------------------------------------------------------
 # Codecs (S2.4): bit for bit with torch's .to(), NaN stays NaN.
+
+UNSCALED_MOMENTS = [fmt for fmt in MOMENT_FORMATS if fmt not in SCALED_FORMATS]
 
 
 def convert(src, src_fmt, dst_fmt, scale=1.0, threads=2):
@@ -183,7 +185,7 @@ def test_encode_fp8_matches_torch(threads):
                       nan_bits_matter=True)
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 @pytest.mark.parametrize("scale", [2.0 ** -7, 0.3, 1e-30, 3.5e4, "near-ties"])
 def test_scaled_codecs(fmt, scale):
     """For fp16/fp8 destinations the stored code is round(x / scale) (an fp32 division
@@ -226,7 +228,7 @@ def test_cross_conversions_go_through_fp32(src_fmt, dst_fmt):
                       nan_bits_matter=dst_fmt == "fp8")
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", UNSCALED_MOMENTS)
 def test_scale_ignored_for_unscaled_formats(fmt):
     """adam.h: the scale applies to fp16 / fp8 ends only."""
     x = torch.randn(100)
@@ -292,7 +294,7 @@ SCALE_CASES = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 @pytest.mark.parametrize("case", list(SCALE_CASES))
 def test_measure_scale_follows_s2_3(fmt, case):
     values = SCALE_CASES[case]
@@ -303,7 +305,7 @@ def test_measure_scale_follows_s2_3(fmt, case):
         assert got == FP32_TINY
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", UNSCALED_MOMENTS)
 def test_measure_scale_unscaled_formats_is_one(fmt):
     assert measure(torch.randn(50) * 1e5, fmt) == 1.0
 
@@ -507,7 +509,7 @@ def test_adam_step_unaligned_buffers_stay_in_bounds(preset, offset):
                 assert_bitwise_equal(y, x, f"step {step} tensor {i} buffer {j}")
 
 
-@pytest.mark.parametrize("dst_fmt", ["bf16", "fp16", "fp8", "fp32"])
+@pytest.mark.parametrize("dst_fmt", MOMENT_FORMATS)
 def test_convert_unaligned_stays_in_bounds(dst_fmt):
     for numel in (1, 9, 33, 1027):
         src = torch.randn(numel)

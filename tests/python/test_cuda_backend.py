@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    SHAPES, Hyper, Precision, assert_bitwise_equal, attach_grads, backend_context,
-    decode_codes, fused_adam, make_grads, make_params, merge_remainder, state_tensors)
+    MASTER_FORMATS, MOMENT_FORMATS, SHAPES, Hyper, Precision, assert_bitwise_equal,
+    attach_grads, backend_context, decode_codes, fused_adam, make_grads, make_params,
+    merge_remainder, state_tensors)
 from _slot_buffers import (
     BAD_HYPER, COLUMNS, NAMES_TENSOR_1, NULL_CASES, PRESETS, Buffers, assert_guards_intact,
     bad_slots, embed_buffers, embedded, make_bad_call, preset_id)
@@ -67,14 +68,15 @@ BUSY_CYCLES = 200_000_000
 
 
 def all_presets():
-    """Every valid (param, grad, exp_avg, exp_avg_sq, master) combination: 384."""
-    floats, moments = ("fp32", "bf16", "fp16"), ("fp32", "bf16", "fp16", "fp8")
+    """Every valid (param, grad, exp_avg, exp_avg_sq, master) combination of the declared
+    formats: 384 (an fp32 parameter has no master, remainders go beside bf16 ones)."""
+    floats = ("fp32", "bf16", "fp16")
     for p in floats:
-        masters = {"fp32": ["none"], "fp16": ["none", "fp32", "fp16"],
-                   "bf16": ["none", "fp32", "fp16", "rem"]}[p]
+        masters = ["none"] + [master for master in MASTER_FORMATS
+                              if p != "fp32" and (master != "rem" or p == "bf16")]
         for g in floats:
-            for m in moments:
-                for v in moments:
+            for m in MOMENT_FORMATS:
+                for v in MOMENT_FORMATS:
                     for master in masters:
                         yield (p, g, m, v, master)
 

@@ -44,17 +44,17 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from _optimizer_testing import (
-    Hyper, Precision, adam_reference, assert_bitwise_equal, assert_same_optimizer_state,
-    attach_grads, backend_context, capture_inputs, fused_adam, have_core, state_tensors,
-    verify_moments, verify_step)
+    MASTER_FORMATS, MOMENT_FORMATS, Hyper, Precision, adam_reference, assert_bitwise_equal,
+    assert_same_optimizer_state, attach_grads, backend_context, capture_inputs, fused_adam,
+    have_core, state_tensors, verify_moments, verify_step)
 
 CASES_PER_EXAMPLE = 4
 MAX_EXAMPLES = max(1, round(2500 * float(os.environ.get("SHARDADAM_FUZZ_EXAMPLES", "1"))))
 
 PARAM_PRESETS = ("fp32", "fp16", "bf16", "fp16+bf16")
 GRAD_PRESETS = ("same", "fp32", "fp16", "bf16")
-MOMENT_PRESETS = ("fp32", "bf16", "fp16", "fp8")
-MASTER_PRESETS = ("none", "fp32", "fp16", "rem")
+MOMENT_PRESETS = MOMENT_FORMATS  # every declared format (_optimizer_testing)
+MASTER_PRESETS = ("none",) + MASTER_FORMATS
 PATTERNS = ("normal", "zeros", "huge", "tiny", "subnormal", "spread", "none")
 
 # Per gradient dtype: magnitudes of the "huge", "tiny" and "subnormal" patterns. Huge

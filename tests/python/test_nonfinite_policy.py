@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    SCALE_TARGET, TORCH_DTYPE, Hyper, Precision, adam_reference, assert_close_bounded,
-    capture_inputs, fp32_emulated_step, fused_adam, quantize_like_spec, scale_of,
-    stored_bound, true_state, verify_step)
+    MASTER_FORMATS, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, TORCH_DTYPE, Hyper,
+    Precision, adam_reference, assert_close_bounded, capture_inputs, fp32_emulated_step,
+    fused_adam, quantize_like_spec, scale_of, stored_bound, true_state, verify_step)
 
 
 def _float_of_bits(bits):
@@ -157,13 +157,11 @@ def test_unscaled_storage_confines_the_damage_to_the_element(
         assert torch.equal(t, values(clean, clean_params[1])[name]), f"param 1 {name}"
 
 
-SCALED = [
-    ("exp_avg", Precision(exp_avg="fp16")),
-    ("exp_avg", Precision(exp_avg="fp8")),
-    ("exp_avg_sq", Precision(exp_avg_sq="fp16")),
-    ("exp_avg_sq", Precision(exp_avg_sq="fp8")),
-    ("master_param", Precision(param="bf16", master="fp16")),
-]
+# Every scaled format in every state it may hold.
+SCALED = ([(name, Precision(**{name: fmt})) for name in ("exp_avg", "exp_avg_sq")
+           for fmt in SCALED_FORMATS if fmt in MOMENT_FORMATS]
+          + [("master_param", Precision(param="bf16", master=fmt))
+             for fmt in SCALED_FORMATS if fmt in MASTER_FORMATS])
 
 
 def first_step_moments(grad):
@@ -220,7 +218,7 @@ def test_nonfinite_absmax_stores_the_whole_tensor_at_scale_one(backend, name, cf
                 f"{cfg.id} other param")
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_scale_one_lets_large_finite_elements_overflow(backend, fmt):
     """The hazard of S2.3's scale 1: a finite element of the same state tensor whose
     value exceeds the format's range is stored as inf (fp16) or NaN (fp8), and one

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    SCALE_TARGET, SHAPES, Hyper, Precision, TORCH_DTYPE, adam_reference,
+    SCALE_TARGET, SCALED_FORMATS, SHAPES, Hyper, Precision, TORCH_DTYPE, adam_reference,
     assert_bitwise_equal, assert_close_bounded, assert_same_optimizer_state,
     backend_context, clone_params, decode_codes, fused_adam, have_core, make_params,
     quantize_like_spec, run_precision_steps, scale_of, storage_format, stored_bound,
@@ -228,7 +228,7 @@ def test_backend_parity(cfg, adam_w_mode):
                                 runs["torch"][1], f"{cfg.id}: reloaded")
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_scaled_state_guards(fmt, backend):
     """S2.3's guards on a real step: a moment that is all zero after the step (zero
     gradients from zero state) is stored with scale 1, never NaN; an empty parameter's
@@ -246,7 +246,7 @@ def test_scaled_state_guards(fmt, backend):
     assert storage_format(opt.state[params[0]]["exp_avg"]) == fmt
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_non_finite_moment_gets_unit_scale(fmt, backend):
     """S2.3: a state whose new values include a non-finite one is stored with scale 1
     (no NaN scale): the infinite element becomes inf (fp16) or NaN (fp8 E4M3 fn has no

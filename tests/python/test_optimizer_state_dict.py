@@ -14,24 +14,22 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    FP32_TINY, Precision, SCALE_TARGET, TORCH_DTYPE, assert_bitwise_equal,
+    FP32_TINY, MASTER_FORMATS, MOMENT_FORMATS, Precision, SCALE_TARGET, SCALED_FORMATS,
+    TORCH_DTYPE, assert_bitwise_equal,
     assert_same_optimizer_state, clone_params, decode_codes, fused_adam, make_params,
     merge_remainder, near_ties, quantize_like_spec, run_precision_steps, scale_of,
     split_master, state_tensors)
 
-STORAGE_CASES = {
-    # state name -> Precision that stores it in the format named by the id
-    "exp_avg-fp32": ("exp_avg", Precision(param="bf16", master="fp32")),
-    "exp_avg-bf16": ("exp_avg", Precision(param="bf16", exp_avg="bf16")),
-    "exp_avg-fp16": ("exp_avg", Precision(param="bf16", exp_avg="fp16")),
-    "exp_avg-fp8": ("exp_avg", Precision(param="bf16", exp_avg="fp8")),
-    "exp_avg_sq-bf16": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="bf16")),
-    "exp_avg_sq-fp16": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="fp16")),
-    "exp_avg_sq-fp8": ("exp_avg_sq", Precision(param="bf16", exp_avg_sq="fp8")),
-    "master_param-fp32": ("master_param", Precision(param="bf16", master="fp32")),
-    "master_param-fp16": ("master_param", Precision(param="bf16", master="fp16")),
-    "master_param-rem": ("master_param", Precision(param="bf16", master="rem")),
-}
+# id -> (state name, Precision that stores it in the format named by the id): every
+# format in every state it may hold, bf16 parameters (fp32 moments once, beside an fp32
+# master).
+STORAGE_CASES = {"exp_avg-fp32": ("exp_avg", Precision(param="bf16", master="fp32"))}
+STORAGE_CASES.update((f"{name}-{fmt}", (name, Precision(param="bf16", **{name: fmt})))
+                     for name in ("exp_avg", "exp_avg_sq")
+                     for fmt in MOMENT_FORMATS if fmt != "fp32")
+STORAGE_CASES.update((f"master_param-{fmt}", ("master_param",
+                                              Precision(param="bf16", master=fmt)))
+                     for fmt in MASTER_FORMATS)
 
 
 def stepped(cfg, shapes=((3, 4), (0,)), steps=3, seed=0):
@@ -119,7 +117,7 @@ def test_set_scaled_state_stores_per_s2_3(case, values, backend):
                          f"{name} after editing the caller's tensor")
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_set_scaled_state_near_ties_bitwise(fmt, backend):
     """S2.3 / S2.4 on values that sit next to rounding midpoints after division by the
     scale: the codes are exactly round_to_nearest_even(fp32(u / s))."""
@@ -374,6 +372,47 @@ def test_optimizer_object_copies_continue_bitwise(how, backend):
         twin.step()
         assert_same_optimizer_state(opt, twin, params, twin_params,
                                     f"{how}: step {step + 1} after the copy")
+
+
+@pytest.mark.parametrize("formats", ["recorded", "not-recorded"])
+def test_state_of_an_earlier_configuration_is_read_in_its_own_format(formats, backend):
+    """S1.5: state stored under one configuration keeps its format until the next step
+    converts it: after the state dtypes changed, get_unscaled_state and state_dict()
+    give the values stored before, and the next step equals an optimizer of the new
+    configuration loaded from them. An optimizer pickled by a version that recorded no
+    formats beside the state ("not-recorded") reads its state by the storage dtypes."""
+    cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="fp8", master="fp16")
+    opt, params = stepped(cfg, shapes=((5, 3), (4,)), steps=2, seed=9)
+    if formats == "not-recorded":
+        state = opt.__getstate__()
+        del state["_formats"]
+        opt = type(opt).__new__(type(opt))
+        opt.__setstate__(state)
+    names = ("exp_avg", "exp_avg_sq", "master_param")
+    before = [{name: opt.get_unscaled_state(p, name).clone() for name in names}
+              for p in params]
+    new = dict(exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.bfloat16,
+               master_weight_dtype=torch.float32)
+    for key, value in new.items():
+        setattr(opt, key, value)
+    sd = opt.state_dict()
+    for i, p in enumerate(params):
+        for name in names:
+            assert_bitwise_equal(opt.get_unscaled_state(p, name), before[i][name],
+                                 f"param {i} {name} read after the change")
+            assert_bitwise_equal(sd["state"][i][name], before[i][name],
+                                 f"param {i} {name} exported after the change")
+    loaded_params = clone_params(params)
+    loaded = fused_adam()(loaded_params, lr=1e-2, weight_decay=0.1, master_weights=True,
+                          **new)
+    loaded.load_state_dict(sd)
+    generator = torch.Generator().manual_seed(10)
+    for p, q in zip(params, loaded_params):
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        q.grad = p.grad.clone()
+    opt.step()
+    loaded.step()
+    assert_same_optimizer_state(loaded, opt, loaded_params, params, "converted by the step")
 
 
 ROUND_TRIP = [

@@ -1,6 +1,24 @@
 // Public contract of the shardadam C++ core: one Adam/AdamW step over a list of
 // tensors whose buffers the caller owns. No dependency on PyTorch or Python, so a
 // C++ training loop (or the nanobind module) can call it directly.
+//
+// In short (docs/cpp.md walks through one step):
+// - The caller owns every buffer. The core never allocates, frees or keeps a
+//   pointer it is given; each must stay valid, and untouched by other threads,
+//   until the call returns.
+// - Every call validates all its input first. A refused call returns
+//   Status::kInvalidArgument, describes the first broken rule in `Error` and has
+//   written nothing: no buffer, no scale slot.
+// - Bad input never throws. Only std::bad_alloc can leave a call, when memory
+//   runs out (a call allocates a few words per tensor).
+// - The update runs on the calling thread plus up to num_threads - 1 workers of
+//   one process-wide pool, started on first use and recreated after fork().
+//   Entry points may be called from any thread, also concurrently: calls share
+//   the pool one at a time. Results never depend on the thread count, the SIMD
+//   target or the caller's floating-point mode (flush-to-zero and
+//   denormals-are-zero are switched off for the call, then restored).
+// - Linking: CMake target shardadam::core (find_package(shardadam)); the CUDA
+//   backend is shardadam::cuda (adam_cuda.h).
 #ifndef SHARDADAM_ADAM_H_
 #define SHARDADAM_ADAM_H_
 
@@ -12,6 +30,27 @@
 
 namespace shardadam {
 
+// TensorSlot: one tensor of a step, as raw pointers, dtype tags and a count.
+// - `numel` counts elements, not bytes. Every buffer of the slot holds `numel`
+//   elements of its own format, contiguous, ItemSize(dtype) bytes each, aligned
+//   at least to that size (as an array of that element type is). A slot with
+//   numel == 0 is an empty tensor: its data pointers may be null; the scale slots
+//   of its scaled states are still checked and written.
+// - param, exp_avg, exp_avg_sq, master_param and the used scale slots are read
+//   and written in place; grad is only read. The dtype tags say how each buffer
+//   is encoded (formats.h: DType). Which tags a buffer accepts is FormatOf(tag)'s
+//   `roles`: param and grad fp32/fp16/bf16 (any combination); moments fp32,
+//   bf16, fp16 or fp8; master_param kNone (no master: the pointer is ignored),
+//   fp32 or fp16 beside an fp16/bf16 param, or kInt16Remainder beside a bf16
+//   param. An fp32 param is its own master (master_dtype must be kNone).
+// - No byte may be shared between a written buffer (any buffer but grad, and
+//   the scale slots in use) and any other buffer of the call, of this tensor or
+//   another. Gradients may share memory with each other.
+// - A fresh state is zero moments with scale 1; a master starts as the param's
+//   value (an fp16 master scaled by MeasureScale of it), a remainder as 0.
+// - The scale slot of a scaled state must hold a finite value > 0; slots of
+//   unscaled states are neither read nor written.
+//
 // One tensor's buffers. All buffers hold `numel` elements, contiguous, in the dtype
 // given beside them (formats.h). A state whose format is scaled needs its scale
 // slot: ScaleCount(...) fp32 values (one for Scaling::kPerTensor, one per block
@@ -48,26 +87,33 @@ struct TensorSlot {
 };
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).
+// Validated before anything is written: every value finite, lr, eps and
+// weight_decay >= 0, both betas in [0, 1), step >= 1.
 struct StepParams {
-  double lr = 1e-3;
+  double lr = 1e-3;             // 0 is a real step: the moments still move
   double beta1 = 0.9;
   double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
+  double eps = 1e-8;            // added to sqrt(v / c2), outside the square root
+  double weight_decay = 0.0;    // decoupled (AdamW) or L2, by adam_w_mode
   bool adam_w_mode = true;      // false: L2 penalty added to the gradient
   bool bias_correction = true;  // false: both corrections are 1
   int64_t step = 1;             // the step being taken, counted from 1
 };
 
+// The result of every call that can refuse its input.
 enum class Status : int32_t {
   kOk = 0,
   kInvalidArgument = 1,  // a slot or a hyper-parameter broke a rule; nothing written
   kDeviceError = 2,      // CUDA backend only: the runtime refused a call (message names it)
 };
 
-// Filled on failure. The fields name the tensors by their index in the call, so
-// a caller with its own names for them (the Python package) builds its own text
-// from `rule` instead of parsing `message`.
+// Filled on failure (left as it was on success). The fields name the tensors by
+// their index in the call, so a caller with its own names for them (the Python
+// package) builds its own text from `rule` instead of parsing `message`.
+// Example, a gradient lying in another tensor's param: tensor_index 1,
+// other_tensor_index 0, rule "grad [0x..., +8 bytes) overlaps {other}'s param
+// [...]; tensors must not share memory (only gradients may be shared)", message
+// the same sentence starting "tensor 1: " with "{other}" written as "tensor 0".
 struct Error {
   int64_t tensor_index = -1;        // the tensor the rule concerns; -1: the call itself
                                     // or a hyper-parameter
@@ -80,7 +126,8 @@ struct Error {
   std::string message;
 };
 
-// Fills every field of `error` (if non-null) from a rule and its tensors.
+// Fills every field of `error` (if non-null) from a rule and its tensors, as the
+// core does; for callers that add checks of their own in the same form.
 void SetError(Error* error, int64_t tensor, const std::string& rule,
               int64_t other_tensor = -1);
 
@@ -88,6 +135,26 @@ void SetError(Error* error, int64_t tensor, const std::string& rule,
 // hyper-parameter first; on any failure returns kInvalidArgument, fills `error`
 // (if non-null) and writes nothing. `num_threads` <= 0 means "all hardware threads".
 // Results are bitwise identical for every thread count and every SIMD target.
+//
+// `slots` points to `count` slots (may be null when count is 0), read during the
+// call only. Per element, in fp32 with c1 = 1 - beta1^step and c2 = 1 - beta2^step
+// (both 1 without bias_correction; computed in double, rounded to fp32), `w` the
+// master (or the param) and `g` the gradient, both decoded to fp32:
+//   L2 mode:  g += weight_decay * w
+//   m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
+//   AdamW:    w *= 1 - lr * weight_decay
+//   w -= (lr / c1) * m / (sqrt(v) / sqrt(c2) + eps)
+// then the param is w rounded to its dtype (or split with the remainder) and
+// every state is stored in its format; a scaled state's new scale is measured on
+// the whole new tensor first (fp16/fp8: max|u| / target, see formats.h).
+// A NaN or infinite gradient element makes that element's results non-finite and
+// is not an error. Checked, in this order, the first failure reported: the list
+// (count >= 0, slots non-null), the hyper-parameters, each slot by index (tags and
+// their roles, master beside param, scale slots present, 4-byte aligned, finite
+// and > 0, data pointers non-null when numel > 0, buffers inside the address
+// space, no overlap within the slot), then overlaps between tensors. Not checkable
+// and so the caller's duty: that each pointer addresses as many bytes as numel
+// says, with the alignment above.
 Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                 int num_threads, Error* error);
 
@@ -96,6 +163,7 @@ Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params
 // one logical step into several AdamStep calls (one per parameter group) checks
 // all their slots together first, so that a refusal leaves every call undone.
 // With `scales_in_device_memory` the scale slots' values are not read (CUDA).
+// Returns kOk or kInvalidArgument with `error` filled, as AdamStep would.
 Status CheckStepSlots(const TensorSlot* slots, int64_t count,
                       bool scales_in_device_memory, Error* error);
 
@@ -103,11 +171,17 @@ Status CheckStepSlots(const TensorSlot* slots, int64_t count,
 // (round to nearest even, NaN kept). For fp16/fp8 destinations the value stored is
 // round(src / scale); for fp16/fp8 sources the value read is float(src) * scale.
 // Supported: any of fp32/fp16/bf16/fp8 to any other. kInt16Remainder is not a cast.
+// `numel` elements from `src` to `dst`; `scale` must be finite and > 0 when either
+// end is scaled (ignored otherwise). src and dst may be the same buffer when both
+// formats have the same size, and must not overlap otherwise. Validated first,
+// like AdamStep (tensor_index is -1); threads as for AdamStep.
 Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale, int num_threads, Error* error);
 
 // The scale SEMANTICS S2.3 gives to fp32 values `u` stored as `dtype`
 // (1 for an empty tensor, a zero or non-finite absmax, or an unscaled dtype).
+// Reads `numel` floats at `u` (null with numel <= 0 gives 1); refuses nothing.
+// Pair it with Convert to store fp32 values as a scaled state.
 float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads);
 
 // Name of the SIMD target the dispatcher picked on this CPU, e.g. "AVX2".

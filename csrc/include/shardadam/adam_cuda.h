@@ -1,6 +1,8 @@
 // CUDA backend of the shardadam core: AdamStep (adam.h) for buffers in device
 // memory. Present only in builds with SHARDADAM_ENABLE_CUDA; the library then
 // links the CUDA runtime statically and still needs neither PyTorch nor Python.
+// CMake target shardadam::cuda (find_package(shardadam) defines it where the
+// installed core was built with CUDA); this header itself needs no CUDA headers.
 #ifndef SHARDADAM_ADAM_CUDA_H_
 #define SHARDADAM_ADAM_CUDA_H_
 
@@ -11,7 +13,8 @@
 
 namespace shardadam {
 
-// Bytes of device scratch an AdamStepCuda call over `count` tensors needs.
+// Bytes of device scratch an AdamStepCuda call over `count` tensors needs (a few
+// words per tensor; 0 for none).
 int64_t CudaWorkspaceBytes(int64_t count);
 
 // AdamStep's contract for slots whose buffers and scale slots are in the memory
@@ -26,6 +29,19 @@ int64_t CudaWorkspaceBytes(int64_t count);
 // held in scale slots (they are on the device; reading them would synchronise).
 // Returns kInvalidArgument (nothing enqueued) on bad input, kDeviceError if the
 // CUDA runtime refused a launch.
+//
+// Beyond AdamStep's rules it refuses (kInvalidArgument, nothing enqueued): a data
+// buffer not aligned to its element size, a tensor past the backend's element
+// limit (message gives it), and a workspace that is null, too small or not 4-byte
+// aligned (tensor_index -1). Not checkable on the host, so the caller's duty:
+// that the pointers are device memory of `device` and the scale slots hold
+// finite values > 0. The caller owns slots, buffers, scale slots and workspace:
+// the slot array is read before the call returns, the rest is used by work on
+// `stream` until it completes, and must not be touched by other work meanwhile.
+// After kDeviceError (Error::message names the runtime call and its error) the
+// launches enqueued before the failing one may still run: the call's tensors are
+// then in an unspecified state. May be called from any host thread; it uses no
+// host threads of its own.
 Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
                     void* workspace, int64_t workspace_bytes, void* stream, int device,
                     Error* error);

@@ -7,6 +7,11 @@
 // codec in each backend (csrc/convert-inl.h, csrc/cuda/codecs.h, the reference)
 // and its tests; the Python registry (src/shardadam/_formats.py) declares the
 // same facts and is checked against these when the extension loads.
+//
+// For a caller of the core (adam.h): tag each buffer of a TensorSlot with its
+// DType; FormatOf(tag) says how many bytes an element takes (item_size), whether
+// a state of that format carries a scale slot (scaling) and which buffers may
+// hold it (roles). Everything here is constexpr and needs no library.
 #ifndef SHARDADAM_FORMATS_H_
 #define SHARDADAM_FORMATS_H_
 
@@ -22,6 +27,13 @@ namespace shardadam {
 
 // Storage format of one buffer. The numeric values are part of the ABI: the
 // Python package passes them through the binding as plain integers.
+// Encodings: fp32, fp16 and bf16 are the IEEE / bfloat16 bit patterns in the
+// machine's byte order. A scaled state's true value is its decoded element times
+// its scale (the fp32 in its scale slot). An int16 remainder keeps an fp32 master
+// M in two halves: the bf16 param holds M's high 16 bits, plus one when M's low
+// 16 bits are >= 0x8000 (so the param is M rounded to nearest, ties away from
+// zero), and the remainder holds M's low 16 bits; M is rebuilt exactly from the
+// two. A NaN M is split as the quiet NaN with its sign.
 enum class DType : int32_t {
   kNone = 0,            // buffer absent (only for master_param)
   kFloat32 = 1,

@@ -26,10 +26,12 @@ _PYTHON_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _PYTHON_TESTS not in sys.path:
     sys.path.insert(0, _PYTHON_TESTS)
 
-from _optimizer_testing import ABS_SLACK, U, expected_scale, stored_bound  # noqa: E402
+from _optimizer_testing import (  # noqa: E402
+    ABS_SLACK, SCALED_FORMATS, TORCH_DTYPE, U, expected_scale, stored_bound)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp8": torch.uint8}
+DTYPES = TORCH_DTYPE  # a format's name -> the dtype the constructor takes and stores
+# The scaled formats, by the dtype they are stored in.
+SCALED_DTYPES = {TORCH_DTYPE[name]: name for name in SCALED_FORMATS}
 
 # Optimizer hyper-parameters: defaults, and per group (group 1 differs in everything).
 OPT_DEFAULTS = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
@@ -67,7 +69,7 @@ class Preset:
         """Same configuration with every scaled state kept in fp32 (the one-step oracle)."""
         kw = self.kwargs()
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "master_weight_dtype"):
-            if kw.get(name) in (torch.float16, torch.uint8):
+            if kw.get(name) in SCALED_DTYPES:
                 kw[name] = torch.float32
         return kw
 
@@ -89,7 +91,7 @@ class Preset:
             else torch.float32
 
     def is_scaled(self, name):
-        return self.storage_dtype(name) in (torch.float16, torch.uint8)
+        return self.storage_dtype(name) in SCALED_DTYPES
 
     @property
     def has_scaled_state(self):
@@ -234,10 +236,6 @@ def assert_bitwise(actual, expected, what):
             f"max |diff| {(a - e).abs().max().item():.3e}")
 
 
-# Format names of _optimizer_testing's grids.
-_FORMAT_NAME = {torch.float16: "fp16", torch.uint8: "fp8"}
-
-
 def rounding_bound(u, storage):
     """Largest |true value - u| after one store of the fp32 values ``u`` (one local shard)
     in the scaled format ``storage``, read back as the fp32 true value ``state_dict()``
@@ -255,7 +253,7 @@ def rounding_bound(u, storage):
     one per local shard, so the bound is evaluated per shard.
     """
     u = u.float()
-    fmt = _FORMAT_NAME[storage]
+    fmt = SCALED_DTYPES[storage]
     exact = u.double()
     s = expected_scale(u, fmt)
     quantized = stored_bound(fmt, exact, exact, torch.zeros_like(exact), scale=s)

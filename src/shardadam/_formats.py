@@ -1,0 +1,223 @@
+"""State storage formats: one declaration each (SEMANTICS S2.2), and the lookups.
+
+A format is how one state tensor (``exp_avg``, ``exp_avg_sq`` or ``master_param``) is
+stored. Its declaration holds every fact the package needs about it: its name in
+recorded state layouts (S5.4), the C++ core's tag for it, the torch dtype of its
+storage and the dtype its stored bits are codes of, its scale (none, one per tensor, or
+one per block of elements) and the largest magnitude a scaled value is stored as
+(S2.3), the states it may hold (``roles``), the constructor dtype that names it, and for
+remainders the parameter dtype that holds the rest of the value (S2.5). Its methods
+are its torch codec (with ``_codecs``). The rest of the package asks a format these
+things and compares no tags or dtypes of its own.
+
+The C++ core declares the same table (csrc/include/shardadam/formats.h) and exports it
+as ``_C.FORMATS``; ``check_extension`` refuses an extension whose table differs.
+
+The constructor names formats by dtype, as Transformer Engine does (``configured``):
+``exp_avg_dtype`` / ``exp_avg_sq_dtype`` torch.float32, float16, bfloat16 or uint8 (fp8
+E4M3 codes), ``master_weight_dtype`` torch.float32 or float16; remainders are chosen by
+``store_param_remainders`` and named by no dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import _codecs
+
+# The core's tag for "no buffer" (a missing master, a skipped gradient).
+TAG_NONE = 0
+SCALES = ("none", "tensor", "block")
+ROLES = ("moment", "master")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # one object per format: compared by identity
+class Format:
+    """One state storage format (see the module docstring)."""
+
+    name: str
+    tag: int
+    storage: torch.dtype
+    codes: torch.dtype  # what the stored bits are: fp8 keeps float8_e4m3fn codes in uint8
+    roles: tuple
+    scale: str = "none"
+    scale_block: int = 0  # elements per scale, for "block"
+    scale_target: float = 0.0  # S2.3's R, for a scaled format
+    argument: Optional[torch.dtype] = None  # the constructor dtype that names it
+    pairs_with: Optional[torch.dtype] = None  # the parameter dtype holding the value's rest
+
+    def __post_init__(self):
+        if (self.scale not in SCALES or not set(self.roles) <= set(ROLES)
+                or (self.scale == "block") != (self.scale_block > 0)
+                or self.scaled != (self.scale_target > 0)
+                or self.codes.itemsize != self.storage.itemsize):
+            raise ValueError(f"format {self.name!r} is not a consistent declaration")
+
+    def __reduce__(self):
+        return by_name, (self.name,)  # pickles and copies are the registry's object
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"
+
+    @property
+    def item_size(self) -> int:
+        return self.storage.itemsize
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale != "none"
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """What ``state_dict()`` exports and ``set_scaled_state`` takes (S5.4): fp32 true
+        values, or a remainder's codes themselves (its true value needs the parameter)."""
+        return self.storage if self.pairs_with is not None else torch.float32
+
+    def scale_shape(self, numel: int) -> Optional[tuple]:
+        """The shape of the fp32 scale tensor of ``numel`` stored elements; None when
+        the format has no scale."""
+        if self.scale == "tensor":
+            return ()
+        if self.scale == "block":
+            return (-(-numel // self.scale_block),)
+        return None
+
+    def row(self) -> tuple:
+        """This declaration as the C++ core's table lists it (``check_extension``)."""
+        return (self.tag, self.name, self.item_size, self.scale, self.scale_block,
+                float(self.scale_target), tuple(sorted(self.roles)))
+
+    # The torch codec. Values pass through fp32; rounding into the codes is torch's
+    # `.to()` (copy_ rounds the same way), bit-exact with the C++ core (S2.4).
+
+    def decode(self, stored: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+        """The exported value of local storage ``stored`` with its ``scale``: fp32 true
+        values (fp32 storage itself, else a new tensor), or a remainder's own codes."""
+        if self.pairs_with is not None:
+            return stored
+        codes = stored if stored.dtype == self.codes else stored.view(self.codes)
+        if not self.scaled:
+            return codes.float()
+        self._check_torch_scale()
+        return codes.float() * scale
+
+    def encode(self, value: torch.Tensor, stored: torch.Tensor,
+               scale: Optional[torch.Tensor]) -> None:
+        """Store the exported ``value`` into ``stored``; a scaled format first measures
+        a new ``scale`` over ``value`` (S2.3). ``value`` is never modified; when it is
+        ``stored`` itself (fp32 updated in place) there is nothing to do."""
+        if self.scaled:
+            self._check_torch_scale()
+            new_scale = _codecs.measure_scale(value, self.scale_target)
+            stored.copy_(self._to_codes(value / new_scale))  # a true division, as the core
+            scale.copy_(new_scale)
+        elif value is not stored:
+            stored.copy_(self._to_codes(value))
+
+    def true_value(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """fp32 true values of an exported ``value`` (remainders: merged with the local
+        bf16 ``param``, S2.5)."""
+        if self.pairs_with is not None:
+            return _codecs.merge_remainder(param, value.to(param.device))
+        return value.float()
+
+    def from_true(self, value: torch.Tensor):
+        """``(exported value, parameter bits or None)`` holding fp32 true ``value``: a
+        remainder splits it, and the parameter must take the high half (S2.5)."""
+        if self.pairs_with is not None:
+            high, low = _codecs.split_remainder(value)
+            return low, high
+        return value, None
+
+    def _to_codes(self, values: torch.Tensor) -> torch.Tensor:
+        if self.codes == self.storage:
+            return values  # copy_ into the storage rounds as .to() does
+        return values.to(self.codes).view(self.storage)
+
+    def _check_torch_scale(self) -> None:
+        if self.scale != "tensor":
+            raise NotImplementedError(f"format {self.name!r}: the torch codec measures "
+                                      f"and applies per-tensor scales only")
+
+
+FP32 = Format("fp32", 1, torch.float32, torch.float32, ("moment", "master"),
+              argument=torch.float32)
+FP16 = Format("fp16", 2, torch.float16, torch.float16, ("moment", "master"),
+              scale="tensor", scale_target=32752.0,  # finfo(float16).max / 2
+              argument=torch.float16)
+BF16 = Format("bf16", 3, torch.bfloat16, torch.bfloat16, ("moment",),
+              argument=torch.bfloat16)
+FP8 = Format("fp8", 4, torch.uint8, torch.float8_e4m3fn, ("moment",),
+             scale="tensor", scale_target=448.0,  # the largest finite E4M3
+             argument=torch.uint8)
+REMAINDER = Format("remainder", 5, torch.int16, torch.int16, ("master",),
+                   pairs_with=torch.bfloat16)
+
+FORMATS = (FP32, FP16, BF16, FP8, REMAINDER)
+_BY_NAME = {f.name: f for f in FORMATS}
+_BY_TAG = {f.tag: f for f in FORMATS}
+if len(_BY_NAME) != len(FORMATS) or len(_BY_TAG) != len(FORMATS) or TAG_NONE in _BY_TAG:
+    raise ValueError("two formats share a name or a tag")
+
+# Parameters and gradients are plain fp32 / fp16 / bf16 tensors (never scaled), which
+# the core reads by these formats' tags.
+PARAM_TAGS = {f.storage: f.tag for f in (FP32, FP16, BF16)}
+
+# What a storage dtype meant before formats were stored beside the state, when each
+# format had a dtype of its own (read in ``_state.stored_format``).
+_LEGACY = {f.storage: f for f in (FP32, FP16, BF16, FP8, REMAINDER)}
+
+
+def by_name(name: str) -> Format:
+    """The format a recorded layout calls ``name``; KeyError if there is none."""
+    return _BY_NAME[name]
+
+
+def by_tag(tag: int) -> Format:
+    """The format the C++ core tags ``tag``; KeyError if there is none."""
+    return _BY_TAG[tag]
+
+
+def choices(role: str) -> tuple:
+    """The formats the constructor can name for a state of ``role``, in tag order."""
+    return tuple(f for f in FORMATS if role in f.roles and f.argument is not None)
+
+
+def configured(dtype, role: str) -> Optional[Format]:
+    """The format that constructor argument ``dtype`` names for a state of ``role``
+    (``"moment"``: ``exp_avg_dtype`` / ``exp_avg_sq_dtype``; ``"master"``:
+    ``master_weight_dtype``), or None if it names none. dtypes are singletons: compared
+    by identity, so any object may be asked about."""
+    for fmt in choices(role):
+        if fmt.argument is dtype:
+            return fmt
+    return None
+
+
+def legacy_format(dtype: torch.dtype) -> Optional[Format]:
+    """The format storage of ``dtype`` holds when nothing recorded one: state stored by
+    a version that kept no format beside it (a pickled optimizer), or put into
+    ``optimizer.state`` from outside in a dtype other than its recorded format's. None
+    for a dtype no format ever had."""
+    return _LEGACY.get(dtype)
+
+
+def check_extension(module) -> None:
+    """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
+    name, item_size, scale, scale_block, scale_target, roles)``) declares exactly these
+    formats: the core and this package read the same buffers by these facts. Rows and
+    roles are compared in any order."""
+    expected = sorted(f.row() for f in FORMATS)
+    found = getattr(module, "FORMATS", None)
+    try:
+        rows = sorted((*row[:6], tuple(sorted(row[6]))) for row in found
+                      if len(row) == 7)
+        same = len(rows) == len(found) and rows == expected
+    except TypeError:  # not a sequence of 7-tuples of comparable values
+        same = False
+    if not same:
+        raise ImportError(f"shardadam._C does not match this package (expected formats "
+                          f"{expected}, found {found!r}): rebuild the extension")

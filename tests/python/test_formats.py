@@ -1,0 +1,151 @@
+"""The package's declarations of its state formats (shardadam._formats): they agree with
+the facts the tests state on their own, the constructor's dtype arguments keep
+Transformer Engine's meanings, scales are shaped by each format's granularity, and an
+extension whose own table of the formats differs is refused."""
+
+import copy
+import pickle
+import types
+
+import pytest
+import torch
+
+from _optimizer_testing import GRID, SCALE_TARGET, TORCH_DTYPE, id_name
+from _slot_buffers import CODE, STORAGE
+from shardadam import _formats
+from shardadam._formats import FORMATS, Format
+
+
+def test_declarations_agree_with_the_tests_facts():
+    """Every declared format has the tag, storage, scale target and constructor dtype
+    the tests state for it (S2.2, S2.3): a format added to the package needs its facts
+    in the tests too."""
+    assert sorted(id_name(f) for f in FORMATS) == sorted(STORAGE)
+    for fmt in FORMATS:
+        name = id_name(fmt)
+        assert fmt.tag == CODE[name], name
+        assert fmt.storage == STORAGE[name] and fmt.item_size == STORAGE[name].itemsize
+        assert fmt.scaled == (name in SCALE_TARGET), name
+        assert fmt.scale_target == SCALE_TARGET.get(name, 0.0), name
+        assert fmt.scale_shape(7) == (() if fmt.scaled else None), name
+        if fmt.argument is not None:
+            assert TORCH_DTYPE[name] is fmt.argument, name
+        if fmt.pairs_with is None:
+            assert name in GRID, f"{name}: no grid for the reference's bounds"
+
+
+def test_names_and_tags_are_the_recorded_ones():
+    """Checkpoints record layouts by these names and the core reads these tags."""
+    rows = {(f.name, f.tag) for f in FORMATS}
+    assert rows == {("fp32", 1), ("fp16", 2), ("bf16", 3), ("fp8", 4), ("remainder", 5)}
+    for fmt in FORMATS:
+        assert _formats.by_name(fmt.name) is fmt and _formats.by_tag(fmt.tag) is fmt
+    with pytest.raises(KeyError):
+        _formats.by_name("int16")
+    with pytest.raises(KeyError):
+        _formats.by_tag(_formats.TAG_NONE)
+
+
+MOMENT_ARGUMENTS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+                    torch.uint8: "fp8"}
+MASTER_ARGUMENTS = {torch.float32: "fp32", torch.float16: "fp16"}
+NAMED_NOTHING = [torch.float64, torch.int16, torch.int8, torch.float8_e4m3fn, None,
+                 "float32", torch.zeros(())]
+
+
+@pytest.mark.parametrize("role,named", [("moment", MOMENT_ARGUMENTS),
+                                        ("master", MASTER_ARGUMENTS)])
+def test_constructor_dtypes_keep_transformer_engines_meanings(role, named):
+    """exp_avg_dtype / exp_avg_sq_dtype: fp32, fp16, bf16, uint8 = fp8 E4M3 codes;
+    master_weight_dtype: fp32, fp16 (remainders are chosen by store_param_remainders).
+    Anything else names no format, whatever it is."""
+    for dtype, name in named.items():
+        assert _formats.configured(dtype, role) is _formats.by_name(name), (role, dtype)
+    others = [d for d in MOMENT_ARGUMENTS if d not in named] + NAMED_NOTHING
+    for dtype in others:
+        assert _formats.configured(dtype, role) is None, (role, dtype)
+    assert [f.name for f in _formats.choices(role)] == list(named.values())
+
+
+def test_scale_shape_follows_the_granularity():
+    """A per-tensor scale is 0-dim; a per-block one has one element per block of the
+    flattened local tensor; an unscaled format has none."""
+    block = Format("fp8-block32", 99, torch.uint8, torch.float8_e4m3fn, ("moment",),
+                   scale="block", scale_block=32, scale_target=448.0)
+    assert [block.scale_shape(n) for n in (0, 1, 32, 33, 64)] == [(0,), (1,), (1,),
+                                                                     (2,), (2,)]
+    assert _formats.FP8.scale_shape(0) == () and _formats.BF16.scale_shape(5) is None
+
+
+@pytest.mark.parametrize("fields", [
+    dict(scale="row"), dict(scale="block"), dict(scale_block=32),
+    dict(scale="tensor"), dict(scale_target=448.0), dict(roles=("param",)),
+    dict(codes=torch.float16)], ids=str)
+def test_inconsistent_declarations_are_refused(fields):
+    declared = dict(name="x", tag=99, storage=torch.uint8, codes=torch.float8_e4m3fn,
+                    roles=("moment",))
+    with pytest.raises(ValueError, match="not a consistent declaration"):
+        Format(**{**declared, **fields})
+
+
+def test_pickles_and_copies_are_the_declared_objects():
+    """Formats are compared by identity: a pickled or copied one is the registry's."""
+    for fmt in FORMATS:
+        assert pickle.loads(pickle.dumps(fmt)) is fmt
+        assert copy.deepcopy(fmt) is fmt and copy.copy(fmt) is fmt
+
+
+def table():
+    """The C++ core's table as _C.FORMATS lists it, built from the registry."""
+    return tuple((f.tag, f.name, f.item_size, f.scale, f.scale_block, f.scale_target,
+                  f.roles) for f in FORMATS)
+
+
+def altered(index, field, value):
+    rows = [list(row) for row in table()]
+    rows[index][field] = value
+    return tuple(map(tuple, rows))
+
+
+def test_extension_with_the_same_table_is_accepted():
+    """Rows and the roles within a row may come in any order; a list is a sequence
+    too."""
+    _formats.check_extension(types.SimpleNamespace(FORMATS=table()))
+    rows = [(*row[:6], tuple(reversed(row[6]))) for row in reversed(table())]
+    _formats.check_extension(types.SimpleNamespace(FORMATS=rows))
+    _formats.check_extension(types.SimpleNamespace(FORMATS=[list(r) for r in table()]))
+
+
+OTHER_TABLES = {
+    "a-format-missing": table()[:-1],
+    "one-more": table() + ((6, "int8", 1, "none", 0, 0.0, ("moment",)),),
+    "one-twice": table() + (table()[0],),
+    "fp16-tag": altered(1, 0, 3),
+    "fp16-name": altered(1, 1, "half"),
+    "fp8-item-size": altered(3, 2, 2),
+    "fp8-per-block": altered(3, 3, "block"),
+    "fp8-block-size": altered(3, 4, 32),
+    "fp16-scale-target": altered(1, 5, 65504.0),
+    "bf16-as-master": altered(2, 6, ("moment", "master")),
+    "rows-without-roles": tuple(row[:6] for row in table()),
+    "rows-with-a-field-more": tuple(row + (0,) for row in table()),
+    "tag-and-name-swapped": (("fp32", 1, 4, "none", 0, 0.0, ("moment", "master")),)
+                            + table()[1:],
+    "empty": (), "none": None, "a-number": 5, "a-string": "fp32"}
+
+
+@pytest.mark.parametrize("formats", list(OTHER_TABLES.values()), ids=list(OTHER_TABLES))
+def test_extension_with_another_table_is_refused(formats):
+    with pytest.raises(ImportError, match="rebuild the extension"):
+        _formats.check_extension(types.SimpleNamespace(FORMATS=formats))
+
+
+def test_extension_without_a_table_is_refused():
+    with pytest.raises(ImportError, match="rebuild the extension"):
+        _formats.check_extension(types.SimpleNamespace())
+
+
+def test_built_extension_table_matches():
+    """Importing the package checks the built extension's table."""
+    core = pytest.importorskip("shardadam._C", reason="C++ extension is not built")
+    _formats.check_extension(core)
