@@ -600,10 +600,14 @@ def test_bad_slot_raises_and_writes_nothing(case):
 def test_overlap_refusal_names_both_tensors_by_index():
     """A rule about two tensors carries the second one's index beside the rule, where
     "{other}" stands for it: the package names both without reading the text."""
-    good, bad, rows = make_bad_call(("fp32", "fp32", "fp32", "fp32", "none"), {})
+    first, second = (Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 40, seed)
+                     for seed in (31, 32))
+    for b in (first, second):
+        b.new_grad()
     columns = {name: i for i, name in enumerate(_C.SLOT_COLUMN_NAMES)}
-    width = len(columns)
-    rows[width + columns["param"]] = rows[columns["exp_avg"]]  # tensor 1's param
+    rows = first.row() + second.row()
+    # tensor 1's param is tensor 0's exp_avg: same size, so it meets nothing else
+    rows[COLUMNS + columns["param"]] = rows[columns["exp_avg"]]
     with pytest.raises(ValueError) as raised:
         _C.adam_step(rows, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
     error = raised.value
