@@ -30,6 +30,7 @@ enum Column : size_t {
   kExpAvg, kExpAvgDtype, kExpAvgScale,
   kExpAvgSq, kExpAvgSqDtype, kExpAvgSqScale,
   kMaster, kMasterDtype, kMasterScale,
+  kFirstIndex, kScaleBlock,
   kSlotColumns,
 };
 constexpr const char* kColumnNames[] = {
@@ -37,6 +38,7 @@ constexpr const char* kColumnNames[] = {
     "exp_avg", "exp_avg_dtype", "exp_avg_scale",
     "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
     "master_param", "master_dtype", "master_scale",
+    "first_index", "scale_block",
 };
 static_assert(sizeof(kColumnNames) / sizeof(kColumnNames[0]) == kSlotColumns,
               "one name per column");
@@ -89,8 +91,8 @@ void RunReleased(const Call& call) {
 }
 
 // The format table (formats.h) for the Python registry to check itself against:
-// (tag, name, item_size, scaling, scale_block, scale_target, roles) per state
-// format, roles among "moment" and "master".
+// (tag, name, item_size, scaling, scale_block, scale_target, roles, zero_bound)
+// per state format, roles among "moment" and "master".
 nb::tuple FormatTable() {
   nb::list formats;
   for (int i = 0; i < kNumDTypes; ++i) {
@@ -104,7 +106,7 @@ nb::tuple FormatTable() {
                                                             : "none";
     formats.append(nb::make_tuple(static_cast<int>(f.dtype), f.name, f.item_size,
                                   scaling, f.scale_block, f.scale_target,
-                                  nb::tuple(roles)));
+                                  nb::tuple(roles), f.zero_bound));
   }
   return nb::tuple(formats);
 }
@@ -137,6 +139,11 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
     t.master_param = Pointer<void>(row[kMaster]);
     t.master_dtype = tag(kMasterDtype, "master_dtype");
     t.master_scale = Pointer<float>(row[kMasterScale]);
+    t.first_index = row[kFirstIndex];
+    // Wider values would wrap into valid sizes: the core sees an invalid one.
+    t.scale_block = row[kScaleBlock] == static_cast<int32_t>(row[kScaleBlock])
+                        ? static_cast<int32_t>(row[kScaleBlock])
+                        : -1;
   }
   return tensors;
 }
@@ -261,6 +268,8 @@ NB_MODULE(_C, m) {
   m.attr("DTYPE_FLOAT8_E4M3") = static_cast<int>(DType::kFloat8E4M3);
   m.attr("DTYPE_INT16_REMAINDER") = static_cast<int>(DType::kInt16Remainder);
   m.attr("FORMATS") = FormatTable();
+  m.attr("MIN_SCALE_BLOCK") = kMinScaleBlock;
+  m.attr("MAX_SCALE_BLOCK") = kMaxScaleBlock;
   m.attr("SLOT_COLUMNS") = static_cast<int>(kSlotColumns);
   nb::list names;
   for (const char* name : kColumnNames) names.append(name);

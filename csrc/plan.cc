@@ -93,6 +93,8 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
     }
   }
   p.decode_w = kt.decode[p.w_codec];
+  p.m_dtype = s.exp_avg_dtype;
+  p.v_dtype = s.exp_avg_sq_dtype;
   p.m_codec = CodecOf(s.exp_avg_dtype, true);
   p.v_codec = CodecOf(s.exp_avg_sq_dtype, true);
   p.decode_m = kt.decode[p.m_codec];
@@ -103,12 +105,20 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};
   for (int i = 0; i < 3; ++i) {
+    if (IsBlockScaled(state_dtypes[i])) {
+      p.block_scaled[i] = true;
+      p.block = s.scale_block;
+      p.lead = s.first_index % s.scale_block;
+      p.scale_slot[i] = slots[i];
+      continue;
+    }
     if (!NeedsMeasuringPass(state_dtypes[i])) continue;
     p.target[i] = FormatOf(state_dtypes[i]).scale_target;
     p.scale_slot[i] = slots[i];
     p.old_scale[i] = *slots[i];  // read before any scale is written
   }
-  p.fused = ChooseFused(s, p);
+  // Per-block scales take the block path (block_spans.cc).
+  p.fused = p.block > 0 ? -1 : ChooseFused(s, p);
   return p;
 }
 

@@ -49,6 +49,14 @@ struct TensorPlan {
   // Index in FusedLayouts when the layout has a fused kernel, else -1.
   int fused = -1;
 
+  // Per-block scaled moments (S2.9): elements per scale (0: none), the position
+  // of element 0 in its block, and which moments are per-block scaled (their
+  // scale_slot holds one scale per block, the first for element 0's block).
+  int64_t block = 0;
+  int64_t lead = 0;
+  bool block_scaled[3] = {false, false, false};
+  DType m_dtype = DType::kNone, v_dtype = DType::kNone;
+
   bool NeedsMeasuringPass() const {
     return target[kStreamW] != 0 || target[kStreamM] != 0 || target[kStreamV] != 0;
   }
@@ -58,6 +66,10 @@ struct TensorPlan {
   }
   ScaleView NewScale(int stream, int64_t e) const {
     return {&new_scale[stream], 0, first + e};
+  }
+  // The scale of the `j`th block of this tensor's elements (0: element 0's).
+  ScaleView BlockScale(int stream, int64_t j) const {
+    return {scale_slot[stream] + j, 0, 0};
   }
   FusedScales FusedScalesAt(int64_t e) const {
     return {OldScale(kStreamM, e), OldScale(kStreamV, e), NewScale(kStreamM, e),

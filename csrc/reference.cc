@@ -35,17 +35,60 @@ uint32_t ShiftRoundNearestEven(uint32_t value, int shift) {
   return kept;
 }
 
-// True value of element i of a moment or master buffer (S2.2).
-float LoadState(const void* buffer, DType dtype, const float* scale,
+// Index in the scale slot of element i of `t`'s per-block scaled states (S2.9).
+int64_t BlockOf(const TensorSlot& t, int64_t i) {
+  return (t.first_index + i) / t.scale_block - t.first_index / t.scale_block;
+}
+
+// S2.9: the smallest power of two s in [2^-126, 2^127] with a / s <= bound,
+// searched upward; 1 when a block holds a non-finite value, or encodes to
+// zeros only (then it does at scale 1 too).
+float BlockScale(const float* u, int64_t count, DType dtype) {
+  float a = 0.0f;
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(u[i])) return 1.0f;
+    a = std::fmax(a, std::fabs(u[i]));
+  }
+  float s = std::ldexp(1.0f, 127);
+  for (int e = -126; e < 127; ++e) {
+    if (static_cast<double>(a) / std::ldexp(1.0, e) <= FormatOf(dtype).scale_target) {
+      s = std::ldexp(1.0f, e);
+      break;
+    }
+  }
+  bool all_zero = true;
+  for (int64_t i = 0; i < count; ++i) {
+    uint8_t code = 0;
+    StoreElement(&code, dtype, 0, u[i] / s);
+    all_zero = all_zero && (code & 0x7F) == 0;
+  }
+  return all_zero ? 1.0f : s;
+}
+
+// True value of element i of a moment or master buffer of `t` (S2.2, S2.9).
+float LoadState(const TensorSlot& t, const void* buffer, DType dtype, const float* scale,
                 int64_t i) {
   const float q = LoadElement(buffer, dtype, i);
+  if (IsBlockScaled(dtype)) return q * scale[BlockOf(t, i)];
   return IsScaled(dtype) ? q * *scale : q;
 }
 
-// Stores the fp32 values `u` as a moment or master with a fresh scale (S2.3).
-void StoreState(const std::vector<float>& u, void* buffer, DType dtype,
-                float* scale) {
+// Stores the fp32 values `u` as a moment or master of `t` with fresh scales
+// (S2.3, S2.9).
+void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
+                DType dtype, float* scale) {
   const int64_t numel = static_cast<int64_t>(u.size());
+  if (IsBlockScaled(dtype)) {
+    for (int64_t begin = 0; begin < numel;) {
+      int64_t end = begin + 1;
+      while (end < numel && BlockOf(t, end) == BlockOf(t, begin)) ++end;
+      const float s = BlockScale(u.data() + begin, end - begin, dtype);
+      for (int64_t i = begin; i < end; ++i) StoreElement(buffer, dtype, i, u[i] / s);
+      scale[BlockOf(t, begin)] = s;
+      begin = end;
+    }
+    return;
+  }
   if (!IsScaled(dtype)) {
     for (int64_t i = 0; i < numel; ++i) StoreElement(buffer, dtype, i, u[i]);
     return;
@@ -65,12 +108,12 @@ void StepTensor(const TensorSlot& t, const StepConstants& c) {
       w[i] = MergeMaster(static_cast<const uint16_t*>(t.param)[i],
                          static_cast<const int16_t*>(t.master_param)[i]);
     } else if (t.master_dtype != DType::kNone) {
-      w[i] = LoadState(t.master_param, t.master_dtype, t.master_scale, i);
+      w[i] = LoadState(t, t.master_param, t.master_dtype, t.master_scale, i);
     } else {
       w[i] = LoadElement(t.param, t.param_dtype, i);
     }
-    m[i] = LoadState(t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale, i);
-    v[i] = LoadState(t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale, i);
+    m[i] = LoadState(t, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale, i);
+    v[i] = LoadState(t, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale, i);
     AdamElement<kAdamW>(ScalarOps{}, c, g, w[i], m[i], v[i]);
   }
   // S3.6: the param is rounded from the updated fp32 w, before (and
@@ -85,11 +128,11 @@ void StepTensor(const TensorSlot& t, const StepConstants& c) {
       StoreElement(t.param, t.param_dtype, i, w[i]);
     }
     if (t.master_dtype != DType::kNone) {
-      StoreState(w, t.master_param, t.master_dtype, t.master_scale);
+      StoreState(t, w, t.master_param, t.master_dtype, t.master_scale);
     }
   }
-  StoreState(m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale);
-  StoreState(v, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale);
+  StoreState(t, m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale);
+  StoreState(t, v, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale);
 }
 
 }  // namespace
@@ -219,6 +262,7 @@ float LoadElement(const void* buffer, DType dtype, int64_t i) {
     case DType::kBFloat16:
       return BFloat16ToFloat(static_cast<const uint16_t*>(buffer)[i]);
     case DType::kFloat8E4M3:
+    case DType::kFloat8E4M3Block:
       return Float8E4M3ToFloat(static_cast<const uint8_t*>(buffer)[i]);
     default:
       return NAN;  // not a value dtype; callers never get here
@@ -237,6 +281,7 @@ void StoreElement(void* buffer, DType dtype, int64_t i, float value) {
       static_cast<uint16_t*>(buffer)[i] = FloatToBFloat16(value);
       break;
     case DType::kFloat8E4M3:
+    case DType::kFloat8E4M3Block:
       static_cast<uint8_t*>(buffer)[i] = FloatToFloat8E4M3(value);
       break;
     default:
@@ -246,7 +291,8 @@ void StoreElement(void* buffer, DType dtype, int64_t i, float value) {
 
 Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale) {
-  if (!HasRole(src_dtype, kRoleMoment) || !HasRole(dst_dtype, kRoleMoment)) {
+  const auto is_cast = [](DType d) { return HasRole(d, kRoleMoment) && !IsBlockScaled(d); };
+  if (!is_cast(src_dtype) || !is_cast(dst_dtype)) {
     return Status::kInvalidArgument;
   }
   for (int64_t i = 0; i < numel; ++i) {

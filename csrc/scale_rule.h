@@ -40,6 +40,28 @@ SHARDADAM_HOST_DEVICE inline float ScaleFromAbsMaxBits(uint32_t bits, float targ
   return s < FLT_MIN ? FLT_MIN : s;
 }
 
+// S2.9: the scale of one block of a per-block scaled state, from the largest
+// magnitude a of its new values as fp32 bits: the smallest power of two s with
+// a / s <= `bound` (the format's largest magnitude that encodes finite), within
+// [2^-126, 2^127]; 1 for a block that encodes to zeros at every scale (a <=
+// `zero_bound` * 2^-126) and for an infinite or NaN maximum. A power of two
+// makes decoding exact and puts the block's largest code in the top binade, so
+// encoding a decoded block gives back its codes and scale (checkpoints).
+SHARDADAM_HOST_DEVICE inline float BlockScaleFromAbsMaxBits(uint32_t bits, float bound,
+                                                            float zero_bound) {
+  if (bits >= 0x7F800000u) return 1.0f;
+  const float a = FloatOf(bits);
+  if (a <= zero_bound * FloatOf(1u << 23)) return 1.0f;  // 2^-126: exact product
+  const int exponent_a = static_cast<int>(bits >> 23) - 127;
+  const int exponent_bound = static_cast<int>((BitsOf(bound) >> 23) & 0xFFu) - 127;
+  // Below the answer by at most two binades (the significands' ratio is in
+  // (1/2, 2)); dividing by a power of two is exact, so the compare is too.
+  int e = exponent_a - exponent_bound - 1;
+  if (e < -126) e = -126;
+  while (e < 127 && a / FloatOf(static_cast<uint32_t>(e + 127) << 23) > bound) ++e;
+  return FloatOf(static_cast<uint32_t>(e + 127) << 23);
+}
+
 }  // namespace shardadam
 
 #endif  // SHARDADAM_SCALE_RULE_H_

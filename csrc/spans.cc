@@ -59,25 +59,36 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
     return;
   }
   const UpdateFn update = kt.update[adam_w][unit_bc2];
-  const ScaleView unscaled;
   for (size_t done = 0; done < n; done += kBlock) {
     const size_t c = std::min(kBlock, n - done);
     const int64_t e = begin + static_cast<int64_t>(done);
-    char* master = p.master ? p.master + e * p.master_size : nullptr;
-    char* param = p.param + e * p.param_size;
-    char* exp_avg = p.exp_avg + e * p.exp_avg_size;
-    char* exp_avg_sq = p.exp_avg_sq + e * p.exp_avg_sq_size;
-    const float* g = p.decode_grad(p.grad + e * p.grad_size, nullptr, c, unscaled, s.g);
-    float* w = p.decode_w(p.w_from_master ? master : param, master, c,
-                          p.OldScale(kStreamW, e), s.w);
-    float* m = p.decode_m(exp_avg, nullptr, c, p.OldScale(kStreamM, e), s.m);
-    float* v = p.decode_v(exp_avg_sq, nullptr, c, p.OldScale(kStreamV, e), s.v);
-    update(k, g, w, m, v, c);
-    // The param is rounded from the updated w before the master is re-stored.
-    if (p.encode_param) p.encode_param(w, c, unscaled, param, master);
-    if (p.encode_master) p.encode_master(w, c, p.NewScale(kStreamW, e), master, nullptr);
-    if (p.encode_m) p.encode_m(m, c, p.NewScale(kStreamM, e), exp_avg, nullptr);
-    if (p.encode_v) p.encode_v(v, c, p.NewScale(kStreamV, e), exp_avg_sq, nullptr);
+    const Decoded d =
+        DecodeRun(p, e, c, p.OldScale(kStreamM, e), p.OldScale(kStreamV, e), s);
+    update(k, d.g, d.w, d.m, d.v, c);
+    EncodeRun(p, e, c, d, p.NewScale(kStreamM, e), p.NewScale(kStreamV, e));
+  }
+}
+
+Decoded DecodeRun(const TensorPlan& p, int64_t e, size_t c, const ScaleView& m_scale,
+                  const ScaleView& v_scale, Scratch& s) {
+  char* master = p.master ? p.master + e * p.master_size : nullptr;
+  char* param = p.param + e * p.param_size;
+  return {p.decode_grad(p.grad + e * p.grad_size, nullptr, c, ScaleView(), s.g),
+          p.decode_w(p.w_from_master ? master : param, master, c, p.OldScale(kStreamW, e),
+                     s.w),
+          p.decode_m(p.exp_avg + e * p.exp_avg_size, nullptr, c, m_scale, s.m),
+          p.decode_v(p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr, c, v_scale, s.v)};
+}
+
+void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
+               const ScaleView& m_scale, const ScaleView& v_scale) {
+  char* master = p.master ? p.master + e * p.master_size : nullptr;
+  // The param is rounded from the updated w before the master is re-stored.
+  if (p.encode_param) p.encode_param(d.w, c, ScaleView(), p.param + e * p.param_size, master);
+  if (p.encode_master) p.encode_master(d.w, c, p.NewScale(kStreamW, e), master, nullptr);
+  if (p.encode_m) p.encode_m(d.m, c, m_scale, p.exp_avg + e * p.exp_avg_size, nullptr);
+  if (p.encode_v) {
+    p.encode_v(d.v, c, v_scale, p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr);
   }
 }
 

@@ -12,13 +12,30 @@
 namespace shardadam {
 namespace internal {
 
-// One thread's fp32 blocks for the block path.
+// One thread's fp32 blocks for the block path: kBlock elements at a time, or
+// one whole block of per-block scaled states.
 struct alignas(64) Scratch {
-  float g[kBlock];
-  float w[kBlock];
-  float m[kBlock];
-  float v[kBlock];
+  float g[kMaxScaleBlock];
+  float w[kMaxScaleBlock];
+  float m[kMaxScaleBlock];
+  float v[kMaxScaleBlock];
 };
+
+// A run of elements decoded into fp32 (scratch, or fp32 buffers in place).
+struct Decoded {
+  const float* g;
+  float* w;
+  float* m;
+  float* v;
+};
+
+// Decodes `c` elements (a multiple of kt.pair) from element `e` of the plan's
+// buffers, the moments with the given scales.
+Decoded DecodeRun(const TensorPlan& p, int64_t e, size_t c, const ScaleView& m_scale,
+                  const ScaleView& v_scale, Scratch& s);
+// Stores the updated run: param (and master), and the moments with the given scales.
+void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
+               const ScaleView& m_scale, const ScaleView& v_scale);
 
 // Either pass over [begin, end): whole pairs directly, the rest staged. With
 // `update` false (pass 1) folds the magnitudes of the new measured states into
@@ -30,6 +47,12 @@ void RunSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
 // of kt.pair.
 void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                 int64_t begin, size_t n, Scratch& s);
+
+// The only pass of a tensor with per-block scaled moments over [begin, end),
+// where begin and end are block boundaries of the whole parameter or the
+// tensor's own ends (block_spans.cc).
+void UpdateBlockSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                     int64_t begin, int64_t end, Scratch& s);
 
 // Pass 1 over [begin, begin + n) (a multiple of kt.pair): folds the magnitudes
 // of the first `valid` new values into max_bits (w, m, v), skipping the blocks

@@ -1,5 +1,6 @@
 // The schedule of one AdamStep call (driver.h): plans, work items, and the two
 // phases that per-tensor scaled states need (docs/kernel-design.md).
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -19,6 +20,7 @@ constexpr int64_t kSmallScaledMax = 32768;
 static_assert(kChunk % kGranule == 0 && kSmallScaledMax % kGranule == 0,
               "work items must start on granule boundaries");
 static_assert(kBlock % kGranule == 0, "blocks are whole granules");
+static_assert(kChunk % kMaxScaleBlock == 0, "work items are whole scale blocks");
 
 enum class Pass : uint8_t {
   kUpdate,  // the only pass, or pass 2 of a large scaled tensor
@@ -33,12 +35,19 @@ struct WorkItem {
   Pass pass;
 };
 
+// Work items of `item` elements over a tensor. With per-block scales (`block`
+// > 0, element 0 at position `lead` of its block) items start on block
+// boundaries of the whole parameter, so no block is split between threads: a
+// partial first block is an item of its own. `item` is a multiple of `block`.
 void AppendItems(int64_t tensor, int64_t numel, int64_t item, Pass pass,
-                 std::vector<WorkItem>& items) {
-  const int64_t count = NumItems(numel, item);
+                 std::vector<WorkItem>& items, int64_t block = 0, int64_t lead = 0) {
+  const int64_t head = block > 0 ? std::min(numel, (block - lead) % block) : 0;
+  if (head > 0) items.push_back({tensor, 0, head, pass});
+  const int64_t rest = numel - head;
+  const int64_t count = NumItems(rest, item);
   for (int64_t c = 0; c < count; ++c) {
-    const ItemRange r = ItemAt(numel, item, c);
-    items.push_back({tensor, r.begin, r.end, pass});
+    const ItemRange r = ItemAt(rest, item, c);
+    items.push_back({tensor, head + r.begin, head + r.end, pass});
   }
 }
 
@@ -77,7 +86,7 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
       phase_a.push_back({i, 0, p.numel, Pass::kBoth});
       work_a += 2 * p.numel;
     } else {
-      AppendItems(i, p.numel, item_a, Pass::kUpdate, phase_a);
+      AppendItems(i, p.numel, item_a, Pass::kUpdate, phase_a, p.block, p.lead);
       work_a += p.numel;
     }
   }
@@ -92,7 +101,11 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
              uint32_t bits[3] = {0, 0, 0};
              switch (item.pass) {
                case Pass::kUpdate:
-                 RunSpan(kt, p, k, item.begin, item.end, true, s, bits);
+                 if (p.block > 0) {
+                   UpdateBlockSpan(kt, p, k, item.begin, item.end, s);
+                 } else {
+                   RunSpan(kt, p, k, item.begin, item.end, true, s, bits);
+                 }
                  break;
                case Pass::kReduce:
                  // From the tensor's maxima so far: pass 1 skips the blocks
@@ -142,7 +155,7 @@ void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
   // Empty tensors keep new_scale == 1, as S2.3 asks.
   for (const TensorPlan& p : plans) {
     for (int j = 0; j < 3; ++j) {
-      if (p.scale_slot[j] != nullptr) *p.scale_slot[j] = p.new_scale[j];
+      if (p.scale_slot[j] != nullptr && !p.block_scaled[j]) *p.scale_slot[j] = p.new_scale[j];
     }
   }
 }

@@ -31,12 +31,13 @@ bool Fail(Error* error, int64_t tensor, const std::string& rule, int64_t other =
 
 int Code(DType dtype) { return static_cast<int>(dtype); }
 
-// The formats a role allows, for messages: "fp32, fp16, bf16 or fp8".
-std::string RoleFormats(FormatRole role) {
+// The formats a role allows, for messages: "fp32, fp16, bf16 or fp8";
+// `casts_only` leaves out per-block scaled ones (not a Convert dtype).
+std::string RoleFormats(FormatRole role, bool casts_only = false) {
   std::vector<const char*> names;
   for (int i = 0; i < kNumDTypes; ++i) {
     const DType d = static_cast<DType>(i);
-    if (HasRole(d, role)) names.push_back(DTypeName(d));
+    if (HasRole(d, role) && !(casts_only && IsBlockScaled(d))) names.push_back(DTypeName(d));
   }
   std::string text;
   for (size_t i = 0; i < names.size(); ++i) {
@@ -90,31 +91,68 @@ bool Overlap(uintptr_t a, int64_t a_bytes, uintptr_t b, int64_t b_bytes) {
          b < a + static_cast<uintptr_t>(a_bytes);
 }
 
-bool CheckScale(int64_t tensor, const char* name, DType dtype,
-                const char* buffer, const float* scale, ScaleValues values,
-                Error* error) {
-  if (!IsScaled(dtype)) return true;
+// Bytes of the scale slot a state of `dtype` in slot `s` reads and writes.
+int64_t ScaleBytes(const TensorSlot& s, DType dtype) {
+  return ScaleCount(dtype, s.first_index, s.numel, s.scale_block) *
+         static_cast<int64_t>(sizeof(float));
+}
+
+bool CheckScale(int64_t tensor, const char* name, DType dtype, const char* buffer,
+                const float* scale, int64_t count, ScaleValues values, Error* error) {
+  if (count == 0) return true;
   if (scale == nullptr) {
     return Fail(error, tensor,
                 Format("%s is null; an %s %s needs a scale slot", name,
                        DTypeName(dtype), buffer));
   }
-  // A float slot: read and written as one, and two aligned slots either are the
-  // same slot or do not overlap at all.
+  // Float slots: read and written as floats, and two aligned slots either are
+  // the same slot or do not overlap at all.
   if (reinterpret_cast<uintptr_t>(scale) % alignof(float) != 0) {
     return Fail(error, tensor,
                 Format("%s %p is not aligned to %zu bytes", name,
                        static_cast<const void*>(scale), alignof(float)));
   }
-  if (PastAddressSpace(scale, sizeof(float))) {
-    return FailPastAddressSpace(error, tensor, name, scale, sizeof(float));
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(float));
+  if (PastAddressSpace(scale, bytes)) {
+    return FailPastAddressSpace(error, tensor, name, scale, bytes);
   }
   if (values == ScaleValues::kSkip) return true;
-  const float value = *scale;
-  if (!std::isfinite(value) || !(value > 0.0f)) {
-    return Fail(error, tensor,
-                Format("%s %.9g is not a valid scale; expected a finite value > 0",
-                       name, static_cast<double>(value)));
+  for (int64_t j = 0; j < count; ++j) {
+    const float value = scale[j];
+    if (!std::isfinite(value) || !(value > 0.0f)) {
+      const std::string which =
+          count == 1 ? std::string(name) : Format("%s[%" PRId64 "]", name, j);
+      return Fail(error, tensor,
+                  Format("%s %.9g is not a valid scale; expected a finite value > 0",
+                         which.c_str(), static_cast<double>(value)));
+    }
+  }
+  return true;
+}
+
+// The block geometry of a slot with per-block scaled states (S2.9).
+bool CheckBlocks(int64_t i, const TensorSlot& s, Error* error) {
+  if (!IsBlockScaled(s.exp_avg_dtype) && !IsBlockScaled(s.exp_avg_sq_dtype) &&
+      !IsBlockScaled(s.master_dtype)) {
+    return true;
+  }
+  if (!IsValidScaleBlock(s.scale_block)) {
+    return Fail(error, i,
+                Format("scale_block %d is not a power of two in [%d, %d]; per-block "
+                       "scaled states need one",
+                       s.scale_block, kMinScaleBlock, kMaxScaleBlock));
+  }
+  if (NeedsMeasuringPass(s.exp_avg_dtype) || NeedsMeasuringPass(s.exp_avg_sq_dtype) ||
+      NeedsMeasuringPass(s.master_dtype)) {
+    return Fail(error, i,
+                "per-block and per-tensor scaled states do not mix in one tensor "
+                "(exp_avg, exp_avg_sq and master_param); expected per-block scales "
+                "beside unscaled states only");
+  }
+  if (s.first_index < 0 || s.first_index > INT64_MAX / 8 - s.numel) {
+    return Fail(error, i,
+                Format("first_index %" PRId64 " is outside [0, %" PRId64 "]", s.first_index,
+                       INT64_MAX / 8 - s.numel));
   }
   return true;
 }
@@ -162,12 +200,14 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   }
   const bool has_master = s.master_dtype != DType::kNone;
 
-  if (!CheckScale(i, "exp_avg_scale", s.exp_avg_dtype, "exp_avg", s.exp_avg_scale,
-                  values, error) ||
+  if (!CheckBlocks(i, s, error) ||
+      !CheckScale(i, "exp_avg_scale", s.exp_avg_dtype, "exp_avg", s.exp_avg_scale,
+                  ScaleBytes(s, s.exp_avg_dtype) / 4, values, error) ||
       !CheckScale(i, "exp_avg_sq_scale", s.exp_avg_sq_dtype, "exp_avg_sq",
-                  s.exp_avg_sq_scale, values, error) ||
+                  s.exp_avg_sq_scale, ScaleBytes(s, s.exp_avg_sq_dtype) / 4, values,
+                  error) ||
       !CheckScale(i, "master_scale", s.master_dtype, "master_param", s.master_scale,
-                  values, error)) {
+                  ScaleBytes(s, s.master_dtype) / 4, values, error)) {
     return false;
   }
 
@@ -211,33 +251,37 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   const struct {
     const char* name;
     const float* slot;
-    bool used;
+    int64_t bytes;
   } scales[3] = {
-      {"exp_avg_scale", s.exp_avg_scale, IsScaled(s.exp_avg_dtype)},
-      {"exp_avg_sq_scale", s.exp_avg_sq_scale, IsScaled(s.exp_avg_sq_dtype)},
-      {"master_scale", s.master_scale, IsScaled(s.master_dtype)},
+      {"exp_avg_scale", s.exp_avg_scale, ScaleBytes(s, s.exp_avg_dtype)},
+      {"exp_avg_sq_scale", s.exp_avg_sq_scale, ScaleBytes(s, s.exp_avg_sq_dtype)},
+      {"master_scale", s.master_scale, ScaleBytes(s, s.master_dtype)},
   };
   for (int a = 0; a < 3; ++a) {
-    if (!scales[a].used) continue;
+    if (scales[a].bytes == 0) continue;
     const uintptr_t pa = reinterpret_cast<uintptr_t>(scales[a].slot);
     for (int b = a + 1; b < 3; ++b) {
-      if (scales[b].used && scales[b].slot == scales[a].slot) {
+      if (scales[b].bytes != 0 &&
+          Overlap(pa, scales[a].bytes, reinterpret_cast<uintptr_t>(scales[b].slot),
+                  scales[b].bytes)) {
         return Fail(error, i,
-                    Format("%s and %s are the same slot %p; each scaled state needs "
-                           "its own",
-                           scales[a].name, scales[b].name,
-                           static_cast<const void*>(scales[a].slot)));
+                    Format("%s [%p, +%" PRId64 " bytes) overlaps %s [%p, +%" PRId64
+                           " bytes); each scaled state needs its own slot",
+                           scales[a].name, static_cast<const void*>(scales[a].slot),
+                           scales[a].bytes, scales[b].name,
+                           static_cast<const void*>(scales[b].slot), scales[b].bytes));
       }
     }
     if (s.numel == 0) continue;
     for (int b = 0; b < num_buffers; ++b) {
       const uintptr_t pb = reinterpret_cast<uintptr_t>(buffers[b].data);
-      if (Overlap(pa, sizeof(float), pb, buffers[b].bytes)) {
+      if (Overlap(pa, scales[a].bytes, pb, buffers[b].bytes)) {
         return Fail(error, i,
-                    Format("%s %p lies inside %s [%p, +%" PRId64
+                    Format("%s [%p, +%" PRId64 " bytes) overlaps %s [%p, +%" PRId64
                            " bytes); a scale slot must not share memory with data",
                            scales[a].name, static_cast<const void*>(scales[a].slot),
-                           buffers[b].name, buffers[b].data, buffers[b].bytes));
+                           scales[a].bytes, buffers[b].name, buffers[b].data,
+                           buffers[b].bytes));
       }
     }
   }
@@ -248,8 +292,8 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
 // different tensors run on different threads. Gradients, only ever read, may
 // be shared. Scale slots are read before the step and written after it, so
 // one lying in another tensor's data (or shared by two tensors) would make the
-// result depend on the order of work; they count as written 4-byte buffers,
-// also for empty tensors, whose scales are still written. Sorting by address
+// result depend on the order of work; they count as written buffers (4 bytes
+// per scale), also for empty tensors, whose per-tensor scales are still written. Sorting by address
 // finds any overlap in O(n log n).
 bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* error) {
   struct Interval {
@@ -270,9 +314,11 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
                    {"exp_avg_sq_scale", s.exp_avg_sq_scale, s.exp_avg_sq_dtype},
                    {"master_scale", s.master_scale, s.master_dtype}};
     for (const auto& scale : scales) {
-      if (!IsScaled(scale.dtype)) continue;  // not read or written
+      const int64_t bytes = ScaleBytes(s, scale.dtype);
+      if (bytes == 0) continue;  // not read or written
       const uintptr_t begin = reinterpret_cast<uintptr_t>(scale.slot);
-      intervals.push_back({begin, begin + sizeof(float), i, scale.name, true});
+      intervals.push_back({begin, begin + static_cast<uintptr_t>(bytes), i, scale.name,
+                           true});
     }
     if (s.numel == 0) continue;
     const struct {
@@ -374,12 +420,12 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
     DType dtype;
   } ends[2] = {{"src_dtype", src_dtype}, {"dst_dtype", dst_dtype}};
   for (const auto& e : ends) {
-    // Every moment format is a cast (an element codec with at most one scale).
-    if (!HasRole(e.dtype, kRoleMoment)) {
+    // Every moment format with at most one scale is a cast.
+    if (!HasRole(e.dtype, kRoleMoment) || IsBlockScaled(e.dtype)) {
       return Fail(error, -1,
                   Format("%s %d (%s) is not allowed for a conversion; expected %s",
                          e.field, Code(e.dtype), DTypeName(e.dtype),
-                         RoleFormats(kRoleMoment).c_str()));
+                         RoleFormats(kRoleMoment, true).c_str()));
     }
   }
   if (numel < 0) {

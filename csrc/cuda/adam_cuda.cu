@@ -236,6 +236,22 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   }
   if (count == 0) return Status::kOk;
   for (int64_t i = 0; i < count; ++i) {
+    const struct {
+      const char* field;
+      DType dtype;
+    } states[2] = {{"exp_avg_dtype", slots[i].exp_avg_dtype},
+                   {"exp_avg_sq_dtype", slots[i].exp_avg_sq_dtype}};
+    for (const auto& state : states) {
+      if (IsBlockScaled(state.dtype)) {
+        return InvalidArgument(error,
+                               std::string(state.field) + " " +
+                                   std::to_string(static_cast<int>(state.dtype)) + " (" +
+                                   FormatOf(state.dtype).name +
+                                   ") has no CUDA kernel; per-block scaled states step "
+                                   "on the CPU",
+                               i);
+      }
+    }
     if (const char* name = MisalignedBuffer(slots[i])) {
       char message[160];
       snprintf(message, sizeof(message),

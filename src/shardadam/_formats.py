@@ -48,6 +48,7 @@ class Format:
     scale_target: float = 0.0  # S2.3's R, for a scaled format
     argument: Optional[torch.dtype] = None  # the constructor dtype that names it
     pairs_with: Optional[torch.dtype] = None  # the parameter dtype holding the value's rest
+    zero_bound: float = 0.0  # per block: the largest magnitude stored as code 0
 
     def __post_init__(self):
         if (self.scale not in SCALES or not set(self.roles) <= set(ROLES)
@@ -88,7 +89,7 @@ class Format:
     def row(self) -> tuple:
         """This declaration as the C++ core's table lists it (``check_extension``)."""
         return (self.tag, self.name, self.item_size, self.scale, self.scale_block,
-                float(self.scale_target), tuple(sorted(self.roles)))
+                float(self.scale_target), tuple(sorted(self.roles)), float(self.zero_bound))
 
     # The torch codec. Values pass through fp32; rounding into the codes is torch's
     # `.to()` (copy_ rounds the same way), bit-exact with the C++ core (S2.4).
@@ -207,17 +208,26 @@ def legacy_format(dtype: torch.dtype) -> Optional[Format]:
 
 def check_extension(module) -> None:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
-    name, item_size, scale, scale_block, scale_target, roles)``) declares exactly these
-    formats: the core and this package read the same buffers by these facts. Rows and
-    roles are compared in any order."""
-    expected = sorted(f.row() for f in FORMATS)
+    name, item_size, scale, scale_block, scale_target, roles, zero_bound)``) declares
+    each of these formats exactly as here: the core and this package read the same
+    buffers by these facts. Rows and roles are compared in any order. The core may
+    have formats this package does not select yet (the per-block fp8 moments of
+    S2.9): they never cross the boundary, so only their tags and names must not
+    collide with these."""
     found = getattr(module, "FORMATS", None)
     try:
-        rows = sorted((*row[:6], tuple(sorted(row[6]))) for row in found
-                      if len(row) == 7)
-        same = len(rows) == len(found) and rows == expected
-    except TypeError:  # not a sequence of 7-tuples of comparable values
+        rows = [(*row[:6], tuple(sorted(row[6])), row[7]) for row in found
+                if len(row) == 8]
+        same = len(rows) == len(found) and len(rows) > 0
+        tags = [row[0] for row in rows]
+        names = [row[1] for row in rows]
+        same = same and len(set(tags)) == len(tags) and len(set(names)) == len(names)
+        for fmt in FORMATS:
+            mine = [row for row in rows if row[0] == fmt.tag or row[1] == fmt.name]
+            same = same and mine == [fmt.row()]
+    except (TypeError, IndexError):  # not a sequence of 8-tuples of comparable values
         same = False
     if not same:
         raise ImportError(f"shardadam._C does not match this package (expected formats "
-                          f"{expected}, found {found!r}): rebuild the extension")
+                          f"{sorted(f.row() for f in FORMATS)}, found {found!r}): "
+                          "rebuild the extension")

@@ -25,7 +25,8 @@ except ImportError:  # not built: every batch takes the torch path
 NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",
          "exp_avg", "exp_avg_dtype", "exp_avg_scale",
          "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
-         "master_param", "master_dtype", "master_scale")
+         "master_param", "master_dtype", "master_scale",
+         "first_index", "scale_block")
 
 # The extension's names of the formats' tags.
 _TAG_NAMES = {"DTYPE_NONE": None, "DTYPE_FLOAT32": "fp32", "DTYPE_FLOAT16": "fp16",
@@ -73,7 +74,8 @@ def _row(entry) -> list:
               entry.exp_avg.data_ptr(), entry.exp_avg_format.tag, _ptr(entry.exp_avg_scale),
               entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_format.tag,
               _ptr(entry.exp_avg_sq_scale),
-              _ptr(entry.master), _tag(entry.master_format), _ptr(entry.master_scale))
+              _ptr(entry.master), _tag(entry.master_format), _ptr(entry.master_scale),
+              0, 0)  # no state the package stores is per-block scaled (S2.9)
     row = [0] * COLUMNS
     for place, value in zip(_PLACES, values):
         row[place] = value

@@ -34,23 +34,7 @@ inline float FloatOf(uint32_t bits) {
   return f;
 }
 
-inline std::string DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kNone:
-      return "none";
-    case DType::kFloat32:
-      return "fp32";
-    case DType::kFloat16:
-      return "fp16";
-    case DType::kBFloat16:
-      return "bf16";
-    case DType::kFloat8E4M3:
-      return "fp8";
-    case DType::kInt16Remainder:
-      return "remainder";
-  }
-  return "dtype" + std::to_string(static_cast<int>(dtype));
-}
+inline std::string DTypeName(DType dtype) { return FormatOf(dtype).name; }
 
 // Whether a stored element is NaN. The NaN bit patterns are not part of the
 // contract (torch itself writes 0x7FC0 or 0xFFFF for a bf16 NaN depending on
@@ -58,14 +42,14 @@ inline std::string DTypeName(DType dtype) {
 inline bool IsNaNElement(const uint8_t* element, DType dtype) {
   uint32_t bits = 0;
   std::memcpy(&bits, element, ItemSize(dtype));
-  switch (dtype) {
-    case DType::kFloat32:
+  switch (FormatOf(dtype).element) {
+    case Element::kFloat32:
       return (bits & 0x7FFFFFFF) > 0x7F800000;
-    case DType::kFloat16:
+    case Element::kFloat16:
       return (bits & 0x7FFF) > 0x7C00;
-    case DType::kBFloat16:
+    case Element::kBFloat16:
       return (bits & 0x7FFF) > 0x7F80;
-    case DType::kFloat8E4M3:
+    case Element::kFloat8E4M3:
       return (bits & 0x7F) == 0x7F;
     default:
       return false;  // int16 remainders are plain integers

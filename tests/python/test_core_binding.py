@@ -45,7 +45,7 @@ def test_slot_columns_are_named_and_the_package_places_values_by_name():
     assert tuple(_C.SLOT_COLUMN_NAMES) == (
         "numel", "param", "param_dtype", "grad", "grad_dtype", "exp_avg", "exp_avg_dtype",
         "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
-        "master_param", "master_dtype", "master_scale")
+        "master_param", "master_dtype", "master_scale", "first_index", "scale_block")
     tags = {name: getattr(_C, name) for name in dir(_C) if name.startswith("DTYPE_")}
     permuted = tuple(reversed(_C.SLOT_COLUMN_NAMES))
     columns = _slots.columns_of(types.SimpleNamespace(SLOT_COLUMN_NAMES=permuted, **tags))
@@ -600,10 +600,14 @@ def test_bad_slot_raises_and_writes_nothing(case):
 def test_overlap_refusal_names_both_tensors_by_index():
     """A rule about two tensors carries the second one's index beside the rule, where
     "{other}" stands for it: the package names both without reading the text."""
-    good, bad, rows = make_bad_call(("fp32", "fp32", "fp32", "fp32", "none"), {})
+    first, second = (Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 40, seed)
+                     for seed in (31, 32))
+    for b in (first, second):
+        b.new_grad()
     columns = {name: i for i, name in enumerate(_C.SLOT_COLUMN_NAMES)}
-    width = len(columns)
-    rows[width + columns["param"]] = rows[columns["exp_avg"]]  # tensor 1's param
+    rows = first.row() + second.row()
+    # tensor 1's param is tensor 0's exp_avg: same size, so it meets nothing else
+    rows[COLUMNS + columns["param"]] = rows[columns["exp_avg"]]
     with pytest.raises(ValueError) as raised:
         _C.adam_step(rows, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
     error = raised.value
@@ -631,7 +635,7 @@ def test_bad_hyper_parameter_raises_and_writes_nothing(case):
 def test_slots_not_a_multiple_of_columns():
     good = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 8, 24)
     before = [t.clone() for t in good.everything()]
-    with pytest.raises(ValueError, match=r"14"):
+    with pytest.raises(ValueError, match=rf"not a multiple of {COLUMNS}\b"):
         _C.adam_step(good.row() + [1], 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
     for a, b in zip(good.everything(), before):
         assert_bitwise_equal(a, b, "buffer after a rejected adam_step")
@@ -676,7 +680,7 @@ module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_C", l
 loader.exec_module(module)
 bufs = [array.array("f", [1.0] * 16) for _ in range(4)]
 ptrs = [b.buffer_info()[0] for b in bufs]
-row = [16, ptrs[0], 1, ptrs[1], 1, ptrs[2], 1, 0, ptrs[3], 1, 0, 0, 0, 0]
+row = [16, ptrs[0], 1, ptrs[1], 1, ptrs[2], 1, 0, ptrs[3], 1, 0, 0, 0, 0, 0, 0]
 if column == 11:
     row[2], row[12] = 3, 1  # bf16 param (reads half of buffer 0), fp32 master
 if column >= 0:
@@ -712,3 +716,76 @@ def test_null_buffer_is_rejected_not_dereferenced(column):
     assert result["raised"] == "ValueError", result
     assert re.search(r"(?i)null|missing|absent", result["message"]), result
     assert result["unchanged"], result
+
+
+# S2.9 through the binding: per-block fp8 moments of a shard, keyed to its first_index.
+FP8_BLOCK = 6
+
+
+def s2_9_encode(u: torch.Tensor, first_index: int, block: int):
+    """S2.9 written independently: per block of the whole parameter's flat index, the
+    smallest power of two s (>= 2^-126) with max|u| / s <= 464, 1 for an all-zero-coding
+    block; codes are torch's fp32 -> float8_e4m3fn of u / s."""
+    codes = torch.empty(u.numel(), dtype=torch.uint8)
+    scales = []
+    start = 0
+    while start < u.numel():
+        end = min(u.numel(), ((first_index + start) // block + 1) * block - first_index)
+        part = u[start:end].double()
+        a = part.abs().max().item()
+        s = 1.0
+        if math.isfinite(a):
+            e = -126
+            while a / 2.0**e > 464:
+                e += 1
+            s = 2.0**e
+        q = (part / s).float().to(torch.float8_e4m3fn).view(torch.uint8)
+        if bool(((q & 0x7F) == 0).all()):
+            s = 1.0
+            q = part.float().to(torch.float8_e4m3fn).view(torch.uint8)
+        codes[start:end] = q
+        scales.append(s)
+        start = end
+    return codes, torch.tensor(scales, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("first_index,numel,block", [(0, 1000, 128), (77, 3000, 256),
+                                                      (4096 * 3 - 5, 9000, 4096)])
+def test_per_block_fp8_moments_follow_s2_9(first_index, numel, block):
+    """One step from zero moments: exp_avg = (1 - beta1) g and exp_avg_sq = (1 - beta2)
+    g^2 in fp32, stored per block as S2.9 says, bit for bit; the fp32 param moves."""
+    gen = torch.Generator().manual_seed(first_index + numel)
+    # magnitudes over many binades, so blocks get different scales
+    g = torch.randn(numel, generator=gen) * torch.pow(2.0, -torch.arange(numel) // 200 % 20)
+    param = torch.randn(numel, generator=gen)
+    before = param.clone()
+    m, v = torch.zeros(numel, dtype=torch.uint8), torch.zeros(numel, dtype=torch.uint8)
+    count = ((first_index + numel - 1) // block - first_index // block + 1)
+    m_scales, v_scales = torch.ones(count), torch.ones(count)
+    row = [numel, param.data_ptr(), CODE["fp32"], g.data_ptr(), CODE["fp32"],
+           m.data_ptr(), FP8_BLOCK, m_scales.data_ptr(),
+           v.data_ptr(), FP8_BLOCK, v_scales.data_ptr(), 0, 0, 0, first_index, block]
+    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+    # The core's constants: 1 - beta in double, rounded to fp32 (S3.6); products in fp32.
+    c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
+    want_m, want_m_scales = s2_9_encode(c1 * g, first_index, block)
+    want_v, want_v_scales = s2_9_encode((c2 * g) * g, first_index, block)
+    assert_bitwise_equal(m, want_m, "exp_avg codes")
+    assert_bitwise_equal(m_scales, want_m_scales, "exp_avg block scales")
+    assert_bitwise_equal(v, want_v, "exp_avg_sq codes")
+    assert_bitwise_equal(v_scales, want_v_scales, "exp_avg_sq block scales")
+    assert not torch.equal(param, before)
+
+
+def test_per_block_scale_block_is_checked():
+    g, param = torch.randn(256), torch.randn(256)
+    m, v, scales = torch.zeros(256, dtype=torch.uint8), torch.zeros(256), torch.ones(2)
+    before = [t.clone() for t in (param, m, v, scales)]
+    row = [256, param.data_ptr(), CODE["fp32"], g.data_ptr(), CODE["fp32"],
+           m.data_ptr(), FP8_BLOCK, scales.data_ptr(), v.data_ptr(), CODE["fp32"], 0,
+           0, 0, 0, 0, 2**33]  # wider than int32: must not wrap into a valid size
+    with pytest.raises(ValueError, match=r"scale_block -1 is not a power of two") as raised:
+        _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
+    assert raised.value.tensor_index == 0
+    for a, b in zip((param, m, v, scales), before):
+        assert_bitwise_equal(a, b, "buffer after a rejected adam_step")

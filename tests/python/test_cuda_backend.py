@@ -606,12 +606,13 @@ def _host_cases():
     for case_id, change, pattern in BAD_HYPER:
         cases.append((f"hyper:{case_id}", fp32, change, "ValueError", [pattern]))
     for case_id, column in NULL_CASES.items():
-        row = [16, _FAKE, 1, _FAKE, 1, _FAKE, 1, 0, _FAKE, 1, 0, 0, 0, 0]
+        row = [16, _FAKE, 1, _FAKE, 1, _FAKE, 1, 0, _FAKE, 1, 0, 0, 0, 0, 0, 0]
         if column == 11:
             row[2], row[12] = 3, 1  # bf16 param, fp32 master
         row[column] = 0
         cases.append((f"null:{case_id}", row, {}, "ValueError", [r"null|missing|absent"]))
-    cases.append(("slots-not-a-multiple-of-14", fp32 + [1], {}, "ValueError", [r"14"]))
+    cases.append(("slots-not-a-multiple-of-the-columns", fp32 + [1], {}, "ValueError",
+                  [rf"not a multiple of {COLUMNS}\b"]))
     cases.append(("workspace-null", fp32, {"workspace": 0}, "ValueError", [r"workspace"]))
     cases.append(("workspace-too-small", fp32,
                   {"workspace_bytes": _C.cuda_workspace_bytes(1) - 1}, "ValueError",

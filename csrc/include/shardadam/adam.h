@@ -53,9 +53,10 @@ namespace shardadam {
 //
 // One tensor's buffers. All buffers hold `numel` elements, contiguous, in the dtype
 // given beside them (formats.h). A state whose format is scaled needs its scale
-// slot: for Scaling::kPerTensor one fp32, read as the current scale before the
-// step and overwritten with the scale measured on the new state after it.
-// Scale slots of unscaled states are ignored.
+// slot: ScaleCount(...) fp32 values (one for Scaling::kPerTensor, one per block
+// for Scaling::kPerBlock), read as the current scales before the step and
+// overwritten with the scales of the new state after it. Scale slots of
+// unscaled states are ignored.
 struct TensorSlot {
   int64_t numel = 0;
   void* param = nullptr;
@@ -73,6 +74,16 @@ struct TensorSlot {
   void* master_param = nullptr;
   DType master_dtype = DType::kNone;
   float* master_scale = nullptr;
+  // Per-block scaled states (Scaling::kPerBlock, S2.9): elements per scale, a
+  // power of two in [kMinScaleBlock, kMaxScaleBlock], and the flat index of
+  // element 0 in the whole parameter (0 unless this tensor is a shard of one).
+  // Block b covers flat indices [b * scale_block, (b + 1) * scale_block); the
+  // scale slot holds ScaleCount(...) fp32 values, the first for the block of
+  // element 0. Blocks are keyed to the whole parameter, so shards that start and
+  // end on block boundaries store the same codes and scales however the
+  // parameter is sharded. Ignored when no state is per-block scaled.
+  int64_t first_index = 0;
+  int32_t scale_block = 0;
 };
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).

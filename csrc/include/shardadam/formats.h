@@ -41,8 +41,9 @@ enum class DType : int32_t {
   kBFloat16 = 3,
   kFloat8E4M3 = 4,      // moments only: uint8 codes of fp8 E4M3 (fn), scaled like fp16
   kInt16Remainder = 5,  // master only: low 16 bits of the fp32 master beside a bf16 param
+  kFloat8E4M3Block = 6, // moments only: uint8 E4M3 codes, one power-of-two scale per block
 };
-inline constexpr int kNumDTypes = 6;
+inline constexpr int kNumDTypes = 7;
 
 // How the stored bits of one element read as a number (before any scale).
 enum class Element : int32_t {
@@ -72,14 +73,28 @@ struct FormatInfo {
   int32_t item_size = 0;         // bytes per element
   Element element = Element::kNone;
   Scaling scaling = Scaling::kNone;
-  int32_t scale_block = 0;       // elements per scale (Scaling::kPerBlock only)
-  float scale_target = 0.0f;     // largest magnitude a scaled state is encoded to (S2.3)
+  int32_t scale_block = 0;       // elements per scale; 0: TensorSlot::scale_block
+  // Per tensor: the largest magnitude a scaled state is encoded to (S2.3). Per
+  // block: the largest magnitude that still encodes to a finite code (S2.9).
+  float scale_target = 0.0f;
   uint32_t roles = 0;
+  // Per block: the largest magnitude that encodes to code 0 (S2.9: a block that
+  // is all zeros even at the smallest scale takes scale 1).
+  float zero_bound = 0.0f;
 };
 
 // Largest magnitudes of S2.3: fp16 finfo.max / 2 and the largest finite E4M3 value.
 inline constexpr float kFloat16ScaleTarget = 32752.0f;
 inline constexpr float kFloat8ScaleTarget = 448.0f;
+// Magnitudes up to this round to a finite E4M3 code (448); above it, to NaN.
+inline constexpr float kFloat8FiniteBound = 464.0f;
+// Magnitudes up to this (half the smallest subnormal, 2^-9) round to code 0.
+inline constexpr float kFloat8ZeroBound = 0.0009765625f;
+
+// Elements per scale of per-block scaled states: a power of two in this range.
+// The lower bound is a whole number of SIMD vector pairs on every target.
+inline constexpr int32_t kMinScaleBlock = 128;
+inline constexpr int32_t kMaxScaleBlock = 4096;
 
 // The format of a dtype tag; for a tag no format has, a FormatInfo with no roles
 // (so validation refuses it) and name "unknown".
@@ -97,6 +112,8 @@ SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
        kFloat8ScaleTarget, kRoleMoment},
       {DType::kInt16Remainder, "remainder", 2, Element::kInt16Remainder, Scaling::kNone,
        0, 0.0f, kRoleMaster},
+      {DType::kFloat8E4M3Block, "fp8-block", 1, Element::kFloat8E4M3, Scaling::kPerBlock,
+       0, kFloat8FiniteBound, kRoleMoment, kFloat8ZeroBound},
   };
   const int i = static_cast<int>(dtype);
   return i >= 0 && i < kNumDTypes ? table[i] : FormatInfo{};
@@ -115,6 +132,29 @@ SHARDADAM_FORMAT_FN bool NeedsMeasuringPass(DType dtype) {
 }
 SHARDADAM_FORMAT_FN bool HasRole(DType dtype, FormatRole role) {
   return (FormatOf(dtype).roles & role) != 0;
+}
+SHARDADAM_FORMAT_FN bool IsBlockScaled(DType dtype) {
+  return FormatOf(dtype).scaling == Scaling::kPerBlock;
+}
+SHARDADAM_FORMAT_FN bool IsValidScaleBlock(int64_t block) {
+  return block >= kMinScaleBlock && block <= kMaxScaleBlock && (block & (block - 1)) == 0;
+}
+
+// The fp32 scales a state of `dtype` keeps for `numel` elements whose first has
+// flat index `first_index` in the whole parameter: none, one, or one per block of
+// `block` elements touched (the first and last may be partial).
+SHARDADAM_FORMAT_FN int64_t ScaleCount(DType dtype, int64_t first_index, int64_t numel,
+                                       int64_t block) {
+  switch (FormatOf(dtype).scaling) {
+    case Scaling::kPerTensor:
+      return 1;
+    case Scaling::kPerBlock:
+      return numel <= 0 || block <= 0
+                 ? 0
+                 : (first_index + numel - 1) / block - first_index / block + 1;
+    default:
+      return 0;
+  }
 }
 
 namespace internal {

@@ -263,6 +263,26 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   EXPECT_EQ(CudaWorkspaceBytes(0), 0);
 }
 
+// Per-block scaled states have CPU kernels only: refused before anything is
+// enqueued, naming the state and its format.
+TEST(CudaValidationTest, PerBlockScaledStatesAreRefused) {
+  float buffers[4][8] = {};
+  float scales[2] = {1.0f, 1.0f};
+  int workspace[4] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  s.exp_avg_sq_dtype = DType::kFloat8E4M3Block;
+  s.exp_avg_sq_scale = scales;
+  s.scale_block = 128;
+  Error error;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), workspace, sizeof(workspace), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 0);
+  EXPECT_NE(error.message.find("exp_avg_sq_dtype 6 (fp8-block) has no CUDA kernel"),
+            std::string::npos)
+      << error.message;
+}
+
 TEST(CudaValidationTest, MisalignedBuffersAreRejected) {
   // The device faults on a misaligned element access (and the context is lost):
   // refused up front, where the CPU core takes any alignment.

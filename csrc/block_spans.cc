@@ -1,0 +1,91 @@
+// The only pass of a tensor with per-block scaled moments (S2.9): each block
+// is decoded with its old scale, updated in L1, measured there, and encoded
+// with its new scale, so no pass over memory is repeated (spans.h).
+#include <algorithm>
+#include <cstring>
+
+#include "scale_rule.h"
+#include "spans.h"
+
+namespace shardadam {
+namespace internal {
+namespace {
+
+// Steps the `c` elements (a multiple of kt.pair) from element `e`, which hold
+// the first `valid` elements of block `j`; zero padding past `valid` cannot
+// raise a block's maximum (zero inputs update to zero).
+void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+               int64_t e, size_t c, size_t valid, int64_t j, Scratch& s) {
+  const ScaleView m_old = p.block_scaled[kStreamM] ? p.BlockScale(kStreamM, j)
+                                                   : p.OldScale(kStreamM, e);
+  const ScaleView v_old = p.block_scaled[kStreamV] ? p.BlockScale(kStreamV, j)
+                                                   : p.OldScale(kStreamV, e);
+  const Decoded d = DecodeRun(p, e, c, m_old, v_old, s);
+  kt.update[k.adam_w_mode ? 1 : 0][k.bias_correction2_sqrt == 1.0f ? 1 : 0](
+      k, d.g, d.w, d.m, d.v, c);
+  // The new scales, from the block's new values while they are in L1.
+  float scale[3] = {1.0f, 1.0f, 1.0f};
+  const float* values[3] = {d.w, d.m, d.v};
+  const DType dtypes[3] = {DType::kNone, p.m_dtype, p.v_dtype};
+  for (int stream = kStreamM; stream <= kStreamV; ++stream) {
+    if (!p.block_scaled[stream]) continue;
+    const FormatInfo f = FormatOf(dtypes[stream]);
+    scale[stream] = BlockScaleFromAbsMaxBits(kt.abs_max_bits(values[stream], valid),
+                                             f.scale_target, f.zero_bound);
+  }
+  EncodeRun(p, e, c, d,
+            p.block_scaled[kStreamM] ? ScaleView{&scale[kStreamM], 0, 0}
+                                     : p.NewScale(kStreamM, e),
+            p.block_scaled[kStreamV] ? ScaleView{&scale[kStreamV], 0, 0}
+                                     : p.NewScale(kStreamV, e));
+  // Each block is this item's alone: its scale is read above and written here.
+  for (int stream = kStreamM; stream <= kStreamV; ++stream) {
+    if (p.block_scaled[stream]) p.scale_slot[stream][j] = scale[stream];
+  }
+}
+
+// A block that is not a whole number of pairs (cut by the tensor's ends),
+// staged through zero-padded copies.
+void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                     int64_t e, size_t t, int64_t j, Scratch& s) {
+  alignas(64) static thread_local char buffers[5][kMaxScaleBlock * sizeof(float)];
+  const size_t padded = (t + kt.pair - 1) / kt.pair * kt.pair;
+  const auto stage = [&](const char* from, int size, char* buffer) {
+    memcpy(buffer, from + e * size, t * size);
+    memset(buffer + t * size, 0, (padded - t) * size);
+    return buffer;
+  };
+  TensorPlan q = p;
+  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
+  const int sizes[4] = {p.param_size, p.master_size, p.exp_avg_size, p.exp_avg_sq_size};
+  for (int b = 0; b < 4; ++b) {
+    if (*writable[b] != nullptr) *writable[b] = stage(*writable[b], sizes[b], buffers[b]);
+  }
+  q.grad = stage(p.grad, p.grad_size, buffers[4]);
+  StepBlock(kt, q, k, 0, padded, t, j, s);
+  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
+  for (int b = 0; b < 4; ++b) {
+    if (originals[b] != nullptr) memcpy(originals[b] + e * sizes[b], buffers[b], t * sizes[b]);
+  }
+}
+
+}  // namespace
+
+void UpdateBlockSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                     int64_t begin, int64_t end, Scratch& s) {
+  for (int64_t e = begin; e < end;) {
+    // Block j of this tensor holds elements [j * block - lead, (j + 1) * block - lead).
+    const int64_t j = (e + p.lead) / p.block;
+    const int64_t next = std::min(end, (j + 1) * p.block - p.lead);
+    const size_t c = static_cast<size_t>(next - e);
+    if (c % kt.pair == 0) {
+      StepBlock(kt, p, k, e, c, c, j, s);
+    } else {
+      StepStagedBlock(kt, p, k, e, c, j, s);
+    }
+    e = next;
+  }
+}
+
+}  // namespace internal
+}  // namespace shardadam

@@ -1,0 +1,389 @@
+// Per-block scaled moments (S2.9): the core against the scalar reference on
+// every target and thread count, blocks keyed to the whole parameter (so shards
+// cut on block boundaries step exactly like the whole tensor), the block scale
+// rule's round trip (decoding a block and encoding it again gives back its codes
+// and scale), and the validation of the block geometry.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "reference.h"
+#include "scale_rule.h"
+#include "shardadam/adam.h"
+#include "test_util.h"
+
+namespace shardadam {
+namespace testing {
+namespace {
+
+namespace ref = reference;
+
+constexpr DType kBlock8 = DType::kFloat8E4M3Block;
+
+// The dtypes of one layout with at least one per-block scaled moment.
+struct BlockConfig {
+  DType param, grad, master, exp_avg, exp_avg_sq;
+  bool adam_w;
+};
+
+std::string Name(const BlockConfig& c) {
+  std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
+                     DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
+                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2");
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+}
+
+// A tensor (or one shard of a parameter) owned as a caller would own it.
+struct BlockTensor {
+  BlockConfig config;
+  int64_t numel = 0, first_index = 0;
+  int32_t block = 0;
+  std::vector<uint8_t> param, grad, master, exp_avg, exp_avg_sq;
+  std::vector<float> exp_avg_scales, exp_avg_sq_scales;
+
+  TensorSlot Slot() {
+    TensorSlot s;
+    s.numel = numel;
+    s.first_index = first_index;
+    s.scale_block = block;
+    s.param = param.data();
+    s.param_dtype = config.param;
+    s.grad = grad.data();
+    s.grad_dtype = config.grad;
+    s.exp_avg = exp_avg.data();
+    s.exp_avg_dtype = config.exp_avg;
+    s.exp_avg_scale = exp_avg_scales.data();
+    s.exp_avg_sq = exp_avg_sq.data();
+    s.exp_avg_sq_dtype = config.exp_avg_sq;
+    s.exp_avg_sq_scale = exp_avg_sq_scales.data();
+    if (config.master != DType::kNone) {
+      s.master_param = master.data();
+      s.master_dtype = config.master;
+    }
+    return s;
+  }
+};
+
+std::vector<uint8_t> Bytes(DType dtype, int64_t n) {
+  return std::vector<uint8_t>(std::max<int64_t>(1, n * ItemSize(dtype)), 0);
+}
+
+// Elements [first_index, first_index + numel) of a parameter whose element
+// i has weight w(i), zero moments (every scale 1) and gradient g(i, step).
+BlockTensor MakeShard(const BlockConfig& c, int64_t first_index, int64_t numel,
+                      int32_t block) {
+  BlockTensor t;
+  t.config = c;
+  t.numel = numel;
+  t.first_index = first_index;
+  t.block = block;
+  t.param = Bytes(c.param, numel);
+  t.grad = Bytes(c.grad, numel);
+  t.master = Bytes(c.master == DType::kNone ? DType::kFloat32 : c.master, numel);
+  t.exp_avg = Bytes(c.exp_avg, numel);
+  t.exp_avg_sq = Bytes(c.exp_avg_sq, numel);
+  // Two extra scales guard against writes past the last block's.
+  t.exp_avg_scales.assign(ScaleCount(c.exp_avg, first_index, numel, block) + 2, 1.0f);
+  t.exp_avg_sq_scales.assign(ScaleCount(c.exp_avg_sq, first_index, numel, block) + 2, 1.0f);
+  for (int64_t i = 0; i < numel; ++i) {
+    const int64_t global = first_index + i;
+    const float w = std::sin(0.37f * static_cast<float>(global)) * 0.5f;
+    if (c.master == DType::kInt16Remainder) {
+      ref::SplitMaster(w, reinterpret_cast<uint16_t*>(t.param.data()) + i,
+                       reinterpret_cast<int16_t*>(t.master.data()) + i);
+    } else {
+      ref::StoreElement(t.param.data(), c.param, i, w);
+      if (c.master == DType::kFloat32) reinterpret_cast<float*>(t.master.data())[i] = w;
+    }
+  }
+  return t;
+}
+
+// The gradient of step `step`: magnitudes spread over many binades, a few
+// blocks' worth apart, so that block scales differ from block to block.
+void FillGrad(BlockTensor* t, int step) {
+  for (int64_t i = 0; i < t->numel; ++i) {
+    const int64_t global = t->first_index + i;
+    const float mag = std::ldexp(1.0f, -static_cast<int>((global / 97 + step) % 24));
+    const float g = mag * std::cos(1.3f * static_cast<float>(global) + static_cast<float>(step));
+    ref::StoreElement(t->grad.data(), t->config.grad, i, g);
+  }
+}
+
+::testing::AssertionResult SameBytes(const std::vector<uint8_t>& a,
+                                     const std::vector<uint8_t>& b, const char* what) {
+  if (a == b) return ::testing::AssertionSuccess();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) {
+      return ::testing::AssertionFailure() << what << " differs at byte " << i;
+    }
+  }
+  return ::testing::AssertionFailure() << what << " differs in size";
+}
+
+::testing::AssertionResult SameTensor(const BlockTensor& a, const BlockTensor& b) {
+  for (const auto& pair : {std::make_pair(&a.param, &b.param),
+                           std::make_pair(&a.master, &b.master),
+                           std::make_pair(&a.exp_avg, &b.exp_avg),
+                           std::make_pair(&a.exp_avg_sq, &b.exp_avg_sq)}) {
+    ::testing::AssertionResult same = SameBytes(*pair.first, *pair.second, "a buffer");
+    if (!same) return same;
+  }
+  if (std::memcmp(a.exp_avg_scales.data(), b.exp_avg_scales.data(),
+                  a.exp_avg_scales.size() * sizeof(float)) != 0 ||
+      std::memcmp(a.exp_avg_sq_scales.data(), b.exp_avg_sq_scales.data(),
+                  a.exp_avg_sq_scales.size() * sizeof(float)) != 0) {
+    return ::testing::AssertionFailure() << "the block scales differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::vector<BlockConfig> Configs() {
+  std::vector<BlockConfig> configs;
+  for (bool adam_w : {true, false}) {
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kBlock8, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8, kBlock8, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kFloat32, DType::kFloat32, kBlock8, kBlock8, adam_w});
+    configs.push_back(
+        {DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock8, DType::kBFloat16, adam_w});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder,
+                       DType::kFloat32, kBlock8, adam_w});
+  }
+  return configs;
+}
+
+class BlockStepTest : public ::testing::TestWithParam<BlockConfig> {};
+
+// Three steps of several shards of odd sizes and offsets, by the reference and
+// by the core on every target with 1 and 2 threads: every byte and scale equal.
+TEST_P(BlockStepTest, MatchesReferenceOnEveryTarget) {
+  const BlockConfig c = GetParam();
+  const struct {
+    int64_t first_index, numel;
+    int32_t block;
+  } shards[] = {{0, 1, 128},          {0, 127, 128},      {5, 300, 128},
+                {253, 1000, 256},     {3 * 256, 777, 256}, {4095, 70001, 4096},
+                {1, 2 * 16384 + 5, 128}};
+  for (int threads : {1, 2}) {
+    std::vector<BlockTensor> state;
+    for (const auto& s : shards) state.push_back(MakeShard(c, s.first_index, s.numel, s.block));
+    for (int step = 1; step <= 3; ++step) {
+      StepParams params;
+      params.adam_w_mode = c.adam_w;
+      params.lr = 1e-2;
+      params.weight_decay = 0.05;
+      params.step = step;
+      for (BlockTensor& t : state) FillGrad(&t, step);
+      std::vector<BlockTensor> want = state;
+      std::vector<TensorSlot> want_slots;
+      for (BlockTensor& t : want) want_slots.push_back(t.Slot());
+      ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
+      ForEachTarget([&] {
+        std::vector<BlockTensor> got = state;
+        std::vector<TensorSlot> slots;
+        for (BlockTensor& t : got) slots.push_back(t.Slot());
+        Error error;
+        ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params, threads,
+                           &error),
+                  Status::kOk)
+            << error.message;
+        for (size_t k = 0; k < got.size(); ++k) {
+          ASSERT_TRUE(SameTensor(want[k], got[k])) << "shard " << k << ", step " << step;
+        }
+      });
+      state = want;
+    }
+  }
+}
+
+// A parameter stepped whole and as shards cut on block boundaries stores the
+// same codes and scales: blocks are keyed to the whole parameter.
+TEST_P(BlockStepTest, ShardsCutOnBlockBoundariesStepLikeTheWhole) {
+  const BlockConfig c = GetParam();
+  constexpr int32_t kB = 256;
+  constexpr int64_t kNumel = 11 * kB + 45;  // the last block partial
+  BlockTensor whole = MakeShard(c, 0, kNumel, kB);
+  const int64_t cuts[] = {0, 3 * kB, 4 * kB, 10 * kB, kNumel};
+  std::vector<BlockTensor> shards;
+  for (int s = 0; s + 1 < 5; ++s) shards.push_back(MakeShard(c, cuts[s], cuts[s + 1] - cuts[s], kB));
+  for (int step = 1; step <= 4; ++step) {
+    StepParams params;
+    params.adam_w_mode = c.adam_w;
+    params.step = step;
+    FillGrad(&whole, step);
+    for (BlockTensor& t : shards) FillGrad(&t, step);
+    TensorSlot slot = whole.Slot();
+    ASSERT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
+    std::vector<TensorSlot> slots;
+    for (BlockTensor& t : shards) slots.push_back(t.Slot());
+    ASSERT_EQ(AdamStep(slots.data(), 4, params, 2, nullptr), Status::kOk);
+  }
+  for (int s = 0; s < 4; ++s) {
+    const int64_t at = cuts[s];
+    const BlockTensor& shard = shards[static_cast<size_t>(s)];
+    const auto same = [&](const std::vector<uint8_t>& all, const std::vector<uint8_t>& part,
+                          DType dtype) {
+      const size_t size = static_cast<size_t>(ItemSize(dtype));
+      return std::memcmp(all.data() + at * size, part.data(), shard.numel * size) == 0;
+    };
+    EXPECT_TRUE(same(whole.param, shard.param, c.param)) << "shard " << s;
+    EXPECT_TRUE(same(whole.exp_avg, shard.exp_avg, c.exp_avg)) << "shard " << s;
+    EXPECT_TRUE(same(whole.exp_avg_sq, shard.exp_avg_sq, c.exp_avg_sq)) << "shard " << s;
+    if (IsBlockScaled(c.exp_avg)) {
+      for (int64_t j = 0; j < ScaleCount(c.exp_avg, at, shard.numel, kB); ++j) {
+        EXPECT_EQ(BitsOf(whole.exp_avg_scales[at / kB + j]), BitsOf(shard.exp_avg_scales[j]))
+            << "shard " << s << " block " << j;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, BlockStepTest, ::testing::ValuesIn(Configs()),
+                         [](const auto& info) { return Name(info.param); });
+
+// S2.9's encoding of true values u: the block scale, then each code.
+float EncodeBlock(const std::vector<float>& u, std::vector<uint8_t>* codes) {
+  uint32_t max_bits = 0;
+  for (float x : u) max_bits = std::max(max_bits, BitsOf(x) & 0x7FFFFFFFu);
+  const FormatInfo f = FormatOf(kBlock8);
+  const float s = BlockScaleFromAbsMaxBits(max_bits, f.scale_target, f.zero_bound);
+  codes->resize(u.size());
+  for (size_t i = 0; i < u.size(); ++i) (*codes)[i] = ref::FloatToFloat8E4M3(u[i] / s);
+  return s;
+}
+
+std::vector<float> DecodeBlock(const std::vector<uint8_t>& codes, float s) {
+  std::vector<float> u;
+  for (uint8_t q : codes) u.push_back(ref::Float8E4M3ToFloat(q) * s);
+  return u;
+}
+
+// Decoding a block and encoding it again gives back every code and the scale:
+// each finite code beside the largest (the block's normal form), at scales from
+// the smallest to large ones.
+TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
+  for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118}) {
+    const float s = std::ldexp(1.0f, e);
+    for (int code = 0; code < 256; ++code) {
+      if ((code & 0x7F) == 0x7F) continue;  // NaN
+      const std::vector<uint8_t> codes = {0x7E, static_cast<uint8_t>(code), 0x80, 0x00};
+      std::vector<uint8_t> again;
+      const float s2 = EncodeBlock(DecodeBlock(codes, s), &again);
+      ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "code " << code << " scale 2^" << e;
+      ASSERT_EQ(again, codes) << "code " << code << " scale 2^" << e;
+    }
+  }
+}
+
+// Any block, once encoded, is in normal form: encoding its decoded values again
+// changes nothing.
+TEST(BlockRoundTripTest, RandomBlocksAreStableAfterOneEncoding) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> exponent(-140, 120);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const float spread = std::ldexp(1.0f, exponent(rng));
+    std::vector<float> u(256);
+    for (float& x : u) x = normal(rng) * spread * std::ldexp(1.0f, -(trial % 17));
+    std::vector<uint8_t> codes, again;
+    const float s = EncodeBlock(u, &codes);
+    const float s2 = EncodeBlock(DecodeBlock(codes, s), &again);
+    ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "trial " << trial;
+    ASSERT_EQ(again, codes) << "trial " << trial;
+  }
+}
+
+// The scale is the smallest power of two that keeps every element finite.
+TEST(BlockScaleRuleTest, SmallestPowerOfTwoKeepingTheBlockFinite) {
+  const float bound = FormatOf(kBlock8).scale_target;
+  const float zero = FormatOf(kBlock8).zero_bound;
+  EXPECT_EQ(bound, 464.0f);
+  // The bounds are where E4M3 rounding changes: to NaN above one, to 0 at the other.
+  EXPECT_EQ(ref::FloatToFloat8E4M3(bound), 0x7E);
+  EXPECT_EQ(ref::FloatToFloat8E4M3(std::nextafter(bound, 1e9f)) & 0x7F, 0x7F);
+  EXPECT_EQ(ref::FloatToFloat8E4M3(zero), 0x00);
+  EXPECT_EQ(ref::FloatToFloat8E4M3(std::nextafter(zero, 1.0f)), 0x01);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(464.0f), bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(464.0f, 1e9f)), bound, zero), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(232.0f), bound, zero), 0.5f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(232.0f, 1e9f)), bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero), 1.0f);  // inf
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7FC00000u, bound, zero), 1.0f);  // NaN
+  // All zeros even at the smallest scale: scale 1. Just above: the smallest scale.
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)), bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)) + 1, bound, zero),
+            std::ldexp(1.0f, -126));
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(FLT_MAX), bound, zero), std::ldexp(1.0f, 120));
+}
+
+// Geometry and scale slots are checked before anything is written.
+TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
+  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kBlock8, true};
+  const struct {
+    const char* what;
+    void (*edit)(BlockTensor*, TensorSlot*);
+    const char* mentions;
+  } cases[] = {
+      {"block 0", [](BlockTensor*, TensorSlot* s) { s->scale_block = 0; }, "scale_block 0"},
+      {"block 96", [](BlockTensor*, TensorSlot* s) { s->scale_block = 96; }, "scale_block 96"},
+      {"block 8192", [](BlockTensor*, TensorSlot* s) { s->scale_block = 8192; },
+       "power of two in [128, 4096]"},
+      {"negative first index", [](BlockTensor*, TensorSlot* s) { s->first_index = -1; },
+       "first_index -1"},
+      {"null scales", [](BlockTensor*, TensorSlot* s) { s->exp_avg_sq_scale = nullptr; },
+       "exp_avg_sq_scale is null"},
+      {"bad scale", [](BlockTensor* t, TensorSlot*) { t->exp_avg_scales[2] = -1.0f; },
+       "exp_avg_scale[2] -1 is not a valid scale"},
+      {"scales overlap", [](BlockTensor* t, TensorSlot* s) {
+         s->exp_avg_sq_scale = t->exp_avg_scales.data() + 1; }, "overlaps exp_avg_sq_scale"},
+      {"scales in data", [](BlockTensor* t, TensorSlot* s) {
+         // Valid scale values, inside the gradient (which the step never writes).
+         float* grad = reinterpret_cast<float*>(t->grad.data());
+         for (int j = 0; j < 9; ++j) grad[j] = 1.0f;
+         s->exp_avg_scale = grad; }, "share memory with data"},
+      {"mixed with per-tensor", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_sq_dtype = DType::kFloat8E4M3; }, "do not mix"},
+  };
+  for (const auto& bad : cases) {
+    BlockTensor t = MakeShard(c, 300, 1000, 128);
+    FillGrad(&t, 1);
+    const BlockTensor before = t;
+    TensorSlot slot = t.Slot();
+    bad.edit(&t, &slot);
+    Error error;
+    EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 2, &error), Status::kInvalidArgument) << bad.what;
+    EXPECT_EQ(error.tensor_index, 0) << bad.what;
+    EXPECT_NE(error.message.find(bad.mentions), std::string::npos)
+        << bad.what << ": " << error.message;
+    BlockTensor untouched = t;
+    if (std::string(bad.what) == "bad scale") untouched.exp_avg_scales[2] = 1.0f;
+    EXPECT_TRUE(SameTensor(before, untouched)) << bad.what;
+  }
+}
+
+// Convert is a cast with at most one scale: per-block formats are refused.
+TEST(BlockValidationTest, ConvertRefusesPerBlockFormats) {
+  std::vector<float> src(8, 1.0f);
+  std::vector<uint8_t> dst(8, 0);
+  Error error;
+  EXPECT_EQ(Convert(src.data(), DType::kFloat32, dst.data(), kBlock8, 8, 1.0f, 1, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("dst_dtype 6 (fp8-block)"), std::string::npos) << error.message;
+  EXPECT_EQ(error.message.find("fp8-block", error.message.find("expected")), std::string::npos)
+      << error.message;
+}
+
+}  // namespace
+}  // namespace testing
+}  // namespace shardadam
