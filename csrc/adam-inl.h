@@ -285,15 +285,28 @@ HWY_INLINE void StoreMomentx2(VF a, VF b, const internal::ScaleView& scale, void
   }
 }
 
-// One pair of vectors of a fused layout, decoded (then updated in place).
+// One pair of vectors of a fused layout, decoded (then updated in place): the
+// caller's locals, by reference, because SVE's sizeless vectors cannot be
+// struct members.
 struct FusedPair {
-  VF g0, g1, w0, w1, m0, m1, v0, v1;
+  VF &g0, &g1, &w0, &w1, &m0, &m1, &v0, &v1;
 };
+
+HWY_INLINE void CopyPair(const FusedPair& from, const FusedPair& to) {
+  to.g0 = from.g0;
+  to.g1 = from.g1;
+  to.w0 = from.w0;
+  to.w1 = from.w1;
+  to.m0 = from.m0;
+  to.m1 = from.m1;
+  to.v0 = from.v0;
+  to.v1 = from.v1;
+}
 
 template <class L>
 HWY_INLINE void FusedLoad(const void* grad, const void* param, const void* master,
                           const void* m, const void* v, float m_factor,
-                          float v_factor, size_t i, FusedPair& p) {
+                          float v_factor, size_t i, const FusedPair& p) {
   constexpr bool kEO = kEvenOdd<L>;
   LoadGradx2<L::kGrad, kEO>(grad, i, p.g0, p.g1);
   LoadWx2<L::kWeight, kEO>(param, master, i, p.w0, p.w1);
@@ -357,14 +370,17 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
   // fp32 unchanged).
   // The halves are called here, not from a helper: HWY_FLATTEN inlines the ops
   // object's methods only into the function that carries the attribute.
-  FusedPair cur;
+  VF g0, g1, w0, w1, m0, m1, v0, v1;
+  const FusedPair cur{g0, g1, w0, w1, m0, m1, v0, v1};
   FusedLoad<L>(grad, param, master, m, v, m_factor, v_factor, 0, cur);
   VF d0, d1;
   AdamMoments<kAdamW>(ops, c, cur.g0, cur.w0, cur.m0, cur.v0, d0);
   AdamMoments<kAdamW>(ops, c, cur.g1, cur.w1, cur.m1, cur.v1, d1);
   size_t i = 0;
   for (; i + step < n; i += step) {
-    FusedPair next;
+    VF next_g0, next_g1, next_w0, next_w1, next_m0, next_m1, next_v0, next_v1;
+    const FusedPair next{next_g0, next_g1, next_w0, next_w1,
+                         next_m0, next_m1, next_v0, next_v1};
     FusedLoad<L>(grad, param, master, m, v, m_factor, v_factor, i + step, next);
     VF e0, e1;
     AdamMoments<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0, e0);
@@ -372,7 +388,7 @@ HWY_NOINLINE HWY_FLATTEN void FusedSpan(const StepConstants& k, const void* grad
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
     FusedStore<L>(cur, s, param, master, m, v, i);
-    cur = next;
+    CopyPair(next, cur);
     d0 = e0;
     d1 = e1;
   }

@@ -17,7 +17,9 @@
 // target (Highway), these templates for the baseline one. An out-of-line copy
 // taking or returning vectors would use the baseline's calling convention
 // (clang's sanitizer builds emitted one, which returned garbage); inlined into a
-// target's kernel they are that target's code.
+// target's kernel they are that target's code. Vectors come in by reference:
+// GCC refuses a function compiled without SVE that takes SVE's sizeless vectors
+// by value, even one that is always inlined.
 #if defined(__CUDACC__)
 #define SHARDADAM_ELEMENT_INLINE __forceinline__
 #elif defined(__GNUC__)
@@ -86,7 +88,9 @@ struct BroadcastConstants {
 // sqrt / divide chain (AdamMoments) while it finishes another's (AdamWeight).
 template <bool kAdamW, class Ops, class V>
 SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamMoments(
-    const Ops& o, const typename Ops::Consts& c, V g, V& w, V& m, V& v, V& denom) {
+    const Ops& o, const typename Ops::Consts& c, const V& grad, V& w, V& m, V& v,
+    V& denom) {
+  V g = grad;
   if (!kAdamW) g = o.Add(g, o.Mul(c.weight_decay, w));
   m = o.Add(o.Mul(c.beta1, m), o.Mul(c.one_minus_beta1, g));
   v = o.Add(o.Mul(c.beta2, v), o.Mul(o.Mul(c.one_minus_beta2, g), g));
@@ -96,14 +100,16 @@ SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamMoments(
 
 template <class Ops, class V>
 SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamWeight(
-    const Ops& o, const typename Ops::Consts& c, V& w, V m, V denom) {
+    const Ops& o, const typename Ops::Consts& c, V& w, const V& m, const V& denom) {
   w = o.Sub(w, o.Div(o.Mul(c.step_size, m), denom));
 }
 
 template <bool kAdamW, class Ops, class V>
 SHARDADAM_HOST_DEVICE SHARDADAM_ELEMENT_INLINE void AdamElement(
-    const Ops& o, const typename Ops::Consts& c, V g, V& w, V& m, V& v) {
-  V denom;
+    const Ops& o, const typename Ops::Consts& c, const V& g, V& w, V& m, V& v) {
+  // Copied, not default-constructed: Highway's NEON vector constructor is target
+  // code, which this baseline template may not inline. AdamMoments sets it.
+  V denom = v;
   AdamMoments<kAdamW>(o, c, g, w, m, v, denom);
   AdamWeight(o, c, w, m, denom);
 }

@@ -197,11 +197,21 @@ TEST(ReferenceCodecTest, NarrowingMatchesNearestValueOracle) {
   }
 }
 
-#if defined(__FLT16_MAX__)
+// The compiler's IEEE half type: _Float16, or on AArch64 the ACLE's __fp16
+// (GCC's C++ has no _Float16 there before GCC 13).
+#if defined(__aarch64__) && defined(__ARM_FP16_FORMAT_IEEE)
+using CompilerF16 = __fp16;
+#define SHARDADAM_HAVE_COMPILER_F16 1
+#elif defined(__FLT16_MAX__)
+using CompilerF16 = _Float16;
+#define SHARDADAM_HAVE_COMPILER_F16 1
+#endif
+
+#if defined(SHARDADAM_HAVE_COMPILER_F16)
 // A second, independent fp16 oracle: the compiler's own conversion.
 TEST(ReferenceCodecTest, Float16MatchesCompilerConversion) {
   for (float x : NarrowingInputs()) {
-    const _Float16 h = static_cast<_Float16>(x);
+    const auto h = static_cast<CompilerF16>(x);
     uint16_t want;
     std::memcpy(&want, &h, sizeof(want));
     const uint16_t got = ref::FloatToFloat16(x);
@@ -217,7 +227,7 @@ TEST(ReferenceCodecTest, Float16MatchesCompilerConversion) {
 TEST(ReferenceCodecTest, Float16WideningMatchesCompilerConversion) {
   for (uint32_t code = 0; code <= 0xFFFF; ++code) {
     const uint16_t bits = static_cast<uint16_t>(code);
-    _Float16 h;
+    CompilerF16 h;
     std::memcpy(&h, &bits, sizeof(h));
     ASSERT_EQ(BitsOf(ref::Float16ToFloat(bits)), BitsOf(static_cast<float>(h)))
         << "fp16 0x" << std::hex << code;
