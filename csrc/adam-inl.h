@@ -468,11 +468,9 @@ constexpr internal::FusedTable MakeFusedTable(std::index_sequence<I...>) {
   return t;
 }
 
-// The dispatcher reads every compiled target's table (adam.cc), also of targets
-// this CPU lacks, so the table must be constant data whose reading runs no
-// target code: constexpr where the vector size is known at compile time. Only
-// scalable targets (SVE, RVV) learn it at run time, from code that any CPU
-// supporting the base architecture runs.
+// Constant data where the vector size is known at compile time. Scalable
+// targets (SVE, RVV) learn it at run time, with their own instructions, so
+// targets.cc reads only the tables of targets this CPU runs.
 #if HWY_HAVE_SCALABLE
 #define SHARDADAM_KERNEL_TABLE static const
 #define SHARDADAM_PAIR_LANES (2 * hn::Lanes(DF()))

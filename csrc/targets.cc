@@ -27,6 +27,17 @@ namespace {
 
 std::atomic<const KernelTable*> g_pinned{nullptr};
 
+// The entries of a dispatch table with `entries` entries that belong to
+// targets this CPU runs, as bits (bit i: entry i). A target's GetKernelTable is
+// that target's code (SVE's asks the hardware for its vector length), so it is
+// never called for another: on an Arm CPU without SVE that would be an illegal
+// instruction. Entry 0 is Highway's first-call trampoline, the last one its
+// scalar fallback.
+int64_t RunnableEntries(size_t entries) {
+  if (entries == 1) return 1;  // static dispatch: only the baseline
+  return HWY_CHOSEN_TARGET_SHIFT(hwy::SupportedTargets()) | HWY_CHOSEN_TARGET_MASK_SCALAR;
+}
+
 }  // namespace
 
 const KernelTable& ActiveKernels() {
@@ -39,10 +50,10 @@ std::vector<int64_t> CompiledTargets() {
   const auto& table = HWY_DISPATCH_TABLE(GetKernelTable);
   const size_t entries = sizeof(table) / sizeof(table[0]);
   const int64_t supported = hwy::SupportedTargets();
+  const int64_t runs = RunnableEntries(entries);
   std::vector<int64_t> targets;
-  // With several targets, entry 0 is Highway's first-call trampoline.
-  for (size_t i = entries > 1 ? 1 : 0; i < entries; ++i) {
-    if (table[i] == nullptr) continue;
+  for (size_t i = 0; i < entries; ++i) {
+    if (table[i] == nullptr || ((runs >> i) & 1) == 0) continue;
     const int64_t target = table[i]()->target;
     if ((target & supported) == 0) continue;
     if (std::find(targets.begin(), targets.end(), target) == targets.end()) {
@@ -61,8 +72,9 @@ bool SetTargetForTest(int64_t target) {
   const auto& table = HWY_DISPATCH_TABLE(GetKernelTable);
   const size_t entries = sizeof(table) / sizeof(table[0]);
   if ((target & hwy::SupportedTargets()) == 0) return false;
-  for (size_t i = entries > 1 ? 1 : 0; i < entries; ++i) {
-    if (table[i] == nullptr) continue;
+  const int64_t runs = RunnableEntries(entries);
+  for (size_t i = 0; i < entries; ++i) {
+    if (table[i] == nullptr || ((runs >> i) & 1) == 0) continue;
     const KernelTable* kernels = table[i]();
     if (kernels->target == target) {
       g_pinned.store(kernels, std::memory_order_release);

@@ -11,6 +11,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <ostream>
@@ -656,6 +658,26 @@ TEST(AdamTargetsTest, ReportsCompiledTargets) {
             std::string::npos)
       << ChosenTarget();
   EXPECT_GE(DefaultThreads(), 1);
+}
+
+// Every target the tests run on, with its vector width, best first, e.g.
+// "SVE2/512 SVE/512 NEON/128" (a fused pair is two vectors of fp32 lanes). A
+// run on an emulated CPU names the targets it chose the CPU for in
+// SHARDADAM_EXPECT_TARGETS, so that an emulator or Highway offering fewer (or
+// other widths) fails the run instead of testing less.
+TEST(AdamTargetsTest, RunsTheExpectedTargets) {
+  std::string got;
+  for (int64_t target : internal::CompiledTargets()) {
+    ScopedTarget scope(target);
+    ASSERT_TRUE(scope.ok());
+    const size_t bits = internal::ActiveKernels().pair / 2 * 32;
+    if (!got.empty()) got += ' ';
+    got += std::string(hwy::TargetName(target)) + "/" + std::to_string(bits);
+  }
+  std::printf("targets: %s\n", got.c_str());
+  if (const char* want = std::getenv("SHARDADAM_EXPECT_TARGETS")) {
+    EXPECT_EQ(got, want);
+  }
 }
 
 // The call itself: a negative count or a null list with a positive count.
