@@ -23,11 +23,32 @@ namespace shardadam {
 namespace testing {
 namespace {
 
+// The caller's floating-point control register: MXCSR on x86, FPCR on AArch64.
 #if defined(__x86_64__) || defined(__i386__)
-constexpr unsigned int kIeee = 0x1F80;               // MXCSR: exceptions masked, RN
-constexpr unsigned int kFlush = kIeee | 0x8000 | 0x40;  // + flush-to-zero + DAZ
+#define SHARDADAM_TEST_FLOAT_MODE 1
+using Mode = unsigned int;
+constexpr char kModeName[] = "MXCSR";
+constexpr Mode kIeee = 0x1F80;               // exceptions masked, RN
+constexpr Mode kFlush = kIeee | 0x8000 | 0x40;  // + flush-to-zero + DAZ
+Mode GetMode() { return _mm_getcsr(); }
+void SetMode(Mode mode) { _mm_setcsr(mode); }
+#elif defined(__aarch64__)
+#define SHARDADAM_TEST_FLOAT_MODE 1
+using Mode = uint64_t;
+constexpr char kModeName[] = "FPCR";
+constexpr Mode kIeee = 0;                   // RN, no flush, no default NaN
+constexpr Mode kFlush = uint64_t{1} << 24;  // FZ: subnormal inputs and results flush
+Mode GetMode() {
+  uint64_t mode;
+  __asm__ __volatile__("mrs %0, fpcr" : "=r"(mode));
+  return mode;
+}
+void SetMode(Mode mode) { __asm__ __volatile__("msr fpcr, %0" : : "r"(mode)); }
+#endif
+
+#if defined(SHARDADAM_TEST_FLOAT_MODE)
 // Caller modes in order: the first multi-threaded call starts the workers.
-constexpr unsigned int kCallerModes[] = {kFlush, kIeee};
+constexpr Mode kCallerModes[] = {kFlush, kIeee};
 
 TEST(FloatModeTest, StepIgnoresTheCallersMode) {
   std::mt19937 rng(5);
@@ -47,17 +68,18 @@ TEST(FloatModeTest, StepIgnoresTheCallersMode) {
     std::vector<Tensor> want = start;
     std::vector<TensorSlot> want_slots = Slots(&want);
     ref::AdamStep(want_slots.data(), 1, params);
-    for (unsigned int mode : kCallerModes) {
+    for (Mode mode : kCallerModes) {
       for (int threads : {1, 2, 3}) {
-        SCOPED_TRACE(::testing::Message() << "caller MXCSR 0x" << std::hex << mode
-                                          << std::dec << ", " << threads << " threads");
+        SCOPED_TRACE(::testing::Message() << "caller " << kModeName << " 0x" << std::hex
+                                          << mode << std::dec << ", " << threads
+                                          << " threads");
         std::vector<Tensor> got = start;
         std::vector<TensorSlot> slots = Slots(&got);
         Error error;
-        _mm_setcsr(mode);
+        SetMode(mode);
         const Status status = AdamStep(slots.data(), 1, params, threads, &error);
-        const unsigned int after = _mm_getcsr();
-        _mm_setcsr(kIeee);
+        const Mode after = GetMode();
+        SetMode(kIeee);
         ASSERT_EQ(status, Status::kOk) << error.message;
         EXPECT_EQ(after, mode) << "the caller's mode is restored";
         EXPECT_TRUE(SameTensors(want, got));
@@ -78,23 +100,25 @@ TEST(FloatModeTest, ConvertIgnoresTheCallersMode) {
   size_t nonzero = 0;
   for (uint16_t h : want) nonzero += (h & 0x7FFF) != 0;
   ASSERT_GT(nonzero, static_cast<size_t>(n) / 2) << "the inputs must matter";
-  for (unsigned int mode : kCallerModes) {
+  for (Mode mode : kCallerModes) {
     for (int threads : {1, 3}) {
       std::vector<uint16_t> got(static_cast<size_t>(n));
-      _mm_setcsr(mode);
+      SetMode(mode);
       const Status status = Convert(src.data(), DType::kFloat32, got.data(),
                                     DType::kFloat16, n, scale, threads, nullptr);
-      const unsigned int after = _mm_getcsr();
-      _mm_setcsr(kIeee);
+      const Mode after = GetMode();
+      SetMode(kIeee);
       ASSERT_EQ(status, Status::kOk);
       EXPECT_EQ(after, mode);
-      EXPECT_EQ(got, want) << "caller MXCSR 0x" << std::hex << mode << std::dec << ", "
-                           << threads << " threads";
+      EXPECT_EQ(got, want) << "caller " << kModeName << " 0x" << std::hex << mode
+                           << std::dec << ", " << threads << " threads";
     }
   }
 }
 #else
-TEST(FloatModeTest, StepIgnoresTheCallersMode) { GTEST_SKIP() << "MXCSR: x86 only"; }
+TEST(FloatModeTest, StepIgnoresTheCallersMode) {
+  GTEST_SKIP() << "caller modes are set for x86 and AArch64 only";
+}
 #endif
 
 }  // namespace

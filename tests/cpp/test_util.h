@@ -5,10 +5,13 @@
 #ifndef SHARDADAM_TESTS_CPP_TEST_UTIL_H_
 #define SHARDADAM_TESTS_CPP_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -102,11 +105,36 @@ class ScopedTarget {
   bool ok_;
 };
 
-// Runs `check` once per target compiled into the core that this CPU runs, with
-// every entry point pinned to it, inside a SCOPED_TRACE naming the target.
+// The targets ForEachTarget runs: every one compiled into the core that this
+// CPU runs or, where SHARDADAM_TEST_TARGETS names some (Highway's names,
+// space-separated), only those. Runs on several emulated CPUs use it to leave
+// out a target that another run already covers. A named target this CPU does
+// not run fails the test.
+inline std::vector<int64_t> TargetsToTest() {
+  const std::vector<int64_t> compiled = internal::CompiledTargets();
+  const char* names = std::getenv("SHARDADAM_TEST_TARGETS");
+  if (names == nullptr) return compiled;
+  std::vector<int64_t> chosen;
+  std::istringstream words(names);
+  for (std::string name; words >> name;) {
+    const auto found = std::find_if(compiled.begin(), compiled.end(), [&](int64_t t) {
+      return name == hwy::TargetName(t);
+    });
+    if (found == compiled.end()) {
+      ADD_FAILURE() << "SHARDADAM_TEST_TARGETS names " << name
+                    << ", which this CPU does not run";
+      return {};
+    }
+    chosen.push_back(*found);
+  }
+  return chosen;
+}
+
+// Runs `check` once per target of TargetsToTest(), with every entry point
+// pinned to it, inside a SCOPED_TRACE naming the target.
 template <class Check>
 void ForEachTarget(const Check& check) {
-  const std::vector<int64_t> targets = internal::CompiledTargets();
+  const std::vector<int64_t> targets = TargetsToTest();
   ASSERT_FALSE(targets.empty());
   for (int64_t target : targets) {
     ScopedTarget scope(target);
