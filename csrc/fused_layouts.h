@@ -68,42 +68,45 @@ using FusedLayouts = std::tuple<
 
 inline constexpr int kNumFusedLayouts = static_cast<int>(std::tuple_size_v<FusedLayouts>);
 
+inline constexpr int kFusedWeights = 3;
+
+// A lookup key of every (grad, weight, exp_avg, exp_avg_sq), tags in range.
+constexpr int FusedLayoutKey(DType g, Weight w, DType m, DType v) {
+  return ((static_cast<int>(g) * kFusedWeights + static_cast<int>(w)) * kNumDTypes +
+          static_cast<int>(m)) * kNumDTypes + static_cast<int>(v);
+}
+
 // The index in FusedLayouts of a tensor's layout, or -1: a lookup table over
 // dtype tags, built at compile time, so choosing costs one load per tensor.
-class FusedLayoutIndex {
- public:
-  constexpr FusedLayoutIndex() : index_{} {
-    for (auto& i : index_) i = -1;
-    Fill(std::make_index_sequence<kNumFusedLayouts>());
-  }
+struct FusedLayoutIndex {
+  int8_t index[kNumDTypes * kFusedWeights * kNumDTypes * kNumDTypes];
+
   constexpr int Of(DType grad, Weight weight, DType exp_avg, DType exp_avg_sq) const {
     const int g = static_cast<int>(grad), m = static_cast<int>(exp_avg),
               v = static_cast<int>(exp_avg_sq);
     if (g < 0 || g >= kNumDTypes || m < 0 || m >= kNumDTypes || v < 0 || v >= kNumDTypes) {
       return -1;
     }
-    return index_[Key(grad, weight, exp_avg, exp_avg_sq)];
+    return index[FusedLayoutKey(grad, weight, exp_avg, exp_avg_sq)];
   }
-
- private:
-  static constexpr int kWeights = 3;
-  static constexpr int Key(DType g, Weight w, DType m, DType v) {
-    return ((static_cast<int>(g) * kWeights + static_cast<int>(w)) * kNumDTypes +
-            static_cast<int>(m)) * kNumDTypes + static_cast<int>(v);
-  }
-  template <size_t... I>
-  constexpr void Fill(std::index_sequence<I...>) {
-    ((index_[Key(std::tuple_element_t<I, FusedLayouts>::kGrad,
-                  std::tuple_element_t<I, FusedLayouts>::kWeight,
-                  std::tuple_element_t<I, FusedLayouts>::kExpAvg,
-                  std::tuple_element_t<I, FusedLayouts>::kExpAvgSq)] =
-          static_cast<int8_t>(I)),
-     ...);
-  }
-  int8_t index_[kNumDTypes * kWeights * kNumDTypes * kNumDTypes];
 };
 
-inline constexpr FusedLayoutIndex kFusedLayoutIndex{};
+template <size_t... I>
+constexpr FusedLayoutIndex MakeFusedLayoutIndex(std::index_sequence<I...>) {
+  FusedLayoutIndex t{};
+  for (auto& i : t.index) i = -1;
+  ((t.index[FusedLayoutKey(std::tuple_element_t<I, FusedLayouts>::kGrad,
+                           std::tuple_element_t<I, FusedLayouts>::kWeight,
+                           std::tuple_element_t<I, FusedLayouts>::kExpAvg,
+                           std::tuple_element_t<I, FusedLayouts>::kExpAvgSq)] =
+        static_cast<int8_t>(I)),
+   ...);
+  return t;
+}
+
+inline constexpr FusedLayoutIndex kFusedLayoutIndex =
+    MakeFusedLayoutIndex(std::make_index_sequence<kNumFusedLayouts>());
+static_assert(kNumFusedLayouts <= INT8_MAX, "indices fit the table's int8_t");
 
 }  // namespace internal
 }  // namespace shardadam
