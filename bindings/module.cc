@@ -99,7 +99,14 @@ nb::tuple FormatTable() {
     const FormatInfo f = FormatOf(static_cast<DType>(i));
     if ((f.roles & (kRoleMoment | kRoleMaster)) == 0 || f.item_size == 0) continue;
     nb::list roles;
-    if (f.roles & kRoleMoment) roles.append("moment");
+    // "moment": either moment; a format only one moment may hold names it.
+    if ((f.roles & kRoleMoment) == kRoleMoment) {
+      roles.append("moment");
+    } else if (f.roles & kRoleExpAvg) {
+      roles.append("exp_avg");
+    } else if (f.roles & kRoleExpAvgSq) {
+      roles.append("exp_avg_sq");
+    }
     if (f.roles & kRoleMaster) roles.append("master");
     const char* scaling = f.scaling == Scaling::kPerTensor  ? "tensor"
                           : f.scaling == Scaling::kPerBlock ? "block"

@@ -268,6 +268,45 @@ HWY_INLINE VU F32ToF8(VF x) {
   return hn::Or(code, hn::And(hn::ShiftRight<24>(bits), hn::Set(du, 0x80u)));
 }
 
+// Unsigned E4M4 code (zero-extended) -> fp32 (S2.10): (16 + M) * 2^(E - 11)
+// for E >= 1 is the fp32 whose bits are the code shifted into place plus 120
+// in the exponent; E = 0 is M * 2^-10, exact. Code 0xFF is NaN.
+HWY_INLINE VF UF8ToF32(VU c) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU normal = hn::Add(hn::ShiftLeft<19>(c), hn::Set(du, 0x3C000000u));
+  const VF sub = hn::Mul(hn::ConvertTo(df, hn::BitCast(di, c)), hn::Set(df, 1.0f / 1024.0f));
+  VU r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(hn::BitCast(di, c), hn::Set(di, 16))),
+                        hn::BitCast(du, sub), normal);
+  r = hn::IfThenElse(hn::RebindMask(du, hn::Eq(c, hn::Set(du, 0xFFu))),
+                     hn::Set(du, 0x7FC00000u), r);
+  return hn::BitCast(df, r);
+}
+
+// fp32 -> unsigned E4M4 code (S2.10) of |x| = |u| / s, by F32ToF8's one
+// addition with one more mantissa bit: M = 2^(e + 19) for |x| in [2^e, 2^(e+1))
+// (e >= -6; 2^13 below), whose ulp is the E4M4 step at |x|; 16 codes per binade
+// above 2^-6. Anything rounding past 480, inf and NaN end at or above 0xFF, the
+// NaN code. Zero-free: where the true value u is not zero, code 0 (x rounded,
+// or the division underflowed) becomes code 1.
+HWY_INLINE VU F32ToUF8(VF x, VF u) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
+  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
+                            hn::Set(di, 0x3C800000));  // >= 2^-6
+  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x09800000u));
+  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
+  const VU steps = hn::Sub(sum, magic);
+  const VU base = hn::ShiftRight<19>(hn::Sub(magic, hn::Set(du, 0x46000000u)));
+  const VU code = hn::Min(hn::Add(steps, base), hn::Set(du, 0xFFu));  // unsigned
+  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
+  return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
+                        hn::Set(du, 1u), code);
+}
+
 HWY_INLINE VI AbsBits(VF x) {
   const DU du;
   return hn::BitCast(DI(), hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu)));
@@ -360,6 +399,16 @@ HWY_INLINE void LoadF8x2Raw(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
 
 HWY_INLINE void StoreF8x2(VF a, VF b, uint8_t* HWY_RESTRICT p) {
   StoreNarrowU8(F32ToF8(a), F32ToF8(b), p);
+}
+
+HWY_INLINE void LoadUF8x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+  a = UF8ToF32(LoadWideU8(p));
+  b = UF8ToF32(LoadWideU8(p + hn::Lanes(DF())));
+}
+
+// Stores the codes of a / s and b / s.
+HWY_INLINE void StoreUF8x2(VF a, VF b, VF s, uint8_t* HWY_RESTRICT p) {
+  StoreNarrowU8(F32ToUF8(hn::Div(a, s), a), F32ToUF8(hn::Div(b, s), b), p);
 }
 
 // fp32 master = (param << 16) + sign-extended remainder, modulo 2^32: a
@@ -543,6 +592,20 @@ float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
   return out;
 }
 
+// Per-block scales are powers of two (S2.9, S2.10): one exact multiply.
+float* DecodeUF8Scaled(const void* src, const void* /*aux*/, size_t n,
+                       const internal::ScaleView& view, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
+  const VF s = hn::Set(DF(), view.PerTensor());
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadUF8x2(in + i, a, b);
+    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+  }
+  return out;
+}
+
 float* DecodeRemainder(const void* src, const void* aux, size_t n,
                        const internal::ScaleView& /*scale*/, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
@@ -606,6 +669,18 @@ void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::Scale
     VF a, b;
     LoadF32x2(x + i, a, b);
     StoreF8x2(hn::Div(a, s), hn::Div(b, s), out + i);
+  }
+}
+
+void EncodeUF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
+                     void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale.PerTensor());
+  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreUF8x2(a, b, s, out + i);
   }
 }
 

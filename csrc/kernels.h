@@ -49,6 +49,7 @@ enum Codec : int {
   kCodecF16Scaled,
   kCodecF8Scaled,    // uint8 E4M3 "fn" codes, always scaled
   kCodecRemainder,   // bf16 param (src/dst) + int16 remainder (aux)
+  kCodecUF8Scaled,   // uint8 unsigned E4M4 codes, always scaled (per block)
   kNumCodecs,
 };
 

@@ -56,6 +56,8 @@ Codec CodecOf(DType dtype, bool is_state) {
       return kCodecF8Scaled;
     case Element::kInt16Remainder:
       return kCodecRemainder;
+    case Element::kUFloat8E4M4:
+      return kCodecUF8Scaled;
     default:
       return kCodecF32;
   }

@@ -60,7 +60,7 @@ float BlockScale(const float* u, int64_t count, DType dtype) {
   for (int64_t i = 0; i < count; ++i) {
     uint8_t code = 0;
     StoreElement(&code, dtype, 0, u[i] / s);
-    all_zero = all_zero && (code & 0x7F) == 0;
+    all_zero = all_zero && LoadElement(&code, dtype, 0) == 0.0f;
   }
   return all_zero ? 1.0f : s;
 }
@@ -83,7 +83,7 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
       int64_t end = begin + 1;
       while (end < numel && BlockOf(t, end) == BlockOf(t, begin)) ++end;
       const float s = BlockScale(u.data() + begin, end - begin, dtype);
-      for (int64_t i = begin; i < end; ++i) StoreElement(buffer, dtype, i, u[i] / s);
+      for (int64_t i = begin; i < end; ++i) StoreBlockElement(buffer, dtype, i, u[i], s);
       scale[BlockOf(t, begin)] = s;
       begin = end;
     }
@@ -222,6 +222,35 @@ float Float8E4M3ToFloat(uint8_t q) {
   return negative ? -magnitude : magnitude;
 }
 
+uint8_t FloatToUFloat8E4M4(float f) {
+  const float a = std::fabs(f);
+  if (!(a <= 488.0f)) return 0xFF;  // 488 is the tie between 480 and 496: even 480
+  if (a == 0.0f) return 0;
+  int e = 0;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  --e;                // a in [2^e, 2^(e+1))
+  if (e < -6) e = -6; // below 2^-6: steps of 2^-10, like the first binade
+  // a / step is exact (a power-of-two scaling) and below 32; a round up to 32
+  // carries into the next binade through the addition below.
+  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 4 - e)));
+  const int code = a < 0.015625f ? q : (e + 7) * 16 + (q - 16);
+  return static_cast<uint8_t>(code == 0 ? 1 : code);
+}
+
+float UFloat8E4M4ToFloat(uint8_t q) {
+  if (q == 0xFF) return NAN;
+  const int exponent = q >> 4;
+  const int mantissa = q & 0x0F;
+  return exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -10)
+                       : std::ldexp(static_cast<float>(16 + mantissa), exponent - 11);
+}
+
+void StoreBlockElement(void* buffer, DType dtype, int64_t i, float u, float s) {
+  StoreElement(buffer, dtype, i, u / s);
+  uint8_t& code = static_cast<uint8_t*>(buffer)[i];
+  if (dtype == DType::kUFloat8E4M4Block && code == 0 && u != 0.0f) code = 1;
+}
+
 void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder) {
   // A NaN splits as the quiet NaN with its sign, so that the param is NaN too:
   // its own bits may round the high half from 0x7FFF to 0x8000 (-0).
@@ -264,6 +293,8 @@ float LoadElement(const void* buffer, DType dtype, int64_t i) {
     case DType::kFloat8E4M3:
     case DType::kFloat8E4M3Block:
       return Float8E4M3ToFloat(static_cast<const uint8_t*>(buffer)[i]);
+    case DType::kUFloat8E4M4Block:
+      return UFloat8E4M4ToFloat(static_cast<const uint8_t*>(buffer)[i]);
     default:
       return NAN;  // not a value dtype; callers never get here
   }
@@ -283,6 +314,9 @@ void StoreElement(void* buffer, DType dtype, int64_t i, float value) {
     case DType::kFloat8E4M3:
     case DType::kFloat8E4M3Block:
       static_cast<uint8_t*>(buffer)[i] = FloatToFloat8E4M3(value);
+      break;
+    case DType::kUFloat8E4M4Block:
+      static_cast<uint8_t*>(buffer)[i] = FloatToUFloat8E4M4(value);
       break;
     default:
       break;

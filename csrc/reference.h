@@ -30,6 +30,17 @@ float Float16ToFloat(uint16_t h);
 uint8_t FloatToFloat8E4M3(float f);
 float Float8E4M3ToFloat(uint8_t q);
 
+// S2.10: fp32 <-> unsigned E4M4 (bias 7, no infinities, NaN = 0xFF, max 480) of
+// |f|: round to nearest even; magnitudes above 488, infinities and NaN become
+// NaN; a non-zero magnitude that rounds to 0 becomes the smallest code, 1.
+uint8_t FloatToUFloat8E4M4(float f);
+float UFloat8E4M4ToFloat(uint8_t q);
+
+// Code of true value u in a per-block scaled buffer with block scale s
+// (S2.9, S2.10): u / s rounded, and for the unsigned format at least code 1
+// where u is not zero.
+void StoreBlockElement(void* buffer, DType dtype, int64_t i, float u, float s);
+
 // S2.5: an fp32 master stored as a bf16 param (high 16 bits, plus one when the
 // low 16 bits are >= 0x8000) and an int16 remainder (the low 16 bits).
 void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder);

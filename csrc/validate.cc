@@ -173,8 +173,8 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   } dtypes[] = {
       {"param_dtype", s.param_dtype, kRoleValue, "a parameter"},
       {"grad_dtype", s.grad_dtype, kRoleValue, "a gradient"},
-      {"exp_avg_dtype", s.exp_avg_dtype, kRoleMoment, "a moment"},
-      {"exp_avg_sq_dtype", s.exp_avg_sq_dtype, kRoleMoment, "a moment"},
+      {"exp_avg_dtype", s.exp_avg_dtype, kRoleExpAvg, "exp_avg"},
+      {"exp_avg_sq_dtype", s.exp_avg_sq_dtype, kRoleExpAvgSq, "exp_avg_sq"},
       {"master_dtype", s.master_dtype, kRoleMaster, "a master"},
   };
   for (const auto& d : dtypes) {

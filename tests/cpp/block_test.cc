@@ -1,4 +1,4 @@
-// Per-block scaled moments (S2.9): the core against the scalar reference on
+// Per-block scaled moments (S2.9, S2.10): the core against the scalar reference on
 // every target and thread count, blocks keyed to the whole parameter (so shards
 // cut on block boundaries step exactly like the whole tensor), the block scale
 // rule's round trip (decoding a block and encoding it again gives back its codes
@@ -24,6 +24,7 @@ namespace {
 namespace ref = reference;
 
 constexpr DType kBlock8 = DType::kFloat8E4M3Block;
+constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
 
 // The dtypes of one layout with at least one per-block scaled moment.
 struct BlockConfig {
@@ -149,6 +150,14 @@ void FillGrad(BlockTensor* t, int step) {
 std::vector<BlockConfig> Configs() {
   std::vector<BlockConfig> configs;
   for (bool adam_w : {true, false}) {
+    // The pair FusedAdam selects: signed E4M3 exp_avg, unsigned E4M4 exp_avg_sq.
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock8, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8, kUBlock8, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kFloat32, DType::kFloat32, kBlock8, kUBlock8, adam_w});
+    configs.push_back({DType::kFloat32, DType::kBFloat16, DType::kNone, DType::kBFloat16,
+                       kUBlock8, adam_w});
     configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kBlock8, adam_w});
     configs.push_back(
         {DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8, kBlock8, adam_w});
@@ -251,20 +260,22 @@ TEST_P(BlockStepTest, ShardsCutOnBlockBoundariesStepLikeTheWhole) {
 INSTANTIATE_TEST_SUITE_P(Layouts, BlockStepTest, ::testing::ValuesIn(Configs()),
                          [](const auto& info) { return Name(info.param); });
 
-// S2.9's encoding of true values u: the block scale, then each code.
-float EncodeBlock(const std::vector<float>& u, std::vector<uint8_t>* codes) {
+// S2.9 / S2.10's encoding of true values u: the block scale, then each code.
+float EncodeBlock(DType dtype, const std::vector<float>& u, std::vector<uint8_t>* codes) {
   uint32_t max_bits = 0;
   for (float x : u) max_bits = std::max(max_bits, BitsOf(x) & 0x7FFFFFFFu);
-  const FormatInfo f = FormatOf(kBlock8);
+  const FormatInfo f = FormatOf(dtype);
   const float s = BlockScaleFromAbsMaxBits(max_bits, f.scale_target, f.zero_bound);
   codes->resize(u.size());
-  for (size_t i = 0; i < u.size(); ++i) (*codes)[i] = ref::FloatToFloat8E4M3(u[i] / s);
+  for (size_t i = 0; i < u.size(); ++i) ref::StoreBlockElement(codes->data(), dtype, i, u[i], s);
   return s;
 }
 
-std::vector<float> DecodeBlock(const std::vector<uint8_t>& codes, float s) {
+std::vector<float> DecodeBlock(DType dtype, const std::vector<uint8_t>& codes, float s) {
   std::vector<float> u;
-  for (uint8_t q : codes) u.push_back(ref::Float8E4M3ToFloat(q) * s);
+  for (size_t i = 0; i < codes.size(); ++i) {
+    u.push_back(ref::LoadElement(codes.data(), dtype, i) * s);
+  }
   return u;
 }
 
@@ -272,15 +283,23 @@ std::vector<float> DecodeBlock(const std::vector<uint8_t>& codes, float s) {
 // each finite code beside the largest (the block's normal form), at scales from
 // the smallest to large ones.
 TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
-  for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118}) {
-    const float s = std::ldexp(1.0f, e);
-    for (int code = 0; code < 256; ++code) {
-      if ((code & 0x7F) == 0x7F) continue;  // NaN
-      const std::vector<uint8_t> codes = {0x7E, static_cast<uint8_t>(code), 0x80, 0x00};
-      std::vector<uint8_t> again;
-      const float s2 = EncodeBlock(DecodeBlock(codes, s), &again);
-      ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "code " << code << " scale 2^" << e;
-      ASSERT_EQ(again, codes) << "code " << code << " scale 2^" << e;
+  for (DType dtype : {kBlock8, kUBlock8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const bool is_signed = dtype == kBlock8;
+    const uint8_t largest = is_signed ? 0x7E : 0xFE;
+    for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118}) {
+      const float s = std::ldexp(1.0f, e);
+      for (int code = 0; code < 256; ++code) {
+        const uint8_t byte = static_cast<uint8_t>(code);
+        if (std::isnan(ref::LoadElement(&byte, dtype, 0))) continue;  // the NaN codes
+        const std::vector<uint8_t> codes = {largest, static_cast<uint8_t>(code),
+                                            static_cast<uint8_t>(is_signed ? 0x80 : 0x01),
+                                            0x00};
+        std::vector<uint8_t> again;
+        const float s2 = EncodeBlock(dtype, DecodeBlock(dtype, codes, s), &again);
+        ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "code " << code << " scale 2^" << e;
+        ASSERT_EQ(again, codes) << "code " << code << " scale 2^" << e;
+      }
     }
   }
 }
@@ -288,19 +307,46 @@ TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
 // Any block, once encoded, is in normal form: encoding its decoded values again
 // changes nothing.
 TEST(BlockRoundTripTest, RandomBlocksAreStableAfterOneEncoding) {
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> exponent(-140, 120);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int trial = 0; trial < 2000; ++trial) {
-    const float spread = std::ldexp(1.0f, exponent(rng));
-    std::vector<float> u(256);
-    for (float& x : u) x = normal(rng) * spread * std::ldexp(1.0f, -(trial % 17));
-    std::vector<uint8_t> codes, again;
-    const float s = EncodeBlock(u, &codes);
-    const float s2 = EncodeBlock(DecodeBlock(codes, s), &again);
-    ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "trial " << trial;
-    ASSERT_EQ(again, codes) << "trial " << trial;
+  for (DType dtype : {kBlock8, kUBlock8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> exponent(-140, 120);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int trial = 0; trial < 2000; ++trial) {
+      const float spread = std::ldexp(1.0f, exponent(rng));
+      std::vector<float> u(256);
+      for (float& x : u) {
+        x = normal(rng) * spread * std::ldexp(1.0f, -(trial % 17));
+        if (dtype == kUBlock8) x = x * x;  // a second moment's spread
+      }
+      std::vector<uint8_t> codes, again;
+      const float s = EncodeBlock(dtype, u, &codes);
+      const float s2 = EncodeBlock(dtype, DecodeBlock(dtype, codes, s), &again);
+      ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "trial " << trial;
+      ASSERT_EQ(again, codes) << "trial " << trial;
+    }
   }
+}
+
+// S2.10: no non-zero value of exp_avg_sq is stored as 0, however far below the
+// block's largest it is, and a block of zeros keeps scale 1.
+TEST(BlockRoundTripTest, UnsignedBlocksKeepEveryNonZeroValueNonZero) {
+  for (int e : {-149, -140, -126, -60, -20, 0}) {
+    const std::vector<float> u = {std::ldexp(1.0f, e), 1.0e30f, 0.0f, FloatOf(1)};
+    std::vector<uint8_t> codes;
+    const float s = EncodeBlock(kUBlock8, u, &codes);
+    const std::vector<float> back = DecodeBlock(kUBlock8, codes, s);
+    EXPECT_GT(back[0], 0.0f) << "2^" << e;
+    EXPECT_GT(back[3], 0.0f);
+    EXPECT_EQ(back[2], 0.0f);
+    EXPECT_GE(codes[0], 1);
+    EXPECT_GE(codes[3], 1);
+  }
+  std::vector<uint8_t> codes;
+  EXPECT_EQ(EncodeBlock(kUBlock8, {0.0f, 0.0f}, &codes), 1.0f);
+  // The smallest non-zero block still takes the smallest scale, not 1.
+  EXPECT_EQ(EncodeBlock(kUBlock8, {FloatOf(1), 0.0f}, &codes), std::ldexp(1.0f, -126));
+  EXPECT_EQ(codes[0], 1);
 }
 
 // The scale is the smallest power of two that keeps every element finite.
@@ -325,6 +371,23 @@ TEST(BlockScaleRuleTest, SmallestPowerOfTwoKeepingTheBlockFinite) {
   EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)) + 1, bound, zero),
             std::ldexp(1.0f, -126));
   EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(FLT_MAX), bound, zero), std::ldexp(1.0f, 120));
+}
+
+// S2.10: the same rule with the unsigned E4M4 bound 488, and scale 1 only for a
+// block of zeros (or a non-finite one).
+TEST(BlockScaleRuleTest, UnsignedBoundAndNoZeroRule) {
+  const float bound = FormatOf(kUBlock8).scale_target;
+  const float zero = FormatOf(kUBlock8).zero_bound;
+  EXPECT_EQ(bound, 488.0f);
+  EXPECT_EQ(zero, 0.0f);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(bound), 0xFE);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(std::nextafter(bound, 1e9f)), 0xFF);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(488.0f), bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(488.0f, 1e9f)), bound, zero), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(244.0f), bound, zero), 0.5f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, bound, zero), std::ldexp(1.0f, -126));
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero), 1.0f);
 }
 
 // Geometry and scale slots are checked before anything is written.
@@ -354,6 +417,10 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
          s->exp_avg_scale = grad; }, "share memory with data"},
       {"mixed with per-tensor", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_sq_dtype = DType::kFloat8E4M3; }, "do not mix"},
+      {"unsigned exp_avg", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_dtype = kUBlock8; },
+       "exp_avg_dtype 7 (ufp8-block) is not allowed for exp_avg; expected fp32, fp16, bf16, "
+       "fp8 or fp8-block"},
   };
   for (const auto& bad : cases) {
     BlockTensor t = MakeShard(c, 300, 1000, 128);

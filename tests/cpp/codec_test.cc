@@ -1,8 +1,9 @@
-// Codec tests (SEMANTICS S2.2-S2.5). The reference codecs are checked against
-// an oracle built only from each format's definition (nearest value, ties to
-// the even code), exhaustively for every 8- and 16-bit code; then the SIMD
-// Convert, MeasureScale and remainder split/merge are checked against the
-// reference bit for bit on every Highway target.
+// Codec tests (SEMANTICS S2.2-S2.5, S2.10). The reference codecs are checked
+// against an oracle built only from each format's definition (nearest value,
+// ties to the even code), exhaustively for every 8- and 16-bit code; then the
+// SIMD Convert, MeasureScale, remainder split/merge and the per-block unsigned
+// E4M4 codec are checked against the reference bit for bit on every Highway
+// target.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels.h"
 #include "reference.h"
 #include "shardadam/adam.h"
 #include "test_util.h"
@@ -195,6 +197,93 @@ TEST(ReferenceCodecTest, NarrowingMatchesNearestValueOracle) {
       }
     }
   }
+}
+
+// S2.10's unsigned E4M4 by its fields: no sign bit, NaN at 0xFF (the first
+// code past the largest finite value, 480), and zero-free: a non-zero
+// magnitude nearest to code 0 takes code 1.
+constexpr Format kUFloat8Format{DType::kUFloat8E4M4Block, 4, 7, 0xFF, 0};
+
+int64_t NearestUF8Code(float x) {
+  const int64_t code = NearestCode(kUFloat8Format, std::fabs(x));
+  return code == 0 && x != 0.0f ? 1 : code;
+}
+
+// Inputs for the unsigned format: the shared ones plus its own grid (values,
+// midpoints and their neighbours) and magnitudes far below its smallest code.
+std::vector<float> UF8Inputs() {
+  std::vector<float> v = NarrowingInputs();
+  for (uint32_t code = 0; code < 0xFF; ++code) {
+    const double lo = CodeValue(kUFloat8Format, code), hi = CodeValue(kUFloat8Format, code + 1);
+    const float mid = static_cast<float>((lo + hi) / 2);
+    for (float x : {static_cast<float>(lo), mid, std::nextafter(mid, 0.0f),
+                    std::nextafter(mid, INFINITY)}) {
+      v.push_back(x);
+      v.push_back(-x);
+    }
+  }
+  for (int e = -149; e < -9; ++e) v.push_back(std::ldexp(1.0f, e));
+  return v;
+}
+
+TEST(ReferenceCodecTest, UnsignedE4M4DecodesEveryCodeByDefinition) {
+  for (uint32_t code = 0; code < 0xFF; ++code) {
+    ASSERT_EQ(BitsOf(ref::UFloat8E4M4ToFloat(static_cast<uint8_t>(code))),
+              BitsOf(static_cast<float>(CodeValue(kUFloat8Format, code))))
+        << "code " << code;
+    ASSERT_EQ(ref::FloatToUFloat8E4M4(ref::UFloat8E4M4ToFloat(static_cast<uint8_t>(code))),
+              code);
+  }
+  EXPECT_EQ(ref::UFloat8E4M4ToFloat(0xFE), 480.0f);
+  EXPECT_TRUE(std::isnan(ref::UFloat8E4M4ToFloat(0xFF)));
+}
+
+TEST(ReferenceCodecTest, UnsignedE4M4NarrowingMatchesOracle) {
+  for (float x : UF8Inputs()) {
+    const int64_t want = NearestUF8Code(x);
+    const uint32_t got = ref::FloatToUFloat8E4M4(x);
+    ASSERT_EQ(got, want < 0 ? 0xFFu : static_cast<uint32_t>(want))
+        << "fp32 0x" << std::hex << BitsOf(x);
+  }
+  // The edges S2.10 names: 488 is the tie that stays finite; 0 alone is code 0.
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(488.0f), 0xFE);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(std::nextafter(488.0f, 1e9f)), 0xFF);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(INFINITY), 0xFF);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(0.0f), 0x00);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(-0.0f), 0x00);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(FloatOf(1)), 0x01);
+  EXPECT_EQ(ref::FloatToUFloat8E4M4(-2.0f), ref::FloatToUFloat8E4M4(2.0f));
+}
+
+// The kernels' per-block codec on every target: decoding every code, and
+// narrowing every input, at scale 1 and at a power-of-two scale.
+TEST(SimdCodecTest, UnsignedE4M4MatchesReference) {
+  std::vector<float> inputs = UF8Inputs();
+  std::vector<uint8_t> all_codes(256);
+  for (int c = 0; c < 256; ++c) all_codes[c] = static_cast<uint8_t>(c);
+  ForEachTarget([&] {
+    const internal::KernelTable& kt = internal::ActiveKernels();
+    for (float scale : {1.0f, 0.125f, 1024.0f}) {
+      SCOPED_TRACE("scale " + std::to_string(scale));
+      const internal::ScaleView view{&scale, 0, 0};
+      std::vector<float> decoded(256);
+      const float* out = kt.decode[internal::kCodecUF8Scaled](
+          all_codes.data(), nullptr, 256, view, decoded.data());
+      for (int c = 0; c < 256; ++c) {
+        ASSERT_EQ(BitsOf(out[c]), BitsOf(ref::UFloat8E4M4ToFloat(all_codes[c]) * scale))
+            << "code " << c;
+      }
+      const size_t n = (inputs.size() + kt.pair - 1) / kt.pair * kt.pair;
+      inputs.resize(n, 0.0f);
+      std::vector<uint8_t> codes(n);
+      kt.encode[internal::kCodecUF8Scaled](inputs.data(), n, view, codes.data(), nullptr);
+      for (size_t i = 0; i < n; ++i) {
+        uint8_t want = 0;
+        ref::StoreBlockElement(&want, DType::kUFloat8E4M4Block, 0, inputs[i], scale);
+        ASSERT_EQ(codes[i], want) << "fp32 0x" << std::hex << BitsOf(inputs[i]);
+      }
+    }
+  });
 }
 
 // The compiler's IEEE half type: _Float16, or on AArch64 the ACLE's __fp16

@@ -54,6 +54,8 @@ inline bool IsNaNElement(const uint8_t* element, DType dtype) {
       return (bits & 0x7FFF) > 0x7F80;
     case Element::kFloat8E4M3:
       return (bits & 0x7F) == 0x7F;
+    case Element::kUFloat8E4M4:
+      return bits == 0xFF;
     default:
       return false;  // int16 remainders are plain integers
   }

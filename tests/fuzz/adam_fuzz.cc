@@ -47,7 +47,10 @@ bool IsNaNAt(const uint8_t* p, DType dtype) {
     case DType::kBFloat16:
       return (bits & 0x7FFFu) > 0x7F80u;
     case DType::kFloat8E4M3:
+    case DType::kFloat8E4M3Block:
       return (bits & 0x7Fu) == 0x7Fu;
+    case DType::kUFloat8E4M4Block:
+      return bits == 0xFFu;
     default:
       return false;
   }
@@ -72,7 +75,7 @@ bool SameValues(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,
 DType PickDType(FuzzedDataProvider& in, std::initializer_list<DType> valid) {
   const uint8_t b = in.ConsumeIntegral<uint8_t>();
   if (b < 192) return valid.begin()[b % valid.size()];
-  static const int32_t kAny[] = {0, 1, 2, 3, 4, 5, 6, 7, -1, 255, INT32_MIN};
+  static const int32_t kAny[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, -1, 255, INT32_MIN};
   return static_cast<DType>(kAny[b % (sizeof(kAny) / sizeof(kAny[0]))]);
 }
 
@@ -225,10 +228,16 @@ void FuzzStep(FuzzedDataProvider& in) {
     t.grad_dtype = share_grad
                        ? specs[0].slot.grad_dtype
                        : PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
-    const std::initializer_list<DType> moments = {DType::kFloat32, DType::kBFloat16,
-                                                  DType::kFloat16, DType::kFloat8E4M3};
-    t.exp_avg_dtype = PickDType(in, moments);
-    t.exp_avg_sq_dtype = PickDType(in, moments);
+    t.exp_avg_dtype = PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                                     DType::kFloat8E4M3, DType::kFloat8E4M3Block});
+    t.exp_avg_sq_dtype =
+        PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                       DType::kFloat8E4M3, DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block});
+    // Per-block geometry (S2.9): mostly valid, sometimes not.
+    static const int32_t kBlocks[] = {128, 256, 4096, 128, 0, 96, 8192};
+    static const int64_t kFirsts[] = {0, 100, 128, 1000, 255, -1};
+    t.scale_block = kBlocks[in.ConsumeIntegralInRange<size_t>(0, 6)];
+    t.first_index = kFirsts[in.ConsumeIntegralInRange<size_t>(0, 5)];
     t.master_dtype = PickDType(in, {DType::kNone, DType::kFloat32, DType::kFloat16,
                                     DType::kInt16Remainder});
     const DType dtypes[5] = {t.param_dtype, t.grad_dtype, t.exp_avg_dtype,
@@ -242,22 +251,32 @@ void FuzzStep(FuzzedDataProvider& in) {
       s.data[b] = PickPtr(in, arena, n * static_cast<size_t>(ItemSize(dtypes[b])),
                           dtypes[b]);
     }
-    for (Ptr& scale : s.scale) {
+    const DType states[3] = {t.exp_avg_dtype, t.exp_avg_sq_dtype, t.master_dtype};
+    for (int j = 0; j < 3; ++j) {
+      Ptr& scale = s.scale[j];
+      // One scale, or as many as a per-block state's valid geometry needs (the
+      // caller's side of the contract: the core cannot check an array's length).
+      int64_t count = 1;
+      if (IsBlockScaled(states[j]) && IsValidScaleBlock(t.scale_block) && t.first_index >= 0) {
+        count = std::max<int64_t>(1, ScaleCount(states[j], t.first_index, t.numel,
+                                                t.scale_block));
+      }
+      const size_t scale_bytes = sizeof(float) * static_cast<size_t>(count);
       const uint8_t b = in.ConsumeIntegral<uint8_t>();
       if (b < 200 || arena.blocks.empty()) {
         scale = arena.Add(0, DType::kFloat32, in);
-        arena.blocks.back().resize(sizeof(float));
-        const float value = PickScale(in);
-        std::memcpy(arena.blocks.back().data(), &value, sizeof(value));
+        arena.blocks.back().resize(scale_bytes);
+        for (int64_t k = 0; k < count; ++k) {
+          const float value = PickScale(in);
+          std::memcpy(arena.blocks.back().data() + k * sizeof(float), &value, sizeof(value));
+        }
       } else if (b < 215) {
         scale = {};
       } else {
         // Into another block: rejected unless that block is unused.
         scale.block = static_cast<int>(
             in.ConsumeIntegralInRange<size_t>(0, arena.blocks.size() - 1));
-        if (arena.blocks[static_cast<size_t>(scale.block)].size() < sizeof(float)) {
-          scale = {};
-        }
+        if (arena.blocks[static_cast<size_t>(scale.block)].size() < scale_bytes) scale = {};
       }
     }
   }
@@ -321,8 +340,10 @@ void FuzzStep(FuzzedDataProvider& in) {
     }
     const DType states[3] = {t.exp_avg_dtype, t.exp_avg_sq_dtype, t.master_dtype};
     for (int j = 0; j < 3; ++j) {
-      const bool scaled = states[j] == DType::kFloat16 || states[j] == DType::kFloat8E4M3;
-      if (scaled) holds[static_cast<size_t>(s.scale[j].block)] = DType::kFloat32;
+      // (an empty per-block state needs no scale slot)
+      if (IsScaled(states[j]) && s.scale[j].block >= 0) {
+        holds[static_cast<size_t>(s.scale[j].block)] = DType::kFloat32;
+      }
     }
   }
   for (size_t b = 0; b < arena.blocks.size(); ++b) {

@@ -42,8 +42,10 @@ enum class DType : int32_t {
   kFloat8E4M3 = 4,      // moments only: uint8 codes of fp8 E4M3 (fn), scaled like fp16
   kInt16Remainder = 5,  // master only: low 16 bits of the fp32 master beside a bf16 param
   kFloat8E4M3Block = 6, // moments only: uint8 E4M3 codes, one power-of-two scale per block
+  kUFloat8E4M4Block = 7, // exp_avg_sq only: unsigned E4M4 codes that keep non-zero
+                         // values non-zero, one power-of-two scale per block (S2.10)
 };
-inline constexpr int kNumDTypes = 7;
+inline constexpr int kNumDTypes = 8;
 
 // How the stored bits of one element read as a number (before any scale).
 enum class Element : int32_t {
@@ -53,6 +55,7 @@ enum class Element : int32_t {
   kBFloat16,
   kFloat8E4M3,       // "fn": no infinities, NaN = 0x7F / 0xFF
   kInt16Remainder,   // the low half of an fp32 whose high half is the bf16 param
+  kUFloat8E4M4,      // unsigned: 4 exponent bits (bias 7), 4 mantissa bits, NaN = 0xFF
 };
 
 // Where a format keeps its scales when it stores a state (moment or master):
@@ -62,9 +65,11 @@ enum class Scaling : int32_t { kNone = 0, kPerTensor = 1, kPerBlock = 2 };
 
 // Which buffers may hold a format (bit set).
 enum FormatRole : uint32_t {
-  kRoleValue = 1,   // param, grad
-  kRoleMoment = 2,  // exp_avg, exp_avg_sq
-  kRoleMaster = 4,  // master_param
+  kRoleValue = 1,     // param, grad
+  kRoleExpAvg = 2,    // exp_avg (signed)
+  kRoleMaster = 4,    // master_param
+  kRoleExpAvgSq = 8,  // exp_avg_sq (never negative: unsigned formats may hold it)
+  kRoleMoment = kRoleExpAvg | kRoleExpAvgSq,  // HasRole: either moment
 };
 
 struct FormatInfo {
@@ -90,6 +95,10 @@ inline constexpr float kFloat8ScaleTarget = 448.0f;
 inline constexpr float kFloat8FiniteBound = 464.0f;
 // Magnitudes up to this (half the smallest subnormal, 2^-9) round to code 0.
 inline constexpr float kFloat8ZeroBound = 0.0009765625f;
+// Unsigned E4M4 (S2.10): magnitudes up to this round to a finite code (the
+// largest, 480, plus half its step); its zero bound is 0, since no non-zero
+// value encodes to code 0.
+inline constexpr float kUFloat8FiniteBound = 488.0f;
 
 // Elements per scale of per-block scaled states: a power of two in this range.
 // The lower bound is a whole number of SIMD vector pairs on every target.
@@ -114,6 +123,8 @@ SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
        0, 0.0f, kRoleMaster},
       {DType::kFloat8E4M3Block, "fp8-block", 1, Element::kFloat8E4M3, Scaling::kPerBlock,
        0, kFloat8FiniteBound, kRoleMoment, kFloat8ZeroBound},
+      {DType::kUFloat8E4M4Block, "ufp8-block", 1, Element::kUFloat8E4M4,
+       Scaling::kPerBlock, 0, kUFloat8FiniteBound, kRoleExpAvgSq, 0.0f},
   };
   const int i = static_cast<int>(dtype);
   return i >= 0 && i < kNumDTypes ? table[i] : FormatInfo{};
