@@ -2,8 +2,8 @@
 // constant. The codecs switch on a tensor's dtypes per element; with constants
 // the switches fold away, the kernel is straight-line code, and element sizes are
 // known (quads.h). On an H200 that took the fp32 step from 0.54 to 0.95 of copy
-// bandwidth and bf16 moments from 0.23 to 0.92 (README, CUDA). Combinations not
-// listed run the kernels that read the dtypes per tensor.
+// bandwidth and bf16 moments from 0.23 to 0.92 (docs/performance.md, CUDA).
+// Combinations not listed run the kernels that read the dtypes per tensor.
 // Same functions, same values: only where the dtypes come from differs, so the
 // bits stored are the same either way.
 #ifndef SHARDADAM_CUDA_LAYOUTS_H_

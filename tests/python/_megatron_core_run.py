@@ -30,8 +30,8 @@ from packaging.version import Version  # noqa: E402
 # The precision-aware options check TE's version (optimizer_config.py:383), None here.
 megatron_utils._te_version = Version("2.9.0")
 
-# CPU stand-ins for Megatron Core's CUDA-only lines (README): the device it allocates on
-# (distributed/param_and_grad_buffer.py:800, 806; optimizer/optimizer.py:485;
+# CPU stand-ins for Megatron Core's CUDA-only lines (docs/guarantees.md): the device it
+# allocates on (distributed/param_and_grad_buffer.py:800, 806; optimizer/optimizer.py:485;
 # clip_grads.py:103; utils.py:1207) and the tensor type names it accepts
 # (distrib_optimizer.py:361, 582).
 torch.cuda.current_device = lambda: "cpu"
