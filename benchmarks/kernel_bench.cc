@@ -36,6 +36,7 @@ namespace {
 struct Preset {
   const char* name;
   DType param, grad, exp_avg, exp_avg_sq, master;
+  int32_t scale_block = 0;  // per-block scaled moments: elements per scale
 };
 
 // The presets the project's targets are stated for.
@@ -52,20 +53,29 @@ const Preset kPresets[] = {
      DType::kFloat8E4M3, DType::kFloat8E4M3, DType::kFloat32},
     {"p=bf16 g=bf16 master=fp32 m=fp8 v=bf16", DType::kBFloat16, DType::kBFloat16,
      DType::kFloat8E4M3, DType::kBFloat16, DType::kFloat32},
+    // FusedAdam's moment_format="block8" (S2.9, S2.10), blocks of 256.
+    {"p=bf16 g=bf16 master=remainder m=fp8-block v=ufp8-block", DType::kBFloat16,
+     DType::kBFloat16, DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block,
+     DType::kInt16Remainder, 256},
+    {"p=fp32 g=fp32 m=fp8-block v=ufp8-block", DType::kFloat32, DType::kFloat32,
+     DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block, DType::kNone, 256},
 };
 
 size_t Bytes(DType t) {
   switch (t) {
     case DType::kNone: return 0;
     case DType::kFloat32: return 4;
-    case DType::kFloat8E4M3: return 1;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E4M3Block:
+    case DType::kUFloat8E4M4Block: return 1;
     default: return 2;
   }
 }
 
 // Bytes the step must move per element (docs/benchmarking.md "minimum"): grad, both
 // moments and the master (or the param when there is none) are read; param, master
-// and both moments are written.
+// and both moments are written. Per-block scales (8 bytes per block of 256 read and
+// written, 0.03 bytes per element) are left out.
 size_t MinimumBytes(const Preset& p) {
   // A remainder master is read together with the param it completes.
   const size_t weight_read = p.master == DType::kNone ? Bytes(p.param)
@@ -165,10 +175,15 @@ struct Case {
   // integer adds would turn the kernel's values into garbage (huge, inf, NaN), on
   // which some kernels take slower paths.
   Streams state, probe;
-  float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
+  float master_scale = 1.0f;
+  // One scale per moment, or one per block of per-block scaled moments.
+  std::vector<float> exp_avg_scales, exp_avg_sq_scales;
 
   Case(const Preset& p, int64_t n, int t)
-      : preset(p), numel(n), threads(t), state(p, n), probe(p, n) {
+      : preset(p), numel(n), threads(t), state(p, n), probe(p, n),
+        exp_avg_scales(std::max<int64_t>(1, ScaleCount(p.exp_avg, 0, n, p.scale_block)), 1.0f),
+        exp_avg_sq_scales(std::max<int64_t>(1, ScaleCount(p.exp_avg_sq, 0, n, p.scale_block)),
+                          1.0f) {
     Fill();
     for (Buffer* b : {&probe.param, &probe.grad, &probe.exp_avg, &probe.exp_avg_sq,
                       &probe.master}) {
@@ -186,7 +201,8 @@ struct Case {
         x = normal(rng) * scale_of_values;
         if (positive) x = x * x;
       }
-      if (t == DType::kInt16Remainder) {
+      // Remainders start at 0, per-block moments at 0 (the warm-up step fills them).
+      if (t == DType::kInt16Remainder || IsBlockScaled(t)) {
         std::memset(b.get(), 0, b.bytes);
         return;
       }
@@ -217,10 +233,11 @@ struct Case {
     slot.grad_dtype = preset.grad;
     slot.exp_avg = state.exp_avg.get();
     slot.exp_avg_dtype = preset.exp_avg;
-    slot.exp_avg_scale = &exp_avg_scale;
+    slot.exp_avg_scale = exp_avg_scales.data();
     slot.exp_avg_sq = state.exp_avg_sq.get();
     slot.exp_avg_sq_dtype = preset.exp_avg_sq;
-    slot.exp_avg_sq_scale = &exp_avg_sq_scale;
+    slot.exp_avg_sq_scale = exp_avg_sq_scales.data();
+    slot.scale_block = preset.scale_block;
     slot.master_param = state.master.get();
     slot.master_dtype = preset.master;
     slot.master_scale = &master_scale;
@@ -247,6 +264,22 @@ struct Case {
                As<V>(probe.exp_avg_sq), As<P>(probe.param), has_master, begin, end);
   }
 
+  // Remainder: param and int16 remainder are both read and written in place.
+  template <class M>
+  void ProbeRemainder(size_t begin, size_t end) {
+    using u16 = uint16_t;
+    const u16* g = As<const u16>(probe.grad);
+    u16 *p = As<u16>(probe.param), *r = As<u16>(probe.master);
+    M *m = As<M>(probe.exp_avg), *v = As<M>(probe.exp_avg_sq);
+    for (size_t i = begin; i < end; ++i) {
+      const u16 x = g[i];
+      p[i] = static_cast<u16>(p[i] + x);
+      r[i] = static_cast<u16>(r[i] ^ x);
+      m[i] = static_cast<M>(m[i] + x);
+      v[i] = static_cast<M>(v[i] + x);
+    }
+  }
+
   void ProbeRangeForPreset(size_t begin, size_t end) {
     using u8 = uint8_t;
     using u16 = uint16_t;
@@ -255,16 +288,10 @@ struct Case {
     if (preset.param == DType::kFloat32) {
       ProbeTyped<u32, u32, u32, u32, u32>(begin, end);
     } else if (preset.master == DType::kInt16Remainder) {
-      // Remainder: param and int16 remainder are both read and written in place.
-      const u16* g = As<const u16>(probe.grad);
-      u16 *p = As<u16>(probe.param), *r = As<u16>(probe.master),
-          *m = As<u16>(probe.exp_avg), *v = As<u16>(probe.exp_avg_sq);
-      for (size_t i = begin; i < end; ++i) {
-        const u16 x = g[i];
-        p[i] = static_cast<u16>(p[i] + x);
-        r[i] = static_cast<u16>(r[i] ^ x);
-        m[i] = static_cast<u16>(m[i] + x);
-        v[i] = static_cast<u16>(v[i] + x);
+      if (fp8) {
+        ProbeRemainder<u8>(begin, end);
+      } else {
+        ProbeRemainder<u16>(begin, end);
       }
     } else if (fp8 && Bytes(preset.exp_avg_sq) == 1) {
       ProbeTyped<u16, u32, u8, u8, u16>(begin, end);
