@@ -285,7 +285,9 @@ struct Case {
     using u16 = uint16_t;
     using u32 = uint32_t;
     const bool fp8 = Bytes(preset.exp_avg) == 1;
-    if (preset.param == DType::kFloat32) {
+    if (preset.param == DType::kFloat32 && fp8) {
+      ProbeTyped<u32, u32, u8, u8, u32>(begin, end);
+    } else if (preset.param == DType::kFloat32) {
       ProbeTyped<u32, u32, u32, u32, u32>(begin, end);
     } else if (preset.master == DType::kInt16Remainder) {
       if (fp8) {

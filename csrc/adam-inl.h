@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cmath>
 #include <type_traits>
 #include <utility>
 
@@ -24,6 +25,7 @@
 #include "element.h"
 #include "hwy/highway.h"
 #include "kernels.h"
+#include "scale_rule.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace shardadam {
@@ -444,6 +446,89 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
   if (bits_v > max_bits[2]) max_bits[2] = bits_v;
 }
 
+// internal::FusedBlockFn for block8 moments (fused_layouts.h FusedBlockLayouts):
+// E4M3 exp_avg and unsigned E4M4 exp_avg_sq, each block's power-of-two scales
+// (S2.9, S2.10). Per block, one pass reads every stream once, updates in
+// registers and stores the weight; only the new moments wait in L1 (their scale
+// needs the block's absmax) before they are encoded. The same codecs and
+// element formula as block_spans.cc, so the same bits.
+template <bool kAdamW, bool kUnitBc2, class L>
+HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void* grad,
+                                             void* param, void* master, void* m, void* v,
+                                             float* m_scales, float* v_scales,
+                                             size_t block, size_t n) {
+  static_assert(L::kExpAvg == DType::kFloat8E4M3Block &&
+                    L::kExpAvgSq == DType::kUFloat8E4M4Block,
+                "the fused block kernel stores block8 moments");
+  constexpr FormatInfo kM = FormatOf(L::kExpAvg);
+  constexpr FormatInfo kV = FormatOf(L::kExpAvgSq);
+  const DF df;
+  const DI di;
+  const size_t step = 2 * hn::Lanes(df);
+  const VecOps<kUnitBc2> ops;
+  const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
+  alignas(64) float new_m[kMaxScaleBlock];
+  alignas(64) float new_v[kMaxScaleBlock];
+  uint8_t* HWY_RESTRICT m_codes = static_cast<uint8_t*>(m);
+  uint8_t* HWY_RESTRICT v_codes = static_cast<uint8_t*>(v);
+  for (size_t b = 0; b < n; b += block) {
+    const size_t j = b / block;
+    // Decoding multiplies by a power of two: exact, in one multiply unless
+    // folding the E4M3 decoder's factor into a huge scale overflows.
+    const float m_folded = m_scales[j] * kF8RawFactor;
+    const bool m_one_multiply = std::isfinite(m_folded);
+    const VF m_factor = hn::Set(df, m_one_multiply ? m_folded : kF8RawFactor);
+    const VF m_scale = hn::Set(df, m_scales[j]);
+    const VF v_scale = hn::Set(df, v_scales[j]);
+    VI acc_m = hn::Zero(di);
+    VI acc_v = hn::Zero(di);
+    for (size_t i = 0; i < block; i += step) {
+      const size_t e = b + i;
+      VF g0, g1, w0, w1, m0, m1, v0, v1;
+      LoadGradx2<L::kGrad, false>(grad, e, g0, g1);
+      LoadWx2<L::kWeight, false>(param, master, e, w0, w1);
+      LoadF8x2Raw(m_codes + e, m0, m1);
+      m0 = hn::Mul(m0, m_factor);
+      m1 = hn::Mul(m1, m_factor);
+      if (!m_one_multiply) {
+        m0 = hn::Mul(m0, m_scale);
+        m1 = hn::Mul(m1, m_scale);
+      }
+      LoadUF8x2(v_codes + e, v0, v1);
+      v0 = hn::Mul(v0, v_scale);
+      v1 = hn::Mul(v1, v_scale);
+      AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
+      AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
+      StoreWx2<L::kWeight, false, false>(w0, w1, param, master, e);
+      StoreF32x2(m0, m1, new_m + i);
+      StoreF32x2(v0, v1, new_v + i);
+      acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
+      acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
+    }
+    const float sm = BlockScaleFromAbsMaxBits(
+        static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
+        kM.zero_bound);
+    const float sv = BlockScaleFromAbsMaxBits(
+        static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v))), kV.scale_target,
+        kV.zero_bound);
+    // x / s as the block path divides, without a division: a new scale is a
+    // power of two in [2^-126, 2^120] (S2.9: 2^121 would need a block maximum
+    // above FLT_MAX), so 1 / s is exact and normal, and x * (1 / s) is the
+    // same correctly rounded quotient.
+    const VF m_by = hn::Set(df, 1.0f / sm);
+    const VF v_by = hn::Set(df, 1.0f / sv);
+    for (size_t i = 0; i < block; i += step) {
+      VF m0, m1, v0, v1;
+      LoadF32x2(new_m + i, m0, m1);
+      LoadF32x2(new_v + i, v0, v1);
+      StoreF8x2(hn::Mul(m0, m_by), hn::Mul(m1, m_by), m_codes + b + i);
+      StoreUF8x2(v0, v1, hn::Mul(v0, v_by), hn::Mul(v1, v_by), v_codes + b + i);
+    }
+    m_scales[j] = sm;
+    v_scales[j] = sv;
+  }
+}
+
 template <bool kAdamW, class L>
 constexpr internal::FusedMeasureFn FusedMeasureOrNull() {
   if constexpr (NeedsMeasuringPass(L::kExpAvg) || NeedsMeasuringPass(L::kExpAvgSq)) {
@@ -468,6 +553,19 @@ constexpr internal::FusedTable MakeFusedTable(std::index_sequence<I...>) {
   return t;
 }
 
+// And every listed block layout's kernel, in FusedBlockLayouts order.
+template <size_t... I>
+constexpr internal::FusedTable WithFusedBlockKernels(internal::FusedTable t,
+                                                     std::index_sequence<I...>) {
+  using internal::FusedBlockLayouts;
+  ((t.block[0][0][I] = FusedBlockSpan<false, false, std::tuple_element_t<I, FusedBlockLayouts>>,
+    t.block[0][1][I] = FusedBlockSpan<false, true, std::tuple_element_t<I, FusedBlockLayouts>>,
+    t.block[1][0][I] = FusedBlockSpan<true, false, std::tuple_element_t<I, FusedBlockLayouts>>,
+    t.block[1][1][I] = FusedBlockSpan<true, true, std::tuple_element_t<I, FusedBlockLayouts>>),
+   ...);
+  return t;
+}
+
 // Constant data where the vector size is known at compile time. Scalable
 // targets (SVE, RVV) learn it at run time, with their own instructions, so
 // targets.cc reads only the tables of targets this CPU runs.
@@ -480,8 +578,9 @@ constexpr internal::FusedTable MakeFusedTable(std::index_sequence<I...>) {
 #endif
 
 const internal::KernelTable* GetKernelTable() {
-  static constexpr internal::FusedTable kFused =
-      MakeFusedTable(std::make_index_sequence<internal::kNumFusedLayouts>());
+  static constexpr internal::FusedTable kFused = WithFusedBlockKernels(
+      MakeFusedTable(std::make_index_sequence<internal::kNumFusedLayouts>()),
+      std::make_index_sequence<internal::kNumFusedBlockLayouts>());
   SHARDADAM_KERNEL_TABLE internal::KernelTable table = {
       HWY_TARGET,
       SHARDADAM_PAIR_LANES,

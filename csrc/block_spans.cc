@@ -1,6 +1,8 @@
 // The only pass of a tensor with per-block scaled moments (S2.9): each block
 // is decoded with its old scale, updated in L1, measured there, and encoded
-// with its new scale, so no pass over memory is repeated (spans.h).
+// with its new scale, so no pass over memory is repeated (spans.h). Runs of
+// whole blocks of a listed layout go to its fused block kernel instead
+// (fused_layouts.h FusedBlockLayouts), which gives the same bits.
 #include <algorithm>
 #include <cstring>
 
@@ -71,11 +73,37 @@ void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConst
 
 }  // namespace
 
+// The whole blocks of [e, end) from element e, which starts block j, through
+// the layout's fused block kernel. Returns where they end.
+int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
+                        int64_t e, int64_t end, int64_t j) {
+  const int64_t n = (end - e) / p.block * p.block;
+  if (n == 0) return e;
+  const auto at = [e](auto* buffer, int size) {
+    return buffer == nullptr ? nullptr : buffer + e * size;
+  };
+  kt.fused.block[k.adam_w_mode ? 1 : 0][k.bias_correction2_sqrt == 1.0f ? 1 : 0]
+                [p.fused_block](k, at(p.grad, p.grad_size), at(p.param, p.param_size),
+                                at(p.master, p.master_size), at(p.exp_avg, p.exp_avg_size),
+                                at(p.exp_avg_sq, p.exp_avg_sq_size),
+                                p.scale_slot[kStreamM] + j, p.scale_slot[kStreamV] + j,
+                                static_cast<size_t>(p.block), static_cast<size_t>(n));
+  return e + n;
+}
+
 void UpdateBlockSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                      int64_t begin, int64_t end, Scratch& s) {
   for (int64_t e = begin; e < end;) {
     // Block j of this tensor holds elements [j * block - lead, (j + 1) * block - lead).
     const int64_t j = (e + p.lead) / p.block;
+    if (p.fused_block >= 0 && (e + p.lead) % p.block == 0 &&
+        static_cast<size_t>(p.block) % kt.pair == 0) {
+      const int64_t next = StepWholeBlocks(kt, p, k, e, end, j);
+      if (next != e) {
+        e = next;
+        continue;
+      }
+    }
     const int64_t next = std::min(end, (j + 1) * p.block - p.lead);
     const size_t c = static_cast<size_t>(next - e);
     if (c % kt.pair == 0) {

@@ -406,9 +406,9 @@ HWY_INLINE void LoadUF8x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
   b = UF8ToF32(LoadWideU8(p + hn::Lanes(DF())));
 }
 
-// Stores the codes of a / s and b / s.
-HWY_INLINE void StoreUF8x2(VF a, VF b, VF s, uint8_t* HWY_RESTRICT p) {
-  StoreNarrowU8(F32ToUF8(hn::Div(a, s), a), F32ToUF8(hn::Div(b, s), b), p);
+// Stores the codes of a / s and b / s (S2.10), given those quotients.
+HWY_INLINE void StoreUF8x2(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+  StoreNarrowU8(F32ToUF8(a_over_s, a), F32ToUF8(b_over_s, b), p);
 }
 
 // fp32 master = (param << 16) + sign-extended remainder, modulo 2^32: a
@@ -680,7 +680,7 @@ void EncodeUF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::Scal
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
     LoadF32x2(x + i, a, b);
-    StoreUF8x2(a, b, s, out + i);
+    StoreUF8x2(a, b, hn::Div(a, s), hn::Div(b, s), out + i);
   }
 }
 

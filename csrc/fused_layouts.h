@@ -68,6 +68,23 @@ using FusedLayouts = std::tuple<
 
 inline constexpr int kNumFusedLayouts = static_cast<int>(std::tuple_size_v<FusedLayouts>);
 
+// The layouts with per-block scaled moments (S2.9, S2.10) that have a fused
+// block kernel (adam-inl.h FusedBlockSpan): FusedAdam's block8 moments beside
+// every fused weight and gradient. Others take block_spans.cc's fp32 blocks.
+constexpr DType kF8Block = DType::kFloat8E4M3Block;
+constexpr DType kUF8Block = DType::kUFloat8E4M4Block;
+
+using FusedBlockLayouts = std::tuple<
+    FusedLayout<kF32, Weight::kParamF32, kF8Block, kUF8Block>,
+    FusedLayout<kF32, Weight::kMasterF32, kF8Block, kUF8Block>,
+    FusedLayout<kF32, Weight::kRemainder, kF8Block, kUF8Block>,
+    FusedLayout<kBF16, Weight::kParamF32, kF8Block, kUF8Block>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF8Block, kUF8Block>,
+    FusedLayout<kBF16, Weight::kRemainder, kF8Block, kUF8Block>>;
+
+inline constexpr int kNumFusedBlockLayouts =
+    static_cast<int>(std::tuple_size_v<FusedBlockLayouts>);
+
 inline constexpr int kFusedWeights = 3;
 
 // A lookup key of every (grad, weight, exp_avg, exp_avg_sq), tags in range.
@@ -91,22 +108,25 @@ struct FusedLayoutIndex {
   }
 };
 
-template <size_t... I>
+template <class Layouts, size_t... I>
 constexpr FusedLayoutIndex MakeFusedLayoutIndex(std::index_sequence<I...>) {
   FusedLayoutIndex t{};
   for (auto& i : t.index) i = -1;
-  ((t.index[FusedLayoutKey(std::tuple_element_t<I, FusedLayouts>::kGrad,
-                           std::tuple_element_t<I, FusedLayouts>::kWeight,
-                           std::tuple_element_t<I, FusedLayouts>::kExpAvg,
-                           std::tuple_element_t<I, FusedLayouts>::kExpAvgSq)] =
+  ((t.index[FusedLayoutKey(std::tuple_element_t<I, Layouts>::kGrad,
+                           std::tuple_element_t<I, Layouts>::kWeight,
+                           std::tuple_element_t<I, Layouts>::kExpAvg,
+                           std::tuple_element_t<I, Layouts>::kExpAvgSq)] =
         static_cast<int8_t>(I)),
    ...);
   return t;
 }
 
 inline constexpr FusedLayoutIndex kFusedLayoutIndex =
-    MakeFusedLayoutIndex(std::make_index_sequence<kNumFusedLayouts>());
-static_assert(kNumFusedLayouts <= INT8_MAX, "indices fit the table's int8_t");
+    MakeFusedLayoutIndex<FusedLayouts>(std::make_index_sequence<kNumFusedLayouts>());
+inline constexpr FusedLayoutIndex kFusedBlockLayoutIndex =
+    MakeFusedLayoutIndex<FusedBlockLayouts>(std::make_index_sequence<kNumFusedBlockLayouts>());
+static_assert(kNumFusedLayouts <= INT8_MAX && kNumFusedBlockLayouts <= INT8_MAX,
+              "indices fit the table's int8_t");
 
 }  // namespace internal
 }  // namespace shardadam

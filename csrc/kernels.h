@@ -109,11 +109,22 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
                                 const void* m, const void* v, const FusedScales& s,
                                 size_t n, uint32_t* max_bits);
 
+// The whole step of `n` elements, whole blocks of `block` elements (a multiple
+// of KernelTable::pair) with per-block scaled moments, each block in one pass:
+// decoded with its old scales, updated in registers, the weight stored, the new
+// moments kept in L1 while their absmax is taken, then encoded with the new
+// scales, which replace the old ones in m_scales / v_scales (one per block).
+using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
+                              void* master, void* m, void* v, float* m_scales,
+                              float* v_scales, size_t block, size_t n);
+
 struct FusedTable {
   // [adam_w_mode][unit bias_correction2_sqrt][FusedLayouts index]
   FusedFn fn[2][2][kNumFusedLayouts];
   // [adam_w_mode][FusedLayouts index]; null where no moment needs measuring.
   FusedMeasureFn measure[2][kNumFusedLayouts];
+  // [adam_w_mode][unit bias_correction2_sqrt][FusedBlockLayouts index]
+  FusedBlockFn block[2][2][kNumFusedBlockLayouts];
 };
 
 // Largest |x[i]| over any `n`, as an fp32 bit pattern (see ReduceFn).

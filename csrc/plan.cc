@@ -119,8 +119,13 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
     p.scale_slot[i] = slots[i];
     p.old_scale[i] = *slots[i];  // read before any scale is written
   }
-  // Per-block scales take the block path (block_spans.cc).
+  // Per-block scales take the block path (block_spans.cc), fused where listed.
   p.fused = p.block > 0 ? -1 : ChooseFused(s, p);
+  Weight weight;
+  if (p.block > 0 && FusedWeightOf(s, weight)) {
+    p.fused_block = kFusedBlockLayoutIndex.Of(s.grad_dtype, weight, s.exp_avg_dtype,
+                                              s.exp_avg_sq_dtype);
+  }
   return p;
 }
 

@@ -48,6 +48,8 @@ struct TensorPlan {
 
   // Index in FusedLayouts when the layout has a fused kernel, else -1.
   int fused = -1;
+  // Index in FusedBlockLayouts for per-block scaled moments, else -1.
+  int fused_block = -1;
 
   // Per-block scaled moments (S2.9): elements per scale (0: none), the position
   // of element 0 in its block, and which moments are per-block scaled (their

@@ -34,18 +34,18 @@ TensorSlot SlotOf(DType grad, Weight weight, DType exp_avg, DType exp_avg_sq,
   return s;
 }
 
-template <size_t... I>
+template <class Layouts, size_t... I>
 std::vector<TensorSlot> ListedSlots(std::index_sequence<I...>, float* scale) {
-  return {SlotOf(std::tuple_element_t<I, FusedLayouts>::kGrad,
-                 std::tuple_element_t<I, FusedLayouts>::kWeight,
-                 std::tuple_element_t<I, FusedLayouts>::kExpAvg,
-                 std::tuple_element_t<I, FusedLayouts>::kExpAvgSq, scale)...};
+  return {SlotOf(std::tuple_element_t<I, Layouts>::kGrad,
+                 std::tuple_element_t<I, Layouts>::kWeight,
+                 std::tuple_element_t<I, Layouts>::kExpAvg,
+                 std::tuple_element_t<I, Layouts>::kExpAvgSq, scale)...};
 }
 
 TEST(PlanTest, EveryListedLayoutTakesItsFusedKernel) {
   float scale = 1.0f;
   const auto slots =
-      ListedSlots(std::make_index_sequence<internal::kNumFusedLayouts>(), &scale);
+      ListedSlots<FusedLayouts>(std::make_index_sequence<internal::kNumFusedLayouts>(), &scale);
   const internal::KernelTable& kt = internal::ActiveKernels();
   for (size_t i = 0; i < slots.size(); ++i) {
     const internal::TensorPlan p = internal::MakePlan(kt, slots[i]);
@@ -56,6 +56,28 @@ TEST(PlanTest, EveryListedLayoutTakesItsFusedKernel) {
                           NeedsMeasuringPass(slots[i].exp_avg_sq_dtype);
     EXPECT_EQ(kt.fused.measure[1][p.fused] != nullptr, measured) << "layout " << i;
   }
+}
+
+// Per-block scaled moments: the listed layouts take their fused block kernel,
+// the others fp32 blocks; neither takes a per-tensor fused kernel.
+TEST(PlanTest, ListedBlockLayoutsTakeTheirFusedBlockKernel) {
+  float scales[1] = {1.0f};
+  auto slots = ListedSlots<internal::FusedBlockLayouts>(
+      std::make_index_sequence<internal::kNumFusedBlockLayouts>(), scales);
+  const internal::KernelTable& kt = internal::ActiveKernels();
+  for (size_t i = 0; i < slots.size(); ++i) {
+    slots[i].scale_block = 256;
+    const internal::TensorPlan p = internal::MakePlan(kt, slots[i]);
+    EXPECT_EQ(p.fused, -1) << "layout " << i;
+    EXPECT_EQ(p.fused_block, static_cast<int>(i)) << "layout " << i;
+    EXPECT_NE(kt.fused.block[1][0][p.fused_block], nullptr);
+  }
+  TensorSlot both_signed = slots[0];
+  both_signed.exp_avg_sq_dtype = DType::kFloat8E4M3Block;
+  EXPECT_EQ(internal::MakePlan(kt, both_signed).fused_block, -1);
+  TensorSlot bf16_exp_avg = slots[0];
+  bf16_exp_avg.exp_avg_dtype = DType::kBFloat16;
+  EXPECT_EQ(internal::MakePlan(kt, bf16_exp_avg).fused_block, -1);
 }
 
 TEST(PlanTest, LayoutsNotListedTakeTheBlockPath) {
