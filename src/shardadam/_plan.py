@@ -39,7 +39,7 @@ class Entry:
     __slots__ = ("index", "place", "param", "local", "layout", "numel", "param_kind",
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
-                 "master_scale")
+                 "master_scale", "first_index", "scale_block")
 
     def __init__(self, index: int, param: torch.Tensor, place: str):
         self.index = index
@@ -54,7 +54,12 @@ class Entry:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
         exactly ``specs``)."""
         self.master, self.master_format, self.master_scale = None, None, None
+        # Per-block moments (S2.9): where the local tensor's blocks start, and their
+        # size (both moments of one configuration share it; 0: none is per block).
+        self.first_index, self.scale_block = 0, 0
         for spec in specs:
+            if spec.format.scale == "block":
+                self.first_index, self.scale_block = spec.first_index, spec.format.scale_block
             stored = _dtensor.to_local(entry[spec.name])
             scale = scales.get(spec.name) if scales else None
             if spec.name == "exp_avg":
@@ -129,7 +134,7 @@ class GroupPlan:
         remember the storage. Runs after validation: this is a mutation."""
         state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
-            specs = self.config.specs(entry.local.dtype)
+            specs = self.config.specs_of(entry.local, entry.layout)
             writes = _state.plan_entry(specs, state.get(entry.param), scales.get(entry.param),
                                        formats.get(entry.param), entry.local, entry.layout)
             if not writes.empty():  # leave a settled entry alone
