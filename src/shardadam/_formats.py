@@ -310,13 +310,14 @@ def legacy_format(dtype: torch.dtype) -> Optional[Format]:
     return _LEGACY.get(dtype)
 
 
-def check_extension(module) -> None:
+def check_extension(module) -> frozenset:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
     name, item_size, scale, scale_block, scale_target, roles, zero_bound)``) declares
     each of these formats exactly as here: the core and this package read the same
     buffers by these facts. Rows and roles are compared in any order. A per-block
     format the core does not declare at all (an older core) is only unavailable
-    (``available``): nothing selects it by default, and ``moment_format`` refuses it.
+    (returned: the names of those): nothing selects it by default, and
+    ``moment_format`` refuses it.
     Formats of the core this package does not know never cross the boundary, so only
     their tags and names must not collide with these."""
     found = getattr(module, "FORMATS", None)
@@ -340,15 +341,20 @@ def check_extension(module) -> None:
         raise ImportError(f"shardadam._C does not match this package (expected formats "
                           f"{sorted(f.row() for f in FORMATS)}, found {found!r}): "
                           "rebuild the extension")
-    _UNAVAILABLE.clear()
-    _UNAVAILABLE.update(missing)
-    global SCALE_BLOCK_RANGE
+    return frozenset(missing)
+
+
+def use_extension(module) -> None:
+    """Check the loaded core's table (``check_extension``) and take from it which
+    per-block formats it has and its range of block sizes."""
+    global _UNAVAILABLE, SCALE_BLOCK_RANGE
+    _UNAVAILABLE = check_extension(module)
     SCALE_BLOCK_RANGE = (int(getattr(module, "MIN_SCALE_BLOCK", SCALE_BLOCK_RANGE[0])),
                          int(getattr(module, "MAX_SCALE_BLOCK", SCALE_BLOCK_RANGE[1])))
 
 
 # Per-block formats the loaded C++ core does not declare (``check_extension``).
-_UNAVAILABLE = set()
+_UNAVAILABLE = frozenset()
 # Elements per block scale: a power of two in this range (the core's kMinScaleBlock /
 # kMaxScaleBlock; read from the extension when it loads).
 SCALE_BLOCK_RANGE = (128, 4096)

@@ -52,7 +52,7 @@ def columns_of(module) -> dict:
 _COLUMN = columns_of(extension) if extension is not None \
     else {name: position for position, name in enumerate(NAMES)}
 if extension is not None:
-    _formats.check_extension(extension)  # the core's own table of the formats
+    _formats.use_extension(extension)  # the core's own table of the formats
 COLUMNS = len(NAMES)
 GRAD, GRAD_KIND, _PARAM = _COLUMN["grad"], _COLUMN["grad_dtype"], _COLUMN["param"]
 # Where each of _row()'s values goes.
