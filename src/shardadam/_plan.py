@@ -226,8 +226,9 @@ def build_plan(group: dict, group_index: int, config, state, scales,
     plan = GroupPlan(group, group_index, params, config, state, scales, formats)
     for entry in plan.entries:
         existing = state.get(entry.param)
-        error = _state.consistency_error(config.specs(entry.local.dtype), existing,
-                                         entry.local, entry.layout)
+        error = _state.consistency_error(config.specs_of(entry.local, entry.layout),
+                                         existing, entry.local, entry.layout,
+                                         scales.get(entry.param), formats.get(entry.param))
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
                                  name=_validate.param_name(group, entry.index))

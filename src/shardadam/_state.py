@@ -365,10 +365,12 @@ def _update(container: dict, param, changes: dict) -> None:
         del container[param]
 
 
-def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout):
+def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout,
+                      scales: Optional[dict] = None, formats: Optional[dict] = None):
     """A sentence if ``entry`` holds a state that cannot belong to the local tensor
     ``param`` of a parameter with ``layout`` (S3.3: a DTensor parameter's states are
-    DTensors of its layout, a plain one's are plain)."""
+    DTensors of its layout, a plain one's are plain), or per-block codes whose scales
+    (in ``scales``) are missing or unusable: without them the codes mean nothing."""
     if not entry:
         return None
     for spec in specs:
@@ -381,10 +383,36 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
             if tuple(local.shape) != tuple(param.shape):
                 error = (f"has local shape {tuple(local.shape)} but the parameter's local "
                          f"shape is {tuple(param.shape)}")
+            else:
+                error = _block_scale_error(local, spec, scales, formats)
         if error is not None:
             return (f"state {spec.name!r} {error}; call initialize_state(param) to "
                     f"recreate it")
     return None
+
+
+def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
+                       formats: Optional[dict]) -> Optional[str]:
+    """Why the scales of per-block codes ``stored`` cannot decode them, or None."""
+    fmt = stored_format(stored, formats, spec.name)
+    if fmt is None or fmt.scale != "block":
+        return None
+    scale = scales.get(spec.name) if scales else None
+    shape = fmt.scale_shape(stored.numel(), spec.first_index)
+    if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != shape):
+        return (f"holds {fmt.label} codes, whose scales must be a plain fp32 tensor of "
+                f"shape {shape} (rule S2.11), got {_shown(scale)}")
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        return (f"holds {fmt.label} codes with scales that are not finite and positive "
+                f"(rule S2.9: each is a power of two)")
+    return None
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return "nothing" if value is None else type(value).__name__
 
 
 def migrate_scales(state, scales) -> None:

@@ -207,3 +207,29 @@ def test_non_finite_gradient_gives_a_unit_scale_in_its_block_only():
     scales = opt._scales[p]["exp_avg"]
     assert scales[2].item() == 1.0
     assert all(s != 1.0 for i, s in enumerate(scales.tolist()) if i != 2)
+
+
+@pytest.mark.parametrize("damage", ["missing", "nan", "inf", "zero", "short", "fp16"])
+def test_codes_without_usable_scales_are_refused(damage):
+    """Per-block codes whose scales are missing, non-finite, not positive or of the
+    wrong shape or dtype cannot be decoded: step() refuses them, naming the state and
+    the rule, and changes nothing."""
+    opt, params = make()
+    run(opt, params, 1, 2)
+    p = params[0]
+    scales = opt._scales[p]
+    if damage == "missing":
+        del scales["exp_avg"]
+    elif damage == "short":
+        scales["exp_avg"] = scales["exp_avg"][:-1].clone()
+    elif damage == "fp16":
+        scales["exp_avg"] = scales["exp_avg"].half()
+    else:
+        value = {"nan": float("nan"), "inf": float("inf"), "zero": 0.0}[damage]
+        scales["exp_avg"] = scales["exp_avg"].clone()
+        scales["exp_avg"][1] = value
+    grads(params, 3)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg' holds fp8-block:256 codes"):
+        opt.step()
+    assert_unchanged(opt, before)
