@@ -336,7 +336,8 @@ class FusedAdam(torch.optim.Optimizer):
         fmt = _state.stored_format(stored, formats, state_name)
         if skip_unscale and fmt is not None and not fmt.scaled:
             return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
-        return _state.read_value(entry, self._scales.get(param), formats, state_name)
+        return _state.read_value(entry, self._scales.get(param), formats, state_name,
+                                 spec.first_index)
 
     @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:

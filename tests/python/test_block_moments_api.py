@@ -233,3 +233,20 @@ def test_codes_without_usable_scales_are_refused(damage):
     with pytest.raises(RuntimeError, match=r"state 'exp_avg' holds fp8-block:256 codes"):
         opt.step()
     assert_unchanged(opt, before)
+
+
+def test_te_state_methods_round_trip():
+    """get_unscaled_state gives the decoded fp32 values; set_scaled_state of those
+    values stores the same codes and scales again (S5.2, S5.3)."""
+    opt, params = make()
+    run(opt, params, 1, 3)
+    for p in params:
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes = opt.state[p][name].clone()
+            scales = opt._scales[p][name].clone()
+            value = opt.get_unscaled_state(p, name)
+            fmt = opt._formats[p][name]
+            assert_bitwise_equal(value, fmt.decode(codes, scales), f"{name} decoded")
+            opt.set_scaled_state(p, name, value)
+            assert_bitwise_equal(opt.state[p][name], codes, f"{name} codes")
+            assert_bitwise_equal(opt._scales[p][name], scales, f"{name} scales")

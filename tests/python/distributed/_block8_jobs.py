@@ -125,4 +125,44 @@ def block8_dcp_resume(ctx, case):
     symmetric(same)
 
 
-KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume}
+def block8_mesh_rule(ctx, case):
+    """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
+    step from zero moments: under Shard(0) the blocks are keyed to the global flat index
+    (f = row offset x row length), under Shard(1) and Replicate to the local one (f = 0);
+    the stored codes and scales are exactly the torch codec's at that f, and
+    get_unscaled_state decodes them at the same f."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardadam import _codecs, _formats
+
+    shape, rows = (9, 96), 9 // ctx.world_size
+    layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
+               "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0)}
+    placements, first = layouts[case.detail]
+    mesh = ctx.mesh()
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+    opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format="block8",
+                       moment_block_size=BLOCK)
+    g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
+    p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+    opt.step()
+    local_g = p.grad.to_local()
+    fmt = _formats.FP8_BLOCK
+
+    def check():
+        want = torch.tensor(1 - 0.9) * local_g  # the core's fp32 constant times g (S3.6)
+        codes, scales = _codecs.encode_blocks(fmt.name, want, first, BLOCK,
+                                              fmt.scale_target, fmt.zero_bound)
+        got = opt.state[p]["exp_avg"].to_local()
+        assert_bitwise(got.reshape(-1), codes, f"{case.detail}: exp_avg codes at f={first}")
+        assert_bitwise(opt._scales[p]["exp_avg"], scales, f"{case.detail}: scales")
+        decoded = _codecs.decode_blocks(fmt.name, codes, scales, first, BLOCK)
+        assert_bitwise(opt.get_unscaled_state(p, "exp_avg").reshape(-1), decoded,
+                       f"{case.detail}: get_unscaled_state")
+
+    symmetric(check)
+
+
+KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume,
+         "block8_mesh_rule": block8_mesh_rule}

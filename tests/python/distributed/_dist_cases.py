@@ -132,6 +132,9 @@ def _build():
         cases.append(Case(save, 2, "block8_dcp_save", preset, job="block8-save"))
         cases.append(Case(f"W=3-fsdp2-block8-dcp-2to3-{preset}-equals-uninterrupted", 3,
                           "block8_dcp_resume", preset, needs=(save,)))
+    for layout in ("Shard(0)", "Shard(1)", "Replicate"):
+        cases.append(Case(f"W=3-block8-mesh-rule-{layout}", 3, "block8_mesh_rule",
+                          "p=fp32-m=block8", layout))
     for api in DCP_APIS:
         for preset in PRESETS:
             save4 = f"W=4-{api}-save-for-4to2-{preset}"

@@ -15,3 +15,8 @@ def test_block8_checkpoint_save(case, dist_jobs):
 @pytest.mark.parametrize("case", _dist_cases.of_kind("block8_dcp_resume"), ids=str)
 def test_block8_resume_at_another_world_size_equals_uninterrupted_run(case, dist_jobs):
     dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("block8_mesh_rule"), ids=str)
+def test_block8_mesh_rule(case, dist_jobs):
+    dist_jobs.check(case)
