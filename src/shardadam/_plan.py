@@ -49,6 +49,7 @@ class Entry:
         self.layout = _dtensor.layout_of(param)
         self.numel = self.local.numel()
         self.param_kind = PARAM_TAGS[self.local.dtype]
+        self.first_index, self.scale_block = 0, 0  # set by bind()
 
     def bind(self, specs: tuple, entry: dict, scales: Optional[dict]) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold

@@ -250,3 +250,19 @@ def test_te_state_methods_round_trip():
             opt.set_scaled_state(p, name, value)
             assert_bitwise_equal(opt.state[p][name], codes, f"{name} codes")
             assert_bitwise_equal(opt._scales[p][name], scales, f"{name} scales")
+
+
+def test_pickled_optimizer_continues_bitwise():
+    """A pickled optimizer keeps its block formats (at their block size) and goes on
+    exactly like the original."""
+    import pickle
+
+    opt, params = make(moment_block_size=512)
+    run(opt, params, 1, 2)
+    copy_opt = pickle.loads(pickle.dumps(opt))
+    copy_params = [p for group in copy_opt.param_groups for p in group["params"]]
+    assert copy_opt._formats[copy_params[0]]["exp_avg"] is \
+        _formats.FP8_BLOCK.with_block(512)
+    run(opt, params, 3, 2)
+    run(copy_opt, copy_params, 3, 2)
+    assert_same_optimizer_state(opt, copy_opt, params, copy_params, "pickled")
