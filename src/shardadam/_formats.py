@@ -226,7 +226,7 @@ def family_of(exp_avg_label: str, exp_avg_sq_label: str) -> tuple:
     """``(moment_format, moment_block_size)`` whose formats a recorded layout names by
     these labels, or ``(None, None)``."""
     name, _, block = exp_avg_label.partition(":")
-    if not block.isdigit():
+    if not block.isdigit() or int(block) <= 0:
         return None, None
     for family in MOMENT_FAMILIES:
         pair = moment_family(family, int(block))
@@ -264,8 +264,9 @@ def _blocked(name: str, block: int) -> Format:
     fmt = _BLOCKED.get((name, block))
     if fmt is None:
         base = _BY_NAME[name]
-        if base.scale != "block":
-            raise ValueError(f"format {name!r} has no per-block scales")
+        if base.scale != "block" or block <= 0:
+            raise ValueError(f"format {name!r} at {block!r} elements per scale: it must "
+                             f"be a per-block format, at a positive block size")
         fmt = _BLOCKED[(name, block)] = dataclasses.replace(base, scale_block=block)
     return fmt
 
