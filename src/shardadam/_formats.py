@@ -224,14 +224,18 @@ def moment_family(name: str, block: Optional[int]) -> tuple:
 
 def family_of(exp_avg_label: str, exp_avg_sq_label: str) -> tuple:
     """``(moment_format, moment_block_size)`` whose formats a recorded layout names by
-    these labels, or ``(None, None)``."""
-    name, _, block = exp_avg_label.partition(":")
-    if not block.isdigit() or int(block) <= 0:
+    these labels, or ``(None, None)``. exp_avg_sq may be in either of the family's
+    maps: a checkpoint holds true values, so one saved where the core lacked the
+    zero-free map (``moment_family``) is the same family's."""
+    try:
+        exp_avg, exp_avg_sq = by_label(exp_avg_label), by_label(exp_avg_sq_label)
+    except KeyError:
         return None, None
-    for family in MOMENT_FAMILIES:
-        pair = moment_family(family, int(block))
-        if (pair[0].label, pair[1].label) == (exp_avg_label, exp_avg_sq_label):
-            return family, int(block)
+    block = exp_avg.scale_block
+    for family, (first, second, _) in MOMENT_FAMILIES.items():
+        if (block and exp_avg is first.with_block(block) and exp_avg_sq in
+                (first.with_block(block), second.with_block(block))):
+            return family, block
     return None, None
 
 
