@@ -245,6 +245,11 @@ def test_torch_codec_equals_the_core(name, first, n, block):
                                             f.zero_bound)
         assert_bitwise_equal(stored, codes, f"{f.name} codes from the core")
         assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
+        # and the rule's own text, independently of the codec
+        oracle = fp8_block_oracle if f is FP8B else ufp8_block_oracle
+        oracle_codes, oracle_scales = oracle(u, first, block)
+        assert_bitwise_equal(stored, oracle_codes, f"{f.name} codes: the core vs S2.9/10")
+        assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.9/10")
         decoded = f.with_block(block).decode(stored, scales, first)
         assert_bitwise_equal(decoded, _codecs.decode_blocks(f.name, codes, want, first,
                                                             block), "decode")
