@@ -12,7 +12,8 @@ holds magnitudes from 448 down to 2**-9, a ratio of 2.3e5: the smallest ``exp_av
 entries round to 0 while their ``exp_avg`` (a ratio of only ~460, inside the range)
 survives, and ``m / (sqrt(0) + eps)`` with eps = 1e-8 moves those weights by about
 lr * |m| / eps. The full workload (16,384 tokens, 4,096 per step) has the same ratios
-or wider.
+or wider. One scale per block of 256 elements (block8, S2.11) sees only its own
+elements' range, and learns.
 """
 
 import json
