@@ -58,7 +58,9 @@ def path_of(batch):
         if batch.is_cpu:
             if _cpu_path.available():
                 return _cpu_path
-        elif batch.is_cuda and _cuda_path.available(batch.device):
+        elif (batch.is_cuda and _cuda_path.available(batch.device)
+              and not any(e.scale_block for e in batch.entries)):
+            # The CUDA build has no per-block kernels yet (S2.9): torch ops step them.
             return _cuda_path
     return None
 

@@ -47,3 +47,127 @@ def split_remainder(master: torch.Tensor):
     high = high + (low < 0).to(torch.int16)
     return (high.view(torch.bfloat16).reshape(master.shape),
             low.reshape(master.shape))
+
+
+# ---------------------------------------------------------------------------
+# Per-block scaled 8-bit codes (S2.9 signed E4M3 "fp8-block", S2.10 unsigned zero-free
+# E4M4 "ufp8-block"), bit for bit what the C++ core stores. A local tensor whose first
+# element has flat index ``first`` in the whole parameter holds the blocks its range
+# touches; its scales are one fp32 per such block, in order.
+
+_UFP8_NAN = 0xFF
+
+
+def block_count(first: int, numel: int, block: int) -> int:
+    """How many blocks of ``block`` elements the flat range ``[first, first+numel)``
+    touches (the core's ScaleCount; 0 for an empty range)."""
+    if numel == 0:
+        return 0
+    return (first + numel - 1) // block - first // block + 1
+
+
+def _block_of_each(numel: int, first: int, block: int, device) -> torch.Tensor:
+    """The position in the scale tensor of each of ``numel`` local elements."""
+    return (torch.arange(numel, device=device) + first % block) // block
+
+
+def _ufp8_table() -> torch.Tensor:
+    """fp32 value of every unsigned E4M4 code (S2.10): E = 0 is M·2^-10, E ≥ 1 is
+    (16+M)·2^(E-11), 0xFF is NaN (0x7FC00000)."""
+    code = torch.arange(256, dtype=torch.float64)
+    e, m = torch.div(code, 16, rounding_mode="floor"), code % 16
+    value = torch.where(e == 0, m * 2.0 ** -10, (16 + m) * torch.pow(2.0, e - 11))
+    table = value.float()
+    table[_UFP8_NAN] = torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32)
+    return table
+
+
+_UFP8_VALUES = _ufp8_table()
+
+
+def ufp8_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of unsigned E4M4 ``codes`` (uint8), unscaled."""
+    return _UFP8_VALUES.to(codes.device)[codes.long()]
+
+
+def ufp8_encode(x: torch.Tensor) -> torch.Tensor:
+    """uint8 unsigned E4M4 codes of fp32 ``|x|`` (S2.10): nearest, ties to even M; above
+    the largest finite code's half step (488), inf and NaN: 0xFF; a non-zero magnitude
+    that rounds to code 0 takes code 1."""
+    ax = x.abs().double()  # exact; products by powers of two below stay exact
+    # Binade e of ax (2^e <= ax < 2^(e+1)), at least -6: below 2^-6 the step is 2^-10.
+    _, k = torch.frexp(ax)
+    e = torch.clamp_min(k - 1, -6)
+    # Code index: 16 per binade above 2^-6; rounding to even steps is ties-to-even M,
+    # and a round up to 2^(e+1) carries into the next binade's first code.
+    steps = torch.round(torch.ldexp(ax, (4 - e).to(ax.dtype)))
+    code = 16 * (e.double() + 6) + steps
+    code = torch.where(ax > 0, torch.clamp_min(code, 1), 0)
+    code = torch.where(ax <= 488, torch.clamp_max(code, _UFP8_NAN - 1), _UFP8_NAN)
+    return code.to(torch.uint8)
+
+
+def _codes_of(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "fp8-block":
+        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+    if name == "ufp8-block":
+        return ufp8_encode(x)
+    raise ValueError(f"no torch codec for per-block format {name!r}")
+
+
+def _values_of(name: str, codes: torch.Tensor) -> torch.Tensor:
+    if name == "fp8-block":
+        return codes.view(torch.float8_e4m3fn).float()
+    if name == "ufp8-block":
+        return ufp8_decode(codes)
+    raise ValueError(f"no torch codec for per-block format {name!r}")
+
+
+def decode_blocks(name: str, stored: torch.Tensor, scales: torch.Tensor, first: int,
+                  block: int) -> torch.Tensor:
+    """fp32 true values of per-block format ``name``'s codes ``stored`` (uint8) with
+    their ``scales``: each code's value times its block's scale (a power of two: exact
+    unless it leaves fp32's range)."""
+    flat = stored.reshape(-1)
+    if flat.numel() == 0:
+        return torch.empty(stored.shape, dtype=torch.float32, device=stored.device)
+    per_element = scales.to(stored.device)[
+        _block_of_each(flat.numel(), first, block, stored.device)]
+    return (_values_of(name, flat) * per_element).view(stored.shape)
+
+
+def block_scales(absmax: torch.Tensor, target: float, zero_bound: float) -> torch.Tensor:
+    """S2.9's scale of each block from its fp32 largest magnitude ``absmax``: the
+    smallest power of two s in [2^-126, 2^127] with absmax / s <= ``target``; 1 for a
+    non-finite absmax or one <= ``zero_bound`` · 2^-126 (every code would be 0)."""
+    a = absmax.double()
+    # A first guess from frexp of a / target, then exact comparisons (target · 2^e is
+    # exact in float64) settle it whichever way the division rounded.
+    _, k = torch.frexp(a / target)
+    e = k.double()
+    e = torch.where(a > torch.ldexp(torch.full_like(a, target), e), e + 1, e)
+    e = torch.where(a <= torch.ldexp(torch.full_like(a, target), e - 1), e - 1, e)
+    scale = torch.ldexp(torch.ones_like(a), torch.clamp(e, -126, 127))
+    one = ~torch.isfinite(a) | (a <= zero_bound * 2.0 ** -126)
+    return torch.where(one, 1.0, scale).float()
+
+
+def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target: float,
+                  zero_bound: float):
+    """``(codes, scales)`` of fp32 ``value`` (any shape) in per-block format ``name``
+    (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched."""
+    flat = value.reshape(-1).float()
+    n = flat.numel()
+    count = block_count(first, n, block)
+    if n == 0:
+        return (torch.empty(0, dtype=torch.uint8, device=value.device),
+                torch.empty(0, dtype=torch.float32, device=value.device))
+    lead = first % block
+    # Zeros around the range do not change a block's largest magnitude.
+    padded = flat.new_zeros(count * block)
+    padded[lead:lead + n] = flat
+    absmax = torch.amax(padded.view(count, block).abs(), dim=1)  # NaN propagates
+    scales = block_scales(absmax, target, zero_bound)
+    # A true division by a power of two, as the core's: exact but for fp32 subnormals.
+    x = flat / scales[_block_of_each(n, first, block, value.device)]
+    return _codes_of(name, x), scales

@@ -139,6 +139,10 @@ class _Plain:
             return f"is {describe(stored)} but the parameter is a plain tensor"
         return None
 
+    def first_index(self, local: torch.Tensor) -> int:
+        """S2.11: a plain tensor is the whole parameter."""
+        return 0
+
 
 PLAIN = _Plain()
 
@@ -155,6 +159,36 @@ class Layout:
         self.stride = param.stride()
         self.spec = param._spec  # gradients built from the same spec skip the compares
         self._specs = {}  # local dtype -> DTensorSpec shared by the states of that dtype
+        self._first = {}  # local shape -> first_index
+
+    def first_index(self, local: torch.Tensor) -> int:
+        """The flat index in the whole parameter of ``local``'s first element, which
+        keys per-block scales (S2.11). Known without communication only for placements
+        that are all Shard(0) with the local tensor being torch's chunk (FSDP2's rows):
+        then torch's global row offset times the row length. Any other layout
+        (Replicate or Shard(d > 0) anywhere, Megatron FSDP's shard order, a local run of
+        rows other than torch's chunk) keys blocks to the local tensor's own flat index:
+        0."""
+        shape = tuple(local.shape)
+        first = self._first.get(shape)
+        if first is None:
+            first = self._first[shape] = self._first_index(shape)
+        return first
+
+    def _first_index(self, shape: tuple) -> int:
+        if (len(self.shape) == 0 or getattr(self.mesh, "_shard_order", None) is not None
+                or not all(p.is_shard(0) for p in self.placements)):
+            return 0
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        chunk, offset = compute_local_shape_and_global_offset(
+            self.shape, self.mesh, self.placements)
+        if tuple(chunk) != shape or len(offset) == 0:
+            return 0
+        row = 1
+        for size in self.shape[1:]:
+            row *= size
+        return int(offset[0]) * row
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (local shape, on its own device) as a DTensor of this layout, with

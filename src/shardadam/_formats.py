@@ -31,7 +31,9 @@ from . import _codecs
 # The core's tag for "no buffer" (a missing master, a skipped gradient).
 TAG_NONE = 0
 SCALES = ("none", "tensor", "block")
-ROLES = ("moment", "master")
+# "moment": either moment; "exp_avg" / "exp_avg_sq": only that one (an unsigned map
+# holds exp_avg_sq, which is never negative).
+ROLES = ("moment", "exp_avg", "exp_avg_sq", "master")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # one object per format: compared by identity
@@ -44,7 +46,9 @@ class Format:
     codes: torch.dtype  # what the stored bits are: fp8 keeps float8_e4m3fn codes in uint8
     roles: tuple
     scale: str = "none"
-    scale_block: int = 0  # elements per scale, for "block"
+    # Elements per scale, for "block": 0 in the registry (the block size is chosen at
+    # construction, S2.11); ``with_block`` gives the format at one block size.
+    scale_block: int = 0
     scale_target: float = 0.0  # S2.3's R, for a scaled format
     argument: Optional[torch.dtype] = None  # the constructor dtype that names it
     pairs_with: Optional[torch.dtype] = None  # the parameter dtype holding the value's rest
@@ -52,16 +56,37 @@ class Format:
 
     def __post_init__(self):
         if (self.scale not in SCALES or not set(self.roles) <= set(ROLES)
-                or (self.scale == "block") != (self.scale_block > 0)
+                or (self.scale != "block" and self.scale_block != 0)
+                or self.scale_block < 0
                 or self.scaled != (self.scale_target > 0)
                 or self.codes.itemsize != self.storage.itemsize):
             raise ValueError(f"format {self.name!r} is not a consistent declaration")
 
     def __reduce__(self):
-        return by_name, (self.name,)  # pickles and copies are the registry's object
+        # Pickles and copies are the registry's object (at this block size).
+        if self.scale_block:
+            return _blocked, (self.name, self.scale_block)
+        return by_name, (self.name,)
 
     def __repr__(self) -> str:
-        return f"<format {self.name}>"
+        return f"<format {self.label}>"
+
+    @property
+    def label(self) -> str:
+        """The name, with the block size of a per-block format at one (``fp8-block:256``),
+        as recorded state layouts write it (S5.4)."""
+        return f"{self.name}:{self.scale_block}" if self.scale_block else self.name
+
+    def with_block(self, block: int) -> "Format":
+        """This per-block format at ``block`` elements per scale: one object per size,
+        so formats still compare by identity."""
+        return _blocked(self.name, block)
+
+    def holds(self, state_name: str) -> bool:
+        """Whether a state called ``state_name`` may be stored in this format."""
+        if state_name == "master_param":
+            return "master" in self.roles
+        return "moment" in self.roles or state_name in self.roles
 
     @property
     def item_size(self) -> int:
@@ -77,13 +102,14 @@ class Format:
         values, or a remainder's codes themselves (its true value needs the parameter)."""
         return self.storage if self.pairs_with is not None else torch.float32
 
-    def scale_shape(self, numel: int) -> Optional[tuple]:
-        """The shape of the fp32 scale tensor of ``numel`` stored elements; None when
-        the format has no scale."""
+    def scale_shape(self, numel: int, first: int = 0) -> Optional[tuple]:
+        """The shape of the fp32 scale tensor of ``numel`` stored elements whose first
+        has flat index ``first`` in the whole parameter (S2.9: one scale per block the
+        range touches); None when the format has no scale."""
         if self.scale == "tensor":
             return ()
         if self.scale == "block":
-            return (-(-numel // self.scale_block),)
+            return (_codecs.block_count(first, numel, self._block()),)
         return None
 
     def row(self) -> tuple:
@@ -94,24 +120,33 @@ class Format:
     # The torch codec. Values pass through fp32; rounding into the codes is torch's
     # `.to()` (copy_ rounds the same way), bit-exact with the C++ core (S2.4).
 
-    def decode(self, stored: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    def decode(self, stored: torch.Tensor, scale: Optional[torch.Tensor],
+               first: int = 0) -> torch.Tensor:
         """The exported value of local storage ``stored`` with its ``scale``: fp32 true
-        values (fp32 storage itself, else a new tensor), or a remainder's own codes."""
+        values (fp32 storage itself, else a new tensor), or a remainder's own codes.
+        ``first``: the flat index of its first element in the whole parameter, which
+        places per-block scales (S2.9)."""
         if self.pairs_with is not None:
             return stored
+        if self.scale == "block":
+            return _codecs.decode_blocks(self.name, stored, scale, first, self._block())
         codes = stored if stored.dtype == self.codes else stored.view(self.codes)
         if not self.scaled:
             return codes.float()
-        self._check_torch_scale()
         return codes.float() * scale
 
     def encode(self, value: torch.Tensor, stored: torch.Tensor,
-               scale: Optional[torch.Tensor]) -> None:
+               scale: Optional[torch.Tensor], first: int = 0) -> None:
         """Store the exported ``value`` into ``stored``; a scaled format first measures
-        a new ``scale`` over ``value`` (S2.3). ``value`` is never modified; when it is
-        ``stored`` itself (fp32 updated in place) there is nothing to do."""
-        if self.scaled:
-            self._check_torch_scale()
+        a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
+        ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
+        itself (fp32 updated in place) there is nothing to do."""
+        if self.scale == "block":
+            codes, scales = _codecs.encode_blocks(self.name, value, first, self._block(),
+                                                  self.scale_target, self.zero_bound)
+            stored.copy_(codes.view(stored.shape))
+            scale.copy_(scales)
+        elif self.scaled:
             new_scale = _codecs.measure_scale(value, self.scale_target)
             stored.copy_(self._to_codes(value / new_scale))  # a true division, as the core
             scale.copy_(new_scale)
@@ -138,10 +173,10 @@ class Format:
             return values  # copy_ into the storage rounds as .to() does
         return values.to(self.codes).view(self.storage)
 
-    def _check_torch_scale(self) -> None:
-        if self.scale != "tensor":
-            raise NotImplementedError(f"format {self.name!r}: the torch codec measures "
-                                      f"and applies per-tensor scales only")
+    def _block(self) -> int:
+        if not self.scale_block:
+            raise ValueError(f"format {self.name!r} has no block size: use with_block()")
+        return self.scale_block
 
 
 FP32 = Format("fp32", 1, torch.float32, torch.float32, ("moment", "master"),
@@ -156,12 +191,54 @@ FP8 = Format("fp8", 4, torch.uint8, torch.float8_e4m3fn, ("moment",),
              argument=torch.uint8)
 REMAINDER = Format("remainder", 5, torch.int16, torch.int16, ("master",),
                    pairs_with=torch.bfloat16)
+# Per-block scaled 8-bit moments (S2.9, S2.10), chosen by ``moment_format`` (S2.11)
+# and named by no dtype. Bounds: the largest magnitude that still encodes to a finite
+# code, and the largest that encodes to code 0 (none for the zero-free map).
+FP8_BLOCK = Format("fp8-block", 6, torch.uint8, torch.float8_e4m3fn, ("moment",),
+                   scale="block", scale_target=464.0, zero_bound=2.0 ** -10)
+UFP8_BLOCK = Format("ufp8-block", 7, torch.uint8, torch.uint8, ("exp_avg_sq",),
+                    scale="block", scale_target=488.0)
 
-FORMATS = (FP32, FP16, BF16, FP8, REMAINDER)
+FORMATS = (FP32, FP16, BF16, FP8, REMAINDER, FP8_BLOCK, UFP8_BLOCK)
 _BY_NAME = {f.name: f for f in FORMATS}
 _BY_TAG = {f.tag: f for f in FORMATS}
 if len(_BY_NAME) != len(FORMATS) or len(_BY_TAG) != len(FORMATS) or TAG_NONE in _BY_TAG:
     raise ValueError("two formats share a name or a tag")
+
+# ``moment_format`` names (S2.11): each a pair of per-block formats, for exp_avg and
+# exp_avg_sq, and the block size used when ``moment_block_size`` is None.
+MOMENT_FAMILIES = {"block8": (FP8_BLOCK, UFP8_BLOCK, 256)}
+
+
+def moment_family(name: str, block: Optional[int]) -> tuple:
+    """``(exp_avg format, exp_avg_sq format)`` of ``moment_format=name`` at ``block``
+    elements per scale (None: the family's default). KeyError for an unknown name."""
+    exp_avg, exp_avg_sq, default = MOMENT_FAMILIES[name]
+    block = default if block is None else block
+    return exp_avg.with_block(block), exp_avg_sq.with_block(block)
+
+
+def family_of(exp_avg_label: str, exp_avg_sq_label: str) -> tuple:
+    """``(moment_format, moment_block_size)`` whose formats a recorded layout names by
+    these labels, or ``(None, None)``."""
+    try:
+        exp_avg, exp_avg_sq = by_label(exp_avg_label), by_label(exp_avg_sq_label)
+    except KeyError:
+        return None, None
+    block = exp_avg.scale_block
+    for family, (first, second, _) in MOMENT_FAMILIES.items():
+        if (block and exp_avg is first.with_block(block)
+                and exp_avg_sq is second.with_block(block)):
+            return family, block
+    return None, None
+
+
+def family_labels() -> list:
+    """How recorded layouts write each ``moment_format`` (block size B)."""
+    pairs = {name: moment_family(name, None) for name in MOMENT_FAMILIES}
+    return [f"{name}: exp_avg={a.name}:B exp_avg_sq={b.name}:B"
+            for name, (a, b) in pairs.items()]
+
 
 # Parameters and gradients are plain fp32 / fp16 / bf16 tensors (never scaled), which
 # the core reads by these formats' tags.
@@ -175,6 +252,32 @@ _LEGACY = {f.storage: f for f in (FP32, FP16, BF16, FP8, REMAINDER)}
 def by_name(name: str) -> Format:
     """The format a recorded layout calls ``name``; KeyError if there is none."""
     return _BY_NAME[name]
+
+
+_BLOCKED = {}
+
+
+def _blocked(name: str, block: int) -> Format:
+    """Per-block format ``name`` at ``block`` elements per scale (one object each)."""
+    fmt = _BLOCKED.get((name, block))
+    if fmt is None:
+        base = _BY_NAME[name]
+        if base.scale != "block" or block <= 0:
+            raise ValueError(f"format {name!r} at {block!r} elements per scale: it must "
+                             f"be a per-block format, at a positive block size")
+        fmt = _BLOCKED[(name, block)] = dataclasses.replace(base, scale_block=block)
+    return fmt
+
+
+def by_label(label: str) -> Format:
+    """The format a recorded layout calls ``label`` (``Format.label``); KeyError if
+    there is none."""
+    name, _, block = label.partition(":")
+    if not block:
+        return _BY_NAME[name]
+    if not block.isdigit() or int(block) <= 0 or _BY_NAME[name].scale != "block":
+        raise KeyError(label)
+    return _blocked(name, int(block))
 
 
 def by_tag(tag: int) -> Format:
@@ -206,15 +309,18 @@ def legacy_format(dtype: torch.dtype) -> Optional[Format]:
     return _LEGACY.get(dtype)
 
 
-def check_extension(module) -> None:
+def check_extension(module) -> frozenset:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
     name, item_size, scale, scale_block, scale_target, roles, zero_bound)``) declares
     each of these formats exactly as here: the core and this package read the same
-    buffers by these facts. Rows and roles are compared in any order. The core may
-    have formats this package does not select yet (the per-block fp8 moments of
-    S2.9): they never cross the boundary, so only their tags and names must not
-    collide with these."""
+    buffers by these facts. Rows and roles are compared in any order. A per-block
+    format the core does not declare at all (an older core) is only unavailable
+    (returned: the names of those): nothing selects it by default, and
+    ``moment_format`` refuses it.
+    Formats of the core this package does not know never cross the boundary, so only
+    their tags and names must not collide with these."""
     found = getattr(module, "FORMATS", None)
+    missing = set()
     try:
         rows = [(*row[:6], tuple(sorted(row[6])), row[7]) for row in found
                 if len(row) == 8]
@@ -224,6 +330,9 @@ def check_extension(module) -> None:
         same = same and len(set(tags)) == len(tags) and len(set(names)) == len(names)
         for fmt in FORMATS:
             mine = [row for row in rows if row[0] == fmt.tag or row[1] == fmt.name]
+            if not mine and fmt.scale == "block":
+                missing.add(fmt.name)
+                continue
             same = same and mine == [fmt.row()]
     except (TypeError, IndexError):  # not a sequence of 8-tuples of comparable values
         same = False
@@ -231,3 +340,25 @@ def check_extension(module) -> None:
         raise ImportError(f"shardadam._C does not match this package (expected formats "
                           f"{sorted(f.row() for f in FORMATS)}, found {found!r}): "
                           "rebuild the extension")
+    return frozenset(missing)
+
+
+def use_extension(module) -> None:
+    """Check the loaded core's table (``check_extension``) and take from it which
+    per-block formats it has and its range of block sizes."""
+    global _UNAVAILABLE, SCALE_BLOCK_RANGE
+    _UNAVAILABLE = check_extension(module)
+    SCALE_BLOCK_RANGE = (int(getattr(module, "MIN_SCALE_BLOCK", SCALE_BLOCK_RANGE[0])),
+                         int(getattr(module, "MAX_SCALE_BLOCK", SCALE_BLOCK_RANGE[1])))
+
+
+# Per-block formats the loaded C++ core does not declare (``check_extension``).
+_UNAVAILABLE = frozenset()
+# Elements per block scale: a power of two in this range (the core's kMinScaleBlock /
+# kMaxScaleBlock; read from the extension when it loads).
+SCALE_BLOCK_RANGE = (128, 4096)
+
+
+def available(fmt: Format) -> bool:
+    """Whether the loaded C++ core (if any) can step states of ``fmt``."""
+    return fmt.name not in _UNAVAILABLE

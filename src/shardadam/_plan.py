@@ -39,7 +39,7 @@ class Entry:
     __slots__ = ("index", "place", "param", "local", "layout", "numel", "param_kind",
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
-                 "master_scale")
+                 "master_scale", "first_index", "scale_block")
 
     def __init__(self, index: int, param: torch.Tensor, place: str):
         self.index = index
@@ -49,12 +49,18 @@ class Entry:
         self.layout = _dtensor.layout_of(param)
         self.numel = self.local.numel()
         self.param_kind = PARAM_TAGS[self.local.dtype]
+        self.first_index, self.scale_block = 0, 0  # set by bind()
 
     def bind(self, specs: tuple, entry: dict, scales: Optional[dict]) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
         exactly ``specs``)."""
         self.master, self.master_format, self.master_scale = None, None, None
+        # Per-block moments (S2.9): where the local tensor's blocks start, and their
+        # size (both moments of one configuration share it; 0: none is per block).
+        self.first_index, self.scale_block = 0, 0
         for spec in specs:
+            if spec.format.scale == "block":
+                self.first_index, self.scale_block = spec.first_index, spec.format.scale_block
             stored = _dtensor.to_local(entry[spec.name])
             scale = scales.get(spec.name) if scales else None
             if spec.name == "exp_avg":
@@ -129,7 +135,7 @@ class GroupPlan:
         remember the storage. Runs after validation: this is a mutation."""
         state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
-            specs = self.config.specs(entry.local.dtype)
+            specs = self.config.specs_of(entry.local, entry.layout)
             writes = _state.plan_entry(specs, state.get(entry.param), scales.get(entry.param),
                                        formats.get(entry.param), entry.local, entry.layout)
             if not writes.empty():  # leave a settled entry alone
@@ -221,8 +227,9 @@ def build_plan(group: dict, group_index: int, config, state, scales,
     plan = GroupPlan(group, group_index, params, config, state, scales, formats)
     for entry in plan.entries:
         existing = state.get(entry.param)
-        error = _state.consistency_error(config.specs(entry.local.dtype), existing,
-                                         entry.local, entry.layout)
+        error = _state.consistency_error(config.specs_of(entry.local, entry.layout),
+                                         existing, entry.local, entry.layout,
+                                         scales.get(entry.param), formats.get(entry.param))
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
                                  name=_validate.param_name(group, entry.index))

@@ -52,7 +52,7 @@ def columns_of(module) -> dict:
 _COLUMN = columns_of(extension) if extension is not None \
     else {name: position for position, name in enumerate(NAMES)}
 if extension is not None:
-    _formats.check_extension(extension)  # the core's own table of the formats
+    _formats.use_extension(extension)  # the core's own table of the formats
 COLUMNS = len(NAMES)
 GRAD, GRAD_KIND, _PARAM = _COLUMN["grad"], _COLUMN["grad_dtype"], _COLUMN["param"]
 # Where each of _row()'s values goes.
@@ -75,7 +75,7 @@ def _row(entry) -> list:
               entry.exp_avg_sq.data_ptr(), entry.exp_avg_sq_format.tag,
               _ptr(entry.exp_avg_sq_scale),
               _ptr(entry.master), _tag(entry.master_format), _ptr(entry.master_scale),
-              0, 0)  # no state the package stores is per-block scaled (S2.9)
+              entry.first_index, entry.scale_block)  # per-block moments (S2.9, S2.11)
     row = [0] * COLUMNS
     for place, value in zip(_PLACES, values):
         row[place] = value

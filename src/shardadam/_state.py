@@ -31,10 +31,13 @@ LAYOUT_KEY = "state_layout"
 
 
 class StateSpec(NamedTuple):
-    """One state entry of one parameter: its name and storage format."""
+    """One state entry of one parameter: its name and storage format, and for a
+    per-block format the flat index in the whole parameter of the local tensor's first
+    element, which keys its blocks (S2.11)."""
 
     name: str
     format: Format
+    first_index: int = 0
 
     @property
     def scaled(self) -> bool:
@@ -49,10 +52,21 @@ class StateConfig(NamedTuple):
     master_weights: bool
     master_weight_dtype: torch.dtype
     store_param_remainders: bool
+    moment_format: Optional[str] = None  # S2.11: "block8", or None for the dtypes
+    moment_block_size: Optional[int] = None
 
-    def specs(self, param_dtype: torch.dtype) -> tuple:
-        specs = (StateSpec("exp_avg", _moment(self.exp_avg_dtype)),
-                 StateSpec("exp_avg_sq", _moment(self.exp_avg_sq_dtype)))
+    def moment_formats(self) -> tuple:
+        """``(exp_avg format, exp_avg_sq format)``."""
+        if self.moment_format is not None:
+            return _formats.moment_family(self.moment_format, self.moment_block_size)
+        return _moment(self.exp_avg_dtype), _moment(self.exp_avg_sq_dtype)
+
+    def specs(self, param_dtype: torch.dtype, first_index: int = 0) -> tuple:
+        """The state entries of a parameter of ``param_dtype`` whose local tensor starts
+        at flat index ``first_index`` of the whole parameter (``_dtensor.first_index``)."""
+        exp_avg, exp_avg_sq = self.moment_formats()
+        specs = (StateSpec("exp_avg", exp_avg, first_index),
+                 StateSpec("exp_avg_sq", exp_avg_sq, first_index))
         master = self.master_format()
         if master is None or param_dtype == torch.float32:
             return specs  # an fp32 parameter is its own master
@@ -72,6 +86,10 @@ class StateConfig(NamedTuple):
             return _formats.REMAINDER
         return chosen
 
+    def specs_of(self, local: torch.Tensor, layout) -> tuple:
+        """``specs`` of a parameter's local tensor ``local`` with ``layout``."""
+        return self.specs(local.dtype, layout.first_index(local))
+
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
 
@@ -79,8 +97,8 @@ class StateConfig(NamedTuple):
         """The state layout in words, as checkpoints record it (S5.4), e.g.
         ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``."""
         master = self.master_format()
-        return (f"exp_avg={_moment(self.exp_avg_dtype).name} "
-                f"exp_avg_sq={_moment(self.exp_avg_sq_dtype).name} "
+        exp_avg, exp_avg_sq = self.moment_formats()
+        return (f"exp_avg={exp_avg.label} exp_avg_sq={exp_avg_sq.label} "
                 f"master={'none' if master is None else master.name}")
 
     @staticmethod
@@ -90,15 +108,24 @@ class StateConfig(NamedTuple):
         formats = {f.name: f for f in _formats.choices("moment")}
         masters = {f.name: f for f in _formats.FORMATS if "master" in f.roles}
         masters["none"] = None
+        family = (None, None)
+        if sorted(fields) == ["exp_avg", "exp_avg_sq", "master"]:
+            family = _formats.family_of(fields["exp_avg"], fields["exp_avg_sq"])
         if (sorted(fields) != ["exp_avg", "exp_avg_sq", "master"]
-                or fields["exp_avg"] not in formats or fields["exp_avg_sq"] not in formats
-                or fields["master"] not in masters):
+                or fields["master"] not in masters
+                or (family[0] is None and (fields["exp_avg"] not in formats
+                                           or fields["exp_avg_sq"] not in formats))):
             raise ValueError(f"{record!r} is not a state layout (rule: "
                              f"'exp_avg=F exp_avg_sq=F master=M', F one of "
-                             f"{sorted(formats)}, M one of {sorted(masters)})")
+                             f"{sorted(formats)} or a moment_format's pair "
+                             f"{_formats.family_labels()}, M one of {sorted(masters)})")
         master = masters[fields["master"]]
         # Remainders are chosen with an fp32 master dtype (S2.5); no master: the default.
         master_dtype = getattr(master, "argument", None) or _formats.FP32.argument
+        if family[0] is not None:
+            default = _formats.FP32.argument  # the dtypes a moment_format leaves alone
+            return StateConfig(default, default, master is not None, master_dtype,
+                               master is _formats.REMAINDER, *family)
         return StateConfig(formats[fields["exp_avg"]].argument,
                            formats[fields["exp_avg_sq"]].argument, master is not None,
                            master_dtype, master is _formats.REMAINDER)
@@ -133,10 +160,10 @@ def stored_format(stored: torch.Tensor, formats: Optional[dict],
 
 
 def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
-               name: str) -> torch.Tensor:
+               name: str, first: int = 0) -> torch.Tensor:
     """The true value of ``entry[name]`` as a local tensor: fp32, or the raw int16 for
     remainders. fp32 storage is returned itself; every other format as a new fp32
-    tensor.
+    tensor. ``first``: the local tensor's first flat index (per-block formats).
     """
     stored = _dtensor.to_local(entry[name])
     fmt = stored_format(stored, formats, name)
@@ -144,10 +171,10 @@ def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
         return stored.float()
     scale = scales.get(name) if scales else None
     if fmt.scaled:  # a missing scale reads as 1
-        scale = (torch.ones(fmt.scale_shape(stored.numel()), dtype=torch.float32,
+        scale = (torch.ones(fmt.scale_shape(stored.numel(), first), dtype=torch.float32,
                             device=stored.device) if scale is None
                  else scale.to(stored.device))
-    return fmt.decode(stored, scale)
+    return fmt.decode(stored, scale, first)
 
 
 def true_value(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -174,14 +201,14 @@ def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
     ``scale``. The caller's ``value`` is never modified. Scaled formats get a fresh
     scale (S2.3), measured over this local tensor only.
     """
-    spec.format.encode(value.to(stored.device), stored, scale)
+    spec.format.encode(value.to(stored.device), stored, scale, spec.first_index)
 
 
 def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
     """Fresh local storage (and scale) for ``spec`` holding ``value``, allocated like the
     local tensor ``like`` (its shape and device; S2.6)."""
     stored = torch.empty(like.shape, dtype=spec.format.storage, device=like.device)
-    scale_shape = spec.format.scale_shape(like.numel())
+    scale_shape = spec.format.scale_shape(like.numel(), spec.first_index)
     scale = None
     if scale_shape is not None:
         scale = torch.ones(scale_shape, dtype=torch.float32, device=like.device)
@@ -202,7 +229,8 @@ def converted_value(spec: StateSpec, entry: dict, scales: Optional[dict],
     """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),
     plus the bf16 bits the parameter must take when an fp32 master becomes a remainder.
     """
-    return value_for(spec.format, read_value(entry, scales, formats, spec.name), param)
+    return value_for(spec.format,
+                     read_value(entry, scales, formats, spec.name, spec.first_index), param)
 
 
 def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
@@ -219,7 +247,7 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
         return False
     if stored.shape != param.shape or not stored.is_contiguous():
         return False
-    scale_shape = spec.format.scale_shape(param.numel())
+    scale_shape = spec.format.scale_shape(param.numel(), spec.first_index)
     if scale_shape is None:
         return True
     scale = scales.get(spec.name) if scales else None
@@ -337,10 +365,12 @@ def _update(container: dict, param, changes: dict) -> None:
         del container[param]
 
 
-def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout):
+def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout,
+                      scales: Optional[dict] = None, formats: Optional[dict] = None):
     """A sentence if ``entry`` holds a state that cannot belong to the local tensor
     ``param`` of a parameter with ``layout`` (S3.3: a DTensor parameter's states are
-    DTensors of its layout, a plain one's are plain)."""
+    DTensors of its layout, a plain one's are plain), or per-block codes whose scales
+    (in ``scales``) are missing or unusable: without them the codes mean nothing."""
     if not entry:
         return None
     for spec in specs:
@@ -353,10 +383,36 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
             if tuple(local.shape) != tuple(param.shape):
                 error = (f"has local shape {tuple(local.shape)} but the parameter's local "
                          f"shape is {tuple(param.shape)}")
+            else:
+                error = _block_scale_error(local, spec, scales, formats)
         if error is not None:
             return (f"state {spec.name!r} {error}; call initialize_state(param) to "
                     f"recreate it")
     return None
+
+
+def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
+                       formats: Optional[dict]) -> Optional[str]:
+    """Why the scales of per-block codes ``stored`` cannot decode them, or None."""
+    fmt = stored_format(stored, formats, spec.name)
+    if fmt is None or fmt.scale != "block":
+        return None
+    scale = scales.get(spec.name) if scales else None
+    shape = fmt.scale_shape(stored.numel(), spec.first_index)
+    if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
+            or scale.dtype != torch.float32 or tuple(scale.shape) != shape):
+        return (f"holds {fmt.label} codes, whose scales must be a plain fp32 tensor of "
+                f"shape {shape} (rule S2.11), got {_shown(scale)}")
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        return (f"holds {fmt.label} codes with scales that are not finite and positive "
+                f"(rule S2.9: each is a power of two)")
+    return None
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return "nothing" if value is None else type(value).__name__
 
 
 def migrate_scales(state, scales) -> None:

@@ -145,8 +145,10 @@ def step(work, hyper) -> None:
     g = [grad.float() for _, grad in active]
     w = [_weight(e) for e in entries]
     # fp32 working copies (the fp32 storage itself), stored back by encode below.
-    m = [e.exp_avg_format.decode(e.exp_avg, e.exp_avg_scale) for e in entries]
-    v = [e.exp_avg_sq_format.decode(e.exp_avg_sq, e.exp_avg_sq_scale) for e in entries]
+    m = [e.exp_avg_format.decode(e.exp_avg, e.exp_avg_scale, e.first_index)
+         for e in entries]
+    v = [e.exp_avg_sq_format.decode(e.exp_avg_sq, e.exp_avg_sq_scale, e.first_index)
+         for e in entries]
 
     # csrc/element.h AdamElement, one op at a time.
     if not hyper.adam_w_mode:
@@ -168,5 +170,7 @@ def step(work, hyper) -> None:
 
     for entry, w_i, m_i, v_i in zip(entries, w, m, v):
         _store_weight(entry, w_i)
-        entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale)
-        entry.exp_avg_sq_format.encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale)
+        entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale,
+                                    entry.first_index)
+        entry.exp_avg_sq_format.encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale,
+                                       entry.first_index)

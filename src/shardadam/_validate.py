@@ -86,6 +86,41 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
                 f"in {dtypes}, got {shown(dtype)}).")
 
 
+def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
+                        exp_avg_sq_dtype) -> None:
+    """S2.11: ``moment_format`` names a pair of per-block moment formats and replaces
+    the moments' dtypes; ``moment_block_size`` is its elements per scale."""
+    families = sorted(_formats.MOMENT_FAMILIES)
+    if moment_format is None:
+        if moment_block_size is not None:
+            raise ValueError(f"FusedAdam: moment_block_size={shown(moment_block_size)} "
+                             f"needs a moment_format (rule: moment_block_size is the block "
+                             f"size of moment_format in {families})")
+        return
+    if not isinstance(moment_format, str) or moment_format not in families:
+        raise ValueError(f"FusedAdam: unknown moment_format {shown(moment_format)} (rule: "
+                         f"moment_format in {families}, or None for exp_avg_dtype / "
+                         f"exp_avg_sq_dtype)")
+    fp32 = _formats.FP32.argument
+    if exp_avg_dtype is not fp32 or exp_avg_sq_dtype is not fp32:
+        raise ValueError(f"FusedAdam: moment_format={moment_format!r} chooses both moments' "
+                         f"storage, so exp_avg_dtype and exp_avg_sq_dtype must stay at "
+                         f"their default torch.float32 (got exp_avg_dtype="
+                         f"{shown(exp_avg_dtype)}, exp_avg_sq_dtype={shown(exp_avg_sq_dtype)})")
+    low, high = _formats.SCALE_BLOCK_RANGE
+    block = moment_block_size
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool)
+                              or not low <= block <= high or block & (block - 1)):
+        raise ValueError(f"FusedAdam: moment_block_size must be a power of two in "
+                         f"[{low}, {high}] (rule S2.11: elements per block scale), got "
+                         f"{shown(block)}")
+    for fmt in _formats.moment_family(moment_format, block):
+        if not _formats.available(fmt):
+            raise ValueError(f"FusedAdam: moment_format={moment_format!r} needs the "
+                             f"{fmt.name!r} format, which this build of shardadam._C "
+                             f"does not have: rebuild the extension")
+
+
 def check_master_dtype(master_weights, master_weight_dtype) -> None:
     if master_weights and _formats.configured(master_weight_dtype, "master") is None:
         names, dtypes = _spelled("master")

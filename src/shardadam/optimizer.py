@@ -33,7 +33,8 @@ _disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disa
 # Settings beyond torch's defaults that travel with a pickled optimizer.
 _CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
                       "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
-                      "store_param_remainders", "set_grad_none")
+                      "store_param_remainders", "set_grad_none", "moment_format",
+                      "moment_block_size")
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -67,11 +68,15 @@ class FusedAdam(torch.optim.Optimizer):
         use_decoupled_grad=False,
         store_param_remainders=False,
         set_grad_none: Optional[bool] = None,
+        moment_format: Optional[str] = None,
+        moment_block_size: Optional[int] = None,
     ):
         _validate.check_options(
             amsgrad=amsgrad, capturable=capturable, master_weights=master_weights,
             master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
             exp_avg_sq_dtype=exp_avg_sq_dtype)
+        _validate.check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
+                                      exp_avg_sq_dtype)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas,
                     "eps": eps, "weight_decay": weight_decay}
         _validate.hyper_parameters(defaults)
@@ -82,6 +87,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.master_weight_dtype = master_weight_dtype
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        # Beyond TE (S2.11): per-block scaled moments, named by no dtype.
+        self.moment_format = moment_format
+        self.moment_block_size = moment_block_size
         self.use_decoupled_grad = use_decoupled_grad
         # Remainders only ever replace an fp32 master (of a bf16 parameter); as in TE,
         # the flag stays off when master weights are off at construction.
@@ -111,6 +119,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        for name in ("moment_format", "moment_block_size"):  # older pickles lack them
+            self.__dict__.setdefault(name, None)
         self._scales = dict(state.get("_scales") or {})
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
@@ -143,7 +153,7 @@ class FusedAdam(torch.optim.Optimizer):
         group[LAYOUT_KEY] = config.record()
         for param in group["params"]:
             local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-            writes = _state.plan_entry(config.specs(local.dtype), self.state.get(param),
+            writes = _state.plan_entry(config.specs_of(local, layout), self.state.get(param),
                                        self._scales.get(param), self._formats.get(param),
                                        local, layout)
             self._apply(param, writes, local, layout)
@@ -156,7 +166,8 @@ class FusedAdam(torch.optim.Optimizer):
         """The settings that shape the state, read now (S1.5: they may change)."""
         return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
                                   bool(self.master_weights), self.master_weight_dtype,
-                                  self.store_param_remainders)
+                                  self.store_param_remainders, self.moment_format,
+                                  self.moment_block_size)
 
     # ------------------------------------------------------------------ step
 
@@ -183,6 +194,8 @@ class FusedAdam(torch.optim.Optimizer):
             amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
             master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        _validate.check_moment_format(self.moment_format, self.moment_block_size,
+                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
         if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)
@@ -275,7 +288,7 @@ class FusedAdam(torch.optim.Optimizer):
         g, i = self._locate(param)
         where = _validate.where(g, i, _validate.param_name(self.param_groups[g], i))
         local = _dtensor.to_local(param)
-        specs = {s.name: s for s in self._config().specs(local.dtype)}
+        specs = {s.name: s for s in self._config().specs_of(local, _dtensor.layout_of(param))}
         if state_name not in specs:
             raise KeyError(f"{where}: unknown state name {state_name!r}; this parameter's "
                            f"states are {sorted(specs)}")
@@ -301,7 +314,7 @@ class FusedAdam(torch.optim.Optimizer):
                 f"the configuration (rule: remainders iff master_weights, fp32 "
                 f"master_weight_dtype, store_param_remainders and a bf16 parameter; "
                 f"implied {implied})")
-        writes = _state.plan_entry(config.specs(local.dtype), None, None, None, local,
+        writes = _state.plan_entry(config.specs_of(local, layout), None, None, None, local,
                                    layout)
         # A fresh entry holds nothing else.
         for key in self.state.get(param, ()):
@@ -323,7 +336,8 @@ class FusedAdam(torch.optim.Optimizer):
         fmt = _state.stored_format(stored, formats, state_name)
         if skip_unscale and fmt is not None and not fmt.scaled:
             return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
-        return _state.read_value(entry, self._scales.get(param), formats, state_name)
+        return _state.read_value(entry, self._scales.get(param), formats, state_name,
+                                 spec.first_index)
 
     @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
@@ -388,7 +402,7 @@ class FusedAdam(torch.optim.Optimizer):
         entry = self.state.get(param) or {}
         scales, formats = self._scales.get(param), self._formats.get(param)
         exported = {}
-        for spec in config.specs(local.dtype):
+        for spec in config.specs_of(local, layout):
             if spec.name in entry:
                 value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
@@ -488,7 +502,7 @@ class FusedAdam(torch.optim.Optimizer):
         if error is not None:
             raise RuntimeError(f"{here}: {error}")
         loaded = {}
-        for spec in config.specs(local.dtype):
+        for spec in config.specs_of(local, layout):
             if spec.name not in values:
                 raise ValueError(f"{here}: the loaded state has no {spec.name!r} "
                                  f"(it holds {sorted(values)})")
@@ -500,7 +514,7 @@ class FusedAdam(torch.optim.Optimizer):
                                                 here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
-        writes = _state.entry_from_values(config.specs(local.dtype), loaded, local)
+        writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
         # Other keys (e.g. Megatron's "step") come back as saved, copied.
         writes.extra = {k: v.clone() if isinstance(v, torch.Tensor) else v
                         for k, v in values.items()

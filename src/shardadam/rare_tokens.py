@@ -206,6 +206,13 @@ def add_arguments(parser):
                              "tensor; default fp32)")
     parser.add_argument("--exp-avg-sq", choices=list(_DTYPES), default="fp32",
                         help="FusedAdam exp_avg_sq_dtype (default fp32)")
+    parser.add_argument("--moment-format", choices=("block8",), default=None,
+                        help="FusedAdam moment_format, instead of --exp-avg / "
+                             "--exp-avg-sq: block8 stores both moments in 8-bit codes with "
+                             "one power-of-two scale per block (docs/semantics.md S2.11)")
+    parser.add_argument("--moment-block-size", type=_positive_int, default=None,
+                        help="FusedAdam moment_block_size: elements per block scale "
+                             "(default 256)")
     parser.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
                         help="parameter dtype (default fp32; bf16 wants --master)")
     parser.add_argument("--master", choices=("none", "fp32", "fp16", "remainder"),
@@ -254,14 +261,18 @@ def describe(args) -> str:
     text = f"FusedAdam {args.params} params"
     if args.master != "none":
         text += f" + {args.master} master"
+    if args.moment_format is not None:
+        block = args.moment_block_size or 256
+        return text + f", moments {args.moment_format} (blocks of {block})"
     return text + f", exp_avg {args.exp_avg}, exp_avg_sq {args.exp_avg_sq}"
 
 
 def run(args):
     import torch
 
-    if args.optimizer == "adamw" and (args.params, args.master, args.exp_avg,
-                                      args.exp_avg_sq) != ("fp32", "none", "fp32", "fp32"):
+    if args.optimizer == "adamw" and (
+            args.params, args.master, args.exp_avg, args.exp_avg_sq, args.moment_format,
+            args.moment_block_size) != ("fp32", "none", "fp32", "fp32", None, None):
         print("shardadam rare-tokens: error: --optimizer adamw takes no state or "
               "parameter flags (it keeps fp32 state)", file=sys.stderr)
         return 2
@@ -274,6 +285,9 @@ def run(args):
     else:
         kwargs = {"exp_avg_dtype": getattr(torch, _DTYPES[args.exp_avg]),
                   "exp_avg_sq_dtype": getattr(torch, _DTYPES[args.exp_avg_sq])}
+        if args.moment_format is not None or args.moment_block_size is not None:
+            kwargs.update(moment_format=args.moment_format,
+                          moment_block_size=args.moment_block_size)
         if args.master != "none":
             kwargs.update(master_weights=True,
                           master_weight_dtype=torch.float16 if args.master == "fp16"

@@ -82,9 +82,13 @@ def id_name(fmt):
 # The formats tests run through: every one the package declares for the moments, for the
 # master, and with a scale. A format added there is run here at once and needs its facts
 # above (test_formats.py checks that they agree with the declarations).
-MOMENT_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if "moment" in f.roles)
-MASTER_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if "master" in f.roles)
-SCALED_FORMATS = tuple(id_name(f) for f in _formats.FORMATS if f.scaled)
+# Per-block formats are chosen by moment_format, not by a dtype, and have tests of their
+# own (test_block_moments*.py).
+_BY_DTYPE = [f for f in _formats.FORMATS if f.scale != "block"]
+MOMENT_FORMATS = tuple(id_name(f) for f in _BY_DTYPE if "moment" in f.roles)
+MASTER_FORMATS = tuple(id_name(f) for f in _BY_DTYPE if "master" in f.roles)
+SCALED_FORMATS = tuple(id_name(f) for f in _BY_DTYPE if f.scaled)
+BLOCK_FORMATS = tuple(f.name for f in _formats.FORMATS if f.scale == "block")
 
 
 def have_core():

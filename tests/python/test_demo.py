@@ -197,3 +197,22 @@ def test_crashed_rank_stops_every_rank(tmp_path):
         time.sleep(0.2)
     assert _processes_with(marker.encode()) == []
     assert time.monotonic() - began < RUN_TIMEOUT_S
+
+
+def test_remainder_block8_preset():
+    """The remainder-block8 preset builds FusedAdam with bf16 parameters, int16
+    remainders and block8 moments (S2.11): 1 + 1 code bytes, a 4-byte scale per 256
+    elements of each moment and a 2-byte remainder per parameter."""
+    import torch
+
+    from shardadam import FusedAdam
+    from shardadam.demo.config import PRESETS
+
+    preset = PRESETS["remainder-block8"]
+    p = torch.nn.Parameter(torch.zeros(4, 256, dtype=getattr(torch, preset.param_dtype)))
+    opt = FusedAdam([p], **preset.fused_adam_kwargs())
+    formats = {name: fmt.name for name, fmt in opt._formats[p].items()}
+    assert formats["exp_avg"] == "fp8-block" and formats["master_param"] == "remainder"
+    stored = sum(t.numel() * t.element_size() for t in opt.state[p].values())
+    scales = sum(t.numel() * t.element_size() for t in opt._scales[p].values())
+    assert (stored + scales) / p.numel() == 4.03125

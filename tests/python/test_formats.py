@@ -20,8 +20,9 @@ def test_declarations_agree_with_the_tests_facts():
     """Every declared format has the tag, storage, scale target and constructor dtype
     the tests state for it (S2.2, S2.3): a format added to the package needs its facts
     in the tests too."""
-    assert sorted(id_name(f) for f in FORMATS) == sorted(STORAGE)
-    for fmt in FORMATS:
+    by_dtype = [f for f in FORMATS if f.scale != "block"]
+    assert sorted(id_name(f) for f in by_dtype) == sorted(STORAGE)
+    for fmt in by_dtype:
         name = id_name(fmt)
         assert fmt.tag == CODE[name], name
         assert fmt.storage == STORAGE[name] and fmt.item_size == STORAGE[name].itemsize
@@ -34,10 +35,35 @@ def test_declarations_agree_with_the_tests_facts():
             assert name in GRID, f"{name}: no grid for the reference's bounds"
 
 
+# S2.9 / S2.10: (tag, largest magnitude encoded to a finite code, largest encoded to
+# code 0, the states it may hold).
+BLOCK_FACTS = {"fp8-block": (6, 464.0, 2.0 ** -10, ("moment",)),
+               "ufp8-block": (7, 488.0, 0.0, ("exp_avg_sq",))}
+
+
+def test_block_declarations_agree_with_the_tests_facts():
+    """Per-block formats: uint8 codes, no dtype names them, their block size is chosen
+    at construction (0 in the registry), and their bounds are S2.9's / S2.10's."""
+    block = [f for f in FORMATS if f.scale == "block"]
+    assert sorted(f.name for f in block) == sorted(BLOCK_FACTS)
+    for fmt in block:
+        tag, target, zero, roles = BLOCK_FACTS[fmt.name]
+        assert (fmt.tag, fmt.scale_target, fmt.zero_bound, fmt.roles) == (
+            tag, target, zero, roles), fmt.name
+        assert fmt.storage == torch.uint8 and fmt.argument is None and fmt.scale_block == 0
+        assert fmt.holds("exp_avg_sq") and fmt.holds("exp_avg") == (fmt.name == "fp8-block")
+        assert not fmt.holds("master_param")
+        sized = fmt.with_block(256)
+        assert sized is fmt.with_block(256) and sized is not fmt.with_block(512)
+        assert sized.label == f"{fmt.name}:256" and _formats.by_label(sized.label) is sized
+        assert pickle.loads(pickle.dumps(sized)) is sized and copy.deepcopy(sized) is sized
+
+
 def test_names_and_tags_are_the_recorded_ones():
     """Checkpoints record layouts by these names and the core reads these tags."""
     rows = {(f.name, f.tag) for f in FORMATS}
-    assert rows == {("fp32", 1), ("fp16", 2), ("bf16", 3), ("fp8", 4), ("remainder", 5)}
+    assert rows == {("fp32", 1), ("fp16", 2), ("bf16", 3), ("fp8", 4), ("remainder", 5),
+                    ("fp8-block", 6), ("ufp8-block", 7)}
     for fmt in FORMATS:
         assert _formats.by_name(fmt.name) is fmt and _formats.by_tag(fmt.tag) is fmt
     with pytest.raises(KeyError):
@@ -74,6 +100,12 @@ def test_scale_shape_follows_the_granularity():
                    scale="block", scale_block=32, scale_target=448.0)
     assert [block.scale_shape(n) for n in (0, 1, 32, 33, 64)] == [(0,), (1,), (1,),
                                                                      (2,), (2,)]
+    # Blocks keyed to the whole parameter's flat index: a range starting at `first`
+    # touches the blocks from first // 32 to (first + n - 1) // 32 (S2.9).
+    assert [block.scale_shape(n, first) for first, n in
+            ((31, 1), (31, 2), (5, 59), (5, 60), (64, 0))] == [(1,), (2,), (2,), (3,), (0,)]
+    with pytest.raises(ValueError, match="with_block"):
+        _formats.FP8_BLOCK.scale_shape(5)
     assert _formats.FP8.scale_shape(0) == () and _formats.BF16.scale_shape(5) is None
 
 
@@ -115,12 +147,22 @@ def test_extension_with_the_same_table_is_accepted():
     _formats.check_extension(types.SimpleNamespace(FORMATS=rows))
     _formats.check_extension(types.SimpleNamespace(FORMATS=[list(r) for r in table()]))
     # A format of the core's that the package does not select: not its business.
-    more = table() + ((60, "fp8-block", 1, "block", 0, 464.0, ("moment",), 2.0**-10),)
-    _formats.check_extension(types.SimpleNamespace(FORMATS=more))
+    more = table() + ((60, "fp4-block", 1, "block", 0, 6.0, ("moment",), 0.25),)
+    assert _formats.check_extension(types.SimpleNamespace(FORMATS=more)) == frozenset()
+
+
+def test_extension_without_a_block_format_has_it_unavailable():
+    """An older core without a per-block format still loads; the format is reported
+    missing (moment_format then refuses it, test_block_moments_api.py)."""
+    rows = tuple(row for row in table() if row[1] != "ufp8-block")
+    found = _formats.check_extension(types.SimpleNamespace(FORMATS=rows))
+    assert found == frozenset({"ufp8-block"})
 
 
 OTHER_TABLES = {
-    "a-format-missing": table()[:-1],
+    "a-format-missing": tuple(row for row in table() if row[1] != "fp8"),
+    "block-format-altered": tuple(row if row[1] != "fp8-block" else row[:5] + (448.0,)
+                                  + row[6:] for row in table()),
     "another-with-an-fp16-tag": table() + ((2, "int8", 1, "none", 0, 0.0, ("moment",), 0.0),),
     "another-with-an-fp16-name": table() + ((60, "fp16", 1, "none", 0, 0.0, ("moment",),
                                              0.0),),

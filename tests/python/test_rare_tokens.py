@@ -12,7 +12,8 @@ holds magnitudes from 448 down to 2**-9, a ratio of 2.3e5: the smallest ``exp_av
 entries round to 0 while their ``exp_avg`` (a ratio of only ~460, inside the range)
 survives, and ``m / (sqrt(0) + eps)`` with eps = 1e-8 moves those weights by about
 lr * |m| / eps. The full workload (16,384 tokens, 4,096 per step) has the same ratios
-or wider.
+or wider. One scale per block of 256 elements (block8, S2.11) sees only its own
+elements' range, and learns.
 """
 
 import json
@@ -84,6 +85,20 @@ def test_fp8_exp_avg_alone_trains():
                                exp_avg_sq_dtype=torch.bfloat16)))
 
 
+def test_block8_moments_learn():
+    """Both moments in 8 bits with one scale per block of 256 (S2.11) learn where one
+    scale per tensor is thrown off: a block holds the range of its own rows."""
+    _assert_learns(_run(_fused(moment_format="block8")))
+
+
+def test_block8_with_remainders_learns():
+    """The demo's remainder-block8 state: bf16 parameters, int16 remainders, block8."""
+    result = rare_tokens.train(
+        _fused(moment_format="block8", master_weights=True, store_param_remainders=True),
+        SMALL, param_dtype=torch.bfloat16)
+    _assert_learns(result)
+
+
 def test_repeatable():
     """Same seed, same thread count: the same losses bit for bit (weights, permutation
     and batches come from seeded generators alone)."""
@@ -105,6 +120,19 @@ def test_command(tmp_path, capsys):
     # bf16 moments (2 + 2 bytes) and an int16 remainder (2 bytes) per parameter.
     assert figures["state_bytes_per_param"] == 6.0
     assert figures["workload"]["vocab"] == 512
+
+
+def test_command_block8(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    status = main(["rare-tokens", "--vocab", "512", "--dim", "32", "--batch", "256",
+                   "--steps", "3", "--moment-format", "block8", "--params", "bf16",
+                   "--master", "remainder", "--threads", "1", "--quiet", "--json",
+                   str(out)])
+    assert status == 0
+    assert "moments block8 (blocks of 256)" in capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    # 1 + 1 code bytes, 2 x 4 / 256 scale bytes and a 2-byte remainder per parameter.
+    assert figures["state_bytes_per_param"] == 4.03125
 
 
 def test_command_refuses_state_flags_for_adamw(capsys):

@@ -90,13 +90,17 @@ def _step_count(optimizer):
 
 
 def memory_figures(model, optimizer):
-    """Bytes of this rank's parameter shards and optimizer state tensors (FusedAdam's
-    per-tensor fp8 scales, 4 bytes per tensor, are kept apart and not counted)."""
+    """Bytes of this rank's parameter shards and optimizer state tensors, FusedAdam's
+    scales included (kept beside the state: 4 bytes per tensor for per-tensor scales,
+    per block for block8 moments)."""
     param_bytes = sum(_local(p).numel() * _local(p).element_size()
                       for p in model.parameters())
     state_bytes = sum(_local(t).numel() * _local(t).element_size()
                       for state in optimizer.state.values() for t in state.values()
                       if isinstance(t, torch.Tensor))
+    state_bytes += sum(t.numel() * t.element_size()
+                       for scales in getattr(optimizer, "_scales", {}).values()
+                       for t in scales.values() if isinstance(t, torch.Tensor))
     return param_bytes, state_bytes
 
 

@@ -27,6 +27,9 @@ MEGATRON_FSDP_PRESETS = (FP32, REMAINDER, FP8)
 FSDP2_PRESETS = ("p=fp32-m=fp32", "p=bf16-master=fp32-m=bf16",
                  "p=bf16-master=remainder-m=bf16", "p=bf16-master=fp32-m=fp8")
 
+# block8 moments (S2.11) under FSDP2, _block8_jobs.PRESETS.
+BLOCK8_PRESETS = ("p=fp32-m=block8", "p=bf16-master=remainder-m=block8")
+
 LAYOUT_ERRORS = ("grad-placements", "grad-mesh", "grad-global-shape", "partial-param",
                  "plain-grad-for-dtensor-param", "dtensor-grad-for-plain-param",
                  "state-plain-for-dtensor-param", "state-placements",
@@ -124,6 +127,14 @@ def _build():
     for what in ("remainder-to-fp32", "fp32-to-remainder"):
         cases.append(Case(f"W=2-dcp-state-layout-{what}", 2, "state_layout_mismatch",
                           REMAINDER, what))
+    for preset in BLOCK8_PRESETS:  # _block8_jobs: its own presets (moment_format)
+        save = f"W=2-fsdp2-block8-dcp-save-{preset}"
+        cases.append(Case(save, 2, "block8_dcp_save", preset, job="block8-save"))
+        cases.append(Case(f"W=3-fsdp2-block8-dcp-2to3-{preset}-equals-uninterrupted", 3,
+                          "block8_dcp_resume", preset, needs=(save,)))
+    for layout in ("Shard(0)", "Shard(1)", "Replicate"):
+        cases.append(Case(f"W=3-block8-mesh-rule-{layout}", 3, "block8_mesh_rule",
+                          "p=fp32-m=block8", layout))
     for api in DCP_APIS:
         for preset in PRESETS:
             save4 = f"W=4-{api}-save-for-4to2-{preset}"

@@ -1,0 +1,168 @@
+"""block8 moments under FSDP2 (S2.11), as run on every rank (dispatched from
+``_dist_jobs.KINDS``).
+
+``block8_dcp_save``: weights whose row length is a multiple of the block size, sharded
+by ``fully_shard`` over 2 ranks, take two steps on gradients built from full tensors
+(the same at every world size), and are saved with DCP. ``block8_dcp_resume``: loaded
+into a fresh model at 3 ranks, two more steps; the gathered parameters, codes and
+scales are bitwise those of one process stepping the full tensors four times without
+stopping (the mesh rule: blocks keyed to the global flat index never cross a shard
+boundary of whole rows, so the shards store what the whole tensor stores).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+
+import _dist_cases
+from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
+
+BLOCK = 128
+SHAPES = {"0.weight": (6, 2 * BLOCK), "1.weight": (12, BLOCK)}  # whole blocks per row
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
+             moment_format="block8", moment_block_size=BLOCK)
+# case preset -> (parameter dtype, constructor keywords)
+PRESETS = {"p=fp32-m=block8": (torch.float32, {}),
+           "p=bf16-master=remainder-m=block8": (
+               torch.bfloat16, dict(master_weights=True, store_param_remainders=True))}
+
+
+def _model(ctx, dtype, seed, shard=True):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(2 * BLOCK, 6, bias=False),
+                          nn.Linear(BLOCK, 12, bias=False)).to(dtype)
+    if shard:
+        fully_shard(model, mesh=ctx.mesh())
+    return model
+
+
+def _optimizer(model, preset):
+    dtype, extra = PRESETS[preset]
+    return fused_adam()(list(model.parameters()), **HYPER, **extra)
+
+
+def _set_grads(model, preset, step, sharded):
+    dtype = PRESETS[preset][0]
+    for name, p in model.named_parameters():
+        full = full_grad(SHAPES[name], seed_of("block8", name, step), dtype)
+        # Each rank takes its own chunk: no communication.
+        p.grad = (distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                  if sharded else full)
+
+
+def _init_seed(preset):
+    return seed_of("block8-init", preset)
+
+
+def block8_dcp_save(ctx, case):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _model(ctx, PRESETS[case.preset][0], _init_seed(case.preset))
+    opt = _optimizer(model, case.preset)
+    for step in (1, 2):
+        _set_grads(model, case.preset, step, sharded=True)
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "block8", case.preset, 2)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dist.barrier()
+
+
+def _gathered(model, opt):
+    """Full parameters, codes and (concatenated in rank order) scales by name."""
+    out = {}
+    for name, p in model.named_parameters():
+        entry = {"param": gather(p.detach())}
+        for state in ("exp_avg", "exp_avg_sq"):
+            entry[state] = gather(opt.state[p][state])
+            scales = [None] * dist.get_world_size()
+            dist.all_gather_object(scales, opt._scales[p][state])
+            entry[state + "_scale"] = torch.cat(scales)
+        out[name] = entry
+    return out
+
+
+def block8_dcp_resume(ctx, case):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "block8", case.preset, 2)
+    assert os.path.isdir(path), f"no checkpoint at {path}: its save case failed or did not run"
+    dtype = PRESETS[case.preset][0]
+    model = _model(ctx, dtype, seed_of(case.id))  # other weights: the load must win
+    opt = _optimizer(model, case.preset)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for step in (3, 4):
+        _set_grads(model, case.preset, step, sharded=True)
+        opt.step()
+    got = _gathered(model, opt)
+
+    # The run that never stopped: one process, full tensors, four steps.
+    ref = _model(ctx, dtype, _init_seed(case.preset), shard=False)
+    ref_opt = _optimizer(ref, case.preset)
+    for step in (1, 2, 3, 4):
+        _set_grads(ref, case.preset, step, sharded=False)
+        ref_opt.step()
+
+    def same():
+        assert [g["step"] for g in opt.param_groups] == [4]
+        for name, p in ref.named_parameters():
+            want = {"param": p.detach()}
+            for state in ("exp_avg", "exp_avg_sq"):
+                want[state] = ref_opt.state[p][state]
+                want[state + "_scale"] = ref_opt._scales[p][state]
+            for key, value in want.items():
+                assert_bitwise(got[name][key], value, f"{name} {key} after 2 + 2 steps")
+
+    symmetric(same)
+
+
+def block8_mesh_rule(ctx, case):
+    """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
+    step from zero moments: under Shard(0) the blocks are keyed to the global flat index
+    (f = row offset x row length), under Shard(1) and Replicate to the local one (f = 0);
+    the stored codes and scales are exactly the torch codec's at that f, and
+    get_unscaled_state decodes them at the same f."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardadam import _codecs, _formats
+
+    shape, rows = (9, 96), 9 // ctx.world_size
+    layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
+               "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0)}
+    placements, first = layouts[case.detail]
+    mesh = ctx.mesh()
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+    opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format="block8",
+                       moment_block_size=BLOCK)
+    g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
+    p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+    opt.step()
+    local_g = p.grad.to_local()
+    fmt = _formats.FP8_BLOCK
+
+    def check():
+        want = torch.tensor(1 - 0.9) * local_g  # the core's fp32 constant times g (S3.6)
+        codes, scales = _codecs.encode_blocks(fmt.name, want, first, BLOCK,
+                                              fmt.scale_target, fmt.zero_bound)
+        got = opt.state[p]["exp_avg"].to_local()
+        assert_bitwise(got.reshape(-1), codes, f"{case.detail}: exp_avg codes at f={first}")
+        assert_bitwise(opt._scales[p]["exp_avg"], scales, f"{case.detail}: scales")
+        decoded = _codecs.decode_blocks(fmt.name, codes, scales, first, BLOCK)
+        assert_bitwise(opt.get_unscaled_state(p, "exp_avg").reshape(-1), decoded,
+                       f"{case.detail}: get_unscaled_state")
+
+    symmetric(check)
+
+
+KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume,
+         "block8_mesh_rule": block8_mesh_rule}

@@ -1,0 +1,255 @@
+"""The torch codecs of the per-block 8-bit formats (S2.9 fp8-block, S2.10 ufp8-block):
+encode follows each rule bit for bit (against oracles written here from the rules'
+text, and against the C++ core's own step), and encoding a decoded state gives back
+the same codes and scales, for every code of each map and for random blocks."""
+
+import math
+
+import pytest
+import torch
+
+from _optimizer_testing import assert_bitwise_equal, have_core
+from shardadam import _codecs, _formats
+
+FP8B, UFP8B = _formats.FP8_BLOCK, _formats.UFP8_BLOCK
+
+
+def ufp8_value(code: int) -> float:
+    """S2.10's decode of one code, as the rule states it."""
+    e, m = code >> 4, code & 15
+    if code == 0xFF:
+        return math.nan
+    return m * 2.0 ** -10 if e == 0 else (16 + m) * 2.0 ** (e - 11)
+
+
+UFP8_VALUES = [ufp8_value(c) for c in range(255)]  # the finite codes, increasing
+
+
+def ufp8_oracle(x: float) -> int:
+    """S2.10's encode of |x| by exhaustive search: the nearest finite code, ties to the
+    even M; beyond 488 (half a step above 480), inf, NaN -> 0xFF; zero-free."""
+    a = abs(x)
+    if not a <= 488.0:
+        return 0xFF
+    best = min(range(255), key=lambda c: (abs(UFP8_VALUES[c] - a), c & 1))
+    return 1 if best == 0 and a > 0 else best
+
+
+def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
+    """S2.9 in float64 Python, block by block (scale: the smallest power of two in
+    [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max or one <= 2^-136)."""
+    codes, scales, start = [], [], 0
+    while start < u.numel():
+        end = min(u.numel(), ((first + start) // block + 1) * block - first)
+        part = u[start:end]
+        a = part.double().abs().max().item()
+        if not math.isfinite(a) or a <= 2.0 ** -136:
+            s = 1.0
+        else:
+            e = -126
+            while a > 464.0 * 2.0 ** e:
+                e += 1
+            s = 2.0 ** e
+        codes.append((part / s).to(torch.float8_e4m3fn).view(torch.uint8))
+        scales.append(s)
+        start = end
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
+    """S2.10's scale (S2.9's with bound 488, 1 only for a zero or non-finite max) and
+    the exhaustive-search codes."""
+    codes, scales, start = [], [], 0
+    while start < u.numel():
+        end = min(u.numel(), ((first + start) // block + 1) * block - first)
+        part = u[start:end]
+        a = part.double().abs().max().item()
+        if not math.isfinite(a) or a == 0:
+            s = 1.0
+        else:
+            e = -126
+            while a > 488.0 * 2.0 ** e:
+                e += 1
+            s = 2.0 ** e
+        x = (part / s).tolist()  # fp32 division by a power of two, as the core's
+        codes.append(torch.tensor([ufp8_oracle(v) for v in x], dtype=torch.uint8))
+        scales.append(s)
+        start = end
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+def spread_values(n: int, seed: int) -> torch.Tensor:
+    """Signed values over many binades, with zeros, so blocks get different scales and
+    elements land on subnormal codes and on code 0."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(n, generator=gen) * torch.pow(2.0, -(torch.arange(n) // 97 % 40.0))
+    u[::53] = 0.0
+    u[7::211] *= 2.0 ** -30  # far below the block's largest: code 0 / zero-free code 1
+    return u
+
+
+CASES = [(0, 1000, 128), (77, 3000, 256), (4096 * 3 - 5, 9000, 4096), (1, 1, 128),
+         (255, 2, 256)]
+
+
+@pytest.mark.parametrize("first,n,block", CASES)
+def test_fp8_block_encode_follows_s2_9(first, n, block):
+    u = spread_values(n, first + n)
+    codes, scales = _codecs.encode_blocks("fp8-block", u, first, block, FP8B.scale_target,
+                                          FP8B.zero_bound)
+    want_codes, want_scales = fp8_block_oracle(u, first, block)
+    assert_bitwise_equal(codes, want_codes, "fp8-block codes")
+    assert_bitwise_equal(scales, want_scales, "fp8-block scales")
+
+
+@pytest.mark.parametrize("first,n,block", CASES[:2] + CASES[3:])
+def test_ufp8_block_encode_follows_s2_10(first, n, block):
+    u = spread_values(n, first + n).abs()
+    codes, scales = _codecs.encode_blocks("ufp8-block", u, first, block,
+                                          UFP8B.scale_target, UFP8B.zero_bound)
+    want_codes, want_scales = ufp8_block_oracle(u, first, block)
+    assert_bitwise_equal(codes, want_codes, "ufp8-block codes")
+    assert_bitwise_equal(scales, want_scales, "ufp8-block scales")
+    assert not bool(((codes == 0) & (u != 0)).any()), "a non-zero value became code 0"
+
+
+def test_ufp8_code_map_edges():
+    """Ties to even M, the carry into the next binade, the NaN code, zero-freedom, the
+    sign ignored, and the linear step 2^-10 below 2^-6 (S2.10)."""
+    x = torch.tensor([0.0, -0.0, 2.0 ** -11, 2.0 ** -12, 2.0 ** -149, 1.5 * 2.0 ** -10,
+                      2.0 ** -6, 17.5 * 2.0 ** -10, 31.75 * 2.0 ** -10, 1.0, 1.03125,
+                      1.09375, -3.0, 480.0, 487.0, 488.0, 488.0001, 1e30, math.inf,
+                      -math.inf, math.nan])
+    got = _codecs.ufp8_encode(x)
+    want = torch.tensor([ufp8_oracle(v) for v in x.tolist()], dtype=torch.uint8)
+    assert_bitwise_equal(got, want, "ufp8 codes of edge values")
+    assert got[0] == 0 and got[2] == 1 and got[4] == 1 and got[13] == 0xFE
+    assert got[-1] == 0xFF and got[-2] == 0xFF and got[16] == 0xFF
+
+
+def test_ufp8_decode_is_the_rule():
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = _codecs.ufp8_decode(codes)
+    assert values[:255].double().tolist() == UFP8_VALUES
+    assert values[255].view(torch.int32).item() == 0x7FC00000
+    assert values[254].item() == 480.0 and values[1].item() == 2.0 ** -10
+
+
+def codes_with_top(name: str, count: int, block: int, gen) -> torch.Tensor:
+    """Random codes of ``name`` (no NaN), each block holding one code of its top
+    binade, where S2.9's scale puts a block's largest element."""
+    if name == "fp8-block":
+        codes = torch.randint(0, 256, (count * block,), generator=gen, dtype=torch.uint8)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)  # no NaN
+        top = torch.randint(0x77, 0x7F, (count,), generator=gen, dtype=torch.uint8)  # 240..448
+    else:
+        codes = torch.randint(0, 255, (count * block,), generator=gen, dtype=torch.uint8)
+        top = torch.randint(0xEF, 0xFF, (count,), generator=gen, dtype=torch.uint8)  # 248..480
+    codes = codes.view(count, block).clone()
+    where = torch.randint(0, block, (count,), generator=gen)
+    codes[torch.arange(count), where] = top
+    return codes.view(-1)
+
+
+# The scales encoding can produce: 2^-126 up to where a block's largest code (448 or
+# 480, just under 2^9) times the scale is still a finite fp32 (below 2^128).
+EXPONENTS = (-126, 119)
+
+
+def exact_scales(count: int, gen) -> torch.Tensor:
+    """Powers of two over the range encoding can produce."""
+    low, high = EXPONENTS
+    return torch.ldexp(torch.ones(count), torch.randint(low, high + 1, (count,),
+                                                        generator=gen).float())
+
+
+@pytest.mark.parametrize("fmt", [FP8B, UFP8B], ids=lambda f: f.name)
+def test_every_code_survives_decode_then_encode(fmt):
+    """Every finite code of the map, in blocks whose scale is each power of two encoding
+    can produce (EXPONENTS) and whose largest code is the map's largest: decoding and
+    encoding again gives back the same codes and scales."""
+    block = 256
+    finite = [c for c in range(256) if (c & 0x7F) != 0x7F] if fmt is FP8B \
+        else list(range(255))
+    top = 0x7E if fmt is FP8B else 0xFE
+    row = torch.tensor(finite + [top] * (block - len(finite)), dtype=torch.uint8)
+    exponents = torch.arange(EXPONENTS[0], EXPONENTS[1] + 1).float()
+    codes = row.repeat(exponents.numel())
+    scales = torch.ldexp(torch.ones(exponents.numel()), exponents)
+    for first in (0, 3 * block):
+        values = _codecs.decode_blocks(fmt.name, codes, scales, first, block)
+        again, again_scales = _codecs.encode_blocks(fmt.name, values, first, block,
+                                                    fmt.scale_target, fmt.zero_bound)
+        assert_bitwise_equal(again, codes, f"{fmt.name} codes after decode -> encode")
+        assert_bitwise_equal(again_scales, scales, f"{fmt.name} scales")
+
+
+@pytest.mark.parametrize("fmt", [FP8B, UFP8B], ids=lambda f: f.name)
+@pytest.mark.parametrize("block", [128, 256, 4096])
+def test_random_blocks_survive_decode_then_encode(fmt, block):
+    gen = torch.Generator().manual_seed(block)
+    count = max(2, 8192 // block)
+    codes = codes_with_top(fmt.name, count, block, gen)
+    scales = exact_scales(count, gen)
+    values = _codecs.decode_blocks(fmt.name, codes, scales, 0, block)
+    again, again_scales = _codecs.encode_blocks(fmt.name, values, 0, block,
+                                                fmt.scale_target, fmt.zero_bound)
+    assert_bitwise_equal(again, codes, f"{fmt.name} random codes")
+    assert_bitwise_equal(again_scales, scales, f"{fmt.name} random scales")
+
+
+@pytest.mark.parametrize("fmt", [FP8B, UFP8B], ids=lambda f: f.name)
+def test_partial_blocks_and_empty_ranges(fmt):
+    """A range cut inside blocks at both ends holds one scale per block it touches; an
+    empty one holds none; an all-zero block has scale 1 (S2.9)."""
+    u = torch.zeros(400)  # flat indices 200..599: blocks 0 (part), 1, 2 (part)
+    u[0], u[399] = 3.0, 5.0
+    codes, scales = _codecs.encode_blocks(fmt.name, u, 200, 256, fmt.scale_target,
+                                          fmt.zero_bound)
+    assert scales.shape == (3,) and codes.shape == (400,)
+    # 3 / 2^-7 = 384 and 5 / 2^-6 = 320 fit under both bounds, twice that does not;
+    # block 1 is all zeros.
+    assert scales.tolist() == [2.0 ** -7, 1.0, 2.0 ** -6]
+    codes, scales = _codecs.encode_blocks(fmt.name, torch.zeros(0), 17, 256,
+                                          fmt.scale_target, fmt.zero_bound)
+    assert codes.numel() == 0 and scales.numel() == 0
+
+
+@pytest.mark.skipif(not have_core(), reason="C++ extension is not built")
+@pytest.mark.parametrize("name", ["fp8-block", "ufp8-block"])
+@pytest.mark.parametrize("first,n,block", [(0, 1000, 128), (77, 3000, 256)])
+def test_torch_codec_equals_the_core(name, first, n, block):
+    """One core step from zero moments stores (1-beta1)g and (1-beta2)g^2 (S3.6): the
+    core's codes and scales are bitwise what the torch codec makes of those fp32
+    values."""
+    from shardadam import _C
+
+    fmt = _formats.by_name(name)
+    if not _formats.available(fmt):
+        pytest.skip(f"this build of shardadam._C has no {name}")
+    gen = torch.Generator().manual_seed(n)
+    g = spread_values(n, n + 1)
+    param = torch.randn(n, generator=gen)
+    m_fmt = fmt if fmt.holds("exp_avg") else FP8B
+    m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    count = _codecs.block_count(first, n, block)
+    m_scales, v_scales = torch.ones(count), torch.ones(count)
+    row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), m_fmt.tag,
+           m_scales.data_ptr(), v.data_ptr(), fmt.tag, v_scales.data_ptr(), 0, 0, 0,
+           first, block]
+    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+    c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
+    for stored, scales, f, u in ((m, m_scales, m_fmt, c1 * g), (v, v_scales, fmt,
+                                                               (c2 * g) * g)):
+        codes, want = _codecs.encode_blocks(f.name, u, first, block, f.scale_target,
+                                            f.zero_bound)
+        assert_bitwise_equal(stored, codes, f"{f.name} codes from the core")
+        assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
+        # and the rule's own text, independently of the codec
+        oracle = fp8_block_oracle if f is FP8B else ufp8_block_oracle
+        oracle_codes, oracle_scales = oracle(u, first, block)
+        assert_bitwise_equal(stored, oracle_codes, f"{f.name} codes: the core vs S2.9/10")
+        assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.9/10")
+        decoded = f.with_block(block).decode(stored, scales, first)
+        assert_bitwise_equal(decoded, _codecs.decode_blocks(f.name, codes, want, first,
+                                                            block), "decode")

@@ -1,0 +1,287 @@
+"""FusedAdam(moment_format="block8", moment_block_size=B) (S2.11): the keywords and their
+errors, the stored layout (uint8 codes shaped like the local parameter, one fp32 scale
+per block touched), every parameter / master option, the C++ core against the torch
+path, and checkpoints: state_dict -> load gives back the same codes and scales, and a
+resumed run continues bitwise like the one that never stopped."""
+
+import pytest
+import torch
+
+from _optimizer_testing import (
+    assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
+    have_core, snapshot)
+from shardadam import FusedAdam, _codecs, _formats
+
+SHAPES = [(6, 300), (1000,), (3,), (0,), (2, 128)]  # partial blocks, tiny, empty
+# parameter dtype, master options
+OPTIONS = {
+    "fp32": (torch.float32, {}),
+    "bf16-master": (torch.bfloat16, dict(master_weights=True)),
+    "bf16-remainder": (torch.bfloat16, dict(master_weights=True,
+                                            store_param_remainders=True)),
+}
+
+
+def make(option="fp32", seed=0, shapes=SHAPES, **kwargs):
+    dtype, extra = OPTIONS[option]
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    kwargs = {"moment_format": "block8", **extra, **kwargs}
+    return FusedAdam(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, **kwargs), params
+
+
+def grads(params, step, seed=0):
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    for i, p in enumerate(params):
+        # magnitudes differing by row, so blocks get different scales
+        scale = torch.pow(2.0, -(torch.arange(p.numel()) // 100 % 12).float())
+        p.grad = (torch.randn(p.numel(), generator=gen) * scale).view(p.shape).to(p.dtype)
+
+
+def run(opt, params, first, steps, seed=0):
+    for step in range(first, first + steps):
+        grads(params, step, seed)
+        opt.step()
+
+
+# --------------------------------------------------------------------------- API
+
+def test_defaults_and_layout():
+    """block8: exp_avg fp8-block, exp_avg_sq the zero-free map, 256 elements per scale;
+    codes uint8 shaped like the parameter, scales 1-D, one per block."""
+    opt, params = make()
+    sq = _formats.moment_family("block8", None)[1]
+    for p in params:
+        formats = opt._formats[p]
+        assert formats["exp_avg"] is _formats.FP8_BLOCK.with_block(256)
+        assert formats["exp_avg_sq"] is sq and sq.scale_block == 256
+        for name in ("exp_avg", "exp_avg_sq"):
+            stored, scale = opt.state[p][name], opt._scales[p][name]
+            assert stored.dtype == torch.uint8 and stored.shape == p.shape
+            assert scale.dtype == torch.float32
+            assert scale.shape == (_codecs.block_count(0, p.numel(), 256),)
+    layout = opt.state_dict()["param_groups"][0]["state_layout"]
+    assert layout == f"exp_avg=fp8-block:256 exp_avg_sq={sq.label} master=none"
+
+
+def test_block_size_keyword():
+    opt, params = make(moment_block_size=128)
+    assert opt._scales[params[0]]["exp_avg"].shape == (15,)  # 1800 / 128, rounded up
+    assert opt._formats[params[0]]["exp_avg"].scale_block == 128
+
+
+@pytest.mark.parametrize("block", [0, 64, 100, 255, 8192, -256, 256.0, True, "256"])
+def test_bad_block_size_is_refused(block):
+    with pytest.raises(ValueError, match=r"moment_block_size must be a power of two in "
+                                         r"\[128, 4096\]"):
+        make(moment_block_size=block)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(moment_format="block4"), "unknown moment_format 'block4'"),
+    (dict(moment_format=torch.uint8), "unknown moment_format"),
+    (dict(moment_format="block8", exp_avg_dtype=torch.bfloat16),
+     "exp_avg_dtype and exp_avg_sq_dtype"),
+    (dict(moment_format="block8", exp_avg_sq_dtype=torch.uint8),
+     "exp_avg_dtype and exp_avg_sq_dtype"),
+    (dict(moment_format=None, moment_block_size=256), "needs a moment_format"),
+])
+def test_bad_keywords_are_refused(kwargs, match):
+    params = [torch.nn.Parameter(torch.randn(4))]
+    with pytest.raises(ValueError, match=match):
+        FusedAdam(params, **kwargs)
+
+
+def test_te_meanings_unchanged():
+    """Without moment_format, torch.uint8 still means per-tensor fp8 (S2.2)."""
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = FusedAdam([p], exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    assert opt._formats[p]["exp_avg"] is _formats.FP8
+    assert opt._scales[p]["exp_avg"].shape == ()
+
+
+@pytest.mark.parametrize("attribute,value", [("moment_block_size", 100),
+                                             ("moment_format", "block3"),
+                                             ("exp_avg_dtype", torch.bfloat16)])
+def test_bad_setting_at_step_changes_nothing(attribute, value):
+    """Settings changed after construction are checked at step() before anything is
+    written (S3.1)."""
+    opt, params = make()
+    run(opt, params, 1, 2)
+    grads(params, 3)
+    setattr(opt, attribute, value)
+    before = snapshot(opt)
+    with pytest.raises(ValueError):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+def test_bad_load_changes_nothing():
+    opt, params = make()
+    run(opt, params, 1, 2)
+    sd = opt.state_dict()
+    del sd["state"][1]["exp_avg_sq"]
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, before)
+
+
+# --------------------------------------------------------------------------- stepping
+
+@pytest.mark.skipif(not have_core(), reason="C++ extension not built: one backend only")
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_core_and_torch_path_agree_bitwise(option):
+    """The core (S2.9 kernels) and the torch path (this package's codecs around torch
+    ops) hold bitwise the same parameters, codes and scales after every step."""
+    runs = {}
+    for name in ("auto", "torch"):
+        with backend_context(name):
+            runs[name] = make(option, seed=1)
+    for step in range(1, 6):
+        for name in ("auto", "torch"):
+            with backend_context(name):
+                run(*runs[name], step, 1, seed=1)
+        assert_same_optimizer_state(runs["auto"][0], runs["torch"][0], runs["auto"][1],
+                                    runs["torch"][1], f"{option}: step {step}")
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_state_dict_round_trip_restores_codes_and_scales(option):
+    """state_dict() exports fp32 true values; loading them re-encodes exactly the codes
+    and scales the core's steps stored."""
+    opt, params = make(option, seed=2)
+    run(opt, params, 1, 4, seed=2)
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        assert entry["exp_avg"].dtype == torch.float32
+        assert entry["exp_avg_sq"].dtype == torch.float32
+    new_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    new_opt = FusedAdam(new_params, moment_format="block8", **OPTIONS[option][1])
+    new_opt.load_state_dict(sd)
+    assert_same_optimizer_state(opt, new_opt, params, new_params, f"{option}: reloaded")
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_save_load_continue_is_the_uninterrupted_run(option):
+    straight, params = make(option, seed=3)
+    run(straight, params, 1, 8, seed=3)
+    first, first_params = make(option, seed=3)
+    run(first, first_params, 1, 4, seed=3)
+    sd = first.state_dict()
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
+    resumed = FusedAdam(resumed_params, moment_format="block8", **OPTIONS[option][1])
+    resumed.load_state_dict(sd)
+    run(resumed, resumed_params, 5, 4, seed=3)
+    assert_same_optimizer_state(straight, resumed, params, resumed_params,
+                                f"{option}: resumed vs uninterrupted")
+
+
+def test_other_layouts_convert_to_block8_and_back():
+    """A checkpoint of another layout loads into block8 (its values re-encoded), and a
+    block8 one into fp32 moments (its decoded values, exactly)."""
+    plain, params = make(moment_format=None, exp_avg_dtype=torch.bfloat16)
+    run(plain, params, 1, 3)
+    opt, _ = make(seed=0)
+    opt.load_state_dict(plain.state_dict())
+    p = opt.param_groups[0]["params"][0]
+    want = plain.get_unscaled_state(params[0], "exp_avg")
+    codes, scales = _codecs.encode_blocks("fp8-block", want, 0, 256, 464.0, 2.0 ** -10)
+    assert_bitwise_equal(opt.state[p]["exp_avg"].reshape(-1), codes, "re-encoded codes")
+    assert_bitwise_equal(opt._scales[p]["exp_avg"], scales, "re-encoded scales")
+    fp32, _ = make(moment_format=None)
+    fp32.load_state_dict(opt.state_dict())
+    q = fp32.param_groups[0]["params"][0]
+    assert_bitwise_equal(fp32.state[q]["exp_avg"], opt.get_unscaled_state(p, "exp_avg"),
+                         "decoded exp_avg")
+
+
+def test_non_finite_gradient_gives_a_unit_scale_in_its_block_only():
+    """S2.9: a block whose new values are not finite takes scale 1; the others keep
+    theirs (the rest of the tensor is not thrown off)."""
+    opt, params = make(shapes=[(1024,)])
+    p = params[0]
+    p.grad = torch.full((1024,), 1e-3)
+    p.grad[600] = float("inf")
+    opt.step()
+    scales = opt._scales[p]["exp_avg"]
+    assert scales[2].item() == 1.0
+    assert all(s != 1.0 for i, s in enumerate(scales.tolist()) if i != 2)
+
+
+@pytest.mark.parametrize("damage", ["missing", "nan", "inf", "zero", "short", "fp16"])
+def test_codes_without_usable_scales_are_refused(damage):
+    """Per-block codes whose scales are missing, non-finite, not positive or of the
+    wrong shape or dtype cannot be decoded: step() refuses them, naming the state and
+    the rule, and changes nothing."""
+    opt, params = make()
+    run(opt, params, 1, 2)
+    p = params[0]
+    scales = opt._scales[p]
+    if damage == "missing":
+        del scales["exp_avg"]
+    elif damage == "short":
+        scales["exp_avg"] = scales["exp_avg"][:-1].clone()
+    elif damage == "fp16":
+        scales["exp_avg"] = scales["exp_avg"].half()
+    else:
+        value = {"nan": float("nan"), "inf": float("inf"), "zero": 0.0}[damage]
+        scales["exp_avg"] = scales["exp_avg"].clone()
+        scales["exp_avg"][1] = value
+    grads(params, 3)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg' holds fp8-block:256 codes"):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+def test_te_state_methods_round_trip():
+    """get_unscaled_state gives the decoded fp32 values; set_scaled_state of those
+    values stores the same codes and scales again (S5.2, S5.3)."""
+    opt, params = make()
+    run(opt, params, 1, 3)
+    for p in params:
+        for name in ("exp_avg", "exp_avg_sq"):
+            codes = opt.state[p][name].clone()
+            scales = opt._scales[p][name].clone()
+            value = opt.get_unscaled_state(p, name)
+            fmt = opt._formats[p][name]
+            assert_bitwise_equal(value, fmt.decode(codes, scales), f"{name} decoded")
+            opt.set_scaled_state(p, name, value)
+            assert_bitwise_equal(opt.state[p][name], codes, f"{name} codes")
+            assert_bitwise_equal(opt._scales[p][name], scales, f"{name} scales")
+
+
+def test_pickled_optimizer_continues_bitwise():
+    """A pickled optimizer keeps its block formats (at their block size) and goes on
+    exactly like the original."""
+    import pickle
+
+    opt, params = make(moment_block_size=512)
+    run(opt, params, 1, 2)
+    copy_opt = pickle.loads(pickle.dumps(opt))
+    copy_params = [p for group in copy_opt.param_groups for p in group["params"]]
+    assert copy_opt._formats[copy_params[0]]["exp_avg"] is \
+        _formats.FP8_BLOCK.with_block(512)
+    run(opt, params, 3, 2)
+    run(copy_opt, copy_params, 3, 2)
+    assert_same_optimizer_state(opt, copy_opt, params, copy_params, "pickled")
+
+
+@pytest.mark.parametrize("sq", ["ufp8-block:512", "fp8-block:512"])
+def test_recorded_layouts_read_back(sq):
+    """A recorded block8 layout reads back as block8 at its block size, with
+    exp_avg_sq in either map (checkpoints hold true values); a mismatched or
+    block-less one is no layout."""
+    from shardadam._state import StateConfig
+
+    config = StateConfig.from_record(f"exp_avg=fp8-block:512 exp_avg_sq={sq} "
+                                     f"master=remainder")
+    assert (config.moment_format, config.moment_block_size) == ("block8", 512)
+    assert config.store_param_remainders and config.master_weights
+    for bad in ("exp_avg=fp8-block:512 exp_avg_sq=ufp8-block:256 master=none",
+                "exp_avg=fp8-block exp_avg_sq=ufp8-block master=none",
+                "exp_avg=ufp8-block:256 exp_avg_sq=ufp8-block:256 master=none",
+                "exp_avg=fp8-block:0 exp_avg_sq=ufp8-block:0 master=none"):
+        with pytest.raises(ValueError, match="is not a state layout"):
+            StateConfig.from_record(bad)
