@@ -65,6 +65,7 @@ test-python: $(VENV)/.package-stamp
 # Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
 bench: setup
 	mkdir -p build/bench
+	$(PY) -m pip install -q -r requirements-bench.txt
 	$(PY) -m shardadam bench $(BENCH_FLAGS) --json build/bench/bench.json --png build/bench/bench.png
 
 clean:

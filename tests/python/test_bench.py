@@ -21,9 +21,14 @@ _RECORD_TYPES = {
     "ratio_to": dict,
 }
 _TIMED_FIELDS = ("elements_per_s", "gb_per_s")
-# A contender may be missing from this machine (DeepSpeed) or reject a layout (DTensor
-# support): then it says so instead of timing.
-_MAY_BE_ABSENT = {"deepspeed": "unavailable", "dtensor": "unsupported"}
+_LOWBIT = {"shardadam", "torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8",
+           "bnb-adamw8bit", "probe"}
+# A contender may be missing from this machine (DeepSpeed, the low-bit optimizers of
+# other packages) or reject a layout (DTensor support): then it says so instead of
+# timing.
+_MAY_BE_ABSENT = {"deepspeed": "unavailable", "dtensor": "unsupported",
+                  "torchao-adamw8bit": "unavailable", "torchao-adamw4bit": "unavailable",
+                  "torchao-adamwfp8": "unavailable", "bnb-adamw8bit": "unavailable"}
 
 
 def _run(*args, timeout=600):
@@ -86,6 +91,7 @@ def test_every_case_and_contender_is_reported(tiny_run):
     assert _FP32 <= by_case[("transformer", "fp32")]
     assert _FP32 <= by_case[("many", "fp32")]
     assert by_case[("dtensor", "fp32")] == {"dtensor", "plain"}
+    assert _LOWBIT <= by_case[("lowbit", "bf16-remainder-block8")]
 
 
 def test_records_have_the_documented_fields(tiny_run):
@@ -115,12 +121,24 @@ def test_timings_are_positive_and_ordered(tiny_run):
         assert 0 < seconds["min"] <= seconds["median"] <= seconds["max"], where
         for key in _TIMED_FIELDS:
             assert record[key] > 0, (where, key)
-        if record["kind"] == "large":
+        if record["kind"] in ("large", "lowbit"):
             assert record["fraction_of_probe"] > 0, where
         else:  # the probe's per-tensor overhead would set the ratio (runner._relate)
             assert record["fraction_of_probe"] is None, where
         for other, ratio in record["ratio_to"].items():
             assert ratio > 0 and other != record["contender"], where
+
+
+def test_optimizer_state_bytes_follow_the_layout(tiny_run):
+    """Counted from each optimizer's own state: shardadam's block8 beside remainders
+    holds 2 (remainder) + 1 + 1 (codes) + 2 * 4 / 256 (a scale per 256 elements of each
+    moment) bytes per parameter; torch's fp32 AdamW 8 (two fp32 moments)."""
+    _, data, _ = tiny_run
+    held = {(r["case"], r["contender"]): r.get("optimizer_state_bytes_per_param")
+            for r in data["results"] if r["status"] == "ok"}
+    lowbit = next(case for case, _ in held if case.startswith("lowbit/"))
+    assert held[(lowbit, "shardadam")] == pytest.approx(2 + 1 + 1 + 2 * 4 / 256)
+    assert held[("large/fp32", "torch-fused")] == pytest.approx(8, abs=0.01)
 
 
 def test_peak_memory_is_measured_per_contender(tiny_run):

@@ -20,29 +20,41 @@ _NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
          torch.int16: "int16", torch.uint8: "fp8"}
 
 
+# FusedAdam's ``moment_format`` values: the core's formats of each moment.
+_MOMENT_FORMATS = {"block8": ("fp8-block", "ufp8-block")}
+
+
 @dataclass(frozen=True)
 class Preset:
-    """One state layout. ``master`` is None, ``"fp32"`` or ``"remainder"`` (int16)."""
+    """One state layout. ``master`` is None, ``"fp32"`` or ``"remainder"`` (int16);
+    ``moment_format`` FusedAdam's keyword (per-block moments, stored as uint8 codes
+    plus one fp32 scale per 256 elements, left out of the byte counts: 1.6%)."""
 
     name: str
     param_dtype: torch.dtype
     moment_dtype: torch.dtype
     master: Optional[str]
+    moment_format: Optional[str] = None
+
+    def _moment_names(self) -> tuple:
+        if self.moment_format is not None:
+            return _MOMENT_FORMATS[self.moment_format]
+        return (_NAME[self.moment_dtype],) * 2
 
     @property
     def label(self) -> str:
         """Same spelling as ``kernel_bench``'s presets, so its figures can be matched."""
         p = _NAME[self.param_dtype]
-        m = _NAME[self.moment_dtype]
+        m, v = self._moment_names()
         master = "" if self.master is None else f" master={self.master}"
-        return f"p={p} g={p}{master} m={m} v={m}"
+        return f"p={p} g={p}{master} m={m} v={v}"
 
     @property
     def dtypes(self) -> dict:
         master = {None: None, "fp32": "fp32", "remainder": "int16"}[self.master]
+        m, v = self._moment_names()
         return {"param": _NAME[self.param_dtype], "grad": _NAME[self.param_dtype],
-                "master": master, "exp_avg": _NAME[self.moment_dtype],
-                "exp_avg_sq": _NAME[self.moment_dtype]}
+                "master": master, "exp_avg": m, "exp_avg_sq": v}
 
     def _master_size(self) -> int:
         return {None: 0, "fp32": 4, "remainder": 2}[self.master]
@@ -72,7 +84,11 @@ class Preset:
 
     def fused_adam_kwargs(self) -> dict:
         """``shardadam.FusedAdam`` settings that give this layout."""
-        kwargs = {"exp_avg_dtype": self.moment_dtype, "exp_avg_sq_dtype": self.moment_dtype}
+        if self.moment_format is not None:
+            kwargs = {"moment_format": self.moment_format}
+        else:
+            kwargs = {"exp_avg_dtype": self.moment_dtype,
+                      "exp_avg_sq_dtype": self.moment_dtype}
         if self.master is not None:
             kwargs.update(master_weights=True, master_weight_dtype=torch.float32,
                           store_param_remainders=self.master == "remainder")
@@ -86,6 +102,10 @@ PRESETS = {p.name: p for p in (
     Preset("bf16-remainder-bf16m", torch.bfloat16, torch.bfloat16, "remainder"),
     Preset("bf16-master-fp8m", torch.bfloat16, torch.uint8, "fp32"),
 )}
+
+# Beside the 8-bit and 4-bit optimizers of other packages (the "lowbit" cases).
+LOWBIT_PRESET = Preset("bf16-remainder-block8", torch.bfloat16, torch.uint8, "remainder",
+                       "block8")
 
 # Sizes per mode before --scale. Large: not a power of two (buffers spaced by large
 # powers of two alias in the caches) and >= 64 MiB of state for the smallest preset.
@@ -147,6 +167,8 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
 
 CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
 LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
+LOWBIT_CONTENDERS = ("shardadam", "torchao-adamw8bit", "torchao-adamw4bit",
+                     "torchao-adamwfp8", "bnb-adamw8bit")
 
 
 def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
@@ -169,6 +191,11 @@ def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
     cases.append(Case(f"dtensor-d{d_model}/fp32", "dtensor", fp32,
                       tuple(transformer_shapes(d_model)), ("dtensor", "plain"),
                       "FusedAdam, Shard(0) on 2 gloo ranks, 1 thread each"))
+    # One 2-D weight: the other packages quantize per block of a flat tensor too.
+    rows = max(1, round(numel / 4096))
+    cases.append(Case(f"lowbit/{LOWBIT_PRESET.name}", "lowbit", LOWBIT_PRESET,
+                      ((rows, 4096),), LOWBIT_CONTENDERS,
+                      "8-bit and 4-bit optimizer states, bf16 params"))
     if kinds is not None:
         cases = [c for c in cases if c.kind in kinds]
     return cases

@@ -18,7 +18,7 @@ import time
 
 from .timing import SETTLE_S
 
-_KINDS = ("large", "transformer", "many", "dtensor")
+_KINDS = ("large", "transformer", "many", "dtensor", "lowbit")
 _MEMORY_JOBS = 2  # memory subprocesses at a time
 
 

@@ -8,6 +8,8 @@ reason instead of a time.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .multipass import Multipass
@@ -20,6 +22,10 @@ DESCRIPTIONS = {
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "deepspeed": "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)",
     "multipass": "multipass: fp32 copies -> torch._fused_adamw_ -> rescale",
+    "torchao-adamw8bit": "torchao.optim.AdamW8bit (blocks of 256, torch.compile on CPU)",
+    "torchao-adamw4bit": "torchao.optim.AdamW4bit (blocks of 128, torch.compile on CPU)",
+    "torchao-adamwfp8": "torchao.optim.AdamWFp8 (E4M3, blocks of 256, torch.compile on CPU)",
+    "bnb-adamw8bit": "bitsandbytes.optim.AdamW8bit (blocks of 256)",
     "probe": "bandwidth probe: same arrays, in-place integer adds",
     "dtensor": "shardadam.FusedAdam on DTensor (Shard(0)) parameters",
     "plain": "shardadam.FusedAdam on the same local tensors, plain",
@@ -56,6 +62,26 @@ def _deepspeed(params, preset):
         raise Unavailable(f"DeepSpeedCPUAdam failed to build: {error}") from None
 
 
+def _torchao(name):
+    def make(params, preset):
+        try:
+            import torchao.optim
+        except Exception as error:  # not installed, or built for another torch
+            raise Unavailable(f"torchao not importable: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0] if str(error) else ''}") from None
+        return getattr(torchao.optim, name)(params, **HYPER).step
+    return make
+
+
+def _bnb_adamw8bit(params, preset):
+    try:
+        import bitsandbytes
+    except Exception as error:
+        raise Unavailable(f"bitsandbytes not importable: {type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    return bitsandbytes.optim.AdamW8bit(params, **HYPER).step
+
+
 def _multipass(params, preset):
     if preset.master is None:
         raise Unavailable("all-fp32 state needs no unscale/rescale passes")
@@ -68,7 +94,35 @@ _FACTORIES = {
     "torch-foreach": lambda params, preset: _torch_adamw(params, preset, foreach=True),
     "deepspeed": _deepspeed,
     "multipass": _multipass,
+    "torchao-adamw8bit": _torchao("AdamW8bit"),
+    "torchao-adamw4bit": _torchao("AdamW4bit"),
+    "torchao-adamwfp8": _torchao("AdamWFp8"),
+    "bnb-adamw8bit": _bnb_adamw8bit,
 }
+
+
+def _tensor_bytes(t) -> int:
+    """Bytes a state tensor holds: the inner tensors of a wrapper subclass (torchao's
+    quantized states keep codes and scales inside one), else its elements."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    to_local = getattr(t, "to_local", None)
+    if to_local is not None:
+        return _tensor_bytes(to_local())
+    return t.numel() * t.element_size()
+
+
+def state_bytes(step) -> Optional[int]:
+    """Bytes of optimizer state behind a contender's step (every tensor in
+    ``optimizer.state``, master copies included, and FusedAdam's scales, which it keeps
+    beside the state as TE does), or None where the step is not a torch optimizer's."""
+    optimizer = getattr(step, "__self__", None)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return None
+    held = list(optimizer.state.values()) + list(getattr(optimizer, "_scales", {}).values())
+    return sum(_tensor_bytes(v) for state in held for v in state.values()
+               if isinstance(v, torch.Tensor))
 
 
 def names() -> tuple:

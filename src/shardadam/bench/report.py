@@ -7,7 +7,8 @@ seconds {median, min, max}, reps, elements_per_s, gb_per_s (at docs/benchmarking
 minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe
 (probe median / this median), fraction_of_kernel_bench_probe, ratio_to {contender: its
 median / this median; > 1 means this one is faster}, peak_extra_bytes and
-peak_extra_fraction_of_state.
+peak_extra_fraction_of_state; optimizer_state_bytes_per_param where the contender is a
+torch optimizer (every tensor in its ``state``: moments, codes, scales, master copies).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ def _fmt(value, spec, missing="-"):
 def table(records) -> str:
     """One line per record, grouped by case. "/probe": fraction of the torch probe on
     the same arrays; "/cpp": of kernel_bench's C++ probe; "t/ref": this median over the
-    reference contender's (shardadam; plain for the DTensor case), above 1 is slower."""
+    reference contender's (shardadam; plain for the DTensor case), above 1 is slower;
+    "state B/p": optimizer state bytes per parameter."""
     header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
               f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
-              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'extra MiB':>9} {'%state':>7}")
+              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'extra MiB':>9} {'%state':>7} "
+              f"{'state B/p':>9}")
     lines = [header, "-" * len(header)]
     case_ids = list(dict.fromkeys(r["case"] for r in records))
     for case_id in case_ids:
@@ -58,7 +61,8 @@ def table(records) -> str:
                 f"{_fmt(r['fraction_of_kernel_bench_probe'], '5.2f'):>5} "
                 f"{_fmt(vs_ref, '6.2f'):>6} "
                 f"{_fmt(None if extra is None else extra / _MIB, '9.2f'):>9} "
-                f"{_fmt(None if fraction is None else 100 * fraction, '7.3f'):>7}")
+                f"{_fmt(None if fraction is None else 100 * fraction, '7.3f'):>7} "
+                f"{_fmt(r.get('optimizer_state_bytes_per_param'), '9.3f'):>9}")
     return "\n".join(lines)
 
 
@@ -71,7 +75,9 @@ def write_json(path, meta, records) -> None:
 _COLORS = {"shardadam": "tab:blue", "torch-fused": "tab:orange",
            "torch-foreach": "tab:green", "deepspeed": "tab:purple",
            "multipass": "tab:red", "probe": "0.55", "kernel_bench-probe": "0.75",
-           "kernel_bench-kernel": "tab:cyan", "dtensor": "tab:blue", "plain": "tab:olive"}
+           "kernel_bench-kernel": "tab:cyan", "dtensor": "tab:blue", "plain": "tab:olive",
+           "torchao-adamw8bit": "tab:brown", "torchao-adamw4bit": "tab:pink",
+           "torchao-adamwfp8": "goldenrod", "bnb-adamw8bit": "tab:gray"}
 
 
 def write_png(path, meta, records) -> None:

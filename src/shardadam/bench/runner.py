@@ -53,6 +53,9 @@ def _time_local(case, size, threads):
     samples = timing.interleaved(steps, size["reps"], size["warmup"], size["settle_s"])
     for name, times in samples.items():
         _timed(records[name], times)
+        held = contenders.state_bytes(steps[name])
+        if held is not None:
+            records[name]["optimizer_state_bytes_per_param"] = held / case.numel
     del steps
     gc.collect()
     return list(records.values())
@@ -102,13 +105,13 @@ def time_case(case, size, threads, kernel_rows=None) -> list:
         records = _time_local(case, size, threads)
         if kernel_rows:
             records += _kernel_bench_records(case, kernel_rows, threads)
-    _relate(records, with_probe=case.kind == "large")
+    _relate(records, with_probe=case.kind in ("large", "lowbit"))
     return records
 
 
 def _relate(records, with_probe):
     """Fractions of each probe and ratios between contenders of one case. Only large
-    tensors get probe fractions: over many small tensors the probe's own per-tensor
+    tensors (the large and lowbit cases) get probe fractions: over many small tensors the probe's own per-tensor
     overhead, not memory, sets its time, and the fraction would mean nothing."""
     timed = {r["contender"]: r for r in records if r["seconds"]}
     for record in timed.values():
