@@ -59,6 +59,10 @@ elseif(SHARDADAM_HWY STREQUAL "static")
   else()
     if(NOT SHARDADAM_HWY_SOURCE_DIR)
       include(FetchContent)
+      # Extracted files dated now, so that a new download rebuilds what used them.
+      if(POLICY CMP0135)
+        cmake_policy(SET CMP0135 NEW)
+      endif()
       FetchContent_Declare(shardadam_highway
         URL "${SHARDADAM_HWY_URL}"
         URL_HASH SHA256=${SHARDADAM_HWY_SHA256})
