@@ -41,9 +41,11 @@ $(VENV)/.deps-stamp: requirements-dev.txt requirements-megatron-core.txt | syste
 	    -r requirements-megatron-core.txt
 	touch $@
 
-# Kept in the venv: each venv holds its own build of the extension.
+# Kept in the venv: each venv holds its own build of the extension. It links
+# Debian's shared libhwy (system-deps installs it): nothing to download or build
+# beyond our own code. A wheel links Highway statically (README, Install).
 $(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES)
-	$(PY) -m pip install -q --no-build-isolation -e .
+	$(PY) -m pip install -q --no-build-isolation -C cmake.define.SHARDADAM_HWY=shared -e .
 	touch $@
 
 $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) | system-deps

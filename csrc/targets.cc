@@ -7,7 +7,9 @@
 #include <vector>
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "targets.cc"
+// From the project root: a bare "targets.cc" is looked up first beside
+// foreach_target.h, and a Highway source tree has its own hwy/targets.cc.
+#define HWY_TARGET_INCLUDE "csrc/targets.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "adam-inl.h"
