@@ -660,8 +660,11 @@ def test_rejected_on_the_host_without_a_device(case, no_device_results):
 
 
 ROUTES = [
-    # (batch device, backend mode, C++ CPU available, CUDA backend available, path)
+    # (batch device, backend mode, C++ CPU available, CUDA backend available, path);
+    # "+block": the batch holds per-block scaled moments, which the CUDA build lacks.
     ("cpu", "auto", True, True, "cpu"),
+    ("cpu+block", "auto", True, True, "cpu"),
+    ("cuda+block", "auto", True, True, "torch"),
     ("cpu", "auto", False, True, "torch"),
     ("cpu", "torch", True, True, "torch"),
     ("cuda", "auto", True, True, "cuda"),
@@ -675,10 +678,12 @@ ROUTES = [
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: "-".join(map(str, r)))
 def test_backend_choice(route, monkeypatch):
     device, mode, cpu_ok, cuda_ok, expected = route
+    device, _, block = device.partition("+")
     monkeypatch.setattr(_cpu_path, "available", lambda: cpu_ok)
     monkeypatch.setattr(_cuda_path, "available", lambda device: cuda_ok)
+    entries = [types.SimpleNamespace(scale_block=256 if block else 0)]
     batch = types.SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu",
-                                  is_cuda=device == "cuda")
+                                  is_cuda=device == "cuda", entries=entries)
     with backend_context(mode):
         path = _backend.path_of(batch)
     assert path is {"cpu": _cpu_path, "cuda": _cuda_path, "torch": None}[expected]

@@ -283,12 +283,14 @@ class _Supervisor:
         first_death = None
         while True:
             codes = [proc.exitcode for proc in procs]
-            if all(c is not None for c in codes):
-                return
             now = time.monotonic()
+            # Before the all-ended check: on a loaded machine the victim and the peers
+            # that fail with it can all end within one poll.
             if first_death is None and any(c not in (None, 0) for c in codes):
                 first_death = now
                 a.first_dead = sorted(r for r, c in enumerate(codes) if c not in (None, 0))
+            if all(c is not None for c in codes):
+                return
             if first_death is not None and now - first_death > _PEER_GRACE_S:
                 return  # the rest are killed by stop_ranks, as a launcher would
             if now > deadline:
