@@ -446,6 +446,39 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
   if (bits_v > max_bits[2]) max_bits[2] = bits_v;
 }
 
+// FusedBlockSpan's pair at element e: loaded and decoded with the block's old
+// scales (m_factor folds the E4M3 decoder's factor unless that overflowed, then
+// m_scale follows).
+template <class L>
+HWY_INLINE void LoadBlock8Pair(const void* grad, const void* param, const void* master,
+                               const uint8_t* m_codes, const uint8_t* v_codes, size_t e,
+                               bool m_one_multiply, const VF& m_factor, const VF& m_scale,
+                               const VF& v_scale, const FusedPair& p) {
+  LoadGradx2<L::kGrad, false>(grad, e, p.g0, p.g1);
+  LoadWx2<L::kWeight, false>(param, master, e, p.w0, p.w1);
+  LoadF8x2Raw(m_codes + e, p.m0, p.m1);
+  p.m0 = hn::Mul(p.m0, m_factor);
+  p.m1 = hn::Mul(p.m1, m_factor);
+  if (!m_one_multiply) {
+    p.m0 = hn::Mul(p.m0, m_scale);
+    p.m1 = hn::Mul(p.m1, m_scale);
+  }
+  LoadUF8x2(v_codes + e, p.v0, p.v1);
+  p.v0 = hn::Mul(p.v0, v_scale);
+  p.v1 = hn::Mul(p.v1, v_scale);
+}
+
+// Stores the pair's weight, keeps its new moments in L1 and folds their magnitudes.
+template <class L>
+HWY_INLINE void KeepBlock8Pair(const FusedPair& p, void* param, void* master, size_t e,
+                               float* new_m, float* new_v, VI& acc_m, VI& acc_v) {
+  StoreWx2<L::kWeight, false, false>(p.w0, p.w1, param, master, e);
+  StoreF32x2(p.m0, p.m1, new_m);
+  StoreF32x2(p.v0, p.v1, new_v);
+  acc_m = hn::Max(acc_m, hn::Max(AbsBits(p.m0), AbsBits(p.m1)));
+  acc_v = hn::Max(acc_v, hn::Max(AbsBits(p.v0), AbsBits(p.v1)));
+}
+
 // internal::FusedBlockFn for block8 moments (fused_layouts.h FusedBlockLayouts):
 // E4M3 exp_avg and unsigned E4M4 exp_avg_sq, each block's power-of-two scales
 // (S2.9, S2.10). Per block, one pass reads every stream once, updates in
@@ -482,29 +515,33 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
     const VF v_scale = hn::Set(df, v_scales[j]);
     VI acc_m = hn::Zero(di);
     VI acc_v = hn::Zero(di);
-    for (size_t i = 0; i < block; i += step) {
-      const size_t e = b + i;
-      VF g0, g1, w0, w1, m0, m1, v0, v1;
-      LoadGradx2<L::kGrad, false>(grad, e, g0, g1);
-      LoadWx2<L::kWeight, false>(param, master, e, w0, w1);
-      LoadF8x2Raw(m_codes + e, m0, m1);
-      m0 = hn::Mul(m0, m_factor);
-      m1 = hn::Mul(m1, m_factor);
-      if (!m_one_multiply) {
-        m0 = hn::Mul(m0, m_scale);
-        m1 = hn::Mul(m1, m_scale);
-      }
-      LoadUF8x2(v_codes + e, v0, v1);
-      v0 = hn::Mul(v0, v_scale);
-      v1 = hn::Mul(v1, v_scale);
-      AdamElement<kAdamW>(ops, c, g0, w0, m0, v0);
-      AdamElement<kAdamW>(ops, c, g1, w1, m1, v1);
-      StoreWx2<L::kWeight, false, false>(w0, w1, param, master, e);
-      StoreF32x2(m0, m1, new_m + i);
-      StoreF32x2(v0, v1, new_v + i);
-      acc_m = hn::Max(acc_m, hn::Max(AbsBits(m0), AbsBits(m1)));
-      acc_v = hn::Max(acc_v, hn::Max(AbsBits(v0), AbsBits(v1)));
+    // Pipelined as FusedSpan: pair i + 1's moments and denominators are computed
+    // before pair i's weight division, so two halves of the long chain overlap.
+    VF g0, g1, w0, w1, m0, m1, v0, v1, d0, d1;
+    const FusedPair cur{g0, g1, w0, w1, m0, m1, v0, v1};
+    LoadBlock8Pair<L>(grad, param, master, m_codes, v_codes, b, m_one_multiply, m_factor,
+                      m_scale, v_scale, cur);
+    AdamMoments<kAdamW>(ops, c, cur.g0, cur.w0, cur.m0, cur.v0, d0);
+    AdamMoments<kAdamW>(ops, c, cur.g1, cur.w1, cur.m1, cur.v1, d1);
+    size_t i = 0;
+    for (; i + step < block; i += step) {
+      VF next_g0, next_g1, next_w0, next_w1, next_m0, next_m1, next_v0, next_v1, e0, e1;
+      const FusedPair next{next_g0, next_g1, next_w0, next_w1,
+                           next_m0, next_m1, next_v0, next_v1};
+      LoadBlock8Pair<L>(grad, param, master, m_codes, v_codes, b + i + step, m_one_multiply,
+                        m_factor, m_scale, v_scale, next);
+      AdamMoments<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0, e0);
+      AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1, e1);
+      AdamWeight(ops, c, cur.w0, cur.m0, d0);
+      AdamWeight(ops, c, cur.w1, cur.m1, d1);
+      KeepBlock8Pair<L>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
+      CopyPair(next, cur);
+      d0 = e0;
+      d1 = e1;
     }
+    AdamWeight(ops, c, cur.w0, cur.m0, d0);
+    AdamWeight(ops, c, cur.w1, cur.m1, d1);
+    KeepBlock8Pair<L>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
         kM.zero_bound);
