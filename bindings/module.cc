@@ -91,13 +91,13 @@ void RunReleased(const Call& call) {
 }
 
 // The format table (formats.h) for the Python registry to check itself against:
-// (tag, name, item_size, scaling, scale_block, scale_target, roles, zero_bound)
+// (tag, name, item_bits, scaling, scale_block, scale_target, roles, zero_bound)
 // per state format, roles among "moment" and "master".
 nb::tuple FormatTable() {
   nb::list formats;
   for (int i = 0; i < kNumDTypes; ++i) {
     const FormatInfo f = FormatOf(static_cast<DType>(i));
-    if ((f.roles & (kRoleMoment | kRoleMaster)) == 0 || f.item_size == 0) continue;
+    if ((f.roles & (kRoleMoment | kRoleMaster)) == 0 || f.item_bits == 0) continue;
     nb::list roles;
     // "moment": either moment; a format only one moment may hold names it.
     if ((f.roles & kRoleMoment) == kRoleMoment) {
@@ -111,7 +111,7 @@ nb::tuple FormatTable() {
     const char* scaling = f.scaling == Scaling::kPerTensor  ? "tensor"
                           : f.scaling == Scaling::kPerBlock ? "block"
                                                             : "none";
-    formats.append(nb::make_tuple(static_cast<int>(f.dtype), f.name, f.item_size,
+    formats.append(nb::make_tuple(static_cast<int>(f.dtype), f.name, f.item_bits,
                                   scaling, f.scale_block, f.scale_target,
                                   nb::tuple(roles), f.zero_bound));
   }

@@ -52,23 +52,10 @@ void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConst
                      int64_t e, size_t t, int64_t j, Scratch& s) {
   alignas(64) static thread_local char buffers[5][kMaxScaleBlock * sizeof(float)];
   const size_t padded = (t + kt.pair - 1) / kt.pair * kt.pair;
-  const auto stage = [&](const char* from, int size, char* buffer) {
-    memcpy(buffer, from + e * size, t * size);
-    memset(buffer + t * size, 0, (padded - t) * size);
-    return buffer;
-  };
-  TensorPlan q = p;
-  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
-  const int sizes[4] = {p.param_size, p.master_size, p.exp_avg_size, p.exp_avg_sq_size};
-  for (int b = 0; b < 4; ++b) {
-    if (*writable[b] != nullptr) *writable[b] = stage(*writable[b], sizes[b], buffers[b]);
-  }
-  q.grad = stage(p.grad, p.grad_size, buffers[4]);
+  char* const space[5] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4]};
+  const TensorPlan q = StageIn(p, e, t, padded, space);
   StepBlock(kt, q, k, 0, padded, t, j, s);
-  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
-  for (int b = 0; b < 4; ++b) {
-    if (originals[b] != nullptr) memcpy(originals[b] + e * sizes[b], buffers[b], t * sizes[b]);
-  }
+  StageOut(p, q, e, t);
 }
 
 }  // namespace
@@ -79,13 +66,13 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                         int64_t e, int64_t end, int64_t j) {
   const int64_t n = (end - e) / p.block * p.block;
   if (n == 0) return e;
-  const auto at = [e](auto* buffer, int size) {
-    return buffer == nullptr ? nullptr : buffer + e * size;
+  const auto at = [e](auto* buffer, int bits) {
+    return buffer == nullptr ? nullptr : ElementAt(buffer, bits, e);
   };
   kt.fused.block[k.adam_w_mode ? 1 : 0][k.bias_correction2_sqrt == 1.0f ? 1 : 0]
-                [p.fused_block](k, at(p.grad, p.grad_size), at(p.param, p.param_size),
-                                at(p.master, p.master_size), at(p.exp_avg, p.exp_avg_size),
-                                at(p.exp_avg_sq, p.exp_avg_sq_size),
+                [p.fused_block](k, at(p.grad, p.grad_bits), at(p.param, p.param_bits),
+                                at(p.master, p.master_bits), at(p.exp_avg, p.exp_avg_bits),
+                                at(p.exp_avg_sq, p.exp_avg_sq_bits),
                                 p.scale_slot[kStreamM] + j, p.scale_slot[kStreamV] + j,
                                 static_cast<size_t>(p.block), static_cast<size_t>(n));
   return e + n;

@@ -307,6 +307,84 @@ HWY_INLINE VU F32ToUF8(VF x, VF u) {
                         hn::Set(du, 1u), code);
 }
 
+// Signed E2M1 code (S2.12; zero-extended, the sign in bit 3) -> fp32: for
+// magnitude code c >= 2, (2 + M) * 2^(E - 2) is the fp32 whose bits are c
+// shifted into place plus 126 in the exponent; c < 2 is c * 0.5. Code 0x8 is NaN.
+HWY_INLINE VF F4ToF32(VU c) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU mag = hn::And(c, hn::Set(du, 7u));
+  const VU normal = hn::Add(hn::ShiftLeft<22>(mag), hn::Set(du, 0x3F000000u));
+  const VF sub = hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mag)), hn::Set(df, 0.5f));
+  VU r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(hn::BitCast(di, mag), hn::Set(di, 2))),
+                        hn::BitCast(du, sub), normal);
+  r = hn::Or(r, hn::ShiftLeft<28>(hn::And(c, hn::Set(du, 8u))));
+  return hn::BitCast(df, hn::IfThenElse(hn::Eq(c, hn::Set(du, 8u)),
+                                        hn::Set(du, 0x7FC00000u), r));
+}
+
+// fp32 -> signed E2M1 code (S2.12) by F32ToF8's one addition: M = 2^(e + 22)
+// for |x| in [2^e, 2^(e+1)) (e >= 0; 2^22 below 1), whose ulp is the E2M1 step
+// at |x|; the sum's low bits count steps, two codes per binade above 1.
+// |x| >= 7 (rounding to 8 or more), inf and NaN are the NaN code 0x8; a
+// magnitude rounding to 0 is code 0 whatever its sign (0x8 is no -0).
+HWY_INLINE VU F32ToF4(VF x) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU bits = hn::BitCast(du, x);
+  const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
+                            hn::Set(di, 0x3F800000));  // >= 1
+  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0B000000u));
+  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
+  const VU steps = hn::Sub(sum, magic);
+  const VU mag = hn::Add(steps, hn::ShiftRight<22>(hn::Sub(magic, hn::Set(du, 0x4A800000u))));
+  const VU sign = hn::And(hn::ShiftRight<28>(bits), hn::Set(du, 8u));
+  const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
+  return hn::IfThenElse(
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x40DFFFFF))),  // >= 7
+      hn::Set(du, 8u), code);
+}
+
+// Unsigned E3M1 code (S2.12) -> fp32: (2 + M) * 2^(E - 4) for c >= 2 is c
+// shifted into place plus 124 in the exponent; c < 2 is c * 0.125. Code 0xF is NaN.
+HWY_INLINE VF UF4ToF32(VU c) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU normal = hn::Add(hn::ShiftLeft<22>(c), hn::Set(du, 0x3E000000u));
+  const VF sub = hn::Mul(hn::ConvertTo(df, hn::BitCast(di, c)), hn::Set(df, 0.125f));
+  VU r = hn::IfThenElse(hn::RebindMask(du, hn::Lt(hn::BitCast(di, c), hn::Set(di, 2))),
+                        hn::BitCast(du, sub), normal);
+  r = hn::IfThenElse(hn::Eq(c, hn::Set(du, 0xFu)), hn::Set(du, 0x7FC00000u), r);
+  return hn::BitCast(df, r);
+}
+
+// fp32 -> unsigned E3M1 code (S2.12) of |x| = |u| / s: F32ToF4's addition with
+// M = 2^(e + 22) for e >= -2 (2^20 below 2^-2). Magnitudes above 20 (the tie
+// between 16 and 24 rounds to 16), inf and NaN are the NaN code 0xF.
+// Zero-free as F32ToUF8: code 0 where u is not zero becomes code 1.
+HWY_INLINE VU F32ToUF4(VF x, VF u) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
+  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
+                            hn::Set(di, 0x3E800000));  // >= 2^-2
+  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0B000000u));
+  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
+  const VU steps = hn::Sub(sum, magic);
+  VU code = hn::Add(steps, hn::ShiftRight<22>(hn::Sub(magic, hn::Set(du, 0x49800000u))));
+  code = hn::IfThenElse(
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x41A00000))),  // 20
+      hn::Set(du, 0xFu), code);
+  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
+  return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
+                        hn::Set(du, 1u), code);
+}
+
 HWY_INLINE VI AbsBits(VF x) {
   const DU du;
   return hn::BitCast(DI(), hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu)));
@@ -409,6 +487,55 @@ HWY_INLINE void LoadUF8x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
 // Stores the codes of a / s and b / s (S2.10), given those quotients.
 HWY_INLINE void StoreUF8x2(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
   StoreNarrowU8(F32ToUF8(a_over_s, a), F32ToUF8(b_over_s, b), p);
+}
+
+// 2 * Lanes 4-bit codes (Lanes bytes; element 2i the low nibble of byte i)
+// as two vectors of codes in natural element order: each byte widens to a u16
+// lane that becomes the bytes (low nibble, high nibble), which then widen as
+// 8-bit codes do. Through L1, since Highway 1.0.3 has no portable byte
+// interleave across 128-bit blocks.
+HWY_INLINE void LoadNibblesx2(const uint8_t* HWY_RESTRICT p, VU& a, VU& b) {
+  const DU16 d16;
+  const auto w = hn::PromoteTo(d16, hn::LoadU(DU8(), p));
+  const auto split = hn::And(hn::Or(w, hn::ShiftLeft<4>(w)), hn::Set(d16, 0x0F0F));
+  alignas(64) uint8_t bytes[HWY_MAX_BYTES];
+  hn::StoreU(split, d16, reinterpret_cast<uint16_t*>(bytes));
+  a = LoadWideU8(bytes);
+  b = LoadWideU8(bytes + hn::Lanes(DF()));
+}
+
+// The inverse: codes (each lane in [0, 15]) of 2 * Lanes elements to Lanes bytes.
+HWY_INLINE void StoreNibblesx2(VU a, VU b, uint8_t* HWY_RESTRICT p) {
+  const DU16 d16;
+  alignas(64) uint8_t bytes[HWY_MAX_BYTES];
+  StoreNarrowU8(a, b, bytes);
+  const auto w = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(bytes));
+  const auto packed =
+      hn::Or(hn::And(w, hn::Set(d16, 0x000F)), hn::And(hn::ShiftRight<4>(w), hn::Set(d16, 0x00F0)));
+  hn::StoreU(hn::DemoteTo(DU8(), hn::BitCast(DI16(), packed)), DU8(), p);
+}
+
+HWY_INLINE void LoadF4x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+  VU ca, cb;
+  LoadNibblesx2(p, ca, cb);
+  a = F4ToF32(ca);
+  b = F4ToF32(cb);
+}
+
+// Stores the codes of a / s and b / s (S2.12), given those quotients.
+HWY_INLINE void StoreF4x2(VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+  StoreNibblesx2(F32ToF4(a_over_s), F32ToF4(b_over_s), p);
+}
+
+HWY_INLINE void LoadUF4x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+  VU ca, cb;
+  LoadNibblesx2(p, ca, cb);
+  a = UF4ToF32(ca);
+  b = UF4ToF32(cb);
+}
+
+HWY_INLINE void StoreUF4x2(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+  StoreNibblesx2(F32ToUF4(a_over_s, a), F32ToUF4(b_over_s, b), p);
 }
 
 // fp32 master = (param << 16) + sign-extended remainder, modulo 2^32: a
@@ -606,6 +733,32 @@ float* DecodeUF8Scaled(const void* src, const void* /*aux*/, size_t n,
   return out;
 }
 
+float* DecodeF4Scaled(const void* src, const void* /*aux*/, size_t n,
+                      const internal::ScaleView& view, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
+  const VF s = hn::Set(DF(), view.PerTensor());
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF4x2(in + i / 2, a, b);
+    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+  }
+  return out;
+}
+
+float* DecodeUF4Scaled(const void* src, const void* /*aux*/, size_t n,
+                       const internal::ScaleView& view, float* HWY_RESTRICT out) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
+  const VF s = hn::Set(DF(), view.PerTensor());
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadUF4x2(in + i / 2, a, b);
+    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+  }
+  return out;
+}
+
 float* DecodeRemainder(const void* src, const void* aux, size_t n,
                        const internal::ScaleView& /*scale*/, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
@@ -681,6 +834,30 @@ void EncodeUF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::Scal
     VF a, b;
     LoadF32x2(x + i, a, b);
     StoreUF8x2(a, b, hn::Div(a, s), hn::Div(b, s), out + i);
+  }
+}
+
+void EncodeF4Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
+                    void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale.PerTensor());
+  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreF4x2(hn::Div(a, s), hn::Div(b, s), out + i / 2);
+  }
+}
+
+void EncodeUF4Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
+                     void* dst, void* /*aux*/) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale.PerTensor());
+  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreUF4x2(a, b, hn::Div(a, s), hn::Div(b, s), out + i / 2);
   }
 }
 

@@ -41,8 +41,8 @@ void ConvertSpan(const char* src, int src_size, DecodeFn decode,
 
 void ConvertBuffer(const KernelTable& kt, const void* src, DType src_dtype, void* dst,
                    DType dst_dtype, int64_t numel, float scale, int num_threads) {
-  const int src_size = ItemSize(src_dtype);
-  const int dst_size = ItemSize(dst_dtype);
+  const int src_size = FormatOf(src_dtype).item_bits / 8;  // casts: whole bytes
+  const int dst_size = FormatOf(dst_dtype).item_bits / 8;
   if (src_dtype == DType::kFloat32 && dst_dtype == DType::kFloat32) {
     if (src != dst) memcpy(dst, src, static_cast<size_t>(numel) * src_size);
     return;

@@ -50,6 +50,8 @@ enum Codec : int {
   kCodecF8Scaled,    // uint8 E4M3 "fn" codes, always scaled
   kCodecRemainder,   // bf16 param (src/dst) + int16 remainder (aux)
   kCodecUF8Scaled,   // uint8 unsigned E4M4 codes, always scaled (per block)
+  kCodecF4Scaled,    // signed E2M1 codes, two per byte, always scaled (per block)
+  kCodecUF4Scaled,   // unsigned E3M1 codes, two per byte, always scaled (per block)
   kNumCodecs,
 };
 

@@ -91,9 +91,9 @@ void MeasureBlock(const KernelTable& kt, const TensorPlan& p, const StepConstant
   if (p.fused >= 0 && valid == n) {
     // Fused layouts never have a scaled master: only m and v are measured.
     kt.fused.measure[k.adam_w_mode ? 1 : 0][p.fused](
-        k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
-        p.master ? p.master + begin * p.master_size : nullptr,
-        p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+        k, ElementAt(p.grad, p.grad_bits, begin), ElementAt(p.param, p.param_bits, begin),
+        p.master ? ElementAt(p.master, p.master_bits, begin) : nullptr,
+        ElementAt(p.exp_avg, p.exp_avg_bits, begin), ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, begin),
         p.FusedScalesAt(begin), n, max_bits);
     return;
   }
@@ -105,15 +105,15 @@ void MeasureBlock(const KernelTable& kt, const TensorPlan& p, const StepConstant
   for (size_t done = 0; done < n && done < valid; done += kBlock) {
     const size_t c = std::min(kBlock, n - done);
     const int64_t e = begin + static_cast<int64_t>(done);
-    char* master = p.master ? p.master + e * p.master_size : nullptr;
-    const float* g = p.decode_grad(p.grad + e * p.grad_size, nullptr, c, ScaleView(), s.g);
+    char* master = p.master ? ElementAt(p.master, p.master_bits, e) : nullptr;
+    const float* g = p.decode_grad(ElementAt(p.grad, p.grad_bits, e), nullptr, c, ScaleView(), s.g);
     const float* w =
-        need_w ? p.decode_w(p.w_from_master ? master : p.param + e * p.param_size,
+        need_w ? p.decode_w(p.w_from_master ? master : ElementAt(p.param, p.param_bits, e),
                             master, c, p.OldScale(kStreamW, e), s.w)
                : g;
-    const float* m = p.decode_m(p.exp_avg + e * p.exp_avg_size, nullptr, c,
+    const float* m = p.decode_m(ElementAt(p.exp_avg, p.exp_avg_bits, e), nullptr, c,
                                 p.OldScale(kStreamM, e), s.m);
-    const float* v = p.decode_v(p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr, c,
+    const float* v = p.decode_v(ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e), nullptr, c,
                                 p.OldScale(kStreamV, e), s.v);
     reduce(k, g, w, m, v, std::min(c, valid - done), max_bits);
   }

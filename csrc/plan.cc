@@ -58,6 +58,10 @@ Codec CodecOf(DType dtype, bool is_state) {
       return kCodecRemainder;
     case Element::kUFloat8E4M4:
       return kCodecUF8Scaled;
+    case Element::kFloat4E2M1:
+      return kCodecF4Scaled;
+    case Element::kUFloat4E3M1:
+      return kCodecUF4Scaled;
     default:
       return kCodecF32;
   }
@@ -70,10 +74,10 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   p.grad = static_cast<const char*>(s.grad);
   p.exp_avg = static_cast<char*>(s.exp_avg);
   p.exp_avg_sq = static_cast<char*>(s.exp_avg_sq);
-  p.param_size = ItemSize(s.param_dtype);
-  p.grad_size = ItemSize(s.grad_dtype);
-  p.exp_avg_size = ItemSize(s.exp_avg_dtype);
-  p.exp_avg_sq_size = ItemSize(s.exp_avg_sq_dtype);
+  p.param_bits = FormatOf(s.param_dtype).item_bits;
+  p.grad_bits = FormatOf(s.grad_dtype).item_bits;
+  p.exp_avg_bits = FormatOf(s.exp_avg_dtype).item_bits;
+  p.exp_avg_sq_bits = FormatOf(s.exp_avg_sq_dtype).item_bits;
   p.grad_codec = CodecOf(s.grad_dtype, false);
   p.decode_grad = kt.decode[p.grad_codec];
 
@@ -83,7 +87,7 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
     if (param_codec != kCodecF32) p.encode_param = kt.encode[param_codec];
   } else {
     p.master = static_cast<char*>(s.master_param);
-    p.master_size = ItemSize(s.master_dtype);
+    p.master_bits = FormatOf(s.master_dtype).item_bits;
     p.w_codec = CodecOf(s.master_dtype, true);
     if (p.w_codec == kCodecRemainder) {
       // w is rebuilt from the param and the remainder, and split back.

@@ -12,6 +12,15 @@
 namespace shardadam {
 namespace internal {
 
+// Element `e` of a buffer whose elements take `bits` bits; `e` is even for a
+// 4-bit buffer (runs and blocks start on even elements there).
+template <typename T>
+inline T* ElementAt(T* buffer, int bits, int64_t e) {
+  return buffer + e * bits / 8;
+}
+// Bytes holding `n` elements of `bits` bits from an even element.
+inline size_t BytesOf(int bits, size_t n) { return (n * bits + 7) / 8; }
+
 // Index 0 / 1 / 2 of a plan's scale arrays: the master (w), exp_avg (m),
 // exp_avg_sq (v).
 enum StateStream { kStreamW = 0, kStreamM = 1, kStreamV = 2 };
@@ -23,8 +32,9 @@ struct TensorPlan {
   char* master = nullptr;  // fp32 / fp16 master or the int16 remainder
   char* exp_avg = nullptr;
   char* exp_avg_sq = nullptr;
-  int param_size = 0, grad_size = 0, master_size = 0, exp_avg_size = 0,
-      exp_avg_sq_size = 0;
+  // Bits per element of each buffer (formats.h item_bits).
+  int param_bits = 0, grad_bits = 0, master_bits = 0, exp_avg_bits = 0,
+      exp_avg_sq_bits = 0;
   // Index in the tensor of element 0 of the buffers above: 0, or where a
   // staged copy of a tail starts (its scales are still the tensor's).
   int64_t first = 0;

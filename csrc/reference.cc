@@ -245,10 +245,72 @@ float UFloat8E4M4ToFloat(uint8_t q) {
                        : std::ldexp(static_cast<float>(16 + mantissa), exponent - 11);
 }
 
+uint8_t FloatToFloat4E2M1(float f) {
+  const float a = std::fabs(f);
+  if (!(a < 7.0f)) return 0x8;  // 7 ties 6 and 8, and goes to the even 8: NaN
+  int e = 0;
+  std::frexp(a, &e);
+  --e;                // a in [2^e, 2^(e+1))
+  if (e < 0) e = 0;   // below 1: steps of 0.5, like the first binade
+  // Steps of 2^(e - 1): a / step is exact and at most 4; 2 codes per binade.
+  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - e)));
+  const int magnitude = 2 * e + q;
+  return static_cast<uint8_t>(magnitude == 0 ? 0 : (std::signbit(f) ? 8 : 0) | magnitude);
+}
+
+float Float4E2M1ToFloat(uint8_t q) {
+  if (q == 0x8) return NAN;
+  const int exponent = (q >> 1) & 3;
+  const int mantissa = q & 1;
+  const float magnitude = exponent == 0
+                              ? 0.5f * static_cast<float>(mantissa)
+                              : std::ldexp(static_cast<float>(2 + mantissa), exponent - 2);
+  return (q & 8) != 0 ? -magnitude : magnitude;
+}
+
+uint8_t FloatToUFloat4E3M1(float f) {
+  const float a = std::fabs(f);
+  if (!(a <= 20.0f)) return 0xF;  // 20 is the tie between 16 and 24: even 16
+  if (a == 0.0f) return 0;
+  int e = 0;
+  std::frexp(a, &e);
+  --e;                 // a in [2^e, 2^(e+1))
+  if (e < -2) e = -2;  // below 2^-2: steps of 2^-3, like the first binade
+  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - e)));
+  const int code = 2 * (e + 2) + q;
+  return static_cast<uint8_t>(code == 0 ? 1 : code);
+}
+
+float UFloat4E3M1ToFloat(uint8_t q) {
+  if (q == 0xF) return NAN;
+  const int exponent = q >> 1;
+  const int mantissa = q & 1;
+  return exponent == 0 ? 0.125f * static_cast<float>(mantissa)
+                       : std::ldexp(static_cast<float>(2 + mantissa), exponent - 4);
+}
+
 void StoreBlockElement(void* buffer, DType dtype, int64_t i, float u, float s) {
   StoreElement(buffer, dtype, i, u / s);
-  uint8_t& code = static_cast<uint8_t*>(buffer)[i];
-  if (dtype == DType::kUFloat8E4M4Block && code == 0 && u != 0.0f) code = 1;
+  const bool zero_free =
+      dtype == DType::kUFloat8E4M4Block || dtype == DType::kUFloat4E3M1Block;
+  if (zero_free && u != 0.0f && CodeAt(buffer, dtype, i) == 0) SetCode(buffer, dtype, i, 1);
+}
+
+uint8_t CodeAt(const void* buffer, DType dtype, int64_t i) {
+  const uint8_t* bytes = static_cast<const uint8_t*>(buffer);
+  if (FormatOf(dtype).item_bits == 8) return bytes[i];
+  return (i % 2 == 0 ? bytes[i / 2] : bytes[i / 2] >> 4) & 0xF;
+}
+
+void SetCode(void* buffer, DType dtype, int64_t i, uint8_t code) {
+  uint8_t* bytes = static_cast<uint8_t*>(buffer);
+  if (FormatOf(dtype).item_bits == 8) {
+    bytes[i] = code;
+  } else if (i % 2 == 0) {
+    bytes[i / 2] = static_cast<uint8_t>((bytes[i / 2] & 0xF0) | code);
+  } else {
+    bytes[i / 2] = static_cast<uint8_t>((bytes[i / 2] & 0x0F) | (code << 4));
+  }
 }
 
 void SplitMaster(float master, uint16_t* param_bits, int16_t* remainder) {
@@ -295,6 +357,10 @@ float LoadElement(const void* buffer, DType dtype, int64_t i) {
       return Float8E4M3ToFloat(static_cast<const uint8_t*>(buffer)[i]);
     case DType::kUFloat8E4M4Block:
       return UFloat8E4M4ToFloat(static_cast<const uint8_t*>(buffer)[i]);
+    case DType::kFloat4E2M1Block:
+      return Float4E2M1ToFloat(CodeAt(buffer, dtype, i));
+    case DType::kUFloat4E3M1Block:
+      return UFloat4E3M1ToFloat(CodeAt(buffer, dtype, i));
     default:
       return NAN;  // not a value dtype; callers never get here
   }
@@ -317,6 +383,12 @@ void StoreElement(void* buffer, DType dtype, int64_t i, float value) {
       break;
     case DType::kUFloat8E4M4Block:
       static_cast<uint8_t*>(buffer)[i] = FloatToUFloat8E4M4(value);
+      break;
+    case DType::kFloat4E2M1Block:
+      SetCode(buffer, dtype, i, FloatToFloat4E2M1(value));
+      break;
+    case DType::kUFloat4E3M1Block:
+      SetCode(buffer, dtype, i, FloatToUFloat4E3M1(value));
       break;
     default:
       break;

@@ -36,9 +36,25 @@ float Float8E4M3ToFloat(uint8_t q);
 uint8_t FloatToUFloat8E4M4(float f);
 float UFloat8E4M4ToFloat(uint8_t q);
 
+// S2.12: fp32 <-> signed E2M1 (bias 1, values 0, 0.5, 1, 1.5, 2, 3, 4, 6; NaN =
+// 0x8, the code -0 would have): round to nearest even; magnitudes of 7 and
+// above, infinities and NaN become NaN; a magnitude rounding to 0 is code 0.
+uint8_t FloatToFloat4E2M1(float f);
+float Float4E2M1ToFloat(uint8_t q);
+
+// S2.12: fp32 <-> unsigned E3M1 (bias 3, values 0, 0.125 ... 16; NaN = 0xF) of
+// |f|: round to nearest even; magnitudes above 20, infinities and NaN become
+// NaN; a non-zero magnitude that rounds to 0 becomes the smallest code, 1.
+uint8_t FloatToUFloat4E3M1(float f);
+float UFloat4E3M1ToFloat(uint8_t q);
+
+// Code i of an 8-bit or 4-bit (two per byte, low nibble first) code buffer.
+uint8_t CodeAt(const void* buffer, DType dtype, int64_t i);
+void SetCode(void* buffer, DType dtype, int64_t i, uint8_t code);
+
 // Code of true value u in a per-block scaled buffer with block scale s
-// (S2.9, S2.10): u / s rounded, and for the unsigned format at least code 1
-// where u is not zero.
+// (S2.9, S2.10, S2.12): u / s rounded, and for the unsigned formats at least
+// code 1 where u is not zero.
 void StoreBlockElement(void* buffer, DType dtype, int64_t i, float u, float s);
 
 // S2.5: an fp32 master stored as a bf16 param (high 16 bits, plus one when the

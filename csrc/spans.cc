@@ -15,36 +15,50 @@ void StagedTail(const KernelTable& kt, const TensorPlan& p, const StepConstants&
                 int64_t begin, size_t t, bool update, Scratch& s,
                 uint32_t* max_bits) {
   alignas(64) char buffers[5][kGranule * sizeof(float)];
-  // Copies t elements into a buffer; the padding is zero so that nothing
-  // depends on stale stack bytes.
-  const auto stage = [&](const char* from, int size, char* buffer) {
-    memcpy(buffer, from + begin * size, t * size);
-    memset(buffer + t * size, 0, (kt.pair - t) * size);
-    return buffer;
-  };
-  TensorPlan q = p;
+  char* const space[5] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4]};
+  TensorPlan q = StageIn(p, begin, t, kt.pair, space);
   q.first = p.first + begin;
-  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
-  const int sizes[4] = {p.param_size, p.master_size, p.exp_avg_size,
-                        p.exp_avg_sq_size};
-  for (int b = 0; b < 4; ++b) {
-    if (*writable[b] != nullptr) *writable[b] = stage(*writable[b], sizes[b], buffers[b]);
-  }
-  q.grad = stage(p.grad, p.grad_size, buffers[4]);
   if (!update) {
     ReduceSpan(kt, q, k, 0, kt.pair, t, s, max_bits);
     return;
   }
   UpdateSpan(kt, q, k, 0, kt.pair, s);
-  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
-  for (int b = 0; b < 4; ++b) {
-    if (originals[b] != nullptr) {
-      memcpy(originals[b] + begin * sizes[b], buffers[b], t * sizes[b]);
-    }
-  }
+  StageOut(p, q, begin, t);
 }
 
 }  // namespace
+
+TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
+                   char* const buffers[5]) {
+  // The padding is zero so that nothing depends on stale bytes.
+  const auto stage = [&](const char* from, int bits, char* buffer) {
+    const size_t held = BytesOf(bits, t);
+    memcpy(buffer, ElementAt(from, bits, e), held);
+    memset(buffer + held, 0, BytesOf(bits, padded) - held);
+    // The high nibble after an odd count of 4-bit codes is padding too.
+    if (bits == 4 && t % 2 == 1) buffer[held - 1] &= 0x0F;
+    return buffer;
+  };
+  TensorPlan q = p;
+  char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
+  const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
+  for (int b = 0; b < 4; ++b) {
+    if (*writable[b] != nullptr) *writable[b] = stage(*writable[b], bits[b], buffers[b]);
+  }
+  q.grad = stage(p.grad, p.grad_bits, buffers[4]);
+  return q;
+}
+
+void StageOut(const TensorPlan& p, const TensorPlan& q, int64_t e, size_t t) {
+  char* const originals[4] = {p.param, p.master, p.exp_avg, p.exp_avg_sq};
+  const char* const staged[4] = {q.param, q.master, q.exp_avg, q.exp_avg_sq};
+  const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
+  for (int b = 0; b < 4; ++b) {
+    if (originals[b] != nullptr) {
+      memcpy(ElementAt(originals[b], bits[b], e), staged[b], BytesOf(bits[b], t));
+    }
+  }
+}
 
 void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                 int64_t begin, size_t n, Scratch& s) {
@@ -52,9 +66,9 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
   const int unit_bc2 = k.bias_correction2_sqrt == 1.0f ? 1 : 0;
   if (p.fused >= 0) {
     kt.fused.fn[adam_w][unit_bc2][p.fused](
-        k, p.grad + begin * p.grad_size, p.param + begin * p.param_size,
-        p.master ? p.master + begin * p.master_size : nullptr,
-        p.exp_avg + begin * p.exp_avg_size, p.exp_avg_sq + begin * p.exp_avg_sq_size,
+        k, ElementAt(p.grad, p.grad_bits, begin), ElementAt(p.param, p.param_bits, begin),
+        p.master ? ElementAt(p.master, p.master_bits, begin) : nullptr,
+        ElementAt(p.exp_avg, p.exp_avg_bits, begin), ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, begin),
         p.FusedScalesAt(begin), n);
     return;
   }
@@ -71,24 +85,24 @@ void UpdateSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants&
 
 Decoded DecodeRun(const TensorPlan& p, int64_t e, size_t c, const ScaleView& m_scale,
                   const ScaleView& v_scale, Scratch& s) {
-  char* master = p.master ? p.master + e * p.master_size : nullptr;
-  char* param = p.param + e * p.param_size;
-  return {p.decode_grad(p.grad + e * p.grad_size, nullptr, c, ScaleView(), s.g),
+  char* master = p.master ? ElementAt(p.master, p.master_bits, e) : nullptr;
+  char* param = ElementAt(p.param, p.param_bits, e);
+  return {p.decode_grad(ElementAt(p.grad, p.grad_bits, e), nullptr, c, ScaleView(), s.g),
           p.decode_w(p.w_from_master ? master : param, master, c, p.OldScale(kStreamW, e),
                      s.w),
-          p.decode_m(p.exp_avg + e * p.exp_avg_size, nullptr, c, m_scale, s.m),
-          p.decode_v(p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr, c, v_scale, s.v)};
+          p.decode_m(ElementAt(p.exp_avg, p.exp_avg_bits, e), nullptr, c, m_scale, s.m),
+          p.decode_v(ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e), nullptr, c, v_scale, s.v)};
 }
 
 void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
                const ScaleView& m_scale, const ScaleView& v_scale) {
-  char* master = p.master ? p.master + e * p.master_size : nullptr;
+  char* master = p.master ? ElementAt(p.master, p.master_bits, e) : nullptr;
   // The param is rounded from the updated w before the master is re-stored.
-  if (p.encode_param) p.encode_param(d.w, c, ScaleView(), p.param + e * p.param_size, master);
+  if (p.encode_param) p.encode_param(d.w, c, ScaleView(), ElementAt(p.param, p.param_bits, e), master);
   if (p.encode_master) p.encode_master(d.w, c, p.NewScale(kStreamW, e), master, nullptr);
-  if (p.encode_m) p.encode_m(d.m, c, m_scale, p.exp_avg + e * p.exp_avg_size, nullptr);
+  if (p.encode_m) p.encode_m(d.m, c, m_scale, ElementAt(p.exp_avg, p.exp_avg_bits, e), nullptr);
   if (p.encode_v) {
-    p.encode_v(d.v, c, v_scale, p.exp_avg_sq + e * p.exp_avg_sq_size, nullptr);
+    p.encode_v(d.v, c, v_scale, ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e), nullptr);
   }
 }
 

@@ -37,6 +37,16 @@ Decoded DecodeRun(const TensorPlan& p, int64_t e, size_t c, const ScaleView& m_s
 void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
                const ScaleView& m_scale, const ScaleView& v_scale);
 
+// A copy of plan `p` whose buffers are zero-padded copies of its `t` elements
+// from element `e` (an even one), `padded` elements each, in `buffers` (param,
+// master, exp_avg, exp_avg_sq, grad; each large enough): tails shorter than a
+// pair, and blocks cut by a tensor's ends. StageOut copies the `t` staged
+// elements of the written buffers back (a 4-bit buffer's last byte whole: its
+// padding nibble, past the tensor's last element, stays in the tensor's buffer).
+TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
+                   char* const buffers[5]);
+void StageOut(const TensorPlan& p, const TensorPlan& q, int64_t e, size_t t);
+
 // Either pass over [begin, end): whole pairs directly, the rest staged. With
 // `update` false (pass 1) folds the magnitudes of the new measured states into
 // max_bits (w, m, v) and stores nothing.

@@ -154,6 +154,15 @@ bool CheckBlocks(int64_t i, const TensorSlot& s, Error* error) {
                 Format("first_index %" PRId64 " is outside [0, %" PRId64 "]", s.first_index,
                        INT64_MAX / 8 - s.numel));
   }
+  const DType states[3] = {s.exp_avg_dtype, s.exp_avg_sq_dtype, s.master_dtype};
+  for (const DType d : states) {
+    if (FormatOf(d).item_bits == 4 && s.first_index % 2 != 0) {
+      return Fail(error, i,
+                  Format("first_index %" PRId64 " is odd; %s states pack two elements "
+                         "per byte and need an even first_index",
+                         s.first_index, DTypeName(d)));
+    }
+  }
   return true;
 }
 
@@ -212,11 +221,11 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   }
 
   Buffer buffers[5] = {
-      {"param", s.param, s.numel * ItemSize(s.param_dtype)},
-      {"grad", s.grad, s.numel * ItemSize(s.grad_dtype)},
-      {"exp_avg", s.exp_avg, s.numel * ItemSize(s.exp_avg_dtype)},
-      {"exp_avg_sq", s.exp_avg_sq, s.numel * ItemSize(s.exp_avg_sq_dtype)},
-      {"master_param", s.master_param, s.numel * ItemSize(s.master_dtype)},
+      {"param", s.param, BufferBytes(s.param_dtype, s.numel)},
+      {"grad", s.grad, BufferBytes(s.grad_dtype, s.numel)},
+      {"exp_avg", s.exp_avg, BufferBytes(s.exp_avg_dtype, s.numel)},
+      {"exp_avg_sq", s.exp_avg_sq, BufferBytes(s.exp_avg_sq_dtype, s.numel)},
+      {"master_param", s.master_param, BufferBytes(s.master_dtype, s.numel)},
   };
   const int num_buffers = has_master ? 5 : 4;
   if (s.numel > 0) {
@@ -334,7 +343,7 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
     for (const auto& b : buffers) {
       if (b.dtype == DType::kNone) continue;
       const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data);
-      const uintptr_t bytes = static_cast<uintptr_t>(s.numel * ItemSize(b.dtype));
+      const uintptr_t bytes = static_cast<uintptr_t>(BufferBytes(b.dtype, s.numel));
       intervals.push_back({begin, begin + bytes, i, b.name, b.written});
     }
   }
@@ -447,15 +456,15 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
   if (dst == nullptr) {
     return Fail(error, -1, Format("dst is null but numel is %" PRId64, numel));
   }
-  const int64_t src_bytes = numel * ItemSize(src_dtype);
-  const int64_t dst_bytes = numel * ItemSize(dst_dtype);
+  const int64_t src_bytes = BufferBytes(src_dtype, numel);
+  const int64_t dst_bytes = BufferBytes(dst_dtype, numel);
   if (PastAddressSpace(src, src_bytes)) {
     return FailPastAddressSpace(error, -1, "src", src, src_bytes);
   }
   if (PastAddressSpace(dst, dst_bytes)) {
     return FailPastAddressSpace(error, -1, "dst", dst, dst_bytes);
   }
-  const bool in_place = src == dst && ItemSize(src_dtype) == ItemSize(dst_dtype);
+  const bool in_place = src == dst && FormatOf(src_dtype).item_bits == FormatOf(dst_dtype).item_bits;
   if (!in_place && Overlap(reinterpret_cast<uintptr_t>(src), src_bytes,
                            reinterpret_cast<uintptr_t>(dst), dst_bytes)) {
     return Fail(error, -1,

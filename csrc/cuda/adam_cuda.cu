@@ -158,11 +158,11 @@ const char* MisalignedBuffer(const TensorSlot& t) {
   const auto off = [](const void* p, int size) {
     return size > 0 && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(size) != 0;
   };
-  if (off(t.param, ItemSize(t.param_dtype))) return "param";
-  if (off(t.grad, ItemSize(t.grad_dtype))) return "grad";
-  if (off(t.exp_avg, ItemSize(t.exp_avg_dtype))) return "exp_avg";
-  if (off(t.exp_avg_sq, ItemSize(t.exp_avg_sq_dtype))) return "exp_avg_sq";
-  if (off(t.master_param, ItemSize(t.master_dtype))) return "master_param";
+  if (off(t.param, ItemBytes(static_cast<int>(t.param_dtype)))) return "param";
+  if (off(t.grad, ItemBytes(static_cast<int>(t.grad_dtype)))) return "grad";
+  if (off(t.exp_avg, ItemBytes(static_cast<int>(t.exp_avg_dtype)))) return "exp_avg";
+  if (off(t.exp_avg_sq, ItemBytes(static_cast<int>(t.exp_avg_sq_dtype)))) return "exp_avg_sq";
+  if (off(t.master_param, ItemBytes(static_cast<int>(t.master_dtype)))) return "master_param";
   const int scale = static_cast<int>(sizeof(float));
   if (off(t.exp_avg_scale, scale)) return "exp_avg_scale";
   if (off(t.exp_avg_sq_scale, scale)) return "exp_avg_sq_scale";

@@ -22,7 +22,7 @@ namespace cuda {
 // per element (the int16 remainder: 2; no buffer: 0), and whether the stored value
 // carries a per-tensor scale.
 SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
-  return FormatOf(static_cast<DType>(dtype)).item_size;
+  return FormatOf(static_cast<DType>(dtype)).item_bits / 8;
 }
 
 SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {

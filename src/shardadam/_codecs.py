@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 _TINY = torch.finfo(torch.float32).tiny
+_NAN = torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32)  # NaN codes' value
 
 
 def measure_scale(value: torch.Tensor, target: float) -> torch.Tensor:
@@ -50,8 +51,9 @@ def split_remainder(master: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------
-# Per-block scaled 8-bit codes (S2.9 signed E4M3 "fp8-block", S2.10 unsigned zero-free
-# E4M4 "ufp8-block"), bit for bit what the C++ core stores. A local tensor whose first
+# Per-block scaled codes (S2.9 signed E4M3 "fp8-block", S2.10 unsigned zero-free E4M4
+# "ufp8-block", S2.12 signed E2M1 "fp4-block" and unsigned zero-free E3M1
+# "ufp4-block"), bit for bit what the C++ core stores. A local tensor whose first
 # element has flat index ``first`` in the whole parameter holds the blocks its range
 # touches; its scales are one fp32 per such block, in order.
 
@@ -78,7 +80,7 @@ def _ufp8_table() -> torch.Tensor:
     e, m = torch.div(code, 16, rounding_mode="floor"), code % 16
     value = torch.where(e == 0, m * 2.0 ** -10, (16 + m) * torch.pow(2.0, e - 11))
     table = value.float()
-    table[_UFP8_NAN] = torch.tensor(0x7FC00000, dtype=torch.int32).view(torch.float32)
+    table[_UFP8_NAN] = _NAN
     return table
 
 
@@ -107,11 +109,91 @@ def ufp8_encode(x: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
-def _codes_of(name: str, x: torch.Tensor) -> torch.Tensor:
+# S2.12's 4-bit codes, one per uint8 here (``pack_nibbles`` puts two in a byte).
+_FP4_NAN, _UFP4_NAN = 0x8, 0xF
+
+
+def _fp4_table() -> torch.Tensor:
+    """fp32 value of every signed E2M1 code: magnitude E = 0 is M·0.5, E ≥ 1 is
+    (2+M)·2^(E-2); bit 3 the sign; 0x8 (-0) is NaN."""
+    code = torch.arange(16, dtype=torch.float64)
+    mag = code % 8
+    e, m = torch.div(mag, 2, rounding_mode="floor"), mag % 2
+    value = torch.where(e == 0, m * 0.5, (2 + m) * torch.pow(2.0, e - 2))
+    table = torch.where(code >= 8, -value, value).float()
+    table[_FP4_NAN] = _NAN
+    return table
+
+
+def _ufp4_table() -> torch.Tensor:
+    """fp32 value of every unsigned E3M1 code: E = 0 is M·0.125, E ≥ 1 is
+    (2+M)·2^(E-4); 0xF is NaN."""
+    code = torch.arange(16, dtype=torch.float64)
+    e, m = torch.div(code, 2, rounding_mode="floor"), code % 2
+    table = torch.where(e == 0, m * 0.125, (2 + m) * torch.pow(2.0, e - 4)).float()
+    table[_UFP4_NAN] = _NAN
+    return table
+
+
+_FP4_VALUES, _UFP4_VALUES = _fp4_table(), _ufp4_table()
+
+
+def _steps(ax: torch.Tensor, lowest: int, mantissa_bits: int):
+    """``(e, q)``: the binade ``e`` of float64 magnitudes ``ax`` (2^e <= ax < 2^(e+1)),
+    at least ``lowest`` (below it the step stays the lowest binade's), and ``ax`` in
+    steps of that binade rounded to nearest, ties to even (exact: a power-of-two
+    scaling, and a round up to the next binade carries through the code's addition)."""
+    _, k = torch.frexp(ax)
+    e = torch.clamp_min(torch.where(ax > 0, k - 1, lowest), lowest)  # frexp(0): k = 0
+    return e.double(), torch.round(torch.ldexp(ax, (mantissa_bits - e).to(ax.dtype)))
+
+
+def fp4_encode(x: torch.Tensor) -> torch.Tensor:
+    """Signed E2M1 codes of fp32 ``x`` (S2.12): nearest, ties to even; 7 and above, inf
+    and NaN: 0x8; a magnitude rounding to 0 is code 0 whatever its sign."""
+    ax = x.abs().double()
+    e, q = _steps(ax, 0, 1)
+    mag = 2 * e + q
+    code = torch.where(torch.signbit(x) & (mag > 0), mag + 8, mag)
+    return torch.where(ax < 7, code, _FP4_NAN).to(torch.uint8)
+
+
+def ufp4_encode(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Unsigned E3M1 codes of fp32 ``|x|`` (S2.12): nearest, ties to even; above 20, inf
+    and NaN: 0xF; where the true value ``u`` is not zero, at least code 1."""
+    ax = x.abs().double()
+    e, q = _steps(ax, -2, 1)
+    code = torch.where(u != 0, torch.clamp_min(2 * (e + 2) + q, 1), 0)
+    return torch.where(ax <= 20, torch.clamp_max(code, _UFP4_NAN - 1),
+                       _UFP4_NAN).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit ``codes`` (uint8, one each, an even count) two per byte: element 2i in the
+    low nibble of byte i (S2.12)."""
+    pairs = codes.reshape(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(stored: torch.Tensor) -> torch.Tensor:
+    """The codes of packed ``stored`` (uint8), one per element, its last dimension
+    doubled."""
+    codes = torch.stack((stored & 0xF, stored >> 4), dim=-1)
+    return codes.reshape(*stored.shape[:-1], 2 * stored.shape[-1])
+
+
+def _codes_of(name: str, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Codes of ``x = u / s`` (the true values ``u`` decide the zero-free rule)."""
     if name == "fp8-block":
         return x.to(torch.float8_e4m3fn).view(torch.uint8)
     if name == "ufp8-block":
-        return ufp8_encode(x)
+        codes = ufp8_encode(x)
+        # Zero-free on u: a division that underflowed to 0 still takes code 1.
+        return torch.where((codes == 0) & (u != 0), 1, codes).to(torch.uint8)
+    if name == "fp4-block":
+        return fp4_encode(x)
+    if name == "ufp4-block":
+        return ufp4_encode(x, u)
     raise ValueError(f"no torch codec for per-block format {name!r}")
 
 
@@ -120,6 +202,10 @@ def _values_of(name: str, codes: torch.Tensor) -> torch.Tensor:
         return codes.view(torch.float8_e4m3fn).float()
     if name == "ufp8-block":
         return ufp8_decode(codes)
+    if name == "fp4-block":
+        return _FP4_VALUES.to(codes.device)[codes.long()]
+    if name == "ufp4-block":
+        return _UFP4_VALUES.to(codes.device)[codes.long()]
     raise ValueError(f"no torch codec for per-block format {name!r}")
 
 
@@ -170,4 +256,4 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
     scales = block_scales(absmax, target, zero_bound)
     # A true division by a power of two, as the core's: exact but for fp32 subnormals.
     x = flat / scales[_block_of_each(n, first, block, value.device)]
-    return _codes_of(name, x), scales
+    return _codes_of(name, x, flat), scales

@@ -143,6 +143,14 @@ class _Plain:
         """S2.11: a plain tensor is the whole parameter."""
         return 0
 
+    def packable(self, local: torch.Tensor) -> bool:
+        """S2.12: whether packed 4-bit states can hold ``local``: whole bytes per row."""
+        return local.dim() >= 2 and local.shape[-1] % 2 == 0
+
+    def of(self, fmt) -> "_Plain":
+        """The layout of a state stored in ``fmt``: plain too."""
+        return self
+
 
 PLAIN = _Plain()
 
@@ -160,6 +168,7 @@ class Layout:
         self.spec = param._spec  # gradients built from the same spec skip the compares
         self._specs = {}  # local dtype -> DTensorSpec shared by the states of that dtype
         self._first = {}  # local shape -> first_index
+        self._packed = None  # the layout of packed states (``of``)
 
     def first_index(self, local: torch.Tensor) -> int:
         """The flat index in the whole parameter of ``local``'s first element, which
@@ -174,6 +183,30 @@ class Layout:
         if first is None:
             first = self._first[shape] = self._first_index(shape)
         return first
+
+    def packable(self, local: torch.Tensor) -> bool:
+        """S2.12: whether packed 4-bit states can hold the local tensor ``local``: two or
+        more dimensions, an even last one, and no placement sharding the last dimension
+        (the packed states are then sharded exactly like the parameter's rows)."""
+        last = len(self.shape) - 1
+        return (last >= 1 and self.shape[-1] % 2 == 0 and local.dim() == last + 1
+                and not any(p.is_shard(last) or p.is_shard(-1) for p in self.placements))
+
+    def of(self, fmt) -> "Layout":
+        """The layout of a state stored in ``fmt``: this one, or for packed 4-bit codes
+        (``packable`` parameters only) the same mesh and placements over the packed
+        global shape, the last dimension halved."""
+        if fmt is None or not fmt.packed:
+            return self
+        packed = self._packed
+        if packed is None:
+            packed = self._packed = Layout.__new__(Layout)
+            packed.mesh, packed.placements = self.mesh, self.placements
+            packed.shape = torch.Size(fmt.storage_shape(self.shape))
+            packed.stride = torch.empty(packed.shape, device="meta").stride()
+            packed.spec, packed._specs, packed._first = None, {}, {}
+            packed._packed = packed
+        return packed
 
     def _first_index(self, shape: tuple) -> int:
         if (len(self.shape) == 0 or getattr(self.mesh, "_shard_order", None) is not None

@@ -53,9 +53,15 @@ class Format:
     argument: Optional[torch.dtype] = None  # the constructor dtype that names it
     pairs_with: Optional[torch.dtype] = None  # the parameter dtype holding the value's rest
     zero_bound: float = 0.0  # per block: the largest magnitude stored as code 0
+    # Bits per element: the storage dtype's, or 4 for codes packed two per byte (S2.12:
+    # the element with flat index i in the low nibble of byte i // 2 when i is even).
+    item_bits: int = 0
 
     def __post_init__(self):
-        if (self.scale not in SCALES or not set(self.roles) <= set(ROLES)
+        if self.item_bits == 0:
+            object.__setattr__(self, "item_bits", 8 * self.storage.itemsize)
+        if (self.item_bits not in (4, 8 * self.storage.itemsize)
+                or self.scale not in SCALES or not set(self.roles) <= set(ROLES)
                 or (self.scale != "block" and self.scale_block != 0)
                 or self.scale_block < 0
                 or self.scaled != (self.scale_target > 0)
@@ -89,8 +95,18 @@ class Format:
         return "moment" in self.roles or state_name in self.roles
 
     @property
-    def item_size(self) -> int:
-        return self.storage.itemsize
+    def packed(self) -> bool:
+        """Two codes per byte: stored packed along the last dimension (S2.12)."""
+        return self.item_bits == 4
+
+    def storage_shape(self, shape) -> tuple:
+        """The shape of the storage of a local tensor of ``shape`` (``can_store``)."""
+        shape = tuple(shape)
+        return shape[:-1] + (shape[-1] // 2,) if self.packed else shape
+
+    def numel_of(self, stored: torch.Tensor) -> int:
+        """How many elements storage ``stored`` holds."""
+        return stored.numel() * (2 if self.packed else 1)
 
     @property
     def scaled(self) -> bool:
@@ -114,7 +130,7 @@ class Format:
 
     def row(self) -> tuple:
         """This declaration as the C++ core's table lists it (``check_extension``)."""
-        return (self.tag, self.name, self.item_size, self.scale, self.scale_block,
+        return (self.tag, self.name, self.item_bits, self.scale, self.scale_block,
                 float(self.scale_target), tuple(sorted(self.roles)), float(self.zero_bound))
 
     # The torch codec. Values pass through fp32; rounding into the codes is torch's
@@ -129,7 +145,8 @@ class Format:
         if self.pairs_with is not None:
             return stored
         if self.scale == "block":
-            return _codecs.decode_blocks(self.name, stored, scale, first, self._block())
+            codes = _codecs.unpack_nibbles(stored) if self.packed else stored
+            return _codecs.decode_blocks(self.name, codes, scale, first, self._block())
         codes = stored if stored.dtype == self.codes else stored.view(self.codes)
         if not self.scaled:
             return codes.float()
@@ -144,6 +161,8 @@ class Format:
         if self.scale == "block":
             codes, scales = _codecs.encode_blocks(self.name, value, first, self._block(),
                                                   self.scale_target, self.zero_bound)
+            if self.packed:
+                codes = _codecs.pack_nibbles(codes)
             stored.copy_(codes.view(stored.shape))
             scale.copy_(scales)
         elif self.scaled:
@@ -198,23 +217,37 @@ FP8_BLOCK = Format("fp8-block", 6, torch.uint8, torch.float8_e4m3fn, ("moment",)
                    scale="block", scale_target=464.0, zero_bound=2.0 ** -10)
 UFP8_BLOCK = Format("ufp8-block", 7, torch.uint8, torch.uint8, ("exp_avg_sq",),
                     scale="block", scale_target=488.0)
+# Per-block scaled 4-bit moments (S2.12), two codes per byte. Signed E2M1 is finite
+# below 7 (the largest fp32 below it is the bound); unsigned E3M1 up to 20, zero-free.
+FP4_BLOCK = Format("fp4-block", 8, torch.uint8, torch.uint8, ("moment",), scale="block",
+                   scale_target=float.fromhex("0x1.bffffep+2"), zero_bound=0.25,
+                   item_bits=4)
+UFP4_BLOCK = Format("ufp4-block", 9, torch.uint8, torch.uint8, ("exp_avg_sq",),
+                    scale="block", scale_target=20.0, item_bits=4)
 
-FORMATS = (FP32, FP16, BF16, FP8, REMAINDER, FP8_BLOCK, UFP8_BLOCK)
+FORMATS = (FP32, FP16, BF16, FP8, REMAINDER, FP8_BLOCK, UFP8_BLOCK, FP4_BLOCK, UFP4_BLOCK)
 _BY_NAME = {f.name: f for f in FORMATS}
 _BY_TAG = {f.tag: f for f in FORMATS}
 if len(_BY_NAME) != len(FORMATS) or len(_BY_TAG) != len(FORMATS) or TAG_NONE in _BY_TAG:
     raise ValueError("two formats share a name or a tag")
 
 # ``moment_format`` names (S2.11): each a pair of per-block formats, for exp_avg and
-# exp_avg_sq, and the block size used when ``moment_block_size`` is None.
-MOMENT_FAMILIES = {"block8": (FP8_BLOCK, UFP8_BLOCK, 256)}
+# exp_avg_sq, the block size used when ``moment_block_size`` is None, and the family a
+# tensor the pair cannot store uses instead (S2.12: packed 4-bit codes need whole bytes
+# per row), at the same block size.
+MOMENT_FAMILIES = {"block8": (FP8_BLOCK, UFP8_BLOCK, 256, None),
+                   "block4": (FP4_BLOCK, UFP4_BLOCK, 128, "block8")}
 
 
-def moment_family(name: str, block: Optional[int]) -> tuple:
+def moment_family(name: str, block: Optional[int], packable: bool = True) -> tuple:
     """``(exp_avg format, exp_avg_sq format)`` of ``moment_format=name`` at ``block``
-    elements per scale (None: the family's default). KeyError for an unknown name."""
-    exp_avg, exp_avg_sq, default = MOMENT_FAMILIES[name]
+    elements per scale (None: the family's default), for a tensor whose states can be
+    stored packed (``packable``: ``_dtensor`` decides) or not. KeyError for an unknown
+    name."""
+    exp_avg, exp_avg_sq, default, fallback = MOMENT_FAMILIES[name]
     block = default if block is None else block
+    if not packable and (exp_avg.packed or exp_avg_sq.packed):
+        return moment_family(fallback, block, packable)
     return exp_avg.with_block(block), exp_avg_sq.with_block(block)
 
 
@@ -226,7 +259,7 @@ def family_of(exp_avg_label: str, exp_avg_sq_label: str) -> tuple:
     except KeyError:
         return None, None
     block = exp_avg.scale_block
-    for family, (first, second, _) in MOMENT_FAMILIES.items():
+    for family, (first, second, _, _) in MOMENT_FAMILIES.items():
         if (block and exp_avg is first.with_block(block)
                 and exp_avg_sq is second.with_block(block)):
             return family, block
@@ -311,7 +344,7 @@ def legacy_format(dtype: torch.dtype) -> Optional[Format]:
 
 def check_extension(module) -> frozenset:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
-    name, item_size, scale, scale_block, scale_target, roles, zero_bound)``) declares
+    name, item_bits, scale, scale_block, scale_target, roles, zero_bound)``) declares
     each of these formats exactly as here: the core and this package read the same
     buffers by these facts. Rows and roles are compared in any order. A per-block
     format the core does not declare at all (an older core) is only unavailable

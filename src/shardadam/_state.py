@@ -55,16 +55,20 @@ class StateConfig(NamedTuple):
     moment_format: Optional[str] = None  # S2.11: "block8", or None for the dtypes
     moment_block_size: Optional[int] = None
 
-    def moment_formats(self) -> tuple:
-        """``(exp_avg format, exp_avg_sq format)``."""
+    def moment_formats(self, packable: bool = True) -> tuple:
+        """``(exp_avg format, exp_avg_sq format)`` of a tensor whose states can be
+        stored packed or not (``_formats.moment_family``)."""
         if self.moment_format is not None:
-            return _formats.moment_family(self.moment_format, self.moment_block_size)
+            return _formats.moment_family(self.moment_format, self.moment_block_size,
+                                          packable)
         return _moment(self.exp_avg_dtype), _moment(self.exp_avg_sq_dtype)
 
-    def specs(self, param_dtype: torch.dtype, first_index: int = 0) -> tuple:
+    def specs(self, param_dtype: torch.dtype, first_index: int = 0,
+              packable: bool = True) -> tuple:
         """The state entries of a parameter of ``param_dtype`` whose local tensor starts
-        at flat index ``first_index`` of the whole parameter (``_dtensor.first_index``)."""
-        exp_avg, exp_avg_sq = self.moment_formats()
+        at flat index ``first_index`` of the whole parameter (``_dtensor.first_index``)
+        and whose states can be stored packed or not (``_dtensor.packable``)."""
+        exp_avg, exp_avg_sq = self.moment_formats(packable)
         specs = (StateSpec("exp_avg", exp_avg, first_index),
                  StateSpec("exp_avg_sq", exp_avg_sq, first_index))
         master = self.master_format()
@@ -88,7 +92,7 @@ class StateConfig(NamedTuple):
 
     def specs_of(self, local: torch.Tensor, layout) -> tuple:
         """``specs`` of a parameter's local tensor ``local`` with ``layout``."""
-        return self.specs(local.dtype, layout.first_index(local))
+        return self.specs(local.dtype, layout.first_index(local), layout.packable(local))
 
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
@@ -171,7 +175,7 @@ def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
         return stored.float()
     scale = scales.get(name) if scales else None
     if fmt.scaled:  # a missing scale reads as 1
-        scale = (torch.ones(fmt.scale_shape(stored.numel(), first), dtype=torch.float32,
+        scale = (torch.ones(fmt.scale_shape(fmt.numel_of(stored), first), dtype=torch.float32,
                             device=stored.device) if scale is None
                  else scale.to(stored.device))
     return fmt.decode(stored, scale, first)
@@ -207,7 +211,8 @@ def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
 def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
     """Fresh local storage (and scale) for ``spec`` holding ``value``, allocated like the
     local tensor ``like`` (its shape and device; S2.6)."""
-    stored = torch.empty(like.shape, dtype=spec.format.storage, device=like.device)
+    stored = torch.empty(spec.format.storage_shape(like.shape), dtype=spec.format.storage,
+                         device=like.device)
     scale_shape = spec.format.scale_shape(like.numel(), spec.first_index)
     scale = None
     if scale_shape is not None:
@@ -239,13 +244,13 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
     whose parameter has ``layout``: in its format, with the scale its granularity
     gives (a plain local fp32 tensor; 0-dim for a per-tensor scale)."""
     stored = entry.get(spec.name)
-    if stored is None or layout.state_error(stored) is not None:
+    if stored is None or layout.of(spec.format).state_error(stored) is not None:
         return False
     stored = _dtensor.to_local(stored)
     if stored_format(stored, formats, spec.name) is not spec.format \
             or stored.device != param.device:
         return False
-    if stored.shape != param.shape or not stored.is_contiguous():
+    if stored.shape != spec.format.storage_shape(param.shape) or not stored.is_contiguous():
         return False
     scale_shape = spec.format.scale_shape(param.numel(), spec.first_index)
     if scale_shape is None:
@@ -298,7 +303,7 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
                 writes.scales[spec.name] = None  # a stale scale of an unscaled format
             continue
         stored = entry.get(spec.name)
-        if stored is not None and _dtensor.to_local(stored).shape == param.shape:
+        if stored is not None and _holds_tensor_of(stored, formats, spec.name, param):
             value, bits = converted_value(spec, entry, scales, formats, param)
             writes.param_bits = bits if bits is not None else writes.param_bits
         else:
@@ -311,6 +316,15 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
             if name in scales:
                 writes.scales[name] = None
     return writes
+
+
+def _holds_tensor_of(stored, formats: Optional[dict], name: str,
+                     param: torch.Tensor) -> bool:
+    """Whether storage ``stored`` (``entry[name]``) holds a value of ``param``'s shape."""
+    local = _dtensor.to_local(stored)
+    fmt = stored_format(local, formats, name)
+    shape = fmt.storage_shape(param.shape) if fmt is not None else tuple(param.shape)
+    return tuple(local.shape) == shape
 
 
 def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> EntryWrites:
@@ -339,7 +353,7 @@ def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch
         if stored is None:
             entry.pop(name, None)
         else:
-            entry[name] = layout.wrap(stored)
+            entry[name] = layout.of(writes.formats[name]).wrap(stored)
     entry.update(writes.extra)
     _update(formats, param, {name: writes.formats.get(name) for name in writes.stored})
     _update(scales, param, writes.scales)
@@ -377,12 +391,16 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
         stored = entry.get(spec.name)
         if stored is None:
             continue
-        error = layout.state_error(stored)
+        fmt = stored_format(_dtensor.to_local(stored), formats, spec.name)
+        error = layout.of(fmt).state_error(stored)
         if error is None:
             local = _dtensor.to_local(stored)
-            if tuple(local.shape) != tuple(param.shape):
+            want = fmt.storage_shape(param.shape) if fmt is not None else tuple(param.shape)
+            if tuple(local.shape) != want:
                 error = (f"has local shape {tuple(local.shape)} but the parameter's local "
-                         f"shape is {tuple(param.shape)}")
+                         f"shape is {tuple(param.shape)}"
+                         + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed
+                            else ""))
             else:
                 error = _block_scale_error(local, spec, scales, formats)
         if error is not None:
@@ -398,7 +416,7 @@ def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[d
     if fmt is None or fmt.scale != "block":
         return None
     scale = scales.get(spec.name) if scales else None
-    shape = fmt.scale_shape(stored.numel(), spec.first_index)
+    shape = fmt.scale_shape(fmt.numel_of(stored), spec.first_index)
     if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
             or scale.dtype != torch.float32 or tuple(scale.shape) != shape):
         return (f"holds {fmt.label} codes, whose scales must be a plain fp32 tensor of "

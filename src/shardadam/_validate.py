@@ -114,7 +114,9 @@ def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
         raise ValueError(f"FusedAdam: moment_block_size must be a power of two in "
                          f"[{low}, {high}] (rule S2.11: elements per block scale), got "
                          f"{shown(block)}")
-    for fmt in _formats.moment_family(moment_format, block):
+    needed = {fmt for packable in (True, False)
+              for fmt in _formats.moment_family(moment_format, block, packable)}
+    for fmt in sorted(needed, key=lambda f: f.tag):
         if not _formats.available(fmt):
             raise ValueError(f"FusedAdam: moment_format={moment_format!r} needs the "
                              f"{fmt.name!r} format, which this build of shardadam._C "

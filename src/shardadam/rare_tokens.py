@@ -206,13 +206,14 @@ def add_arguments(parser):
                              "tensor; default fp32)")
     parser.add_argument("--exp-avg-sq", choices=list(_DTYPES), default="fp32",
                         help="FusedAdam exp_avg_sq_dtype (default fp32)")
-    parser.add_argument("--moment-format", choices=("block8",), default=None,
+    parser.add_argument("--moment-format", choices=("block8", "block4"), default=None,
                         help="FusedAdam moment_format, instead of --exp-avg / "
-                             "--exp-avg-sq: block8 stores both moments in 8-bit codes with "
-                             "one power-of-two scale per block (docs/semantics.md S2.11)")
+                             "--exp-avg-sq: block8 / block4 store both moments in 8-bit / "
+                             "4-bit codes with one power-of-two scale per block "
+                             "(docs/semantics.md S2.11, S2.12)")
     parser.add_argument("--moment-block-size", type=_positive_int, default=None,
                         help="FusedAdam moment_block_size: elements per block scale "
-                             "(default 256)")
+                             "(default 256 for block8, 128 for block4)")
     parser.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
                         help="parameter dtype (default fp32; bf16 wants --master)")
     parser.add_argument("--master", choices=("none", "fp32", "fp16", "remainder"),

@@ -1,4 +1,4 @@
-// Per-block scaled moments (S2.9, S2.10): the core against the scalar reference on
+// Per-block scaled moments (S2.9, S2.10, S2.12): the core against the scalar reference on
 // every target and thread count, blocks keyed to the whole parameter (so shards
 // cut on block boundaries step exactly like the whole tensor), the block scale
 // rule's round trip (decoding a block and encoding it again gives back its codes
@@ -25,6 +25,12 @@ namespace ref = reference;
 
 constexpr DType kBlock8 = DType::kFloat8E4M3Block;
 constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
+constexpr DType kBlock4 = DType::kFloat4E2M1Block;
+constexpr DType kUBlock4 = DType::kUFloat4E3M1Block;
+
+bool HasFourBit(DType a, DType b) {
+  return FormatOf(a).item_bits == 4 || FormatOf(b).item_bits == 4;
+}
 
 // The dtypes of one layout with at least one per-block scaled moment.
 struct BlockConfig {
@@ -74,7 +80,7 @@ struct BlockTensor {
 };
 
 std::vector<uint8_t> Bytes(DType dtype, int64_t n) {
-  return std::vector<uint8_t>(std::max<int64_t>(1, n * ItemSize(dtype)), 0);
+  return std::vector<uint8_t>(std::max<int64_t>(1, BufferBytes(dtype, n)), 0);
 }
 
 // Elements [first_index, first_index + numel) of a parameter whose element
@@ -167,6 +173,17 @@ std::vector<BlockConfig> Configs() {
         {DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock8, DType::kBFloat16, adam_w});
     configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder,
                        DType::kFloat32, kBlock8, adam_w});
+    // 4-bit: the pair FusedAdam selects (signed E2M1, unsigned E3M1) beside each
+    // weight, and mixed with 8-bit and unscaled moments.
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock4, kUBlock4, adam_w});
+    configs.push_back(
+        {DType::kBFloat16, DType::kFloat32, DType::kFloat32, kBlock4, kUBlock4, adam_w});
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock4, adam_w});
+    configs.push_back({DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock4, kBlock4, adam_w});
+    configs.push_back(
+        {DType::kFloat32, DType::kFloat32, DType::kNone, DType::kBFloat16, kUBlock4, adam_w});
   }
   return configs;
 }
@@ -185,9 +202,13 @@ TEST_P(BlockStepTest, MatchesReferenceOnEveryTarget) {
   } shards[] = {{0, 1, 128},          {0, 127, 128},      {5, 300, 128},
                 {253, 1000, 256},     {3 * 256, 777, 256}, {4095, 70001, 4096},
                 {1, 2 * 16384 + 5, 128}};
+  // 4-bit states pack two codes per byte and need an even first index.
+  const int64_t parity = HasFourBit(c.exp_avg, c.exp_avg_sq) ? ~int64_t{1} : ~int64_t{0};
   for (int threads : {1, 2}) {
     std::vector<BlockTensor> state;
-    for (const auto& s : shards) state.push_back(MakeShard(c, s.first_index, s.numel, s.block));
+    for (const auto& s : shards) {
+      state.push_back(MakeShard(c, s.first_index & parity, s.numel, s.block));
+    }
     for (int step = 1; step <= 3; ++step) {
       StepParams params;
       params.adam_w_mode = c.adam_w;
@@ -246,8 +267,12 @@ TEST_P(BlockStepTest, ShardsCutOnBlockBoundariesStepLikeTheWhole) {
     const BlockTensor& shard = shards[static_cast<size_t>(s)];
     const auto same = [&](const std::vector<uint8_t>& all, const std::vector<uint8_t>& part,
                           DType dtype) {
-      const size_t size = static_cast<size_t>(ItemSize(dtype));
-      return std::memcmp(all.data() + at * size, part.data(), shard.numel * size) == 0;
+      for (int64_t i = 0; i < shard.numel; ++i) {
+        if (ElementBits(all.data(), dtype, at + i) != ElementBits(part.data(), dtype, i)) {
+          return false;
+        }
+      }
+      return true;
     };
     EXPECT_TRUE(same(whole.param, shard.param, c.param)) << "shard " << s;
     EXPECT_TRUE(same(whole.exp_avg, shard.exp_avg, c.exp_avg)) << "shard " << s;
@@ -265,19 +290,21 @@ INSTANTIATE_TEST_SUITE_P(Layouts, BlockStepTest, ::testing::ValuesIn(Configs()),
                          [](const auto& info) { return Name(info.param); });
 
 // S2.9 / S2.10's encoding of true values u: the block scale, then each code.
+// Codes packed as the format packs them, in a buffer of at least u.size() bytes.
 float EncodeBlock(DType dtype, const std::vector<float>& u, std::vector<uint8_t>* codes) {
   uint32_t max_bits = 0;
   for (float x : u) max_bits = std::max(max_bits, BitsOf(x) & 0x7FFFFFFFu);
   const FormatInfo f = FormatOf(dtype);
   const float s = BlockScaleFromAbsMaxBits(max_bits, f.scale_target, f.zero_bound);
-  codes->resize(u.size());
+  codes->assign(u.size(), 0);
   for (size_t i = 0; i < u.size(); ++i) ref::StoreBlockElement(codes->data(), dtype, i, u[i], s);
   return s;
 }
 
-std::vector<float> DecodeBlock(DType dtype, const std::vector<uint8_t>& codes, float s) {
+std::vector<float> DecodeBlock(DType dtype, const std::vector<uint8_t>& codes, size_t n,
+                               float s) {
   std::vector<float> u;
-  for (size_t i = 0; i < codes.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     u.push_back(ref::LoadElement(codes.data(), dtype, i) * s);
   }
   return u;
@@ -287,20 +314,25 @@ std::vector<float> DecodeBlock(DType dtype, const std::vector<uint8_t>& codes, f
 // each finite code beside the largest (the block's normal form), at scales from
 // the smallest to large ones.
 TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
-  for (DType dtype : {kBlock8, kUBlock8}) {
-    SCOPED_TRACE(DTypeName(dtype));
-    const bool is_signed = dtype == kBlock8;
-    const uint8_t largest = is_signed ? 0x7E : 0xFE;
+  const struct {
+    DType dtype;
+    uint8_t largest, other;  // the largest finite code, and one more
+  } formats[] = {{kBlock8, 0x7E, 0x80}, {kUBlock8, 0xFE, 0x01},
+                 {kBlock4, 0x7, 0x9}, {kUBlock4, 0xE, 0x1}};
+  for (const auto& f : formats) {
+    SCOPED_TRACE(DTypeName(f.dtype));
+    const int count = 1 << FormatOf(f.dtype).item_bits;
     for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118}) {
       const float s = std::ldexp(1.0f, e);
-      for (int code = 0; code < 256; ++code) {
-        const uint8_t byte = static_cast<uint8_t>(code);
-        if (std::isnan(ref::LoadElement(&byte, dtype, 0))) continue;  // the NaN codes
-        const std::vector<uint8_t> codes = {largest, static_cast<uint8_t>(code),
-                                            static_cast<uint8_t>(is_signed ? 0x80 : 0x01),
-                                            0x00};
+      for (int code = 0; code < count; ++code) {
+        uint8_t one = 0;
+        ref::SetCode(&one, f.dtype, 0, static_cast<uint8_t>(code));
+        if (std::isnan(ref::LoadElement(&one, f.dtype, 0))) continue;  // the NaN codes
+        std::vector<uint8_t> codes(4, 0);
+        const uint8_t block[4] = {f.largest, static_cast<uint8_t>(code), f.other, 0};
+        for (int i = 0; i < 4; ++i) ref::SetCode(codes.data(), f.dtype, i, block[i]);
         std::vector<uint8_t> again;
-        const float s2 = EncodeBlock(dtype, DecodeBlock(dtype, codes, s), &again);
+        const float s2 = EncodeBlock(f.dtype, DecodeBlock(f.dtype, codes, 4, s), &again);
         ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "code " << code << " scale 2^" << e;
         ASSERT_EQ(again, codes) << "code " << code << " scale 2^" << e;
       }
@@ -311,7 +343,7 @@ TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
 // Any block, once encoded, is in normal form: encoding its decoded values again
 // changes nothing.
 TEST(BlockRoundTripTest, RandomBlocksAreStableAfterOneEncoding) {
-  for (DType dtype : {kBlock8, kUBlock8}) {
+  for (DType dtype : {kBlock8, kUBlock8, kBlock4, kUBlock4}) {
     SCOPED_TRACE(DTypeName(dtype));
     std::mt19937 rng(7);
     std::uniform_int_distribution<int> exponent(-140, 120);
@@ -321,36 +353,39 @@ TEST(BlockRoundTripTest, RandomBlocksAreStableAfterOneEncoding) {
       std::vector<float> u(256);
       for (float& x : u) {
         x = normal(rng) * spread * std::ldexp(1.0f, -(trial % 17));
-        if (dtype == kUBlock8) x = x * x;  // a second moment's spread
+        if (!HasRole(dtype, kRoleExpAvg)) x = x * x;  // a second moment's spread
       }
       std::vector<uint8_t> codes, again;
       const float s = EncodeBlock(dtype, u, &codes);
-      const float s2 = EncodeBlock(dtype, DecodeBlock(dtype, codes, s), &again);
+      const float s2 = EncodeBlock(dtype, DecodeBlock(dtype, codes, u.size(), s), &again);
       ASSERT_EQ(BitsOf(s2), BitsOf(s)) << "trial " << trial;
       ASSERT_EQ(again, codes) << "trial " << trial;
     }
   }
 }
 
-// S2.10: no non-zero value of exp_avg_sq is stored as 0, however far below the
-// block's largest it is, and a block of zeros keeps scale 1.
+// S2.10, S2.12: no non-zero value of exp_avg_sq is stored as 0, however far
+// below the block's largest it is, and a block of zeros keeps scale 1.
 TEST(BlockRoundTripTest, UnsignedBlocksKeepEveryNonZeroValueNonZero) {
-  for (int e : {-149, -140, -126, -60, -20, 0}) {
-    const std::vector<float> u = {std::ldexp(1.0f, e), 1.0e30f, 0.0f, FloatOf(1)};
+  for (DType dtype : {kUBlock8, kUBlock4}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    for (int e : {-149, -140, -126, -60, -20, 0}) {
+      const std::vector<float> u = {std::ldexp(1.0f, e), 1.0e30f, 0.0f, FloatOf(1)};
+      std::vector<uint8_t> codes;
+      const float s = EncodeBlock(dtype, u, &codes);
+      const std::vector<float> back = DecodeBlock(dtype, codes, u.size(), s);
+      EXPECT_GT(back[0], 0.0f) << "2^" << e;
+      EXPECT_GT(back[3], 0.0f);
+      EXPECT_EQ(back[2], 0.0f);
+      EXPECT_GE(ref::CodeAt(codes.data(), dtype, 0), 1);
+      EXPECT_GE(ref::CodeAt(codes.data(), dtype, 3), 1);
+    }
     std::vector<uint8_t> codes;
-    const float s = EncodeBlock(kUBlock8, u, &codes);
-    const std::vector<float> back = DecodeBlock(kUBlock8, codes, s);
-    EXPECT_GT(back[0], 0.0f) << "2^" << e;
-    EXPECT_GT(back[3], 0.0f);
-    EXPECT_EQ(back[2], 0.0f);
-    EXPECT_GE(codes[0], 1);
-    EXPECT_GE(codes[3], 1);
+    EXPECT_EQ(EncodeBlock(dtype, {0.0f, 0.0f}, &codes), 1.0f);
+    // The smallest non-zero block still takes the smallest scale, not 1.
+    EXPECT_EQ(EncodeBlock(dtype, {FloatOf(1), 0.0f}, &codes), std::ldexp(1.0f, -126));
+    EXPECT_EQ(ref::CodeAt(codes.data(), dtype, 0), 1);
   }
-  std::vector<uint8_t> codes;
-  EXPECT_EQ(EncodeBlock(kUBlock8, {0.0f, 0.0f}, &codes), 1.0f);
-  // The smallest non-zero block still takes the smallest scale, not 1.
-  EXPECT_EQ(EncodeBlock(kUBlock8, {FloatOf(1), 0.0f}, &codes), std::ldexp(1.0f, -126));
-  EXPECT_EQ(codes[0], 1);
 }
 
 // The scale is the smallest power of two that keeps every element finite.
@@ -394,6 +429,38 @@ TEST(BlockScaleRuleTest, UnsignedBoundAndNoZeroRule) {
   EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero), 1.0f);
 }
 
+// S2.12: the same rule with the 4-bit bounds: signed E2M1 finite below 7
+// (the tie at 7 rounds to the even 8, past the largest value 6), code 0 up to
+// 0.25; unsigned E3M1 finite up to 20 (the tie rounds to the even 16), zero-free.
+TEST(BlockScaleRuleTest, FourBitBounds) {
+  const FormatInfo f4 = FormatOf(kBlock4);
+  EXPECT_EQ(f4.scale_target, std::nextafter(7.0f, 0.0f));
+  EXPECT_EQ(f4.zero_bound, 0.25f);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(f4.scale_target), 0x7);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(7.0f), 0x8);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(f4.zero_bound), 0x0);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(std::nextafter(f4.zero_bound, 1.0f)), 0x1);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(6.5f), f4.scale_target, f4.zero_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(7.0f), f4.scale_target, f4.zero_bound), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(3.5f), f4.scale_target, f4.zero_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(3.5f, 0.0f)), f4.scale_target,
+                                     f4.zero_bound),
+            0.5f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -128)), f4.scale_target,
+                                     f4.zero_bound),
+            1.0f);  // 2^-128 / 2^-126 = 0.25: code 0 at every scale
+  const FormatInfo u4 = FormatOf(kUBlock4);
+  EXPECT_EQ(u4.scale_target, 20.0f);
+  EXPECT_EQ(u4.zero_bound, 0.0f);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(20.0f), 0xE);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(std::nextafter(20.0f, 1e9f)), 0xF);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(20.0f), u4.scale_target, u4.zero_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(20.0f, 1e9f)), u4.scale_target,
+                                     u4.zero_bound),
+            2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, u4.scale_target, u4.zero_bound), std::ldexp(1.0f, -126));
+}
+
 // Geometry and scale slots are checked before anything is written.
 TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
   const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kBlock8, true};
@@ -424,7 +491,13 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
       {"unsigned exp_avg", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_dtype = kUBlock8; },
        "exp_avg_dtype 7 (ufp8-block) is not allowed for exp_avg; expected fp32, fp16, bf16, "
-       "fp8 or fp8-block"},
+       "fp8, fp8-block or fp4-block"},
+      {"unsigned 4-bit exp_avg", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_dtype = kUBlock4; },
+       "exp_avg_dtype 9 (ufp4-block) is not allowed for exp_avg"},
+      {"4-bit at an odd first index", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_sq_dtype = kUBlock4; s->first_index = 301; },
+       "first_index 301 is odd; ufp4-block states pack two elements per byte"},
   };
   for (const auto& bad : cases) {
     BlockTensor t = MakeShard(c, 300, 1000, 128);

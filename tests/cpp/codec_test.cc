@@ -1,8 +1,8 @@
-// Codec tests (SEMANTICS S2.2-S2.5, S2.10). The reference codecs are checked
+// Codec tests (SEMANTICS S2.2-S2.5, S2.10, S2.12). The reference codecs are checked
 // against an oracle built only from each format's definition (nearest value,
 // ties to the even code), exhaustively for every 8- and 16-bit code; then the
-// SIMD Convert, MeasureScale, remainder split/merge and the per-block unsigned
-// E4M4 codec are checked against the reference bit for bit on every Highway
+// SIMD Convert, MeasureScale, remainder split/merge and the per-block E4M4,
+// E2M1 and E3M1 codecs are checked against the reference bit for bit on every Highway
 // target.
 #include <algorithm>
 #include <cfloat>
@@ -99,9 +99,7 @@ float Decode(const Format& f, uint32_t code) {
 }
 
 bool IsNaNCode(const Format& f, uint32_t code) {
-  const uint8_t bytes[2] = {static_cast<uint8_t>(code),
-                            static_cast<uint8_t>(code >> 8)};
-  return IsNaNElement(bytes, f.dtype);
+  return IsNaNElement(code, f.dtype);
 }
 
 // fp32 inputs that exercise narrowing: specials, every value of each format
@@ -209,12 +207,12 @@ int64_t NearestUF8Code(float x) {
   return code == 0 && x != 0.0f ? 1 : code;
 }
 
-// Inputs for the unsigned format: the shared ones plus its own grid (values,
-// midpoints and their neighbours) and magnitudes far below its smallest code.
-std::vector<float> UF8Inputs() {
+// The shared inputs plus a format's own grid: values, midpoints and their
+// neighbours, both signs, and magnitudes far below its smallest code.
+std::vector<float> InputsWithGrid(const Format& f) {
   std::vector<float> v = NarrowingInputs();
-  for (uint32_t code = 0; code < 0xFF; ++code) {
-    const double lo = CodeValue(kUFloat8Format, code), hi = CodeValue(kUFloat8Format, code + 1);
+  for (uint32_t code = 0; code < f.overflow_code; ++code) {
+    const double lo = CodeValue(f, code), hi = CodeValue(f, code + 1);
     const float mid = static_cast<float>((lo + hi) / 2);
     for (float x : {static_cast<float>(lo), mid, std::nextafter(mid, 0.0f),
                     std::nextafter(mid, INFINITY)}) {
@@ -222,7 +220,7 @@ std::vector<float> UF8Inputs() {
       v.push_back(-x);
     }
   }
-  for (int e = -149; e < -9; ++e) v.push_back(std::ldexp(1.0f, e));
+  for (int e = -149; e < -2; ++e) v.push_back(std::ldexp(1.0f, e));
   return v;
 }
 
@@ -239,7 +237,7 @@ TEST(ReferenceCodecTest, UnsignedE4M4DecodesEveryCodeByDefinition) {
 }
 
 TEST(ReferenceCodecTest, UnsignedE4M4NarrowingMatchesOracle) {
-  for (float x : UF8Inputs()) {
+  for (float x : InputsWithGrid(kUFloat8Format)) {
     const int64_t want = NearestUF8Code(x);
     const uint32_t got = ref::FloatToUFloat8E4M4(x);
     ASSERT_EQ(got, want < 0 ? 0xFFu : static_cast<uint32_t>(want))
@@ -255,35 +253,125 @@ TEST(ReferenceCodecTest, UnsignedE4M4NarrowingMatchesOracle) {
   EXPECT_EQ(ref::FloatToUFloat8E4M4(-2.0f), ref::FloatToUFloat8E4M4(2.0f));
 }
 
-// The kernels' per-block codec on every target: decoding every code, and
-// narrowing every input, at scale 1 and at a power-of-two scale.
-TEST(SimdCodecTest, UnsignedE4M4MatchesReference) {
-  std::vector<float> inputs = UF8Inputs();
-  std::vector<uint8_t> all_codes(256);
-  for (int c = 0; c < 256; ++c) all_codes[c] = static_cast<uint8_t>(c);
+// S2.12's 4-bit formats by their fields. Signed E2M1: values 0 .. 6, the
+// overflow code 8 (what 7 and above round to) is NaN, and so is 0x8, the code
+// -0 would have: a magnitude rounding to 0 is code 0 whatever its sign.
+// Unsigned E3M1: values 0 .. 16, NaN at 0xF, zero-free as E4M4.
+constexpr Format kFloat4Format{DType::kFloat4E2M1Block, 1, 1, 8, 8};
+constexpr Format kUFloat4Format{DType::kUFloat4E3M1Block, 1, 3, 0xF, 0};
+
+int64_t NearestF4Code(float x) {
+  const int64_t code = NearestCode(kFloat4Format, std::fabs(x));
+  if (code < 0 || code >= 8) return -1;
+  return code == 0 || !std::signbit(x) ? code : code | 8;
+}
+
+int64_t NearestUF4Code(float x) {
+  const int64_t code = NearestCode(kUFloat4Format, std::fabs(x));
+  return code == 0 && x != 0.0f ? 1 : code;
+}
+
+TEST(ReferenceCodecTest, FourBitFormatsDecodeEveryCodeByDefinition) {
+  for (uint32_t code = 0; code < 16; ++code) {
+    const float f4 = ref::Float4E2M1ToFloat(static_cast<uint8_t>(code));
+    if (code == 8) {
+      EXPECT_TRUE(std::isnan(f4));
+    } else {
+      const double magnitude = CodeValue(kFloat4Format, code & 7);
+      ASSERT_EQ(BitsOf(f4), BitsOf(static_cast<float>(code & 8 ? -magnitude : magnitude)))
+          << "code " << code;
+      ASSERT_EQ(ref::FloatToFloat4E2M1(f4), code);
+    }
+    const float uf4 = ref::UFloat4E3M1ToFloat(static_cast<uint8_t>(code));
+    if (code == 0xF) {
+      EXPECT_TRUE(std::isnan(uf4));
+    } else {
+      ASSERT_EQ(BitsOf(uf4), BitsOf(static_cast<float>(CodeValue(kUFloat4Format, code))))
+          << "code " << code;
+      ASSERT_EQ(ref::FloatToUFloat4E3M1(uf4), code);
+    }
+  }
+  EXPECT_EQ(ref::Float4E2M1ToFloat(0x7), 6.0f);
+  EXPECT_EQ(ref::Float4E2M1ToFloat(0x1), 0.5f);
+  EXPECT_EQ(ref::UFloat4E3M1ToFloat(0xE), 16.0f);
+  EXPECT_EQ(ref::UFloat4E3M1ToFloat(0x1), 0.125f);
+}
+
+TEST(ReferenceCodecTest, FourBitNarrowingMatchesOracle) {
+  for (float x : InputsWithGrid(kFloat4Format)) {
+    const int64_t want = NearestF4Code(x);
+    ASSERT_EQ(ref::FloatToFloat4E2M1(x), want < 0 ? 0x8u : static_cast<uint32_t>(want))
+        << "fp32 0x" << std::hex << BitsOf(x);
+  }
+  for (float x : InputsWithGrid(kUFloat4Format)) {
+    const int64_t want = NearestUF4Code(x);
+    ASSERT_EQ(ref::FloatToUFloat4E3M1(x), want < 0 ? 0xFu : static_cast<uint32_t>(want))
+        << "fp32 0x" << std::hex << BitsOf(x);
+  }
+  // The edges S2.12 names: 7 rounds to even (8: NaN), 20 to even (16); -0.2
+  // rounds to 0 with no sign; 0 alone is the unsigned code 0.
+  EXPECT_EQ(ref::FloatToFloat4E2M1(7.0f), 0x8);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(std::nextafter(7.0f, 0.0f)), 0x7);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(-std::nextafter(7.0f, 0.0f)), 0xF);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(-0.25f), 0x0);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(-0.0f), 0x0);
+  EXPECT_EQ(ref::FloatToFloat4E2M1(-INFINITY), 0x8);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(20.0f), 0xE);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(std::nextafter(20.0f, 1e9f)), 0xF);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(FloatOf(1)), 0x1);
+  EXPECT_EQ(ref::FloatToUFloat4E3M1(0.0f), 0x0);
+}
+
+// Per-block codecs of the kernels on every target: decoding every code, and
+// narrowing every input (u / s, through StoreBlockElement's zero-free rule),
+// at scale 1 and at power-of-two scales, codes packed as the format packs them.
+void ExpectBlockCodecMatchesReference(DType dtype, internal::Codec codec,
+                                      std::vector<float> inputs) {
+  const int codes_count = 1 << FormatOf(dtype).item_bits;
   ForEachTarget([&] {
     const internal::KernelTable& kt = internal::ActiveKernels();
+    const size_t all = (static_cast<size_t>(codes_count) + kt.pair - 1) / kt.pair * kt.pair;
+    std::vector<uint8_t> all_codes(static_cast<size_t>(BufferBytes(dtype, all)), 0);
+    for (size_t c = 0; c < all; ++c) {
+      ref::SetCode(all_codes.data(), dtype, static_cast<int64_t>(c),
+                   static_cast<uint8_t>(c % codes_count));
+    }
+    const size_t n = (inputs.size() + kt.pair - 1) / kt.pair * kt.pair;
+    inputs.resize(n, 0.0f);
     for (float scale : {1.0f, 0.125f, 1024.0f}) {
-      SCOPED_TRACE("scale " + std::to_string(scale));
+      SCOPED_TRACE(DTypeName(dtype) + " scale " + std::to_string(scale));
       const internal::ScaleView view{&scale, 0, 0};
-      std::vector<float> decoded(256);
-      const float* out = kt.decode[internal::kCodecUF8Scaled](
-          all_codes.data(), nullptr, 256, view, decoded.data());
-      for (int c = 0; c < 256; ++c) {
-        ASSERT_EQ(BitsOf(out[c]), BitsOf(ref::UFloat8E4M4ToFloat(all_codes[c]) * scale))
-            << "code " << c;
+      std::vector<float> decoded(all);
+      const float* out = kt.decode[codec](all_codes.data(), nullptr, all, view, decoded.data());
+      for (size_t c = 0; c < all; ++c) {
+        const float want = ref::LoadElement(all_codes.data(), dtype, static_cast<int64_t>(c));
+        ASSERT_EQ(BitsOf(out[c]), BitsOf(want * scale)) << "code " << c % codes_count;
       }
-      const size_t n = (inputs.size() + kt.pair - 1) / kt.pair * kt.pair;
-      inputs.resize(n, 0.0f);
-      std::vector<uint8_t> codes(n);
-      kt.encode[internal::kCodecUF8Scaled](inputs.data(), n, view, codes.data(), nullptr);
+      std::vector<uint8_t> codes(static_cast<size_t>(BufferBytes(dtype, n)));
+      kt.encode[codec](inputs.data(), n, view, codes.data(), nullptr);
       for (size_t i = 0; i < n; ++i) {
         uint8_t want = 0;
-        ref::StoreBlockElement(&want, DType::kUFloat8E4M4Block, 0, inputs[i], scale);
-        ASSERT_EQ(codes[i], want) << "fp32 0x" << std::hex << BitsOf(inputs[i]);
+        ref::StoreBlockElement(&want, dtype, 0, inputs[i], scale);
+        ASSERT_EQ(ref::CodeAt(codes.data(), dtype, static_cast<int64_t>(i)), want)
+            << "fp32 0x" << std::hex << BitsOf(inputs[i]);
       }
     }
   });
+}
+
+TEST(SimdCodecTest, UnsignedE4M4MatchesReference) {
+  ExpectBlockCodecMatchesReference(DType::kUFloat8E4M4Block, internal::kCodecUF8Scaled,
+                                   InputsWithGrid(kUFloat8Format));
+}
+
+TEST(SimdCodecTest, SignedE2M1MatchesReference) {
+  ExpectBlockCodecMatchesReference(DType::kFloat4E2M1Block, internal::kCodecF4Scaled,
+                                   InputsWithGrid(kFloat4Format));
+}
+
+TEST(SimdCodecTest, UnsignedE3M1MatchesReference) {
+  ExpectBlockCodecMatchesReference(DType::kUFloat4E3M1Block, internal::kCodecUF4Scaled,
+                                   InputsWithGrid(kUFloat4Format));
 }
 
 // The compiler's IEEE half type: _Float16, or on AArch64 the ACLE's __fp16
@@ -482,7 +570,7 @@ TEST(ReferenceScaleTest, FollowsS23) {
 // reference.
 std::vector<uint8_t> EncodeAll(const std::vector<float>& values, DType dtype,
                                float scale) {
-  std::vector<uint8_t> out(values.size() * ItemSize(dtype));
+  std::vector<uint8_t> out(BufferBytes(dtype, static_cast<int64_t>(values.size())));
   EXPECT_EQ(ref::Convert(values.data(), DType::kFloat32, out.data(), dtype,
                          static_cast<int64_t>(values.size()), scale),
             Status::kOk);
@@ -502,7 +590,7 @@ struct ConvertCase {
 ConvertCase ReferenceConvert(const void* src, DType src_dtype, DType dst_dtype,
                              int64_t numel, float scale) {
   ConvertCase c{src, src_dtype, dst_dtype, numel, scale, {}};
-  c.want.resize(static_cast<size_t>(numel) * ItemSize(dst_dtype));
+  c.want.resize(static_cast<size_t>(BufferBytes(dst_dtype, numel)));
   EXPECT_EQ(
       ref::Convert(src, src_dtype, c.want.data(), dst_dtype, numel, scale),
       Status::kOk);
@@ -540,7 +628,7 @@ void ExpectSimdConvert(const ConvertCase& c, int threads) {
 TEST(SimdConvertTest, WidensEveryCodeAndNarrowsBack) {
   for (const Format& f : kFormats) {
     const uint32_t count = 2 * f.sign_bit;
-    std::vector<uint8_t> codes(count * ItemSize(f.dtype));
+    std::vector<uint8_t> codes(BufferBytes(f.dtype, count));
     for (uint32_t c = 0; c < count; ++c) {
       if (f.dtype == DType::kFloat8E4M3) {
         codes[c] = static_cast<uint8_t>(c);

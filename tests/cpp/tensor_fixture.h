@@ -143,7 +143,7 @@ struct Tensor {
 // A buffer of n elements of `dtype`; never empty, so that even an empty tensor
 // has a distinct, non-null address.
 inline std::vector<uint8_t> Buffer(DType dtype, int64_t n) {
-  return std::vector<uint8_t>(std::max<size_t>(1, n * ItemSize(dtype)), 0);
+  return std::vector<uint8_t>(std::max<size_t>(1, BufferBytes(dtype, n)), 0);
 }
 
 // Stores true values u as a state of `dtype` with the S2.3 scale.

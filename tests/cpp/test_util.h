@@ -39,12 +39,20 @@ inline float FloatOf(uint32_t bits) {
 
 inline std::string DTypeName(DType dtype) { return FormatOf(dtype).name; }
 
+// The stored bits of element i of a buffer of `dtype` (a 4-bit code: its nibble).
+inline uint32_t ElementBits(const void* buffer, DType dtype, int64_t i) {
+  const int bits = FormatOf(dtype).item_bits;
+  const auto* bytes = static_cast<const uint8_t*>(buffer);
+  if (bits == 4) return (i % 2 == 0 ? bytes[i / 2] : bytes[i / 2] >> 4) & 0xFu;
+  uint32_t value = 0;
+  std::memcpy(&value, bytes + i * (bits / 8), static_cast<size_t>(bits / 8));
+  return value;
+}
+
 // Whether a stored element is NaN. The NaN bit patterns are not part of the
 // contract (torch itself writes 0x7FC0 or 0xFFFF for a bf16 NaN depending on
 // the code path), so comparisons accept any NaN for any NaN.
-inline bool IsNaNElement(const uint8_t* element, DType dtype) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, element, ItemSize(dtype));
+inline bool IsNaNElement(uint32_t bits, DType dtype) {
   switch (FormatOf(dtype).element) {
     case Element::kFloat32:
       return (bits & 0x7FFFFFFF) > 0x7F800000;
@@ -56,6 +64,10 @@ inline bool IsNaNElement(const uint8_t* element, DType dtype) {
       return (bits & 0x7F) == 0x7F;
     case Element::kUFloat8E4M4:
       return bits == 0xFF;
+    case Element::kFloat4E2M1:
+      return bits == 0x8;
+    case Element::kUFloat4E3M1:
+      return bits == 0xF;
     default:
       return false;  // int16 remainders are plain integers
   }
@@ -66,29 +78,23 @@ inline bool IsNaNElement(const uint8_t* element, DType dtype) {
 inline ::testing::AssertionResult SameElements(const void* want,
                                                const void* got, DType dtype,
                                                int64_t numel) {
-  const size_t size = ItemSize(dtype);
-  const auto* a = static_cast<const uint8_t*>(want);
-  const auto* b = static_cast<const uint8_t*>(got);
   int64_t mismatches = 0, first = -1;
   for (int64_t i = 0; i < numel; ++i) {
-    const uint8_t* x = a + i * size;
-    const uint8_t* y = b + i * size;
-    if (std::memcmp(x, y, size) == 0) continue;
-    if (IsNaNElement(x, dtype) && IsNaNElement(y, dtype)) continue;
+    const uint32_t x = ElementBits(want, dtype, i);
+    const uint32_t y = ElementBits(got, dtype, i);
+    if (x == y || (IsNaNElement(x, dtype) && IsNaNElement(y, dtype))) continue;
     if (first < 0) first = i;
     ++mismatches;
   }
   if (mismatches == 0) return ::testing::AssertionSuccess();
-  uint32_t x = 0, y = 0;
-  std::memcpy(&x, a + first * size, size);
-  std::memcpy(&y, b + first * size, size);
+  const int digits = std::max(1, FormatOf(dtype).item_bits / 4);
   char text[160];
   std::snprintf(
       text, sizeof(text),
       "%lld of %lld %s elements differ; first at %lld: want 0x%0*x got 0x%0*x",
       static_cast<long long>(mismatches), static_cast<long long>(numel),
-      DTypeName(dtype).c_str(), static_cast<long long>(first),
-      static_cast<int>(2 * size), x, static_cast<int>(2 * size), y);
+      DTypeName(dtype).c_str(), static_cast<long long>(first), digits,
+      ElementBits(want, dtype, first), digits, ElementBits(got, dtype, first));
   return ::testing::AssertionFailure() << text;
 }
 

@@ -38,7 +38,7 @@ constexpr int kMaxNumel = 300;
 
 bool IsNaNAt(const uint8_t* p, DType dtype) {
   uint32_t bits = 0;
-  std::memcpy(&bits, p, static_cast<size_t>(ItemSize(dtype)));
+  std::memcpy(&bits, p, static_cast<size_t>(FormatOf(dtype).item_bits / 8));
   switch (dtype) {
     case DType::kFloat32:
       return (bits & 0x7FFFFFFFu) > 0x7F800000u;
@@ -51,7 +51,7 @@ bool IsNaNAt(const uint8_t* p, DType dtype) {
       return (bits & 0x7Fu) == 0x7Fu;
     case DType::kUFloat8E4M4Block:
       return bits == 0xFFu;
-    default:
+    default:  // 4-bit codes compare as bytes (SameValues)
       return false;
   }
 }
@@ -60,8 +60,9 @@ bool IsNaNAt(const uint8_t* p, DType dtype) {
 bool SameValues(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b,
                 DType dtype) {
   if (a.size() != b.size()) return false;
-  const int size = ItemSize(dtype);
-  // Blocks that are not whole elements (aliased scale slots) compare as bytes.
+  const int size = FormatOf(dtype).item_bits / 8;
+  // Blocks that are not whole elements (aliased scale slots) and 4-bit codes
+  // (one NaN code each) compare as bytes.
   if (size == 0 || a.size() % static_cast<size_t>(size) != 0) return a == b;
   for (size_t i = 0; i < a.size(); i += static_cast<size_t>(size)) {
     if (std::memcmp(&a[i], &b[i], static_cast<size_t>(size)) == 0) continue;
@@ -229,10 +230,12 @@ void FuzzStep(FuzzedDataProvider& in) {
                        ? specs[0].slot.grad_dtype
                        : PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
     t.exp_avg_dtype = PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16,
-                                     DType::kFloat8E4M3, DType::kFloat8E4M3Block});
+                                     DType::kFloat8E4M3, DType::kFloat8E4M3Block,
+                                     DType::kFloat4E2M1Block});
     t.exp_avg_sq_dtype =
         PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16,
-                       DType::kFloat8E4M3, DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block});
+                       DType::kFloat8E4M3, DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block,
+                       DType::kFloat4E2M1Block, DType::kUFloat4E3M1Block});
     // Per-block geometry (S2.9): mostly valid, sometimes not.
     static const int32_t kBlocks[] = {128, 256, 4096, 128, 0, 96, 8192};
     static const int64_t kFirsts[] = {0, 100, 128, 1000, 255, -1};
@@ -248,7 +251,7 @@ void FuzzStep(FuzzedDataProvider& in) {
         s.data[b] = specs[0].data[1];
         continue;
       }
-      s.data[b] = PickPtr(in, arena, n * static_cast<size_t>(ItemSize(dtypes[b])),
+      s.data[b] = PickPtr(in, arena, static_cast<size_t>(BufferBytes(dtypes[b], n)),
                           dtypes[b]);
     }
     const DType states[3] = {t.exp_avg_dtype, t.exp_avg_sq_dtype, t.master_dtype};
@@ -385,8 +388,8 @@ void FuzzConvert(FuzzedDataProvider& in) {
   const size_t n = numel > 0 ? static_cast<size_t>(numel) : 0;
 
   Arena arena;
-  const Ptr src = PickPtr(in, arena, n * ItemSize(src_dtype), src_dtype);
-  const Ptr dst = PickPtr(in, arena, n * ItemSize(dst_dtype), dst_dtype);
+  const Ptr src = PickPtr(in, arena, BufferBytes(src_dtype, n), src_dtype);
+  const Ptr dst = PickPtr(in, arena, BufferBytes(dst_dtype, n), dst_dtype);
   // dst may lie in src's block (in place): the block then ends up as dst_dtype.
   if (dst.block >= 0) arena.dtypes[static_cast<size_t>(dst.block)] = dst_dtype;
   PickTarget(in);
@@ -413,7 +416,7 @@ void FuzzConvert(FuzzedDataProvider& in) {
 
   // Round trip of the original source values: dtype -> fp32 -> dtype.
   const std::vector<uint8_t>& original = before.blocks[static_cast<size_t>(src.block)];
-  if (src.block >= 0 && src.offset == 0 && original.size() == n * ItemSize(src_dtype) && n > 0) {
+  if (src.block >= 0 && src.offset == 0 && original.size() == static_cast<size_t>(BufferBytes(src_dtype, n)) && n > 0) {
     std::vector<float> wide(n);
     std::vector<uint8_t> back(original.size());
     if (Convert(original.data(), src_dtype, wide.data(), DType::kFloat32, numel, 1.0f,

@@ -1,8 +1,9 @@
-"""FusedAdam(moment_format="block8", moment_block_size=B) (S2.11): the keywords and their
-errors, the stored layout (uint8 codes shaped like the local parameter, one fp32 scale
-per block touched), every parameter / master option, the C++ core against the torch
-path, and checkpoints: state_dict -> load gives back the same codes and scales, and a
-resumed run continues bitwise like the one that never stopped."""
+"""FusedAdam(moment_format="block8" / "block4", moment_block_size=B) (S2.11, S2.12): the
+keywords and their errors, the stored layout (uint8 codes shaped like the local
+parameter, 4-bit ones packed along the last dimension, one fp32 scale per block
+touched), every parameter / master option, the C++ core against the torch path, and
+checkpoints: state_dict -> load gives back the same codes and scales, and a resumed run
+continues bitwise like the one that never stopped."""
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from _optimizer_testing import (
     have_core, snapshot)
 from shardadam import FusedAdam, _codecs, _formats
 
-SHAPES = [(6, 300), (1000,), (3,), (0,), (2, 128)]  # partial blocks, tiny, empty
+# Partial blocks, tiny, empty; for block4 also rows that cannot be packed (1-D, odd).
+SHAPES = [(6, 300), (1000,), (3,), (0,), (2, 128), (5, 7), (4, 0)]
+FAMILIES = ["block8", "block4"]
 # parameter dtype, master options
 OPTIONS = {
     "fp32": (torch.float32, {}),
@@ -64,6 +67,31 @@ def test_defaults_and_layout():
     assert layout == f"exp_avg=fp8-block:256 exp_avg_sq={sq.label} master=none"
 
 
+def test_block4_packs_rows_and_falls_back_to_block8():
+    """block4: tensors of two or more dimensions with an even last one hold fp4-block /
+    ufp4-block codes packed two per byte along the last dimension, 128 per scale; the
+    others hold block8's formats at the same block size (S2.11, S2.12)."""
+    opt, params = make(moment_format="block4")
+    for p in params:
+        packable = p.dim() >= 2 and p.shape[-1] % 2 == 0
+        formats = opt._formats[p]
+        want = ((_formats.FP4_BLOCK, _formats.UFP4_BLOCK) if packable
+                else (_formats.FP8_BLOCK, _formats.UFP8_BLOCK))
+        for name, fmt in zip(("exp_avg", "exp_avg_sq"), want):
+            assert formats[name] is fmt.with_block(128), (p.shape, name)
+            stored, scale = opt.state[p][name], opt._scales[p][name]
+            shape = (*p.shape[:-1], p.shape[-1] // 2) if packable else tuple(p.shape)
+            assert stored.dtype == torch.uint8 and tuple(stored.shape) == shape
+            assert scale.shape == (_codecs.block_count(0, p.numel(), 128),)
+    layout = opt.state_dict()["param_groups"][0]["state_layout"]
+    assert layout == "exp_avg=fp4-block:128 exp_avg_sq=ufp4-block:128 master=none"
+    run(opt, params, 1, 2)
+    state = opt.state_dict()["state"]
+    for i, p in enumerate(params):  # exported as fp32 true values of the parameter's shape
+        assert state[i]["exp_avg"].dtype == torch.float32
+        assert state[i]["exp_avg"].shape == p.shape
+
+
 def test_block_size_keyword():
     opt, params = make(moment_block_size=128)
     assert opt._scales[params[0]]["exp_avg"].shape == (15,)  # 1800 / 128, rounded up
@@ -78,7 +106,7 @@ def test_bad_block_size_is_refused(block):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(moment_format="block4"), "unknown moment_format 'block4'"),
+    (dict(moment_format="block2"), "unknown moment_format 'block2'"),
     (dict(moment_format=torch.uint8), "unknown moment_format"),
     (dict(moment_format="block8", exp_avg_dtype=torch.bfloat16),
      "exp_avg_dtype and exp_avg_sq_dtype"),
@@ -90,6 +118,24 @@ def test_bad_keywords_are_refused(kwargs, match):
     params = [torch.nn.Parameter(torch.randn(4))]
     with pytest.raises(ValueError, match=match):
         FusedAdam(params, **kwargs)
+
+
+@pytest.mark.parametrize("missing", ["fp4-block", "ufp4-block", "ufp8-block"])
+def test_format_the_build_lacks_is_refused(monkeypatch, missing):
+    """A core built without a format block4 needs (its own pair, or block8's for the
+    tensors it cannot pack) is refused by name at construction, and at step() of an
+    optimizer made before, with nothing changed (S2.11)."""
+    opt, params = make(moment_format="block4")
+    run(opt, params, 1, 1)
+    grads(params, 2)
+    before = snapshot(opt, params)
+    monkeypatch.setattr(_formats, "_UNAVAILABLE", frozenset({missing}))
+    match = f"needs the '{missing}' format, which this build"
+    with pytest.raises(ValueError, match=match):
+        make(moment_format="block4")
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert_unchanged(opt, before)
 
 
 def test_te_meanings_unchanged():
@@ -130,14 +176,15 @@ def test_bad_load_changes_nothing():
 # --------------------------------------------------------------------------- stepping
 
 @pytest.mark.skipif(not have_core(), reason="C++ extension not built: one backend only")
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_core_and_torch_path_agree_bitwise(option):
-    """The core (S2.9 kernels) and the torch path (this package's codecs around torch
-    ops) hold bitwise the same parameters, codes and scales after every step."""
+def test_core_and_torch_path_agree_bitwise(option, family):
+    """The core (S2.9 / S2.12 kernels) and the torch path (this package's codecs around
+    torch ops) hold bitwise the same parameters, codes and scales after every step."""
     runs = {}
     for name in ("auto", "torch"):
         with backend_context(name):
-            runs[name] = make(option, seed=1)
+            runs[name] = make(option, seed=1, moment_format=family)
     for step in range(1, 6):
         for name in ("auto", "torch"):
             with backend_context(name):
@@ -146,31 +193,33 @@ def test_core_and_torch_path_agree_bitwise(option):
                                     runs["torch"][1], f"{option}: step {step}")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_state_dict_round_trip_restores_codes_and_scales(option):
+def test_state_dict_round_trip_restores_codes_and_scales(option, family):
     """state_dict() exports fp32 true values; loading them re-encodes exactly the codes
     and scales the core's steps stored."""
-    opt, params = make(option, seed=2)
+    opt, params = make(option, seed=2, moment_format=family)
     run(opt, params, 1, 4, seed=2)
     sd = opt.state_dict()
     for entry in sd["state"].values():
         assert entry["exp_avg"].dtype == torch.float32
         assert entry["exp_avg_sq"].dtype == torch.float32
     new_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    new_opt = FusedAdam(new_params, moment_format="block8", **OPTIONS[option][1])
+    new_opt = FusedAdam(new_params, moment_format=family, **OPTIONS[option][1])
     new_opt.load_state_dict(sd)
     assert_same_optimizer_state(opt, new_opt, params, new_params, f"{option}: reloaded")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_save_load_continue_is_the_uninterrupted_run(option):
-    straight, params = make(option, seed=3)
+def test_save_load_continue_is_the_uninterrupted_run(option, family):
+    straight, params = make(option, seed=3, moment_format=family)
     run(straight, params, 1, 8, seed=3)
-    first, first_params = make(option, seed=3)
+    first, first_params = make(option, seed=3, moment_format=family)
     run(first, first_params, 1, 4, seed=3)
     sd = first.state_dict()
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in first_params]
-    resumed = FusedAdam(resumed_params, moment_format="block8", **OPTIONS[option][1])
+    resumed = FusedAdam(resumed_params, moment_format=family, **OPTIONS[option][1])
     resumed.load_state_dict(sd)
     run(resumed, resumed_params, 5, 4, seed=3)
     assert_same_optimizer_state(straight, resumed, params, resumed_params,

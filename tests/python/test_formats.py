@@ -8,6 +8,7 @@ import pickle
 import types
 
 import pytest
+import numpy
 import torch
 
 from _optimizer_testing import GRID, SCALE_TARGET, TORCH_DTYPE, id_name
@@ -25,7 +26,7 @@ def test_declarations_agree_with_the_tests_facts():
     for fmt in by_dtype:
         name = id_name(fmt)
         assert fmt.tag == CODE[name], name
-        assert fmt.storage == STORAGE[name] and fmt.item_size == STORAGE[name].itemsize
+        assert fmt.storage == STORAGE[name] and fmt.item_bits == 8 * STORAGE[name].itemsize
         assert fmt.scaled == (name in SCALE_TARGET), name
         assert fmt.scale_target == SCALE_TARGET.get(name, 0.0), name
         assert fmt.scale_shape(7) == (() if fmt.scaled else None), name
@@ -35,23 +36,29 @@ def test_declarations_agree_with_the_tests_facts():
             assert name in GRID, f"{name}: no grid for the reference's bounds"
 
 
-# S2.9 / S2.10: (tag, largest magnitude encoded to a finite code, largest encoded to
-# code 0, the states it may hold).
-BLOCK_FACTS = {"fp8-block": (6, 464.0, 2.0 ** -10, ("moment",)),
-               "ufp8-block": (7, 488.0, 0.0, ("exp_avg_sq",))}
+# S2.9 / S2.10 / S2.12: (tag, largest magnitude encoded to a finite code, largest
+# encoded to code 0, the states it may hold, bits per code).
+BLOCK_FACTS = {"fp8-block": (6, 464.0, 2.0 ** -10, ("moment",), 8),
+               "ufp8-block": (7, 488.0, 0.0, ("exp_avg_sq",), 8),
+               "fp4-block": (8, float(numpy.nextafter(numpy.float32(7), numpy.float32(0))),
+                             0.25, ("moment",), 4),
+               "ufp4-block": (9, 20.0, 0.0, ("exp_avg_sq",), 4)}
 
 
 def test_block_declarations_agree_with_the_tests_facts():
-    """Per-block formats: uint8 codes, no dtype names them, their block size is chosen
-    at construction (0 in the registry), and their bounds are S2.9's / S2.10's."""
+    """Per-block formats: uint8 codes (4-bit ones two per byte), no dtype names them,
+    their block size is chosen at construction (0 in the registry), and their bounds are
+    S2.9's / S2.10's / S2.12's."""
     block = [f for f in FORMATS if f.scale == "block"]
     assert sorted(f.name for f in block) == sorted(BLOCK_FACTS)
     for fmt in block:
-        tag, target, zero, roles = BLOCK_FACTS[fmt.name]
-        assert (fmt.tag, fmt.scale_target, fmt.zero_bound, fmt.roles) == (
-            tag, target, zero, roles), fmt.name
+        tag, target, zero, roles, bits = BLOCK_FACTS[fmt.name]
+        assert (fmt.tag, fmt.scale_target, fmt.zero_bound, fmt.roles, fmt.item_bits) == (
+            tag, target, zero, roles, bits), fmt.name
         assert fmt.storage == torch.uint8 and fmt.argument is None and fmt.scale_block == 0
-        assert fmt.holds("exp_avg_sq") and fmt.holds("exp_avg") == (fmt.name == "fp8-block")
+        assert fmt.holds("exp_avg_sq") and fmt.holds("exp_avg") == ("moment" in roles)
+        assert fmt.packed == (bits == 4)
+        assert fmt.storage_shape((3, 8)) == ((3, 4) if bits == 4 else (3, 8))
         assert not fmt.holds("master_param")
         sized = fmt.with_block(256)
         assert sized is fmt.with_block(256) and sized is not fmt.with_block(512)
@@ -63,7 +70,8 @@ def test_names_and_tags_are_the_recorded_ones():
     """Checkpoints record layouts by these names and the core reads these tags."""
     rows = {(f.name, f.tag) for f in FORMATS}
     assert rows == {("fp32", 1), ("fp16", 2), ("bf16", 3), ("fp8", 4), ("remainder", 5),
-                    ("fp8-block", 6), ("ufp8-block", 7)}
+                    ("fp8-block", 6), ("ufp8-block", 7), ("fp4-block", 8),
+                    ("ufp4-block", 9)}
     for fmt in FORMATS:
         assert _formats.by_name(fmt.name) is fmt and _formats.by_tag(fmt.tag) is fmt
     with pytest.raises(KeyError):
@@ -129,7 +137,7 @@ def test_pickles_and_copies_are_the_declared_objects():
 
 def table():
     """The C++ core's table as _C.FORMATS lists it, built from the registry."""
-    return tuple((f.tag, f.name, f.item_size, f.scale, f.scale_block, f.scale_target,
+    return tuple((f.tag, f.name, f.item_bits, f.scale, f.scale_block, f.scale_target,
                   f.roles, f.zero_bound) for f in FORMATS)
 
 
@@ -147,7 +155,7 @@ def test_extension_with_the_same_table_is_accepted():
     _formats.check_extension(types.SimpleNamespace(FORMATS=rows))
     _formats.check_extension(types.SimpleNamespace(FORMATS=[list(r) for r in table()]))
     # A format of the core's that the package does not select: not its business.
-    more = table() + ((60, "fp4-block", 1, "block", 0, 6.0, ("moment",), 0.25),)
+    more = table() + ((60, "int4-block", 4, "block", 0, 7.5, ("moment",), 0.5),)
     assert _formats.check_extension(types.SimpleNamespace(FORMATS=more)) == frozenset()
 
 

@@ -32,15 +32,16 @@ namespace shardadam {
 
 // TensorSlot: one tensor of a step, as raw pointers, dtype tags and a count.
 // - `numel` counts elements, not bytes. Every buffer of the slot holds `numel`
-//   elements of its own format, contiguous, ItemSize(dtype) bytes each, aligned
-//   at least to that size (as an array of that element type is). A slot with
+//   elements of its own format, contiguous, BufferBytes(dtype, numel) bytes
+//   (formats.h), aligned at least to the element size (as an array of that
+//   element type is; a 4-bit format: a byte array of codes). A slot with
 //   numel == 0 is an empty tensor: its data pointers may be null; the scale slots
 //   of its scaled states are still checked and written.
 // - param, exp_avg, exp_avg_sq, master_param and the used scale slots are read
 //   and written in place; grad is only read. The dtype tags say how each buffer
 //   is encoded (formats.h: DType). Which tags a buffer accepts is FormatOf(tag)'s
 //   `roles`: param and grad fp32/fp16/bf16 (any combination); moments fp32,
-//   bf16, fp16 or fp8; master_param kNone (no master: the pointer is ignored),
+//   bf16, fp16, fp8 or a per-block scaled format; master_param kNone (no master: the pointer is ignored),
 //   fp32 or fp16 beside an fp16/bf16 param, or kInt16Remainder beside a bf16
 //   param. An fp32 param is its own master (master_dtype must be kNone).
 // - No byte may be shared between a written buffer (any buffer but grad, and
@@ -81,7 +82,8 @@ struct TensorSlot {
   // scale slot holds ScaleCount(...) fp32 values, the first for the block of
   // element 0. Blocks are keyed to the whole parameter, so shards that start and
   // end on block boundaries store the same codes and scales however the
-  // parameter is sharded. Ignored when no state is per-block scaled.
+  // parameter is sharded. Ignored when no state is per-block scaled. With a
+  // 4-bit state, first_index is even (block boundaries fall between bytes).
   int64_t first_index = 0;
   int32_t scale_block = 0;
 };

@@ -9,7 +9,8 @@
 // same facts and is checked against these when the extension loads.
 //
 // For a caller of the core (adam.h): tag each buffer of a TensorSlot with its
-// DType; FormatOf(tag) says how many bytes an element takes (item_size), whether
+// DType; FormatOf(tag) says how many bits an element takes (item_bits: a buffer of
+// n elements holds BufferBytes(dtype, n) bytes), whether
 // a state of that format carries a scale slot (scaling) and which buffers may
 // hold it (roles). Everything here is constexpr and needs no library.
 #ifndef SHARDADAM_FORMATS_H_
@@ -44,8 +45,12 @@ enum class DType : int32_t {
   kFloat8E4M3Block = 6, // moments only: uint8 E4M3 codes, one power-of-two scale per block
   kUFloat8E4M4Block = 7, // exp_avg_sq only: unsigned E4M4 codes that keep non-zero
                          // values non-zero, one power-of-two scale per block (S2.10)
+  // Two codes per byte: the element with index i in the buffer is the low
+  // nibble of byte i / 2 when i is even, the high nibble when odd (S2.12).
+  kFloat4E2M1Block = 8,  // moments: signed E2M1 codes, one power-of-two scale per block
+  kUFloat4E3M1Block = 9, // exp_avg_sq only: unsigned zero-free E3M1 codes, per block
 };
-inline constexpr int kNumDTypes = 8;
+inline constexpr int kNumDTypes = 10;
 
 // How the stored bits of one element read as a number (before any scale).
 enum class Element : int32_t {
@@ -56,6 +61,8 @@ enum class Element : int32_t {
   kFloat8E4M3,       // "fn": no infinities, NaN = 0x7F / 0xFF
   kInt16Remainder,   // the low half of an fp32 whose high half is the bf16 param
   kUFloat8E4M4,      // unsigned: 4 exponent bits (bias 7), 4 mantissa bits, NaN = 0xFF
+  kFloat4E2M1,       // sign, 2 exponent bits (bias 1), 1 mantissa bit; NaN = 0x8 (-0)
+  kUFloat4E3M1,      // unsigned: 3 exponent bits (bias 3), 1 mantissa bit, NaN = 0xF
 };
 
 // Where a format keeps its scales when it stores a state (moment or master):
@@ -75,7 +82,7 @@ enum FormatRole : uint32_t {
 struct FormatInfo {
   DType dtype = DType::kNone;
   const char* name = "unknown";  // as messages and recorded state layouts name it
-  int32_t item_size = 0;         // bytes per element
+  int32_t item_bits = 0;         // bits per element: 4, 8, 16 or 32
   Element element = Element::kNone;
   Scaling scaling = Scaling::kNone;
   int32_t scale_block = 0;       // elements per scale; 0: TensorSlot::scale_block
@@ -99,6 +106,14 @@ inline constexpr float kFloat8ZeroBound = 0.0009765625f;
 // largest, 480, plus half its step); its zero bound is 0, since no non-zero
 // value encodes to code 0.
 inline constexpr float kUFloat8FiniteBound = 488.0f;
+// Signed E2M1 (S2.12): below 7, the midpoint between the largest value 6 and
+// the 8 that rounding to even would give, every magnitude encodes finite (the
+// largest float below it); magnitudes up to 0.25 round to code 0.
+inline constexpr float kFloat4FiniteBound = 6.99999952f;
+inline constexpr float kFloat4ZeroBound = 0.25f;
+// Unsigned E3M1 (S2.12): up to 20, the midpoint between the largest value 16
+// and the NaN code's place (24), where the tie rounds to 16; zero-free.
+inline constexpr float kUFloat4FiniteBound = 20.0f;
 
 // Elements per scale of per-block scaled states: a power of two in this range.
 // The lower bound is a whole number of SIMD vector pairs on every target.
@@ -111,27 +126,39 @@ SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
   // In DType order, one line per format.
   const FormatInfo table[kNumDTypes] = {
       {DType::kNone, "none", 0, Element::kNone, Scaling::kNone, 0, 0.0f, kRoleMaster},
-      {DType::kFloat32, "fp32", 4, Element::kFloat32, Scaling::kNone, 0, 0.0f,
+      {DType::kFloat32, "fp32", 32, Element::kFloat32, Scaling::kNone, 0, 0.0f,
        kRoleValue | kRoleMoment | kRoleMaster},
-      {DType::kFloat16, "fp16", 2, Element::kFloat16, Scaling::kPerTensor, 0,
+      {DType::kFloat16, "fp16", 16, Element::kFloat16, Scaling::kPerTensor, 0,
        kFloat16ScaleTarget, kRoleValue | kRoleMoment | kRoleMaster},
-      {DType::kBFloat16, "bf16", 2, Element::kBFloat16, Scaling::kNone, 0, 0.0f,
+      {DType::kBFloat16, "bf16", 16, Element::kBFloat16, Scaling::kNone, 0, 0.0f,
        kRoleValue | kRoleMoment},
-      {DType::kFloat8E4M3, "fp8", 1, Element::kFloat8E4M3, Scaling::kPerTensor, 0,
+      {DType::kFloat8E4M3, "fp8", 8, Element::kFloat8E4M3, Scaling::kPerTensor, 0,
        kFloat8ScaleTarget, kRoleMoment},
-      {DType::kInt16Remainder, "remainder", 2, Element::kInt16Remainder, Scaling::kNone,
+      {DType::kInt16Remainder, "remainder", 16, Element::kInt16Remainder, Scaling::kNone,
        0, 0.0f, kRoleMaster},
-      {DType::kFloat8E4M3Block, "fp8-block", 1, Element::kFloat8E4M3, Scaling::kPerBlock,
+      {DType::kFloat8E4M3Block, "fp8-block", 8, Element::kFloat8E4M3, Scaling::kPerBlock,
        0, kFloat8FiniteBound, kRoleMoment, kFloat8ZeroBound},
-      {DType::kUFloat8E4M4Block, "ufp8-block", 1, Element::kUFloat8E4M4,
+      {DType::kUFloat8E4M4Block, "ufp8-block", 8, Element::kUFloat8E4M4,
        Scaling::kPerBlock, 0, kUFloat8FiniteBound, kRoleExpAvgSq, 0.0f},
+      {DType::kFloat4E2M1Block, "fp4-block", 4, Element::kFloat4E2M1, Scaling::kPerBlock,
+       0, kFloat4FiniteBound, kRoleMoment, kFloat4ZeroBound},
+      {DType::kUFloat4E3M1Block, "ufp4-block", 4, Element::kUFloat4E3M1,
+       Scaling::kPerBlock, 0, kUFloat4FiniteBound, kRoleExpAvgSq, 0.0f},
   };
   const int i = static_cast<int>(dtype);
   return i >= 0 && i < kNumDTypes ? table[i] : FormatInfo{};
 }
 
 // Shorthands for the facts the kernels branch on.
-SHARDADAM_FORMAT_FN int ItemSize(DType dtype) { return FormatOf(dtype).item_size; }
+// Bytes a buffer of `n` elements of `dtype` takes (a 4-bit one rounds up).
+SHARDADAM_FORMAT_FN int64_t BufferBytes(DType dtype, int64_t n) {
+  return (n * FormatOf(dtype).item_bits + 7) / 8;
+}
+// Byte offset of element `e` in a buffer of `dtype`; for 4-bit formats `e` is
+// even (the core splits such buffers only at even elements).
+SHARDADAM_FORMAT_FN int64_t ByteOffset(DType dtype, int64_t e) {
+  return e * FormatOf(dtype).item_bits / 8;
+}
 // A state of this format carries scales (and a scale slot).
 SHARDADAM_FORMAT_FN bool IsScaled(DType dtype) {
   return FormatOf(dtype).scaling != Scaling::kNone;

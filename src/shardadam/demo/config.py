@@ -62,6 +62,15 @@ PRESETS = {p.name: p for p in (
                 "bfloat16", "float32", "float32", master_weights=True,
                 store_param_remainders=True, moment_format="block8",
                 resume_tolerance=2e-3),
+    # 4-bit moments (signed E2M1 exp_avg, unsigned zero-free E3M1 exp_avg_sq) with one
+    # power-of-two scale per 128 elements, packed two codes per byte; the 1-D
+    # parameters (norms) cannot be packed by rows and keep block8 (S2.12).
+    StatePreset("remainder-block4",
+                "bf16 params + int16 remainders, 4-bit moments with a scale per block of "
+                "128 (moment_format='block4')",
+                "bfloat16", "float32", "float32", master_weights=True,
+                store_param_remainders=True, moment_format="block4",
+                resume_tolerance=2e-3),
     StatePreset("fp32", "fp32 params, fp32 moments (same state as torch's AdamW)",
                 "float32", "float32", "float32"),
 )}

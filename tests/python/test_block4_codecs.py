@@ -1,0 +1,243 @@
+"""The torch codecs of the per-block 4-bit formats (S2.12 fp4-block, ufp4-block): each
+map's encode against an exhaustive nearest-value oracle written here from the rule's
+text, the block scale, the nibble packing, the round trip of every code and of random
+blocks, and the C++ core's own step stored bitwise as the codec stores it."""
+
+import math
+
+import pytest
+import torch
+
+from _optimizer_testing import assert_bitwise_equal, have_core
+from shardadam import _codecs, _formats
+
+FP4B, UFP4B = _formats.FP4_BLOCK, _formats.UFP4_BLOCK
+
+
+def fp4_value(code: int) -> float:
+    """S2.12's signed E2M1 by its fields: magnitude E = 0 is M/2, else (2+M)·2^(E-2);
+    bit 3 the sign; 0x8 (where -0 would be) is NaN."""
+    if code == 0x8:
+        return math.nan
+    e, m = (code >> 1) & 3, code & 1
+    mag = m * 0.5 if e == 0 else (2 + m) * 2.0 ** (e - 2)
+    return -mag if code & 8 else mag
+
+
+def ufp4_value(code: int) -> float:
+    """S2.12's unsigned E3M1: E = 0 is M/8, else (2+M)·2^(E-4); 0xF is NaN."""
+    if code == 0xF:
+        return math.nan
+    e, m = code >> 1, code & 1
+    return m * 0.125 if e == 0 else (2 + m) * 2.0 ** (e - 4)
+
+
+def nearest(values: dict, a: float) -> int:
+    """The code whose value is nearest to ``a``, ties to the even code (the last code
+    at or beyond its value: float64 differences of huge ``a`` would all tie)."""
+    last = max(values)
+    if a >= values[last]:
+        return last
+    return min(values, key=lambda c: (abs(values[c] - a), c & 1))
+
+
+FP4_MAGNITUDES = {c: fp4_value(c) for c in range(8)}
+# Magnitude code 8 stands for 8, where rounding to even sends 7 and above: NaN.
+FP4_ROUNDING = {**FP4_MAGNITUDES, 8: 8.0}
+UFP4_VALUES = {c: ufp4_value(c) for c in range(15)}
+# Code 15 would be 24: rounding there (above 20) is NaN.
+UFP4_ROUNDING = {**UFP4_VALUES, 15: 24.0}
+
+
+def fp4_oracle(x: float) -> int:
+    if math.isnan(x) or math.isinf(x):
+        return 0x8
+    mag = nearest(FP4_ROUNDING, abs(x))
+    if mag == 8:
+        return 0x8
+    return mag | 8 if mag and math.copysign(1.0, x) < 0 else mag
+
+
+def ufp4_oracle(x: float, u: float) -> int:
+    if math.isnan(x) or math.isinf(x):
+        return 0xF
+    code = nearest(UFP4_ROUNDING, abs(x))
+    return 1 if code == 0 and u != 0 else code
+
+
+def block_oracle(name: str, u: torch.Tensor, first: int, block: int):
+    """S2.12 block by block: the smallest power of two s in [2^-126, 2^127] with
+    max|u| / s below the map's bound (fp4: < 7; ufp4: <= 20); 1 for a non-finite max,
+    and for fp4 one <= 0.25 · 2^-126 (all codes 0 at every scale); codes of u / s."""
+    codes, scales, start = [], [], 0
+    while start < u.numel():
+        end = min(u.numel(), ((first + start) // block + 1) * block - first)
+        part = u[start:end]
+        a = part.double().abs().max().item()
+        fits = (lambda q: q < 7.0) if name == "fp4-block" else (lambda q: q <= 20.0)
+        zero = 0.25 * 2.0 ** -126 if name == "fp4-block" else 0.0
+        if not math.isfinite(a) or a <= zero:
+            s = 1.0
+        else:
+            e = -126
+            while not fits(a / 2.0 ** e):
+                e += 1
+            s = 2.0 ** e
+        x = (part / s).tolist()  # fp32 division by a power of two, as the core's
+        if name == "fp4-block":
+            row = [fp4_oracle(v) for v in x]
+        else:
+            row = [ufp4_oracle(v, w) for v, w in zip(x, part.tolist())]
+        codes.append(torch.tensor(row, dtype=torch.uint8))
+        scales.append(s)
+        start = end
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+def spread_values(n: int, seed: int, square: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(n, generator=gen) * torch.pow(2.0, -(torch.arange(n) // 97 % 40.0))
+    u[::53] = 0.0
+    u[7::211] *= 2.0 ** -30  # far below the block's largest: code 0 / zero-free code 1
+    return u * u if square else u
+
+
+CASES = [(0, 1000, 128), (78, 3000, 256), (4096 * 3 - 6, 9000, 4096), (2, 1, 128),
+         (254, 2, 256)]
+
+
+@pytest.mark.parametrize("fmt", [FP4B, UFP4B], ids=lambda f: f.name)
+@pytest.mark.parametrize("first,n,block", CASES)
+def test_encode_follows_s2_12(fmt, first, n, block):
+    u = spread_values(n, first + n, square=fmt is UFP4B)
+    codes, scales = _codecs.encode_blocks(fmt.name, u, first, block, fmt.scale_target,
+                                          fmt.zero_bound)
+    want_codes, want_scales = block_oracle(fmt.name, u, first, block)
+    assert_bitwise_equal(codes, want_codes, f"{fmt.name} codes")
+    assert_bitwise_equal(scales, want_scales, f"{fmt.name} scales")
+
+
+def test_code_map_edges():
+    """Every value, every midpoint and its fp32 neighbours, and the specials."""
+    grid = sorted(set(FP4_ROUNDING.values()) | set(UFP4_ROUNDING.values()))
+    xs = []
+    for lo, hi in zip(grid, grid[1:]):
+        mid = torch.tensor((lo + hi) / 2, dtype=torch.float32)
+        xs += [lo, mid.item(), torch.nextafter(mid, torch.tensor(0.0)).item(),
+               torch.nextafter(mid, torch.tensor(math.inf)).item()]
+    xs += [0.0, 2.0 ** -149, 1e-30, 7.0, 20.0, 1e30, math.inf, math.nan]
+    x = torch.tensor(xs + [-v for v in xs], dtype=torch.float32)
+    assert_bitwise_equal(_codecs.fp4_encode(x),
+                         torch.tensor([fp4_oracle(v) for v in x.tolist()], dtype=torch.uint8),
+                         "fp4 codes of edge values")
+    assert_bitwise_equal(_codecs.ufp4_encode(x, x),
+                         torch.tensor([ufp4_oracle(v, v) for v in x.tolist()],
+                                      dtype=torch.uint8), "ufp4 codes of edge values")
+    # The ties S2.12 names: 7 goes to the even 8 (NaN), 20 to the even 16.
+    assert _codecs.fp4_encode(torch.tensor([7.0, -6.99999952])).tolist() == [0x8, 0xF]
+    assert _codecs.ufp4_encode(torch.tensor([20.0]), torch.tensor([1.0])).tolist() == [0xE]
+    # Zero-free on the true value: x underflowed to 0 while u is not zero.
+    assert _codecs.ufp4_encode(torch.tensor([0.0]), torch.tensor([1e-45])).tolist() == [1]
+
+
+def test_decode_is_the_rule():
+    codes = torch.arange(16, dtype=torch.uint8)
+    for name, rule in (("fp4-block", fp4_value), ("ufp4-block", ufp4_value)):
+        got = _codecs.decode_blocks(name, codes, torch.ones(1), 0, 128)
+        want = torch.tensor([rule(c) for c in range(16)], dtype=torch.float32)
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        ok = ~torch.isnan(want)
+        assert_bitwise_equal(got[ok], want[ok], f"{name} values")
+
+
+def test_nibbles_pack_low_first():
+    codes = torch.tensor([[1, 2, 3, 4], [15, 0, 8, 7]], dtype=torch.uint8)
+    packed = _codecs.pack_nibbles(codes)
+    assert packed.tolist() == [0x21, 0x43, 0x0F, 0x78]
+    assert_bitwise_equal(_codecs.unpack_nibbles(packed.view(2, 2)), codes, "unpacked")
+
+
+def finite_codes(fmt):
+    return [c for c in range(16) if not math.isnan((fp4_value if fmt is FP4B
+                                                    else ufp4_value)(c))]
+
+
+@pytest.mark.parametrize("fmt", [FP4B, UFP4B], ids=lambda f: f.name)
+def test_every_code_survives_decode_then_encode(fmt):
+    """Every finite code, in blocks holding the map's largest code, at every scale
+    encoding can produce: decoding and encoding again gives back codes and scales, and
+    the packed storage the format keeps too."""
+    block = 128
+    top = 0x7 if fmt is FP4B else 0xE
+    finite = finite_codes(fmt)
+    row = torch.tensor(finite + [top] * (block - len(finite)), dtype=torch.uint8)
+    exponents = torch.arange(-126, 124).float()  # the largest value 16 < 2^5: finite
+    codes = row.repeat(exponents.numel())
+    scales = torch.ldexp(torch.ones(exponents.numel()), exponents)
+    for first in (0, 3 * block):
+        values = _codecs.decode_blocks(fmt.name, codes, scales, first, block)
+        again, again_scales = _codecs.encode_blocks(fmt.name, values, first, block,
+                                                    fmt.scale_target, fmt.zero_bound)
+        assert_bitwise_equal(again, codes, f"{fmt.name} codes after decode -> encode")
+        assert_bitwise_equal(again_scales, scales, f"{fmt.name} scales")
+    sized = fmt.with_block(block)
+    stored = _codecs.pack_nibbles(codes).view(exponents.numel(), block // 2)
+    value = sized.decode(stored, scales)
+    assert value.shape == (exponents.numel(), block)
+    stored2, scales2 = torch.empty_like(stored), torch.empty_like(scales)
+    sized.encode(value, stored2, scales2)
+    assert_bitwise_equal(stored2, stored, f"{fmt.name} packed storage")
+    assert_bitwise_equal(scales2, scales, f"{fmt.name} packed scales")
+
+
+@pytest.mark.parametrize("fmt", [FP4B, UFP4B], ids=lambda f: f.name)
+@pytest.mark.parametrize("block", [128, 256, 4096])
+def test_random_blocks_survive_decode_then_encode(fmt, block):
+    gen = torch.Generator().manual_seed(block)
+    count = max(2, 8192 // block)
+    finite = torch.tensor(finite_codes(fmt), dtype=torch.uint8)
+    codes = finite[torch.randint(0, finite.numel(), (count, block), generator=gen)]
+    top = torch.tensor([0x6, 0x7] if fmt is FP4B else [0xD, 0xE], dtype=torch.uint8)
+    codes[torch.arange(count), torch.randint(0, block, (count,), generator=gen)] = \
+        top[torch.randint(0, 2, (count,), generator=gen)]
+    codes = codes.view(-1)
+    scales = torch.ldexp(torch.ones(count),
+                         torch.randint(-126, 124, (count,), generator=gen).float())
+    values = _codecs.decode_blocks(fmt.name, codes, scales, 0, block)
+    again, again_scales = _codecs.encode_blocks(fmt.name, values, 0, block,
+                                                fmt.scale_target, fmt.zero_bound)
+    assert_bitwise_equal(again, codes, f"{fmt.name} random codes")
+    assert_bitwise_equal(again_scales, scales, f"{fmt.name} random scales")
+
+
+@pytest.mark.skipif(not have_core(), reason="C++ extension is not built")
+@pytest.mark.parametrize("first,rows,block", [(0, 8, 128), (2 * 96, 31, 256)])
+def test_torch_codec_equals_the_core(first, rows, block):
+    """One core step from zero moments stores (1-beta1)g and (1-beta2)g^2 (S3.6) packed:
+    bitwise what the torch codec and the rule's oracle make of those fp32 values."""
+    from shardadam import _C
+
+    for fmt in (FP4B, UFP4B):
+        if not _formats.available(fmt):
+            pytest.skip(f"this build of shardadam._C has no {fmt.name}")
+    n = rows * 96
+    gen = torch.Generator().manual_seed(n)
+    g = spread_values(n, n + 1, square=False)
+    param = torch.randn(n, generator=gen)
+    m, v = torch.zeros(n // 2, dtype=torch.uint8), torch.zeros(n // 2, dtype=torch.uint8)
+    count = _codecs.block_count(first, n, block)
+    m_scales, v_scales = torch.ones(count), torch.ones(count)
+    row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), FP4B.tag,
+           m_scales.data_ptr(), v.data_ptr(), UFP4B.tag, v_scales.data_ptr(), 0, 0, 0,
+           first, block]
+    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+    c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
+    for stored, scales, f, u in ((m, m_scales, FP4B, c1 * g), (v, v_scales, UFP4B,
+                                                              (c2 * g) * g)):
+        codes, want = _codecs.encode_blocks(f.name, u, first, block, f.scale_target,
+                                            f.zero_bound)
+        assert_bitwise_equal(stored, _codecs.pack_nibbles(codes), f"{f.name} from the core")
+        assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
+        oracle_codes, oracle_scales = block_oracle(f.name, u, first, block)
+        assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
+        assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
