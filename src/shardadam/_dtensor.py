@@ -175,9 +175,10 @@ class Layout:
         keys per-block scales (S2.11). Known without communication only for placements
         that are all Shard(0) with the local tensor being torch's chunk (FSDP2's rows):
         then torch's global row offset times the row length. Any other layout
-        (Replicate or Shard(d > 0) anywhere, Megatron FSDP's shard order, a local run of
-        rows other than torch's chunk) keys blocks to the local tensor's own flat index:
-        0."""
+        (Replicate or Shard(d > 0) anywhere, Megatron FSDP's shard order, a local shape
+        other than torch's chunk's) keys blocks to the local tensor's own flat index:
+        0. The shape is all this rank sees: a run of rows with the shape of torch's
+        chunk here but another offset (Megatron FSDP, now and then) gets torch's."""
         shape = tuple(local.shape)
         first = self._first.get(shape)
         if first is None:

@@ -47,10 +47,16 @@ def hang(ctx):
 def crash(ctx):
     def die():
         if ctx.rank == 1:
+            print("rank 1 exits with status 3", flush=True)
             os._exit(3)
         _sum_of_ranks()
 
+    if ctx.params.get("cases_around"):
+        ctx.run_case("passes", _sum_of_ranks)
     ctx.run_case("dies", die)
+    if ctx.params.get("cases_around"):
+        for name in ("queued-1", "queued-2"):
+            ctx.run_case(name, _sum_of_ranks)
 
 
 def raise_outside_case(ctx):

@@ -73,6 +73,9 @@ class JobResult:
     pids: list = field(default_factory=list)
     # rank -> exit status it was meant to die with; such a rank records no case it died in
     expect_exit: dict = field(default_factory=dict)
+    # rank -> the case it had started and not recorded when the job ended (where it died,
+    # hung, or waited for a peer that did)
+    running: dict = field(default_factory=dict)
 
     def case_failure(self, case_id):
         """None if the case passed on every rank, else the text to fail its test with."""
@@ -91,8 +94,17 @@ class JobResult:
         # A rank meant to die (the job checks it did) records nothing of the case it died in.
         if records and not set(missing) - set(self.expect_exit):
             return None
+        broke_in = sorted(set(self.running.values()))
+        if self.failure and broke_in and case_id not in broke_in:
+            # Queued behind the case that broke the job: say where, once, briefly; that
+            # case's report carries the tracebacks and log tails.
+            return (f"case {case_id!r} did not run on rank(s) {missing}: job {self.job} "
+                    f"(world size {self.world_size}) ended in case(s) {broke_in}: "
+                    f"{self.failure.splitlines()[0]} (see the report of {broke_in})")
+        ranks_in = sorted(r for r, c in self.running.items() if c == case_id)
+        where = f"; rank(s) {ranks_in} were in it when the job ended" if ranks_in else ""
         return (f"case {case_id!r} did not finish on rank(s) {missing} "
-                f"(job {self.job}, world size {self.world_size}):\n"
+                f"(job {self.job}, world size {self.world_size}{where}):\n"
                 f"{self.failure or 'the job ended without running it'}")
 
 
@@ -183,6 +195,13 @@ def launch(job, world_size, workdir, *, params=None, timeout_s=120.0, expect_exi
                     if line.strip():
                         rec = json.loads(line)
                         result.cases.setdefault(rec["case"], {})[rank] = rec
+        try:
+            with open(os.path.join(workdir, f"rank{rank}.current")) as f:
+                started = f.read()
+        except OSError:
+            started = ""
+        if started and rank not in result.cases.get(started, {}):
+            result.running[rank] = started
     if failure is not None:
         details = [failure]
         for rank in range(world_size):
@@ -345,6 +364,10 @@ class Context:
         if self._lost:
             raise RuntimeError(f"case {case_id!r}: rank(s) {list(self._lost)} died in an "
                                f"earlier case; no case can run after that")
+        # Which case this rank is in, for the parent if the job breaks here (a rank that
+        # dies records nothing): the report names it, not every case queued behind it.
+        with open(os.path.join(self.workdir, f"rank{self.rank}.current"), "w") as f:
+            f.write(case_id)
         start = time.monotonic()
         error = ""
         try:

@@ -224,23 +224,32 @@ REAL_MOMENTS = {"m=fp32": torch.float32, "m=bf16": torch.bfloat16}
 
 
 class _RealRun:
-    """``megatron_fsdp.fully_shard`` of a two-layer model with FusedAdam built before it, on
-    a (W, 1) mesh (``_megatron_cpu``). Every step runs Megatron's forward, backward and
-    gradient reduction, then the test writes its own gradient values into Megatron's
-    gradient tensors (the same at every world size, so runs at different sizes stay
-    comparable bitwise) and calls Megatron's wrapped ``step()`` / ``zero_grad()``."""
+    """``megatron_fsdp.fully_shard`` of a stack of Linear layers (two by default) with
+    FusedAdam built before it, on a (W, 1) mesh (``_megatron_cpu``). Every step runs
+    Megatron's forward, backward and gradient reduction, then the test writes its own
+    gradient values into Megatron's gradient tensors (the same at every world size, so
+    runs at different sizes stay comparable bitwise) and calls Megatron's wrapped
+    ``step()`` / ``zero_grad()``."""
 
-    def __init__(self, ctx, moments, seed):
+    def __init__(self, ctx, moments, seed, *, layers=((8, 6, True), (6, 3, True)),
+                 opt_kwargs=None, grad=None):
+        """``layers``: (in, out, bias) of each ``nn.Linear``; ``opt_kwargs``: FusedAdam's
+        moment keywords (default: ``REAL_MOMENTS[moments]`` for both moments); ``grad``:
+        ``(name, shape, step) -> full gradient`` (default ``_real_grad``)."""
         from megatron_fsdp import fully_shard
         from torch import nn
         from torch.distributed.device_mesh import init_device_mesh
 
         self.ctx = ctx
+        self.in_features = layers[0][0]
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
-        dtype = REAL_MOMENTS[moments]
-        opt = fused_adam()(model.parameters(), **OPT_DEFAULTS, exp_avg_dtype=dtype,
-                           exp_avg_sq_dtype=dtype)
+        model = nn.Sequential(*(nn.Linear(i, o, bias=b) for i, o, b in layers))
+        if opt_kwargs is None:
+            dtype = REAL_MOMENTS[moments]
+            opt_kwargs = dict(exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
+        self.opt_kwargs = dict(opt_kwargs)
+        self.grad = grad or _real_grad
+        opt = fused_adam()(model.parameters(), **OPT_DEFAULTS, **self.opt_kwargs)
         mesh = init_device_mesh("cpu", (ctx.world_size, 1), mesh_dim_names=("dp", "tp"))
         self.model, self.opt = fully_shard(
             model, opt, device_mesh=mesh, dp_shard_dim="dp", tp_dim="tp",
@@ -252,7 +261,7 @@ class _RealRun:
         self.offsets = [_row_offset(p) for p in self.params]
 
     def train(self, steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
+        x = torch.randn(4, self.in_features, generator=torch.Generator().manual_seed(7))
         for step in steps:
             self.model(x).pow(2).mean().backward()
             for name, p, offset in zip(self.names, self.params, self.offsets):
@@ -260,7 +269,7 @@ class _RealRun:
                 assert (grad is None) == (local.numel() == 0), \
                     f"{name}: Megatron's gradient is {grad} on a local shard of {local.numel()}"
                 if grad is not None:
-                    full = _real_grad(name, p.shape, step)
+                    full = self.grad(name, p.shape, step)
                     grad._local_tensor.copy_(full[offset:offset + local.shape[0]])
             self.opt.step()
             self.opt.zero_grad()
@@ -312,9 +321,7 @@ def _real_reference(run, snapshot):
 
     params = [nn.Parameter(snapshot[n].clone()) for n in run.names]
     ref = fused_adam()(params, **{k: v for k, v in run.opt.defaults.items()
-                                  if k in OPT_DEFAULTS},
-                       exp_avg_dtype=run.opt.exp_avg_dtype,
-                       exp_avg_sq_dtype=run.opt.exp_avg_sq_dtype)
+                                  if k in OPT_DEFAULTS}, **run.opt_kwargs)
     sd = ref.state_dict()
     for i, n in enumerate(run.names):
         sd["state"][i] = {k: snapshot[f"{n}.{k}"].clone() for k in ("exp_avg", "exp_avg_sq")}
@@ -330,7 +337,7 @@ def _real_train_and_check(run, steps, snapshot):
     for step in steps:
         run.train([step])
         for name, p in zip(run.names, params):
-            p.grad = _real_grad(name, p.shape, step)
+            p.grad = run.grad(name, p.shape, step)
         ref.step()
         got = run.gather()
         expected = {"steps": [g["step"] for g in ref.param_groups]}

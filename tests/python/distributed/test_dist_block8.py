@@ -1,6 +1,9 @@
 """block8 moments (S2.11) under FSDP2 on a CPU gloo mesh: saved with DCP at world size 2,
 resumed at 3, and bitwise the run that never stopped, codes and scales included (rows
-that are whole blocks: the stored state does not depend on the sharding)."""
+that are whole blocks: the stored state does not depend on the sharding). Under
+``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the local index):
+saved at 2, resumed at 2 and 3, bitwise the uninterrupted run where the mesh rule
+promises it (``_megatron_block8_jobs``)."""
 
 import pytest
 
@@ -19,4 +22,14 @@ def test_block8_resume_at_another_world_size_equals_uninterrupted_run(case, dist
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("block8_mesh_rule"), ids=str)
 def test_block8_mesh_rule(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block8_save"), ids=str)
+def test_block8_megatron_fully_shard_trains_and_saves(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block8_resume"), ids=str)
+def test_block8_megatron_fully_shard_resume_equals_uninterrupted_run(case, dist_jobs):
     dist_jobs.check(case)

@@ -52,6 +52,24 @@ def test_dead_rank_ends_the_job_at_once(tmp_path):
     assert all(_gone(pid) for pid in result.pids)
 
 
+def test_dead_rank_is_reported_by_its_case_and_the_cases_after_it_point_there(tmp_path):
+    # A job of many cases whose rank dies in one: that case's report has the death and
+    # the log tails; each case queued behind it says in one line where the job ended,
+    # instead of repeating the whole report.
+    result = _launch.launch("_dist_toy_jobs:crash", 2, str(tmp_path), timeout_s=120,
+                            params={"cases_around": True})
+    assert result.case_failure("passes") is None, result.case_failure("passes")
+    assert result.running == {0: "dies", 1: "dies"}, result.running
+    died = result.case_failure("dies")
+    assert "died with status {1: 3}" in died and "rank(s) [0, 1] were in it" in died
+    assert "rank 1 exits with status 3" in died  # the dead rank's log tail
+    for queued in ("queued-1", "queued-2"):
+        failure = result.case_failure(queued)
+        assert failure is not None and len(failure.splitlines()) == 1, failure
+        assert "ended in case(s) ['dies']" in failure and "died with status {1: 3}" in failure
+        assert "log tail" not in failure
+
+
 def test_error_outside_a_case_is_reported_with_its_traceback(tmp_path):
     result = _launch.launch("_dist_toy_jobs:raise_outside_case", 2, str(tmp_path), timeout_s=120)
     assert result.case_failure("passes") is None
