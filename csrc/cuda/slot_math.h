@@ -126,7 +126,8 @@ SHARDADAM_HOST_DEVICE inline void WriteCode(void* p, uint8_t dtype, int64_t i, u
 // Unscaled value of a code of fp32/fp16/bf16/fp8 or a block format, and back
 // (block formats: EncodeState, whose codec may need the true value).
 SHARDADAM_HOST_DEVICE inline float DecodeValue(uint32_t code, uint8_t dtype) {
-  if (IsBlockScaledTag(dtype)) return DecodeBlockCode(code, dtype);
+  // HasBlockCodec compares tags, where FormatOf would index a table at run time.
+  if (HasBlockCodec(static_cast<DType>(dtype))) return DecodeBlockCode(code, dtype);
   switch (static_cast<DType>(dtype)) {
     case DType::kFloat16:
       return DecodeF16(static_cast<uint16_t>(code));
@@ -160,7 +161,7 @@ SHARDADAM_HOST_DEVICE inline float DecodeState(uint32_t code, uint8_t dtype, flo
 }
 
 SHARDADAM_HOST_DEVICE inline uint32_t EncodeState(float u, uint8_t dtype, float scale) {
-  if (IsBlockScaledTag(dtype)) return EncodeBlockCode(u, scale, dtype);
+  if (HasBlockCodec(static_cast<DType>(dtype))) return EncodeBlockCode(u, scale, dtype);
   return EncodeValue(IsScaledTag(dtype) ? u / scale : u, dtype);
 }
 
