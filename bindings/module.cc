@@ -254,10 +254,18 @@ nb::dict Info() {
   info["cuda"] = true;
   info["cuda_archs"] = CudaArchitectures();
   info["cuda_devices"] = CudaDeviceCount();
+  // The state formats the CUDA kernels step (the package sends the others' batches
+  // to the torch path).
+  nb::list formats;
+  for (int tag = 0; tag < kNumDTypes; ++tag) {
+    if (CudaSupportsFormat(static_cast<DType>(tag))) formats.append(tag);
+  }
+  info["cuda_formats"] = formats;
 #else
   info["cuda"] = false;
   info["cuda_archs"] = "";
   info["cuda_devices"] = 0;
+  info["cuda_formats"] = nb::list();
 #endif
   return info;
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "element.h"
+#include "ufloat8.h"  // shared with the CUDA kernels
 
 namespace shardadam {
 namespace reference {
@@ -222,28 +223,9 @@ float Float8E4M3ToFloat(uint8_t q) {
   return negative ? -magnitude : magnitude;
 }
 
-uint8_t FloatToUFloat8E4M4(float f) {
-  const float a = std::fabs(f);
-  if (!(a <= 488.0f)) return 0xFF;  // 488 is the tie between 480 and 496: even 480
-  if (a == 0.0f) return 0;
-  int e = 0;
-  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
-  --e;                // a in [2^e, 2^(e+1))
-  if (e < -6) e = -6; // below 2^-6: steps of 2^-10, like the first binade
-  // a / step is exact (a power-of-two scaling) and below 32; a round up to 32
-  // carries into the next binade through the addition below.
-  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 4 - e)));
-  const int code = a < 0.015625f ? q : (e + 7) * 16 + (q - 16);
-  return static_cast<uint8_t>(code == 0 ? 1 : code);
-}
+uint8_t FloatToUFloat8E4M4(float f) { return EncodeUFloat8E4M4(f); }
 
-float UFloat8E4M4ToFloat(uint8_t q) {
-  if (q == 0xFF) return NAN;
-  const int exponent = q >> 4;
-  const int mantissa = q & 0x0F;
-  return exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -10)
-                       : std::ldexp(static_cast<float>(16 + mantissa), exponent - 11);
-}
+float UFloat8E4M4ToFloat(uint8_t q) { return DecodeUFloat8E4M4(q); }
 
 uint8_t FloatToFloat4E2M1(float f) {
   const float a = std::fabs(f);

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one command from the repository root of a CUDA machine (no internet
 # needed): build shardadam with its CUDA backend, run the CUDA tests (pytest, then the
-# C++ CUDA tests, and the CPU core's adam_test, codec_test and measure_skip_test on
-# the host's SIMD targets), then the GPU benchmark. Everything lands in
+# C++ CUDA tests, among them the per-block scaled moments' kernel against the CPU core,
+# and the CPU core's adam_test, codec_test, measure_skip_test and block_test on the
+# host's SIMD targets), then the GPU benchmark. Everything lands in
 # $OUT (default build/gpu-check): env.txt, one log per stage, pytest.xml,
 # cuda_bench.json, summary.txt. Stays within GPU_CHECK_BUDGET_S seconds (default 470):
 # each stage is cut short so the later ones keep their share. Exits 1 if any stage
@@ -211,7 +212,7 @@ stage pytest 220 100 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
 # the CPU core's own suites, which run every SIMD target the host supports: a GPU
 # host's CPU often has AVX-512, whose kernels no other machine here executes.
 shopt -s nullglob
-CPP_TESTS=(adam_test codec_test measure_skip_test)
+CPP_TESTS=(adam_test codec_test measure_skip_test block_test)
 for source in tests/cpp/*cuda*_test.cc tests/cpp/*cuda*_test.cu tests/cpp/cuda/*_test.cc \
     tests/cpp/cuda/*_test.cu; do
   name=$(basename "$source")

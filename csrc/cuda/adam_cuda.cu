@@ -11,6 +11,9 @@
 // into the workspace, pass 2 recomputes it and stores with the new scale, and a
 // last tiny launch writes the scales. The cost is one extra read of the inputs,
 // no full-size temporary. Launches without scaled states run pass 2 alone.
+// Tensors with per-block scaled moments (S2.9) take one pass of their own
+// (block_range.h): each scale block's absmax is reduced within one CUDA block,
+// so nothing waits for the rest of the tensor.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -18,6 +21,7 @@
 #include <cstdio>
 #include <string>
 
+#include "cuda/block_range.h"
 #include "cuda/layouts.h"
 #include "cuda/range.h"
 #include "cuda/slot_math.h"
@@ -43,7 +47,8 @@ struct Launch {
   uint32_t* absmax;  // 3 per slot of this launch (kW, kM, kV), zeroed
   int count;
   bool any_scaled;
-  int layout;  // index in CompiledLayouts, or kAnyLayout
+  bool blocks;  // every tensor has per-block scales (BlockKernel), or none has
+  int layout;   // index in CompiledLayouts, or kAnyLayout
 };
 static_assert(sizeof(Launch) + sizeof(StepConstants) < 4000,
               "kernel arguments must fit the portable 4 KiB limit");
@@ -125,6 +130,59 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
                          });
 }
 
+// The maxima of a and b over the lanes of this thread's group (`lanes`, whole
+// warps, aligned in the block). Every thread of the block must call it.
+__device__ __forceinline__ void GroupMax(uint32_t& a, uint32_t& b, int lanes,
+                                         uint32_t (*shared)[kWarps]) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, offset));
+    b = max(b, __shfl_xor_sync(0xFFFFFFFFu, b, offset));
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) {
+    shared[0][warp] = a;
+    shared[1][warp] = b;
+  }
+  __syncthreads();
+  const int first = threadIdx.x / lanes * (lanes / 32);
+  for (int w = first; w < first + lanes / 32; ++w) {
+    a = max(a, shared[0][w]);
+    b = max(b, shared[1][w]);
+  }
+  __syncthreads();  // `shared` is reused by the next call
+}
+
+// Tensors with per-block scaled moments, one pass: CUDA block b steps scale blocks
+// [k * n, (k + 1) * n) of its tensor (k = b - first_block, n = ScaleBlocksPerChunk),
+// groups of lanes one scale block each. 128 registers a thread: a lane keeps up
+// to kMaxPerLane new moments of each kind until its block's scales are known.
+template <bool kAdamW, class L>
+__global__ void __launch_bounds__(kThreads, 2)
+    BlockKernel(const Launch launch, const StepConstants c) {
+  const int64_t block = blockIdx.x;
+  const int s = SlotOfBlock(launch, block);
+  DeviceSlot t = launch.slots[s];
+  L::Fix(t);
+  const int lanes = LanesPerScaleBlock(t.scale_block);
+  const int group = threadIdx.x / lanes;
+  const int lane = threadIdx.x % lanes;
+  const ScaleBlockRange range = ChunkScaleBlocks(t, block - launch.first_block[s]);
+  __shared__ uint32_t partial[2][kWarps];
+  // The same trip count in every thread: GroupMax's barriers.
+  for (int64_t base = range.begin; base < range.end; base += kThreads / lanes) {
+    const int64_t j = base + group;
+    BlockLane mine;
+    mine.best[0] = mine.best[1] = 0;
+    if (j < range.end) UpdateBlockLane<kAdamW>(t, c, j, lane, mine);
+    GroupMax(mine.best[0], mine.best[1], lanes, partial);
+    if (j >= range.end) continue;
+    const Scales now = NewBlockScales(t, mine.best);
+    StoreBlockLane(t, j, lane, now, mine);
+    // Every lane of the group read the old scales before GroupMax's barrier.
+    if (lane == 0) WriteBlockScales(t, j, now);
+  }
+}
+
 // After pass 2 (stream order): every scaled state's slot gets its new scale,
 // empty tensors' too (an absmax of 0 gives 1, as on the CPU).
 __global__ void WriteScalesKernel(const Launch launch) {
@@ -151,6 +209,12 @@ Status InvalidArgument(Error* error, const std::string& rule, int64_t tensor = -
 }
 
 int64_t BlocksOf(int64_t numel) { return (numel + kChunk - 1) / kChunk; }
+
+// CUDA blocks a tensor takes: kChunk elements each, or with per-block scales
+// ScaleBlocksPerChunk whole scale blocks each.
+int64_t BlocksOf(const DeviceSlot& t) {
+  return HasBlockScales(t) ? ChunksOf(t) : BlocksOf(t.numel);
+}
 
 // The first buffer or scale slot of `t` not aligned to its element size, or null.
 // (The CPU core takes any alignment; the device does not.)
@@ -180,17 +244,28 @@ Status Enqueue(const Launch& launch, const StepConstants& c, cudaStream_t stream
     return code == cudaSuccess ? Status::kOk : DeviceFail(error, what, code);
   };
   const int64_t blocks = launch.first_block[launch.count];
-  if (launch.any_scaled && blocks > 0) {
-    MeasureKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
-    if (launched("measuring kernel launch") != Status::kOk) return Status::kDeviceError;
+  if constexpr (L::kMayBlock) {
+    if (launch.blocks) {
+      if (blocks > 0) {
+        BlockKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+        return launched("per-block kernel launch");
+      }
+      return Status::kOk;
+    }
   }
-  if (blocks > 0) {
-    StoreKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
-    if (launched("update kernel launch") != Status::kOk) return Status::kDeviceError;
-  }
-  if (launch.any_scaled) {
-    WriteScalesKernel<<<1, kMaxSlots, 0, stream>>>(launch);
-    return launched("scale kernel launch");
+  if constexpr (L::kMayTensor) {
+    if (launch.any_scaled && blocks > 0) {
+      MeasureKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+      if (launched("measuring kernel launch") != Status::kOk) return Status::kDeviceError;
+    }
+    if (blocks > 0) {
+      StoreKernel<kAdamW, L><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(launch, c);
+      if (launched("update kernel launch") != Status::kOk) return Status::kDeviceError;
+    }
+    if (launch.any_scaled) {
+      WriteScalesKernel<<<1, kMaxSlots, 0, stream>>>(launch);
+      return launched("scale kernel launch");
+    }
   }
   return Status::kOk;
 }
@@ -242,12 +317,12 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
     } states[2] = {{"exp_avg_dtype", slots[i].exp_avg_dtype},
                    {"exp_avg_sq_dtype", slots[i].exp_avg_sq_dtype}};
     for (const auto& state : states) {
-      if (IsBlockScaled(state.dtype)) {
+      if (!CudaSupportsFormat(state.dtype)) {
         return InvalidArgument(error,
                                std::string(state.field) + " " +
                                    std::to_string(static_cast<int>(state.dtype)) + " (" +
                                    FormatOf(state.dtype).name +
-                                   ") has no CUDA kernel; per-block scaled states step "
+                                   ") has no CUDA kernel; states of this format step "
                                    "on the CPU",
                                i);
       }
@@ -259,7 +334,7 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                "misaligned loads)", name);
       return InvalidArgument(error, message, i);
     }
-    if (BlocksOf(slots[i].numel) > INT_MAX) {
+    if (BlocksOf(MakeDeviceSlot(slots[i])) > INT_MAX) {
       char message[160];
       snprintf(message, sizeof(message),
                "numel %" PRId64 " exceeds the CUDA backend's limit of %" PRId64,
@@ -299,8 +374,8 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
     const int layout = LayoutOf(t);
     const bool full = launch.count == kMaxSlots ||
                       (i < count && launch.count > 0 &&
-                       (layout != launch.layout ||
-                        launch.first_block[launch.count] + BlocksOf(t.numel) > INT_MAX));
+                       (layout != launch.layout || HasBlockScales(t) != launch.blocks ||
+                        launch.first_block[launch.count] + BlocksOf(t) > INT_MAX));
     if (launch.count > 0 && (i == count || full)) {
       launch.absmax = absmax + 3 * first;
       const Status status = VisitLayout(launch.layout, [&](auto layout) {
@@ -316,14 +391,19 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
       first = i;
       launch.first_block[0] = 0;
       launch.any_scaled = false;
+      launch.blocks = HasBlockScales(t);
       launch.layout = layout;
     }
     launch.slots[launch.count] = t;
     launch.any_scaled = launch.any_scaled || HasScaledState(t);
-    launch.first_block[launch.count + 1] = launch.first_block[launch.count] + BlocksOf(t.numel);
+    launch.first_block[launch.count + 1] = launch.first_block[launch.count] + BlocksOf(t);
     ++launch.count;
   }
   return Status::kOk;
+}
+
+bool CudaSupportsFormat(DType dtype) {
+  return FormatOf(dtype).roles != 0 && (!IsBlockScaled(dtype) || cuda::HasBlockCodec(dtype));
 }
 
 int CudaDeviceCount() {

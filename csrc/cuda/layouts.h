@@ -26,6 +26,13 @@ struct Layout {
   // Every element size known: the kernels may move four elements per access.
   static constexpr bool kFixed =
       P != kAnyDType && G != kAnyDType && W != kAnyDType && M != kAnyDType && V != kAnyDType;
+  // Which kernels its tensors may need: the per-block one (a moment with per-block
+  // scales) or the per-tensor passes (none); the catch-all both.
+  static constexpr bool kMayBlock = M == kAnyDType || V == kAnyDType ||
+                                    IsBlockScaled(static_cast<DType>(M)) ||
+                                    IsBlockScaled(static_cast<DType>(V));
+  static constexpr bool kMayTensor =
+      !IsBlockScaled(static_cast<DType>(M)) && !IsBlockScaled(static_cast<DType>(V));
 
   SHARDADAM_HOST_DEVICE static bool Matches(const DeviceSlot& t) {
     return Is<P>(t.param_dtype) && Is<G>(t.grad_dtype) && Is<W>(t.master_dtype) &&
@@ -60,10 +67,13 @@ constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
 constexpr int kF8 = static_cast<int>(DType::kFloat8E4M3);
 constexpr int kNoMaster = static_cast<int>(DType::kNone);
 constexpr int kRemainder = static_cast<int>(DType::kInt16Remainder);
+constexpr int kF8Block = static_cast<int>(DType::kFloat8E4M3Block);
+constexpr int kUF8Block = static_cast<int>(DType::kUFloat8E4M4Block);
 
 // The compiled layouts: the benchmark's state presets; fp32 params (as FSDP2 shards
-// them) with 16-bit or fp8 moments; an fp8 exp_avg beside a bf16 exp_avg_sq.
-// Adding one is one line here.
+// them) with 16-bit or fp8 moments; an fp8 exp_avg beside a bf16 exp_avg_sq;
+// FusedAdam's block8 moments (S2.11) beside fp32 params, bf16 params with an fp32
+// master and bf16 params with remainders. Adding one is one line here.
 using CompiledLayouts = std::tuple<Layout<kF32, kF32, kNoMaster, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kBF16, kBF16>,
@@ -71,7 +81,10 @@ using CompiledLayouts = std::tuple<Layout<kF32, kF32, kNoMaster, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kF8, kF8>,
                                    Layout<kF32, kF32, kNoMaster, kBF16, kBF16>,
                                    Layout<kF32, kF32, kNoMaster, kF8, kF8>,
-                                   Layout<kBF16, kBF16, kF32, kF8, kBF16>>;
+                                   Layout<kBF16, kBF16, kF32, kF8, kBF16>,
+                                   Layout<kF32, kF32, kNoMaster, kF8Block, kUF8Block>,
+                                   Layout<kBF16, kBF16, kF32, kF8Block, kUF8Block>,
+                                   Layout<kBF16, kBF16, kRemainder, kF8Block, kUF8Block>>;
 using AnyLayout = Layout<kAnyDType, kAnyDType, kAnyDType, kAnyDType, kAnyDType>;
 
 // A layout's index in CompiledLayouts; the catch-all's is one past the last.

@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "cuda/block_codecs.h"
 #include "cuda/codecs.h"
 #include "element.h"
 #include "shardadam/adam.h"
@@ -20,13 +21,17 @@ namespace cuda {
 
 // The core's dtype rules (validate.h) on the kernels' byte-sized dtype tags: bytes
 // per element (the int16 remainder: 2; no buffer: 0), and whether the stored value
-// carries a per-tensor scale.
+// carries a scale (per tensor or per block).
 SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
   return FormatOf(static_cast<DType>(dtype)).item_bits / 8;
 }
 
 SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
   return IsScaled(static_cast<DType>(dtype));
+}
+
+SHARDADAM_HOST_DEVICE constexpr bool IsBlockScaledTag(uint8_t dtype) {
+  return IsBlockScaled(static_cast<DType>(dtype));
 }
 
 // One tensor as the kernels see it: TensorSlot with dtype tags in bytes, so a
@@ -37,14 +42,21 @@ struct DeviceSlot {
   void* exp_avg;
   void* exp_avg_sq;
   void* master;
-  float* scale[3];  // kW, kM, kV; null where the state is not scaled
+  // kW, kM, kV; null where the state is not scaled. A per-block scaled state's
+  // points to its ScaleCount(...) block scales.
+  float* scale[3];
   int64_t numel;
+  // Per-block scaled states (S2.9): elements per scale, and how many elements of
+  // the first block precede this tensor (first_index % scale_block), so block j
+  // of its scale slots holds local elements [j * scale_block - lead,
+  // (j + 1) * scale_block - lead). Both 0 where no state is per-block scaled.
+  int32_t scale_block, lead;
   uint8_t param_dtype, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, master_dtype;
   // Every buffer aligned to four of its elements: moved four at a time (quads.h).
   bool quad_aligned;
 };
 
-// Index of the three states that may carry a per-tensor scale.
+// Index of the three states that may carry a scale.
 enum StateIndex { kW = 0, kM = 1, kV = 2 };
 
 inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
@@ -63,6 +75,9 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
   d.scale[kW] = IsScaledTag(d.master_dtype) ? t.master_scale : nullptr;
   d.scale[kM] = IsScaledTag(d.exp_avg_dtype) ? t.exp_avg_scale : nullptr;
   d.scale[kV] = IsScaledTag(d.exp_avg_sq_dtype) ? t.exp_avg_sq_scale : nullptr;
+  const bool blocks = IsBlockScaledTag(d.exp_avg_dtype) || IsBlockScaledTag(d.exp_avg_sq_dtype);
+  d.scale_block = blocks ? t.scale_block : 0;
+  d.lead = blocks ? static_cast<int32_t>(t.first_index % t.scale_block) : 0;
   const auto aligned = [](const void* p, uint8_t dtype) {
     const auto quad = static_cast<uintptr_t>(4 * ItemBytes(dtype));
     return quad == 0 || reinterpret_cast<uintptr_t>(p) % quad == 0;
@@ -73,6 +88,10 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
                    aligned(d.master, d.master_dtype);
   return d;
 }
+
+// Whether `t` steps in the per-block kernel (block_range.h) rather than the
+// per-tensor passes: validation keeps the two kinds of scale out of one tensor.
+SHARDADAM_HOST_DEVICE inline bool HasBlockScales(const DeviceSlot& t) { return t.scale_block > 0; }
 
 SHARDADAM_HOST_DEVICE inline bool HasScaledState(const DeviceSlot& t) {
   return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
@@ -104,8 +123,11 @@ SHARDADAM_HOST_DEVICE inline void WriteCode(void* p, uint8_t dtype, int64_t i, u
   }
 }
 
-// Unscaled value of a code of fp32/fp16/bf16/fp8, and back.
+// Unscaled value of a code of fp32/fp16/bf16/fp8 or a block format, and back
+// (block formats: EncodeState, whose codec may need the true value).
 SHARDADAM_HOST_DEVICE inline float DecodeValue(uint32_t code, uint8_t dtype) {
+  // HasBlockCodec compares tags, where FormatOf would index a table at run time.
+  if (HasBlockCodec(static_cast<DType>(dtype))) return DecodeBlockCode(code, dtype);
   switch (static_cast<DType>(dtype)) {
     case DType::kFloat16:
       return DecodeF16(static_cast<uint16_t>(code));
@@ -131,13 +153,15 @@ SHARDADAM_HOST_DEVICE inline uint32_t EncodeValue(float x, uint8_t dtype) {
   }
 }
 
-// S2.2: true value of a state code, q * scale for scaled dtypes, and back.
+// S2.2, S2.9: true value of a state code, q * scale for scaled dtypes (the
+// element's block scale for block formats), and back.
 SHARDADAM_HOST_DEVICE inline float DecodeState(uint32_t code, uint8_t dtype, float scale) {
   const float q = DecodeValue(code, dtype);
   return IsScaledTag(dtype) ? q * scale : q;
 }
 
 SHARDADAM_HOST_DEVICE inline uint32_t EncodeState(float u, uint8_t dtype, float scale) {
+  if (HasBlockCodec(static_cast<DType>(dtype))) return EncodeBlockCode(u, scale, dtype);
   return EncodeValue(IsScaledTag(dtype) ? u / scale : u, dtype);
 }
 
@@ -193,13 +217,25 @@ SHARDADAM_HOST_DEVICE inline Codes ReadCodes(const DeviceSlot& t, int64_t i) {
   return c;
 }
 
-SHARDADAM_HOST_DEVICE inline void WriteCodes(const DeviceSlot& t, int64_t i, const Codes& c) {
+// The weight's codes (param, master) and the moments' apart: the per-block kernel
+// stores the weight before its block's moment scales are known.
+SHARDADAM_HOST_DEVICE inline void WriteWeightCodes(const DeviceSlot& t, int64_t i,
+                                                   const Codes& c) {
   WriteCode(t.param, t.param_dtype, i, c.param);
   if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
     WriteCode(t.master, t.master_dtype, i, c.master);
   }
+}
+
+SHARDADAM_HOST_DEVICE inline void WriteMomentCodes(const DeviceSlot& t, int64_t i,
+                                                   const Codes& c) {
   WriteCode(t.exp_avg, t.exp_avg_dtype, i, c.m);
   WriteCode(t.exp_avg_sq, t.exp_avg_sq_dtype, i, c.v);
+}
+
+SHARDADAM_HOST_DEVICE inline void WriteCodes(const DeviceSlot& t, int64_t i, const Codes& c) {
+  WriteWeightCodes(t, i, c);
+  WriteMomentCodes(t, i, c);
 }
 
 // An element's gradient, fp32 weight and true moments, decoded with the
@@ -227,23 +263,33 @@ SHARDADAM_HOST_DEVICE inline Inputs DecodeInputs(const DeviceSlot& t, const Scal
 
 // The codes of an element's new values with the new scales. The param is rounded
 // from the fp32 weight itself, independently of the master's encoding (S3.6).
-SHARDADAM_HOST_DEVICE inline Codes EncodeOutputs(const DeviceSlot& t, const Scales& now,
-                                                 const Inputs& out) {
-  Codes c{};
+SHARDADAM_HOST_DEVICE inline void EncodeWeight(const DeviceSlot& t, const Scales& now,
+                                                float w, Codes& c) {
   if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
     uint16_t param_bits;
     int16_t remainder;
-    SplitMaster(out.w, &param_bits, &remainder);
+    SplitMaster(w, &param_bits, &remainder);
     c.param = param_bits;
     c.master = static_cast<uint16_t>(remainder);
   } else {
-    c.param = EncodeValue(out.w, t.param_dtype);
+    c.param = EncodeValue(w, t.param_dtype);
     if (t.master_dtype != static_cast<uint8_t>(DType::kNone)) {
-      c.master = EncodeState(out.w, t.master_dtype, now.s[kW]);
+      c.master = EncodeState(w, t.master_dtype, now.s[kW]);
     }
   }
-  c.m = EncodeState(out.m, t.exp_avg_dtype, now.s[kM]);
-  c.v = EncodeState(out.v, t.exp_avg_sq_dtype, now.s[kV]);
+}
+
+SHARDADAM_HOST_DEVICE inline void EncodeMoments(const DeviceSlot& t, const Scales& now,
+                                                 float m, float v, Codes& c) {
+  c.m = EncodeState(m, t.exp_avg_dtype, now.s[kM]);
+  c.v = EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
+}
+
+SHARDADAM_HOST_DEVICE inline Codes EncodeOutputs(const DeviceSlot& t, const Scales& now,
+                                                 const Inputs& out) {
+  Codes c{};
+  EncodeWeight(t, now, out.w, c);
+  EncodeMoments(t, now, out.m, out.v, c);
   return c;
 }
 

@@ -59,8 +59,7 @@ def path_of(batch):
             if _cpu_path.available():
                 return _cpu_path
         elif (batch.is_cuda and _cuda_path.available(batch.device)
-              and not any(e.scale_block for e in batch.entries)):
-            # The CUDA build has no per-block kernels yet (S2.9): torch ops step them.
+              and _cuda_path.steps_formats(batch)):
             return _cuda_path
     return None
 

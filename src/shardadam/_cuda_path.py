@@ -4,7 +4,8 @@ The slot rows are the CPU path's (``_slots``), holding device pointers. The call
 enqueues kernels on the device's current stream and returns, so ``step()`` never waits
 for the GPU: its scratch memory comes from torch's caching allocator (which reuses a
 block only in that stream's order), and contiguous copies are written back by copies
-queued behind the kernels on the same stream.
+queued behind the kernels on the same stream. Per-block scaled moments (S2.9) step here
+too, in the formats the extension has CUDA codecs for (``steps_formats``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from . import _slots
 
 _usable: dict = {}  # device index -> whether the kernels run there, asked once
+_stepped_tags = None  # the format tags the kernels step, asked once
 
 
 def available(device: torch.device) -> bool:
@@ -32,6 +34,30 @@ def available(device: torch.device) -> bool:
             and core.info().get("cuda_devices", 0) > 0
             and core.cuda_kernels_run_on(index))
     return usable
+
+
+def stepped_tags() -> frozenset:
+    """The format tags whose states the kernels step (the extension's ``cuda_formats``;
+    a per-block format can reach the core before its CUDA codec does)."""
+    global _stepped_tags
+    if _stepped_tags is None:
+        core = _slots.extension
+        _stepped_tags = frozenset(core.info().get("cuda_formats", ())
+                                  if core is not None else ())
+    return _stepped_tags
+
+
+def steps_formats(batch) -> bool:
+    """Whether the kernels step every per-block scaled moment of ``batch`` (S2.9,
+    S2.10); other formats they always do. Decided once per plan (its formats are
+    fixed while it stands)."""
+    steps = batch.backend_cache.get("cuda_formats")
+    if steps is None:
+        tags = stepped_tags()
+        steps = batch.backend_cache["cuda_formats"] = all(
+            e.exp_avg_format.tag in tags and e.exp_avg_sq_format.tag in tags
+            for e in batch.entries if e.scale_block)
+    return steps
 
 
 def prepare(work) -> _slots.Call:

@@ -5,8 +5,9 @@ scales) for every dtype combination, AdamW and L2, with and without bias correct
 for sizes from 0 to several MiB, for many tensors per call (across the kernel's
 tensors-per-launch packing, empty tensors anywhere) and for misaligned views; a call
 runs on the stream it is given and nothing in ``step()`` waits for the device;
-FusedAdam on CUDA parameters equals FusedAdam on CPU parameters bitwise; bad input
-raises ValueError and writes nothing.
+FusedAdam on CUDA parameters equals FusedAdam on CPU parameters bitwise, also with
+per-block scaled moments (``moment_format="block8"``, S2.11) on every parameter / master
+option; bad input raises ValueError and writes nothing.
 
 Without a GPU, where the extension has CUDA compiled in: validation is done on the host
 (a child process that sees no device still gets the ValueError naming the tensor and
@@ -465,6 +466,83 @@ def test_optimizer_step_never_waits_for_the_device(cfg, cuda_path_only):
     torch.cuda.synchronize()
 
 
+# Per-block scaled moments (S2.9, S2.10): parameter dtype and FusedAdam options.
+BLOCK8_OPTIONS = {
+    "fp32": (torch.float32, {}),
+    "bf16-master": (torch.bfloat16, dict(master_weights=True)),
+    "bf16-remainder": (torch.bfloat16, dict(master_weights=True,
+                                            store_param_remainders=True)),
+    "fp16-master": (torch.float16, dict(master_weights=True)),
+}
+
+
+def block8_grads(params, step, seed=3):
+    """CPU gradients whose magnitudes change every 100 elements (so neighbouring blocks
+    get different scales) and zero stretches. Finite: NaN payloads differ between the
+    CPU and the GPU (test_non_finite_gradients_match_cpu); the C++ GPU test steps
+    non-finite blocks (tests/cpp/cuda/adam_cuda_test.cc)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    grads = []
+    for p in params:
+        n = p.numel()
+        exponents = -(torch.arange(n) // 100 % 14).float() * 3
+        g = torch.randn(n, generator=gen) * torch.pow(2.0, exponents)
+        g[(torch.arange(n) // 300) % 5 == 2] = 0.0
+        grads.append(g.view(p.shape).to(p.dtype))
+    return grads
+
+
+@needs_gpu
+@pytest.mark.parametrize("block", [128, 4096])
+@pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("option", list(BLOCK8_OPTIONS))
+def test_block8_on_cuda_equals_block8_on_cpu(option, adam_w_mode, block, cuda_path_only):
+    """The CUDA kernels store the CPU core's codes, block scales, parameters and masters
+    bitwise, step after step (block sizes at both ends, partial and empty blocks, a
+    non-contiguous parameter)."""
+    dtype, extra = BLOCK8_OPTIONS[option]
+    hyper = Hyper(**{**HYPER.__dict__, "adam_w_mode": adam_w_mode})
+    runs = {}
+    for device in ("cpu", DEVICE):
+        params = make_params([dtype] * len(OPTIMIZER_SHAPES), OPTIMIZER_SHAPES, 5)
+        params = [torch.nn.Parameter(p.detach().to(device, copy=True)) for p in params]
+        last = params[TRANSPOSED].detach()
+        params[TRANSPOSED] = torch.nn.Parameter(last.t().contiguous().t())
+        runs[device] = (fused_adam()(params, **hyper.optimizer_kwargs(), **extra,
+                                     moment_format="block8", moment_block_size=block),
+                        params)
+    (opt_gpu, params_gpu), (opt_cpu, params_cpu) = runs[DEVICE], runs["cpu"]
+    for step in range(1, 6):
+        grads = block8_grads(params_cpu, step)
+        attach_grads(params_cpu, grads, False)
+        attach_grads(params_gpu, on_device(grads, DEVICE), False)
+        opt_cpu.step()
+        opt_gpu.step()
+        torch.cuda.synchronize()
+        assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu,
+                                f"block8 {option}, block {block}: after step {step}")
+
+
+@needs_gpu
+def test_block8_step_never_waits_for_the_device(cuda_path_only):
+    busy_stream_supported()
+    dtype, extra = BLOCK8_OPTIONS["bf16-remainder"]
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype).to(DEVICE))
+              for s in OPTIMIZER_SHAPES]
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **extra, moment_format="block8")
+    grads = [on_device(block8_grads([p.cpu() for p in params], step), DEVICE)
+             for step in (1, 2)]
+    attach_grads(params, grads[0], False)
+    opt.step()  # builds the plan and loads the kernels
+    attach_grads(params, grads[1], False)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    opt.step()
+    assert not torch.cuda.current_stream(DEVICE).query(), \
+        "optimizer.step() returned only after the device was idle"
+    torch.cuda.synchronize()
+
+
 @needs_gpu
 def test_use_backend_torch_keeps_cuda_tensors_off_the_extension(monkeypatch):
     def refuse(*args, **kwargs):
@@ -661,10 +739,15 @@ def test_rejected_on_the_host_without_a_device(case, no_device_results):
 
 ROUTES = [
     # (batch device, backend mode, C++ CPU available, CUDA backend available, path);
-    # "+block": the batch holds per-block scaled moments, which the CUDA build lacks.
+    # "+block": the batch holds per-block scaled moments in formats the CUDA kernels
+    # step; "+uncoded": one in a per-block format they have no codec for.
     ("cpu", "auto", True, True, "cpu"),
     ("cpu+block", "auto", True, True, "cpu"),
-    ("cuda+block", "auto", True, True, "torch"),
+    ("cpu+uncoded", "auto", True, True, "cpu"),
+    ("cuda+block", "auto", True, True, "cuda"),
+    ("cuda+uncoded", "auto", True, True, "torch"),
+    ("cuda+block", "auto", True, False, "torch"),
+    ("cuda+block", "torch", True, True, "torch"),
     ("cpu", "auto", False, True, "torch"),
     ("cpu", "torch", True, True, "torch"),
     ("cuda", "auto", True, True, "cuda"),
@@ -681,12 +764,49 @@ def test_backend_choice(route, monkeypatch):
     device, _, block = device.partition("+")
     monkeypatch.setattr(_cpu_path, "available", lambda: cpu_ok)
     monkeypatch.setattr(_cuda_path, "available", lambda device: cuda_ok)
-    entries = [types.SimpleNamespace(scale_block=256 if block else 0)]
+    monkeypatch.setattr(_cuda_path, "stepped_tags", lambda: frozenset({1, 6, 7}))
+    fp32, fp8_block, ufp8_block = (types.SimpleNamespace(tag=t) for t in (1, 6, 7))
+    uncoded = types.SimpleNamespace(tag=99)  # a per-block format without a CUDA codec
+    entries = [types.SimpleNamespace(scale_block=0, exp_avg_format=fp32,
+                                     exp_avg_sq_format=fp32)]
+    if block:
+        entries.append(types.SimpleNamespace(
+            scale_block=256, exp_avg_format=fp8_block,
+            exp_avg_sq_format=ufp8_block if block == "block" else uncoded))
     batch = types.SimpleNamespace(device=torch.device(device), is_cpu=device == "cpu",
-                                  is_cuda=device == "cuda", entries=entries)
+                                  is_cuda=device == "cuda", entries=entries,
+                                  backend_cache={})
     with backend_context(mode):
         path = _backend.path_of(batch)
     assert path is {"cpu": _cpu_path, "cuda": _cuda_path, "torch": None}[expected]
+
+
+def test_cuda_format_support_is_decided_once_per_plan(monkeypatch):
+    """steps_formats asks the extension's list once and keeps the answer in the
+    batch's cache, which a rebuilt plan starts without."""
+    asked = []
+    monkeypatch.setattr(_cuda_path, "stepped_tags",
+                        lambda: asked.append(1) or frozenset({6, 7}))
+    entry = types.SimpleNamespace(scale_block=128,
+                                  exp_avg_format=types.SimpleNamespace(tag=6),
+                                  exp_avg_sq_format=types.SimpleNamespace(tag=7))
+    batch = types.SimpleNamespace(entries=[entry], backend_cache={})
+    assert _cuda_path.steps_formats(batch) and _cuda_path.steps_formats(batch)
+    assert len(asked) == 1
+    entry.exp_avg_sq_format = types.SimpleNamespace(tag=99)
+    assert not _cuda_path.steps_formats(types.SimpleNamespace(entries=[entry],
+                                                              backend_cache={}))
+
+
+@needs_cuda_build
+def test_extension_lists_the_formats_its_cuda_kernels_step():
+    """Every format that is not per-block scaled, and block8's two (S2.11)."""
+    from shardadam import _formats
+
+    expected = {f.tag for f in _formats.FORMATS if f.scale != "block"}
+    expected |= {_formats.by_name(name).tag for name in ("fp8-block", "ufp8-block")}
+    assert expected <= set(INFO["cuda_formats"])
+    assert _cuda_path.stepped_tags() == frozenset(INFO["cuda_formats"])
 
 
 def test_cuda_backend_available_only_with_a_build_and_a_device(monkeypatch):

@@ -32,7 +32,8 @@ int64_t CudaWorkspaceBytes(int64_t count);
 //
 // Beyond AdamStep's rules it refuses (kInvalidArgument, nothing enqueued): a data
 // buffer not aligned to its element size, a tensor past the backend's element
-// limit (message gives it), and a workspace that is null, too small or not 4-byte
+// limit (message gives it), a moment in a format CudaSupportsFormat says no to,
+// and a workspace that is null, too small or not 4-byte
 // aligned (tensor_index -1). Not checkable on the host, so the caller's duty:
 // that the pointers are device memory of `device` and the scale slots hold
 // finite values > 0. The caller owns slots, buffers, scale slots and workspace:
@@ -45,6 +46,11 @@ int64_t CudaWorkspaceBytes(int64_t count);
 Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
                     void* workspace, int64_t workspace_bytes, void* stream, int device,
                     Error* error);
+
+// Whether AdamStepCuda steps states of format `dtype` (every format the CPU core
+// takes, except per-block scaled formats the kernels have no codec for yet, which
+// it refuses). Needs no device.
+bool CudaSupportsFormat(DType dtype);
 
 // Number of CUDA devices the runtime sees (0 without a driver or GPU).
 int CudaDeviceCount();

@@ -1,11 +1,14 @@
 // AdamStepCuda. Validation runs everywhere (it is host code and touches no
 // device); the step itself runs where a GPU is, and must give the CPU core's
 // bits on every dtype combination, across the launch boundaries (tensors per
-// launch, elements per block) and with empty tensors anywhere in the list.
+// launch, elements per block) and with empty tensors anywhere in the list;
+// per-block scaled moments (S2.9, S2.10) too, on every option the core takes
+// beside them, block sizes 128..4096 and shards cut inside blocks.
 #include "shardadam/adam_cuda.h"
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 #include <memory>
@@ -13,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "block_fixture.h"
 #include "gtest/gtest.h"
 #include "tensor_fixture.h"
 #include "test_util.h"
@@ -210,6 +214,144 @@ TEST(CudaStepListTest, ZeroAndSubnormalValuesMatchCpuCore) {
   ExpectCudaMatchesCpu(tensors, true, /*fresh_grads=*/false);
 }
 
+// A Shard's buffers and block scales copied to the device with their guard bytes,
+// and back (guards included, so a write outside a buffer shows).
+struct DeviceShard {
+  std::vector<std::unique_ptr<DeviceBuffer>> owned;
+  TensorSlot slot;
+
+  void* Upload(const std::vector<uint8_t>& host) {
+    owned.push_back(std::make_unique<DeviceBuffer>(host.size()));
+    EXPECT_EQ(cudaMemcpy(owned.back()->data(), host.data(), host.size(),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+    return static_cast<char*>(owned.back()->data()) + kGuard;
+  }
+
+  explicit DeviceShard(Shard& s) {
+    slot = s.Slot();
+    slot.param = Upload(s.param);
+    slot.grad = Upload(s.grad);
+    slot.exp_avg = Upload(s.exp_avg);
+    slot.exp_avg_sq = Upload(s.exp_avg_sq);
+    void* master = Upload(s.master);
+    if (slot.master_param != nullptr) slot.master_param = master;
+    float* m_scales = static_cast<float*>(Upload(s.m_scales));
+    float* v_scales = static_cast<float*>(Upload(s.v_scales));
+    if (slot.exp_avg_scale != nullptr) slot.exp_avg_scale = m_scales;
+    if (slot.exp_avg_sq_scale != nullptr) slot.exp_avg_sq_scale = v_scales;
+  }
+
+  void Download(Shard* s) const {
+    std::vector<uint8_t>* host[] = {&s->param, &s->grad, &s->exp_avg, &s->exp_avg_sq,
+                                    &s->master, &s->m_scales, &s->v_scales};
+    for (size_t k = 0; k < owned.size(); ++k) {
+      EXPECT_EQ(cudaMemcpy(host[k]->data(), owned[k]->data(), host[k]->size(),
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+  }
+};
+
+// Steps `shards` and `tensors` (per-tensor states) in one AdamStepCuda call on a
+// non-default stream and on the CPU core through BlockSchedule, and compares
+// every buffer and scale after each step.
+void ExpectBlocksMatchCpu(std::vector<Shard> shards, std::vector<Tensor> tensors, bool adam_w) {
+  std::mt19937 rng(21);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  for (const StepParams& params : BlockSchedule(adam_w)) {
+    SCOPED_TRACE("step " + std::to_string(params.step));
+    for (Shard& s : shards) FillBlockGrad(&s, static_cast<int>(params.step), &rng);
+    for (Tensor& t : tensors) FillGrad(&t, &rng);
+    std::vector<Shard> want = shards, got = shards;
+    std::vector<Tensor> want_tensors = tensors, got_tensors = tensors;
+    std::vector<TensorSlot> want_slots, slots;
+    std::vector<std::unique_ptr<DeviceShard>> device;
+    std::vector<std::unique_ptr<DeviceTensor>> device_tensors;
+    // Interleaved, so that launches change kind (per-block or not) along the list.
+    for (size_t k = 0; k < std::max(want.size(), want_tensors.size()); ++k) {
+      if (k < want.size()) {
+        want_slots.push_back(want[k].Slot());
+        device.push_back(std::make_unique<DeviceShard>(got[k]));
+        slots.push_back(device.back()->slot);
+      }
+      if (k < want_tensors.size()) {
+        want_slots.push_back(want_tensors[k].Slot());
+        device_tensors.push_back(std::make_unique<DeviceTensor>(got_tensors[k], kNoneShifted));
+        slots.push_back(device_tensors.back()->slot);
+      }
+    }
+    Error error;
+    ASSERT_EQ(AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params, 2,
+                       &error),
+              Status::kOk)
+        << error.message;
+    const int64_t count = static_cast<int64_t>(slots.size());
+    DeviceBuffer workspace(static_cast<size_t>(CudaWorkspaceBytes(count)));
+    ASSERT_EQ(AdamStepCuda(slots.data(), count, params, workspace.data(),
+                           CudaWorkspaceBytes(count), stream, /*device=*/0, &error),
+              Status::kOk)
+        << error.message;
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (size_t k = 0; k < got.size(); ++k) {
+      device[k]->Download(&got[k]);
+      ASSERT_TRUE(SameShard(want[k], got[k])) << "shard " << k << " " << ShardName(want[k]);
+    }
+    for (size_t k = 0; k < got_tensors.size(); ++k) device_tensors[k]->Download(&got_tensors[k]);
+    ASSERT_TRUE(SameTensors(want_tensors, got_tensors));
+    shards = want;
+    tensors = want_tensors;
+  }
+  cudaStreamDestroy(stream);
+}
+
+std::vector<Shard> ShardsOf(const BlockConfig& config) {
+  std::vector<Shard> shards;
+  for (const ShardShape& s : ShardShapes()) shards.emplace_back(config, s.first_index, s.numel, s.block);
+  return shards;
+}
+
+TEST(CudaBlockStepTest, EveryBlockOptionMatchesCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  for (const BlockConfig& config : BlockConfigs()) {
+    SCOPED_TRACE(BlockConfigName(config));
+    ExpectBlocksMatchCpu(ShardsOf(config), {}, config.adam_w);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(CudaBlockStepTest, BlockAndPerTensorStatesInOneCallMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // The first shards alternate with tensors of per-tensor fp8 and fp16 states
+  // (launches split by kind), then 38 of one block layout (more than a launch's
+  // 32), then the catch-all block layout (fp16 params, bf16 gradients).
+  std::vector<Shard> shards;
+  const std::vector<BlockConfig> configs = BlockConfigs();
+  for (int k = 0; k < 50; ++k) {
+    const ShardShape shape = ShardShapes()[k % ShardShapes().size()];
+    shards.emplace_back(configs[k < 44 ? 0 : 25], shape.first_index, shape.numel, shape.block);
+  }
+  std::mt19937 rng(12);
+  std::vector<Tensor> tensors;
+  for (const Config& c : RepresentativeConfigs()) {
+    if (c.adam_w) tensors.push_back(MakeTensor(c, 1 + rng() % 20000, &rng));
+  }
+  ExpectBlocksMatchCpu(shards, tensors, true);
+}
+
+TEST(CudaBlockStepTest, LargeBlock8ShardsMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // Millions of elements: many CUDA blocks per tensor, each block size.
+  std::vector<Shard> shards;
+  const BlockConfig bf16{DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8,
+                         kUBlock8, true};
+  for (int32_t block : {128, 256, 1024, 4096}) {
+    shards.emplace_back(bf16, 3 * int64_t{block} + 77, (3 << 20) + 5, block);
+  }
+  ExpectBlocksMatchCpu(shards, {}, true);
+}
+
 // An all-fp32 slot of `numel` elements over host buffers (validation only
 // compares addresses, so host memory stands in for device memory).
 TensorSlot Fp32Slot(float (&buffers)[4][8], int64_t numel = 8, int64_t offset = 0) {
@@ -263,24 +405,27 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   EXPECT_EQ(CudaWorkspaceBytes(0), 0);
 }
 
-// Per-block scaled states have CPU kernels only: refused before anything is
-// enqueued, naming the state and its format.
-TEST(CudaValidationTest, PerBlockScaledStatesAreRefused) {
+// Per-block scaled states are stepped (so accepted), and their geometry is
+// validated as by AdamStep, before anything is enqueued.
+TEST(CudaValidationTest, PerBlockScaledStatesAreValidated) {
   float buffers[4][8] = {};
   float scales[2] = {1.0f, 1.0f};
   int workspace[4] = {};
   TensorSlot s = Fp32Slot(buffers);
-  s.exp_avg_sq_dtype = DType::kFloat8E4M3Block;
+  s.exp_avg_sq_dtype = DType::kUFloat8E4M4Block;
   s.exp_avg_sq_scale = scales;
-  s.scale_block = 128;
+  s.scale_block = 100;
   Error error;
   EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), workspace, sizeof(workspace), nullptr, -1,
                          &error),
             Status::kInvalidArgument);
   EXPECT_EQ(error.tensor_index, 0);
-  EXPECT_NE(error.message.find("exp_avg_sq_dtype 6 (fp8-block) has no CUDA kernel"),
-            std::string::npos)
+  EXPECT_NE(error.message.find("scale_block 100 is not a power of two"), std::string::npos)
       << error.message;
+  EXPECT_TRUE(CudaSupportsFormat(DType::kFloat8E4M3Block));
+  EXPECT_TRUE(CudaSupportsFormat(DType::kUFloat8E4M4Block));
+  EXPECT_TRUE(CudaSupportsFormat(DType::kFloat32));
+  EXPECT_FALSE(CudaSupportsFormat(static_cast<DType>(kNumDTypes)));
 }
 
 TEST(CudaValidationTest, MisalignedBuffersAreRejected) {

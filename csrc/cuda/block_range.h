@@ -1,0 +1,156 @@
+// How the CUDA kernels step a tensor with per-block scaled moments (S2.9, S2.10),
+// as host-device code so the C++ tests run the same lane work on the CPU against
+// the CPU core. One pass: a group of lanes takes one scale block, each lane every
+// lanes-th pair of adjacent elements of it (a warp's accesses are consecutive; in
+// pairs so that a format of two codes per byte would give each byte to one lane).
+// A lane decodes with the block's old scales, updates, stores the weight at once
+// and keeps the new moments in registers; the group reduces their absmax (exact:
+// a maximum of fp32 bits), derives the block's new scales (scale_rule.h) and
+// encodes. The kernel (adam_cuda.cu) adds the group reduction and the barriers.
+#ifndef SHARDADAM_CUDA_BLOCK_RANGE_H_
+#define SHARDADAM_CUDA_BLOCK_RANGE_H_
+
+#include <cstdint>
+
+#include "cuda/range.h"  // kThreads
+#include "cuda/slot_math.h"
+#include "scale_rule.h"
+
+namespace shardadam {
+namespace cuda {
+
+// Elements per CUDA block of the per-block kernel: a whole number of scale blocks
+// of every allowed size, so the CUDA blocks split a tensor on scale block bounds.
+constexpr int64_t kBlockChunk = 8192;
+static_assert(kBlockChunk % kMaxScaleBlock == 0, "a chunk holds whole scale blocks");
+// Elements one lane keeps in registers: the largest block over the lanes.
+constexpr int kMaxPerLane = kMaxScaleBlock / kThreads;
+static_assert(kMaxPerLane * kThreads == kMaxScaleBlock && kMaxPerLane % 2 == 0, "pairs");
+static_assert(kMinScaleBlock / 2 % 32 == 0, "a scale block's group is whole warps");
+
+// Lanes that share one scale block: all of the CUDA block's, or one per pair of
+// its elements when it is smaller (then the CUDA block steps several at once).
+SHARDADAM_HOST_DEVICE inline int LanesPerScaleBlock(int32_t scale_block) {
+  return scale_block / 2 < kThreads ? scale_block / 2 : kThreads;
+}
+
+// Scale blocks that elements [0, numel) of `t` touch (formats.h ScaleCount).
+SHARDADAM_HOST_DEVICE inline int64_t ScaleBlocksOf(const DeviceSlot& t) {
+  return t.numel <= 0 ? 0 : (t.lead + t.numel - 1) / t.scale_block + 1;
+}
+
+// Scale blocks per CUDA block.
+SHARDADAM_HOST_DEVICE inline int64_t ScaleBlocksPerChunk(const DeviceSlot& t) {
+  return kBlockChunk / t.scale_block;
+}
+
+// CUDA blocks that step `t`, and the scale blocks [begin, end) CUDA block
+// `chunk` of them steps.
+SHARDADAM_HOST_DEVICE inline int64_t ChunksOf(const DeviceSlot& t) {
+  const int64_t per_chunk = ScaleBlocksPerChunk(t);
+  return (ScaleBlocksOf(t) + per_chunk - 1) / per_chunk;
+}
+
+struct ScaleBlockRange {
+  int64_t begin, end;
+};
+
+SHARDADAM_HOST_DEVICE inline ScaleBlockRange ChunkScaleBlocks(const DeviceSlot& t,
+                                                              int64_t chunk) {
+  const int64_t begin = chunk * ScaleBlocksPerChunk(t);
+  const int64_t end = begin + ScaleBlocksPerChunk(t);
+  const int64_t count = ScaleBlocksOf(t);
+  return {begin, end < count ? end : count};
+}
+
+// Local index of element k of lane `lane` in scale block j (maybe outside the
+// tensor, for its partial first and last blocks): elements k and k + 1 (k even)
+// are a pair, adjacent.
+SHARDADAM_HOST_DEVICE inline int64_t BlockElement(const DeviceSlot& t, int64_t j, int lane,
+                                                  int k) {
+  const int64_t pair = int64_t{k / 2} * LanesPerScaleBlock(t.scale_block) + lane;
+  return j * t.scale_block - t.lead + 2 * pair + k % 2;
+}
+
+// A lane's part of one scale block: its new moments, and their absmax bits.
+struct BlockLane {
+  float m[kMaxPerLane];
+  float v[kMaxPerLane];
+  uint32_t best[2];  // AbsBits maxima of the new m and v over the lane's elements
+};
+
+// The block scales in effect for scale block j (1 for unscaled states; a tensor
+// with per-block scales has no per-tensor scaled state).
+SHARDADAM_HOST_DEVICE inline Scales BlockScales(const DeviceSlot& t, int64_t j) {
+  Scales r;
+  r.s[kW] = 1.0f;
+  r.s[kM] = t.scale[kM] != nullptr ? t.scale[kM][j] : 1.0f;
+  r.s[kV] = t.scale[kV] != nullptr ? t.scale[kV][j] : 1.0f;
+  return r;
+}
+
+// Updates lane `lane`'s elements of scale block j, stores their weights (param,
+// master: independent of the moments' scales) and keeps their moments in `out`.
+template <bool kAdamW>
+SHARDADAM_HOST_DEVICE inline void UpdateBlockLane(const DeviceSlot& t, const StepConstants& c,
+                                                  int64_t j, int lane, BlockLane& out) {
+  const Scales old = BlockScales(t, j);
+  const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
+  out.best[0] = 0;
+  out.best[1] = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) {
+    const int64_t i = BlockElement(t, j, lane, k);
+    if (k >= per_lane || i < 0 || i >= t.numel) continue;
+    Inputs e = LoadInputs(t, old, i);
+    Update<kAdamW>(c, e);
+    Codes codes{};
+    EncodeWeight(t, old, e.w, codes);  // old.s[kW] is 1: no scaled master here
+    WriteWeightCodes(t, i, codes);
+    out.m[k] = e.m;
+    out.v[k] = e.v;
+    out.best[0] = out.best[0] > AbsBits(e.m) ? out.best[0] : AbsBits(e.m);
+    out.best[1] = out.best[1] > AbsBits(e.v) ? out.best[1] : AbsBits(e.v);
+  }
+}
+
+// The new scales of a block whose new moments have absmax bits best[0] (m) and
+// best[1] (v) over its elements in this tensor: S2.9's search, with the bounds
+// of each state's format.
+SHARDADAM_HOST_DEVICE inline Scales NewBlockScales(const DeviceSlot& t, const uint32_t best[2]) {
+  const auto scale = [](uint8_t dtype, uint32_t bits) {
+    const FormatInfo f = FormatOf(static_cast<DType>(dtype));
+    return BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound);
+  };
+  Scales r;
+  r.s[kW] = 1.0f;
+  r.s[kM] = t.scale[kM] != nullptr ? scale(t.exp_avg_dtype, best[0]) : 1.0f;
+  r.s[kV] = t.scale[kV] != nullptr ? scale(t.exp_avg_sq_dtype, best[1]) : 1.0f;
+  return r;
+}
+
+// Stores lane `lane`'s moments of scale block j with the block's new scales.
+SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j, int lane,
+                                                 const Scales& now, const BlockLane& in) {
+  const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
+#pragma unroll
+  for (int k = 0; k < kMaxPerLane; ++k) {
+    const int64_t i = BlockElement(t, j, lane, k);
+    if (k >= per_lane || i < 0 || i >= t.numel) continue;
+    Codes codes{};
+    EncodeMoments(t, now, in.m[k], in.v[k], codes);
+    WriteMomentCodes(t, i, codes);
+  }
+}
+
+// After every lane of block j has read its old scales: the new ones.
+SHARDADAM_HOST_DEVICE inline void WriteBlockScales(const DeviceSlot& t, int64_t j,
+                                                   const Scales& now) {
+  if (t.scale[kM] != nullptr) t.scale[kM][j] = now.s[kM];
+  if (t.scale[kV] != nullptr) t.scale[kV][j] = now.s[kV];
+}
+
+}  // namespace cuda
+}  // namespace shardadam
+
+#endif  // SHARDADAM_CUDA_BLOCK_RANGE_H_

@@ -1,0 +1,234 @@
+// Test fixtures of tensors with per-block scaled moments, shared by the CUDA
+// kernels' CPU-run test (cuda_block_math_test.cc) and their GPU test
+// (cuda/adam_cuda_test.cc): the dtype options the core takes beside per-block
+// moments, shards of a parameter owned between guard bytes, gradients whose
+// blocks span the scale rule's cases, and the bitwise comparison of two shards.
+#ifndef SHARDADAM_TESTS_CPP_BLOCK_FIXTURE_H_
+#define SHARDADAM_TESTS_CPP_BLOCK_FIXTURE_H_
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "reference.h"
+#include "shardadam/adam.h"
+#include "test_util.h"
+
+namespace shardadam {
+namespace testing {
+
+constexpr DType kBlock8 = DType::kFloat8E4M3Block;
+constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
+
+// The dtypes of one tensor with at least one per-block scaled moment.
+struct BlockConfig {
+  DType param, grad, master, exp_avg, exp_avg_sq;
+  bool adam_w;
+};
+
+inline std::string BlockConfigName(const BlockConfig& c) {
+  std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
+                     DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
+                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2");
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+}
+
+inline void PrintTo(const BlockConfig& c, std::ostream* os) { *os << BlockConfigName(c); }
+
+// Every param/master option the core takes beside per-block moments (no scaled
+// master: per-block and per-tensor scales do not mix), each with every gradient
+// dtype, and the moment pairs: FusedAdam's block8, fp8-block for both, and each
+// block format beside an unscaled moment.
+inline std::vector<BlockConfig> BlockConfigs() {
+  const struct {
+    DType param, master;
+  } weights[] = {{DType::kFloat32, DType::kNone},     {DType::kFloat16, DType::kNone},
+                 {DType::kFloat16, DType::kFloat32},  {DType::kBFloat16, DType::kNone},
+                 {DType::kBFloat16, DType::kFloat32}, {DType::kBFloat16, DType::kInt16Remainder}};
+  const struct {
+    DType m, v;
+  } moments[] = {{kBlock8, kUBlock8},
+                 {kBlock8, kBlock8},
+                 {kBlock8, DType::kFloat32},
+                 {DType::kBFloat16, kUBlock8},
+                 {DType::kFloat32, kBlock8}};
+  const DType grads[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+  std::vector<BlockConfig> configs;
+  for (bool adam_w : {true, false}) {
+    for (const auto& w : weights) {
+      for (DType g : grads) {
+        for (const auto& m : moments) configs.push_back({w.param, g, w.master, m.m, m.v, adam_w});
+      }
+    }
+  }
+  return configs;
+}
+
+// Bytes around every buffer that no step may write.
+inline constexpr size_t kGuard = 16;
+inline constexpr uint8_t kGuardByte = 0xA5;
+
+// A shard of a parameter owned as a caller would own it, each buffer and scale
+// array between guard bytes.
+struct Shard {
+  BlockConfig config;
+  int64_t numel = 0, first_index = 0;
+  int32_t block = 0;
+  std::vector<uint8_t> param, grad, master, exp_avg, exp_avg_sq, m_scales, v_scales;
+
+  static std::vector<uint8_t> Guarded(size_t bytes) {
+    return std::vector<uint8_t>(bytes + 2 * kGuard, kGuardByte);
+  }
+  static void* At(std::vector<uint8_t>& bytes) { return bytes.data() + kGuard; }
+
+  Shard(const BlockConfig& c, int64_t first, int64_t n, int32_t b)
+      : config(c), numel(n), first_index(first), block(b) {
+    const auto size = [n](DType d) { return static_cast<size_t>(BufferBytes(d, n)); };
+    param = Guarded(size(c.param));
+    grad = Guarded(size(c.grad));
+    master = Guarded(c.master == DType::kNone ? 0 : size(c.master));
+    exp_avg = Guarded(size(c.exp_avg));
+    exp_avg_sq = Guarded(size(c.exp_avg_sq));
+    const auto scales = [&](DType d) {
+      std::vector<uint8_t> s = Guarded(sizeof(float) * ScaleCount(d, first, n, b));
+      for (int64_t k = 0; k < ScaleCount(d, first, n, b); ++k) {
+        const float one = 1.0f;  // a fresh state: zero moments, scale 1
+        std::memcpy(s.data() + kGuard + k * sizeof(float), &one, sizeof(float));
+      }
+      return s;
+    };
+    m_scales = scales(c.exp_avg);
+    v_scales = scales(c.exp_avg_sq);
+    for (auto* buffer : {&exp_avg, &exp_avg_sq}) {
+      std::memset(buffer->data() + kGuard, 0, buffer->size() - 2 * kGuard);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float w = std::sin(0.37f * static_cast<float>(first + i));
+      if (c.master == DType::kInt16Remainder) {
+        reference::SplitMaster(w, static_cast<uint16_t*>(At(param)) + i,
+                         static_cast<int16_t*>(At(master)) + i);
+      } else {
+        reference::StoreElement(At(param), c.param, i, w);
+        if (c.master != DType::kNone) reference::StoreElement(At(master), c.master, i, w);
+      }
+    }
+  }
+
+  TensorSlot Slot() {
+    TensorSlot s;
+    s.numel = numel;
+    s.first_index = first_index;
+    s.scale_block = block;
+    s.param = At(param);
+    s.param_dtype = config.param;
+    s.grad = At(grad);
+    s.grad_dtype = config.grad;
+    s.exp_avg = At(exp_avg);
+    s.exp_avg_dtype = config.exp_avg;
+    s.exp_avg_sq = At(exp_avg_sq);
+    s.exp_avg_sq_dtype = config.exp_avg_sq;
+    if (IsScaled(config.exp_avg)) s.exp_avg_scale = static_cast<float*>(At(m_scales));
+    if (IsScaled(config.exp_avg_sq)) s.exp_avg_sq_scale = static_cast<float*>(At(v_scales));
+    if (config.master != DType::kNone) {
+      s.master_param = At(master);
+      s.master_dtype = config.master;
+    }
+    return s;
+  }
+};
+
+// The gradient of step `step`: per scale block, a magnitude class (zero blocks,
+// ordinary, tiny enough that the fp8-block scale is 1, subnormal, huge enough
+// that v overflows), and at some steps a few NaN and infinite elements.
+inline void FillBlockGrad(Shard* t, int step, std::mt19937* rng) {
+  static const int kExponents[] = {0, -6, 1000, -40, -70, -131, -149, 66, 3};
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t i = 0; i < t->numel; ++i) {
+    const int64_t global = t->first_index + i;
+    const int64_t block = global / t->block;
+    const int exponent = kExponents[(block * 7 + step) % 9];
+    float g = exponent == 1000 ? 0.0f : std::ldexp(normal(*rng), exponent);
+    if (step % 2 == 0 && global % 2003 == 17) g = NAN;
+    if (step == 3 && global % 3001 == 5) g = (global & 1) ? INFINITY : -INFINITY;
+    reference::StoreElement(Shard::At(t->grad), t->config.grad, i, g);
+  }
+}
+
+inline ::testing::AssertionResult SameShard(const Shard& want, const Shard& got) {
+  const BlockConfig& c = want.config;
+  const struct {
+    const char* name;
+    const std::vector<uint8_t>& a;
+    const std::vector<uint8_t>& b;
+    DType dtype;
+  } buffers[] = {{"param", want.param, got.param, c.param},
+                 {"master", want.master, got.master, c.master},
+                 {"exp_avg", want.exp_avg, got.exp_avg, c.exp_avg},
+                 {"exp_avg_sq", want.exp_avg_sq, got.exp_avg_sq, c.exp_avg_sq}};
+  for (const auto& buffer : buffers) {
+    for (size_t k = 0; k < kGuard; ++k) {
+      if (buffer.b[k] != kGuardByte || buffer.b[buffer.b.size() - 1 - k] != kGuardByte) {
+        return ::testing::AssertionFailure() << buffer.name << ": written outside";
+      }
+    }
+    if (buffer.dtype == DType::kNone) continue;
+    ::testing::AssertionResult same = SameElements(buffer.a.data() + kGuard,
+                                                   buffer.b.data() + kGuard, buffer.dtype,
+                                                   want.numel);
+    if (!same) return ::testing::AssertionFailure() << buffer.name << ": " << same.message();
+  }
+  // Scales bitwise, guards included.
+  if (want.m_scales != got.m_scales) return ::testing::AssertionFailure() << "exp_avg scales";
+  if (want.v_scales != got.v_scales) return ::testing::AssertionFailure() << "exp_avg_sq scales";
+  return ::testing::AssertionSuccess();
+}
+
+// Shards as (first_index, numel, block size): partial first and last blocks, a
+// first block of one element, shards spanning several CUDA blocks' chunks, one
+// whole block, a first index past 2^32, and an empty shard.
+struct ShardShape {
+  int64_t first_index, numel;
+  int32_t block;
+};
+inline std::vector<ShardShape> ShardShapes() {
+  return {
+    {0, 1, 128},          {100, 1000, 128},     {37, 20000, 128},  {768, 513, 256},
+    {3 * 512 + 7, 3000, 512}, {(1 << 20) + 5, 9000, 1024}, {2048 * 3 + 2047, 5000, 2048},
+    {0, 4096, 4096},      {4095, 8200, 4096},   {(int64_t{1} << 33) + 300, 777, 2048},
+    {0, 0, 256},
+  };
+}
+
+inline std::string ShardName(const Shard& s) {
+  return "(first_index " + std::to_string(s.first_index) + ", numel " +
+         std::to_string(s.numel) + ", block " + std::to_string(s.block) + ")";
+}
+
+// Four steps: lr 0 at the third (a real step, S3.8), no bias correction at the
+// fourth, weight decay in both modes.
+inline std::vector<StepParams> BlockSchedule(bool adam_w) {
+  std::vector<StepParams> steps;
+  for (int step = 1; step <= 4; ++step) {
+    StepParams p;
+    p.step = step;
+    p.adam_w_mode = adam_w;
+    p.lr = step == 3 ? 0.0 : 1e-2;
+    p.weight_decay = 0.05;
+    p.bias_correction = step != 4;
+    steps.push_back(p);
+  }
+  return steps;
+}
+
+}  // namespace testing
+}  // namespace shardadam
+
+#endif  // SHARDADAM_TESTS_CPP_BLOCK_FIXTURE_H_
