@@ -3,7 +3,8 @@
 The demo's small model (``shardadam.demo``: same data, seed, learning-rate schedule,
 betas, weight decay groups), trained in one process for ``--steps`` steps by torch's
 AdamW and by ``tools/state_map_study.py``'s emulated AdamW whose moments are stored in
-the maps a spec names (``m=MAP:B,v=MAP:B``, its syntax). 1-D parameters (norms, biases)
+the maps a spec names (``m=MAP:B,v=MAP:B``, its syntax), or by torchao's low-bit
+AdamW (``torchao:AdamW4bit``). 1-D parameters (norms, biases)
 take ``--small`` instead, as FusedAdam's block4 gives them block8's formats (S2.12).
 Prints the mean loss of the last 10 steps of each run beside torch AdamW's (the
 README's accuracy measure) and appends JSON lines to --out.
@@ -38,11 +39,13 @@ def train(spec_text: str, small_text: str, steps: int, seed: int, corpus: str) -
     model = Transformer(VOCAB_SIZE, size)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": WEIGHT_DECAY},
+              {"params": no_decay, "weight_decay": 0.0}]
     if spec_text == "ref":
-        optimizers = [torch.optim.AdamW(
-            [{"params": decay, "weight_decay": WEIGHT_DECAY},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=0.0, betas=BETAS, eps=EPS, foreach=True)]
+        optimizers = [torch.optim.AdamW(groups, lr=0.0, betas=BETAS, eps=EPS, foreach=True)]
+    elif spec_text.startswith("torchao:"):
+        make = study.torchao_factory(spec_text[len("torchao:"):])
+        optimizers = [make(groups, lr=0.0, betas=BETAS, eps=EPS)]
     else:
         optimizers = [study.BlockAdamW(decay, 0.0, BETAS, EPS, WEIGHT_DECAY,
                                        **study.parse_spec(spec_text)),

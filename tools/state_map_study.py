@@ -249,6 +249,8 @@ def build_maps():
         TableMap("e2m1", 4, _float_magnitudes(2, 1, 1), True,
                  "signed E2M1 (fp4) / 6: 0, 1/12, 1/6, 1/4, 1/3, 1/2, 2/3, 1"),
         TableMap("int4", 4, range(8), True, "signed linear k/7"),
+        TableMap("dyn4", 4, _dynamic_magnitudes(4, True), True,
+                 "signed dynamic, 4 bits: 0, 0.01, 0.055, 0.1, 0.325, 0.55, 0.775, 1"),
         CompandedMap("sqrt8", 8),
         TableMap("ue5m3", 8, _float_magnitudes(5, 3, 15), False,
                  "unsigned E5M3 (bias 15, subnormals, no inf/NaN) / 122880; 0 only for 0"),
@@ -260,6 +262,8 @@ def build_maps():
                  "unsigned log: 0, 2^-14 .. 2^0 (ratio 2); 0 only for 0"),
         TableMap("ue3m1", 4, _float_magnitudes(3, 1, 3), False,
                  "unsigned E3M1 (bias 3) / 24; 0 only for 0"),
+        TableMap("ue3m1n", 4, _float_magnitudes(3, 1, 3, reserve_top=1), False,
+                 "unsigned E3M1 (bias 3) / 16, code 15 kept for NaN; 0 only for 0"),
     ):
         maps[m.name] = m
     return maps
@@ -409,10 +413,12 @@ class FloatP2:
 MAPS["e4m3s29"] = CoreFp8Block()
 for _map in (FloatP2("fe4m3", 4, 3, 7, True, reserve_top=1),
              FloatP2("fe2m1", 2, 1, 1, True),
+             FloatP2("fe3m0", 3, 0, 1, True),
              FloatP2("ufe5m3", 5, 3, 15, False),
              FloatP2("ufe4m4", 4, 4, 7, False),
              FloatP2("ufe4m0", 4, 0, 15, False),
-             FloatP2("ufe3m1", 3, 1, 3, False)):
+             FloatP2("ufe3m1", 3, 1, 3, False),
+             FloatP2("ufe3m1n", 3, 1, 3, False, reserve_top=1)):
     MAPS[_map.name] = _map
 for _name in list(MAPS):
     if isinstance(MAPS[_name], (TableMap, CompandedMap)):
@@ -628,7 +634,37 @@ def parse_spec(text):
 _FUSED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.uint8}
 
 
+def torchao_factory(name):
+    """``make_optimizer`` for torchao's low-bit AdamW ``name`` (AdamW8bit, AdamW4bit,
+    AdamWFp8: block-scaled moments, fp32 for tensors too small to quantize)."""
+    import torchao.optim
+
+    def make(params, **hyper):
+        return getattr(torchao.optim, name)(params, **hyper)
+    return make
+
+
+def torchao_state_bytes(opt) -> float:
+    """Bytes of torchao's optimizer state: its quantized subclasses count their codes
+    and scales (``__tensor_flatten__``), plain tensors themselves."""
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if hasattr(value, "__tensor_flatten__"):
+                names, _ = value.__tensor_flatten__()
+                total += sum(getattr(value, n).numel() * getattr(value, n).element_size()
+                             for n in names)
+            else:
+                total += value.numel() * value.element_size()
+    return total
+
+
 def run_one(text, workload, progress_every):
+    if text.startswith("torchao:"):
+        return rare_tokens.train(torchao_factory(text[len("torchao:"):]), workload,
+                                 label=text, state_bytes_of=torchao_state_bytes)
     if text.startswith("fused:"):
         m, _, v = text[len("fused:"):].partition("/")
         make = rare_tokens.fused_adam_factory(exp_avg_dtype=_FUSED_DTYPES[m],

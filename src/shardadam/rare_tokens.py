@@ -263,7 +263,9 @@ def describe(args) -> str:
     if args.master != "none":
         text += f" + {args.master} master"
     if args.moment_format is not None:
-        block = args.moment_block_size or 256
+        from shardadam import _formats
+
+        block = args.moment_block_size or _formats.MOMENT_FAMILIES[args.moment_format][2]
         return text + f", moments {args.moment_format} (blocks of {block})"
     return text + f", exp_avg {args.exp_avg}, exp_avg_sq {args.exp_avg_sq}"
 
