@@ -245,6 +245,25 @@ HWY_INLINE VF F8ToF32(VU c) {
   return hn::BitCast(df, hn::Or(r, sign));
 }
 
+// The small-float code of magnitudes `abs` (fp32 bits, sign clear) by one float
+// addition: with M = the power of two `kOffset` exponents above the binade of |x|
+// (binades below `kLowest`, fp32 bits of a power of two, step like it), the ulp of
+// |x| + M is the format's step at |x|, so the sum rounds |x| to nearest even and its
+// low bits count steps above M; `1 << kShift` codes per binade above kLowest are
+// added. Meaningful only where |x| rounds to a finite code (callers clamp the rest).
+template <uint32_t kLowest, uint32_t kOffset, int kShift>
+HWY_INLINE VU SmallFloatCode(VU abs) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
+                            hn::Set(di, static_cast<int32_t>(kLowest)));
+  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, kOffset));
+  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
+  const VU base = hn::ShiftRight<kShift>(hn::Sub(magic, hn::Set(du, kLowest + kOffset)));
+  return hn::Add(hn::Sub(sum, magic), base);
+}
+
 // fp32 -> E4M3 "fn" code in the low byte of each lane. One float addition
 // does the rounding: with M = 2^(e + 20) for |x| in [2^e, 2^(e+1)) (e >= -6;
 // M = 2^14 below), the ulp of |x| + M is exactly the E4M3 step at |x|, so the
@@ -253,18 +272,12 @@ HWY_INLINE VF F8ToF32(VU c) {
 // 448 (and inf / NaN, whose M is garbage) ends above 0x7F and is clamped to
 // NaN, as torch does; no saturation to 448.
 HWY_INLINE VU F32ToF8(VF x) {
-  const DF df;
   const DU du;
-  const DI di;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
-  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
-                            hn::Set(di, 0x3C800000));  // >= 2^-6
-  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0A000000u));
-  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
-  const VU steps = hn::Sub(sum, magic);
-  const VU base = hn::ShiftRight<20>(hn::Sub(magic, hn::Set(du, 0x46800000u)));
-  const VU code = hn::Min(hn::Add(steps, base), hn::Set(du, 0x7Fu));  // unsigned
+  // Binades from 2^-6, M = 2^(e + 20): 8 codes per binade.
+  const VU code = hn::Min(SmallFloatCode<0x3C800000u, 0x0A000000u, 20>(abs),
+                          hn::Set(du, 0x7Fu));  // unsigned
   return hn::Or(code, hn::And(hn::ShiftRight<24>(bits), hn::Set(du, 0x80u)));
 }
 
@@ -291,17 +304,11 @@ HWY_INLINE VF UF8ToF32(VU c) {
 // NaN code. Zero-free: where the true value u is not zero, code 0 (x rounded,
 // or the division underflowed) becomes code 1.
 HWY_INLINE VU F32ToUF8(VF x, VF u) {
-  const DF df;
   const DU du;
-  const DI di;
   const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
-  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
-                            hn::Set(di, 0x3C800000));  // >= 2^-6
-  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x09800000u));
-  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
-  const VU steps = hn::Sub(sum, magic);
-  const VU base = hn::ShiftRight<19>(hn::Sub(magic, hn::Set(du, 0x46000000u)));
-  const VU code = hn::Min(hn::Add(steps, base), hn::Set(du, 0xFFu));  // unsigned
+  // Binades from 2^-6, M = 2^(e + 19): 16 codes per binade.
+  const VU code = hn::Min(SmallFloatCode<0x3C800000u, 0x09800000u, 19>(abs),
+                          hn::Set(du, 0xFFu));  // unsigned
   const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
   return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
                         hn::Set(du, 1u), code);
@@ -330,17 +337,12 @@ HWY_INLINE VF F4ToF32(VU c) {
 // |x| >= 7 (rounding to 8 or more), inf and NaN are the NaN code 0x8; a
 // magnitude rounding to 0 is code 0 whatever its sign (0x8 is no -0).
 HWY_INLINE VU F32ToF4(VF x) {
-  const DF df;
   const DU du;
   const DI di;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
-  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
-                            hn::Set(di, 0x3F800000));  // >= 1
-  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0B000000u));
-  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
-  const VU steps = hn::Sub(sum, magic);
-  const VU mag = hn::Add(steps, hn::ShiftRight<22>(hn::Sub(magic, hn::Set(du, 0x4A800000u))));
+  // Binades from 1, M = 2^(e + 22): 2 codes per binade.
+  const VU mag = SmallFloatCode<0x3F800000u, 0x0B000000u, 22>(abs);
   const VU sign = hn::And(hn::ShiftRight<28>(bits), hn::Set(du, 8u));
   const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
   return hn::IfThenElse(
@@ -367,16 +369,11 @@ HWY_INLINE VF UF4ToF32(VU c) {
 // between 16 and 24 rounds to 16), inf and NaN are the NaN code 0xF.
 // Zero-free as F32ToUF8: code 0 where u is not zero becomes code 1.
 HWY_INLINE VU F32ToUF4(VF x, VF u) {
-  const DF df;
   const DU du;
   const DI di;
   const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
-  const VI binade = hn::Max(hn::BitCast(di, hn::And(abs, hn::Set(du, 0x7F800000u))),
-                            hn::Set(di, 0x3E800000));  // >= 2^-2
-  const VU magic = hn::Add(hn::BitCast(du, binade), hn::Set(du, 0x0B000000u));
-  const VU sum = hn::BitCast(du, hn::Add(hn::BitCast(df, abs), hn::BitCast(df, magic)));
-  const VU steps = hn::Sub(sum, magic);
-  VU code = hn::Add(steps, hn::ShiftRight<22>(hn::Sub(magic, hn::Set(du, 0x49800000u))));
+  // Binades from 2^-2, M = 2^(e + 22): 2 codes per binade.
+  VU code = SmallFloatCode<0x3E800000u, 0x0B000000u, 22>(abs);
   code = hn::IfThenElse(
       hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x41A00000))),  // 20
       hn::Set(du, 0xFu), code);

@@ -60,7 +60,10 @@ def train(spec_text: str, small_text: str, steps: int, seed: int, corpus: str) -
         loss.backward()
         for opt in optimizers:
             for group in opt.param_groups:
-                group["lr"] = lr_at(step, steps, size.lr)
+                if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr a tensor
+                    group["lr"].fill_(lr_at(step, steps, size.lr))
+                else:
+                    group["lr"] = lr_at(step, steps, size.lr)
             opt.step()
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -100,7 +100,8 @@ class Format:
         return self.item_bits == 4
 
     def storage_shape(self, shape) -> tuple:
-        """The shape of the storage of a local tensor of ``shape`` (``can_store``)."""
+        """The shape of the storage of a local tensor of ``shape`` (packed formats: only
+        for tensors ``_dtensor`` finds packable)."""
         shape = tuple(shape)
         return shape[:-1] + (shape[-1] // 2,) if self.packed else shape
 

@@ -52,7 +52,7 @@ class StateConfig(NamedTuple):
     master_weights: bool
     master_weight_dtype: torch.dtype
     store_param_remainders: bool
-    moment_format: Optional[str] = None  # S2.11: "block8", or None for the dtypes
+    moment_format: Optional[str] = None  # S2.11: "block8" / "block4", or None: the dtypes
     moment_block_size: Optional[int] = None
 
     def moment_formats(self, packable: bool = True) -> tuple:
@@ -175,9 +175,9 @@ def read_value(entry: dict, scales: Optional[dict], formats: Optional[dict],
         return stored.float()
     scale = scales.get(name) if scales else None
     if fmt.scaled:  # a missing scale reads as 1
-        scale = (torch.ones(fmt.scale_shape(fmt.numel_of(stored), first), dtype=torch.float32,
-                            device=stored.device) if scale is None
-                 else scale.to(stored.device))
+        scale = (torch.ones(fmt.scale_shape(fmt.numel_of(stored), first),
+                            dtype=torch.float32, device=stored.device)
+                 if scale is None else scale.to(stored.device))
     return fmt.decode(stored, scale, first)
 
 

@@ -1,5 +1,5 @@
-"""block8 moments under FSDP2 (S2.11), as run on every rank (dispatched from
-``_dist_jobs.KINDS``).
+"""block8 (and block4) moments under FSDP2 (S2.11, S2.12), as run on every rank
+(dispatched from ``_dist_jobs.KINDS``).
 
 ``block8_dcp_save``: weights whose row length is a multiple of the block size, sharded
 by ``fully_shard`` over 2 ranks, take two steps on gradients built from full tensors
@@ -27,7 +27,11 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
 # case preset -> (parameter dtype, constructor keywords)
 PRESETS = {"p=fp32-m=block8": (torch.float32, {}),
            "p=bf16-master=remainder-m=block8": (
-               torch.bfloat16, dict(master_weights=True, store_param_remainders=True))}
+               torch.bfloat16, dict(master_weights=True, store_param_remainders=True)),
+           # block4 (S2.12): codes packed along the rows, DTensors of the packed shape.
+           "p=bf16-master=remainder-m=block4": (
+               torch.bfloat16, dict(master_weights=True, store_param_remainders=True,
+                                    moment_format="block4"))}
 
 
 def _model(ctx, dtype, seed, shard=True):
@@ -43,7 +47,7 @@ def _model(ctx, dtype, seed, shard=True):
 
 def _optimizer(model, preset):
     dtype, extra = PRESETS[preset]
-    return fused_adam()(list(model.parameters()), **HYPER, **extra)
+    return fused_adam()(list(model.parameters()), **{**HYPER, **extra})
 
 
 def _set_grads(model, preset, step, sharded):
