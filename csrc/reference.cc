@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "element.h"
+#include "float4.h"   // shared with the CUDA kernels
 #include "ufloat8.h"  // shared with the CUDA kernels
 
 namespace shardadam {
@@ -227,49 +228,13 @@ uint8_t FloatToUFloat8E4M4(float f) { return EncodeUFloat8E4M4(f); }
 
 float UFloat8E4M4ToFloat(uint8_t q) { return DecodeUFloat8E4M4(q); }
 
-uint8_t FloatToFloat4E2M1(float f) {
-  const float a = std::fabs(f);
-  if (!(a < 7.0f)) return 0x8;  // 7 ties 6 and 8, and goes to the even 8: NaN
-  int e = 0;
-  std::frexp(a, &e);
-  --e;                // a in [2^e, 2^(e+1))
-  if (e < 0) e = 0;   // below 1: steps of 0.5, like the first binade
-  // Steps of 2^(e - 1): a / step is exact and at most 4; 2 codes per binade.
-  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - e)));
-  const int magnitude = 2 * e + q;
-  return static_cast<uint8_t>(magnitude == 0 ? 0 : (std::signbit(f) ? 8 : 0) | magnitude);
-}
+uint8_t FloatToFloat4E2M1(float f) { return EncodeFloat4E2M1(f); }
 
-float Float4E2M1ToFloat(uint8_t q) {
-  if (q == 0x8) return NAN;
-  const int exponent = (q >> 1) & 3;
-  const int mantissa = q & 1;
-  const float magnitude = exponent == 0
-                              ? 0.5f * static_cast<float>(mantissa)
-                              : std::ldexp(static_cast<float>(2 + mantissa), exponent - 2);
-  return (q & 8) != 0 ? -magnitude : magnitude;
-}
+float Float4E2M1ToFloat(uint8_t q) { return DecodeFloat4E2M1(q); }
 
-uint8_t FloatToUFloat4E3M1(float f) {
-  const float a = std::fabs(f);
-  if (!(a <= 20.0f)) return 0xF;  // 20 is the tie between 16 and 24: even 16
-  if (a == 0.0f) return 0;
-  int e = 0;
-  std::frexp(a, &e);
-  --e;                 // a in [2^e, 2^(e+1))
-  if (e < -2) e = -2;  // below 2^-2: steps of 2^-3, like the first binade
-  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - e)));
-  const int code = 2 * (e + 2) + q;
-  return static_cast<uint8_t>(code == 0 ? 1 : code);
-}
+uint8_t FloatToUFloat4E3M1(float f) { return EncodeUFloat4E3M1(f); }
 
-float UFloat4E3M1ToFloat(uint8_t q) {
-  if (q == 0xF) return NAN;
-  const int exponent = q >> 1;
-  const int mantissa = q & 1;
-  return exponent == 0 ? 0.125f * static_cast<float>(mantissa)
-                       : std::ldexp(static_cast<float>(2 + mantissa), exponent - 4);
-}
+float UFloat4E3M1ToFloat(uint8_t q) { return DecodeUFloat4E3M1(q); }
 
 void StoreBlockElement(void* buffer, DType dtype, int64_t i, float u, float s) {
   StoreElement(buffer, dtype, i, u / s);

@@ -1,8 +1,9 @@
-// How the CUDA kernels step a tensor with per-block scaled moments (S2.9, S2.10),
+// How the CUDA kernels step a tensor with per-block scaled moments (S2.9, S2.10, S2.12),
 // as host-device code so the C++ tests run the same lane work on the CPU against
 // the CPU core. One pass: a group of lanes takes one scale block, each lane every
 // lanes-th pair of adjacent elements of it (a warp's accesses are consecutive; in
-// pairs so that a format of two codes per byte would give each byte to one lane).
+// pairs so that a format of two codes per byte gives each byte to one lane: an even
+// first_index, so the pairs are the bytes).
 // A lane decodes with the block's old scales, updates, stores the weight at once
 // and keeps the new moments in registers; the group reduces their absmax (exact:
 // a maximum of fp32 bits), derives the block's new scales (scale_rule.h) and

@@ -69,11 +69,13 @@ constexpr int kNoMaster = static_cast<int>(DType::kNone);
 constexpr int kRemainder = static_cast<int>(DType::kInt16Remainder);
 constexpr int kF8Block = static_cast<int>(DType::kFloat8E4M3Block);
 constexpr int kUF8Block = static_cast<int>(DType::kUFloat8E4M4Block);
+constexpr int kF4Block = static_cast<int>(DType::kFloat4E2M1Block);
+constexpr int kUF4Block = static_cast<int>(DType::kUFloat4E3M1Block);
 
 // The compiled layouts: the benchmark's state presets; fp32 params (as FSDP2 shards
 // them) with 16-bit or fp8 moments; an fp8 exp_avg beside a bf16 exp_avg_sq;
-// FusedAdam's block8 moments (S2.11) beside fp32 params, bf16 params with an fp32
-// master and bf16 params with remainders. Adding one is one line here.
+// FusedAdam's block8 and block4 moments (S2.11) beside fp32 params, bf16 params
+// with an fp32 master and bf16 params with remainders. Adding one is one line here.
 using CompiledLayouts = std::tuple<Layout<kF32, kF32, kNoMaster, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kBF16, kBF16>,
@@ -84,7 +86,10 @@ using CompiledLayouts = std::tuple<Layout<kF32, kF32, kNoMaster, kF32, kF32>,
                                    Layout<kBF16, kBF16, kF32, kF8, kBF16>,
                                    Layout<kF32, kF32, kNoMaster, kF8Block, kUF8Block>,
                                    Layout<kBF16, kBF16, kF32, kF8Block, kUF8Block>,
-                                   Layout<kBF16, kBF16, kRemainder, kF8Block, kUF8Block>>;
+                                   Layout<kBF16, kBF16, kRemainder, kF8Block, kUF8Block>,
+                                   Layout<kF32, kF32, kNoMaster, kF4Block, kUF4Block>,
+                                   Layout<kBF16, kBF16, kF32, kF4Block, kUF4Block>,
+                                   Layout<kBF16, kBF16, kRemainder, kF4Block, kUF4Block>>;
 using AnyLayout = Layout<kAnyDType, kAnyDType, kAnyDType, kAnyDType, kAnyDType>;
 
 // A layout's index in CompiledLayouts; the catch-all's is one past the last.

@@ -20,10 +20,16 @@ namespace shardadam {
 namespace cuda {
 
 // The core's dtype rules (validate.h) on the kernels' byte-sized dtype tags: bytes
-// per element (the int16 remainder: 2; no buffer: 0), and whether the stored value
+// per element (the int16 remainder: 2; no buffer, and 4-bit codes, whose
+// alignment is a byte's: 0), and whether the stored value
 // carries a scale (per tensor or per block).
 SHARDADAM_HOST_DEVICE constexpr int ItemBytes(int dtype) {
   return FormatOf(static_cast<DType>(dtype)).item_bits / 8;
+}
+
+// Bits per element: 32, 16, 8 or 4 (two codes per byte); 0 for no buffer.
+SHARDADAM_HOST_DEVICE constexpr int ItemBits(int dtype) {
+  return FormatOf(static_cast<DType>(dtype)).item_bits;
 }
 
 SHARDADAM_HOST_DEVICE constexpr bool IsScaledTag(uint8_t dtype) {
@@ -97,24 +103,38 @@ SHARDADAM_HOST_DEVICE inline bool HasScaledState(const DeviceSlot& t) {
   return t.scale[kW] != nullptr || t.scale[kM] != nullptr || t.scale[kV] != nullptr;
 }
 
-// Element i's storage code: fp32 bits, or a 16-bit or 8-bit code in the low bits.
+// Element i's storage code: fp32 bits, or a 16-, 8- or 4-bit code in the low bits.
+// 4-bit codes: element i is the low nibble of byte i / 2 when i is even, the high
+// one when odd (S2.12).
 SHARDADAM_HOST_DEVICE inline uint32_t ReadCode(const void* p, uint8_t dtype, int64_t i) {
-  switch (ItemBytes(dtype)) {
-    case 1:
+  switch (ItemBits(dtype)) {
+    case 4:
+      return (static_cast<const uint8_t*>(p)[i / 2] >> (4 * (i & 1))) & 0xFu;
+    case 8:
       return static_cast<const uint8_t*>(p)[i];
-    case 2:
+    case 16:
       return static_cast<const uint16_t*>(p)[i];
     default:
       return static_cast<const uint32_t*>(p)[i];
   }
 }
 
+// 4-bit codes: the even element of a pair stores its whole byte, high nibble 0,
+// and the odd one then fills that nibble in. So the one lane that owns a pair
+// (block_range.h) writes its even element first, no other lane touches the byte,
+// and a last, unpaired element leaves its padding nibble 0 as the CPU core does.
 SHARDADAM_HOST_DEVICE inline void WriteCode(void* p, uint8_t dtype, int64_t i, uint32_t code) {
-  switch (ItemBytes(dtype)) {
-    case 1:
+  switch (ItemBits(dtype)) {
+    case 4: {
+      uint8_t* byte = static_cast<uint8_t*>(p) + i / 2;
+      *byte = (i & 1) == 0 ? static_cast<uint8_t>(code & 0xFu)
+                           : static_cast<uint8_t>((*byte & 0x0Fu) | ((code & 0xFu) << 4));
+      break;
+    }
+    case 8:
       static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(code);
       break;
-    case 2:
+    case 16:
       static_cast<uint16_t*>(p)[i] = static_cast<uint16_t>(code);
       break;
     default:

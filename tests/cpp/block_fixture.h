@@ -24,6 +24,8 @@ namespace testing {
 
 constexpr DType kBlock8 = DType::kFloat8E4M3Block;
 constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
+constexpr DType kBlock4 = DType::kFloat4E2M1Block;
+constexpr DType kUBlock4 = DType::kUFloat4E3M1Block;
 
 // The dtypes of one tensor with at least one per-block scaled moment.
 struct BlockConfig {
@@ -43,29 +45,48 @@ inline std::string BlockConfigName(const BlockConfig& c) {
 
 inline void PrintTo(const BlockConfig& c, std::ostream* os) { *os << BlockConfigName(c); }
 
+// Whether a state of `c` holds 4-bit codes (two per byte: an even first_index).
+inline bool HasFourBitState(const BlockConfig& c) {
+  return FormatOf(c.exp_avg).item_bits == 4 || FormatOf(c.exp_avg_sq).item_bits == 4;
+}
+
 // Every param/master option the core takes beside per-block moments (no scaled
 // master: per-block and per-tensor scales do not mix), each with every gradient
 // dtype, and the moment pairs: FusedAdam's block8, fp8-block for both, and each
-// block format beside an unscaled moment.
+// block format beside an unscaled moment; then the same for the 4-bit formats
+// (block4, fp4-block for both, each beside an unscaled moment and beside the
+// other width's format). The 8-bit configs come first, in their old order (the
+// GPU test picks two by index).
 inline std::vector<BlockConfig> BlockConfigs() {
   const struct {
     DType param, master;
   } weights[] = {{DType::kFloat32, DType::kNone},     {DType::kFloat16, DType::kNone},
                  {DType::kFloat16, DType::kFloat32},  {DType::kBFloat16, DType::kNone},
                  {DType::kBFloat16, DType::kFloat32}, {DType::kBFloat16, DType::kInt16Remainder}};
-  const struct {
+  struct Moments {
     DType m, v;
-  } moments[] = {{kBlock8, kUBlock8},
-                 {kBlock8, kBlock8},
-                 {kBlock8, DType::kFloat32},
-                 {DType::kBFloat16, kUBlock8},
-                 {DType::kFloat32, kBlock8}};
+  };
+  const std::vector<Moments> widths[] = {{{kBlock8, kUBlock8},
+                                          {kBlock8, kBlock8},
+                                          {kBlock8, DType::kFloat32},
+                                          {DType::kBFloat16, kUBlock8},
+                                          {DType::kFloat32, kBlock8}},
+                                         {{kBlock4, kUBlock4},
+                                          {kBlock4, kBlock4},
+                                          {kBlock4, DType::kFloat32},
+                                          {DType::kBFloat16, kUBlock4},
+                                          {kBlock4, kUBlock8},
+                                          {kBlock8, kUBlock4}}};
   const DType grads[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
   std::vector<BlockConfig> configs;
-  for (bool adam_w : {true, false}) {
-    for (const auto& w : weights) {
-      for (DType g : grads) {
-        for (const auto& m : moments) configs.push_back({w.param, g, w.master, m.m, m.v, adam_w});
+  for (const auto& moments : widths) {
+    for (bool adam_w : {true, false}) {
+      for (const auto& w : weights) {
+        for (DType g : grads) {
+          for (const auto& m : moments) {
+            configs.push_back({w.param, g, w.master, m.m, m.v, adam_w});
+          }
+        }
       }
     }
   }
@@ -185,6 +206,13 @@ inline ::testing::AssertionResult SameShard(const Shard& want, const Shard& got)
                                                    want.numel);
     if (!same) return ::testing::AssertionFailure() << buffer.name << ": " << same.message();
   }
+  // 4-bit codes have one NaN each: their bytes are compared whole, the padding
+  // nibble after an odd count included (S2.12: written 0).
+  for (const auto& buffer : buffers) {
+    if (FormatOf(buffer.dtype).item_bits == 4 && buffer.a != buffer.b) {
+      return ::testing::AssertionFailure() << buffer.name << ": bytes differ";
+    }
+  }
   // Scales bitwise, guards included.
   if (want.m_scales != got.m_scales) return ::testing::AssertionFailure() << "exp_avg scales";
   if (want.v_scales != got.v_scales) return ::testing::AssertionFailure() << "exp_avg_sq scales";
@@ -205,6 +233,23 @@ inline std::vector<ShardShape> ShardShapes() {
     {0, 4096, 4096},      {4095, 8200, 4096},   {(int64_t{1} << 33) + 300, 777, 2048},
     {0, 0, 256},
   };
+}
+
+// The same cases for 4-bit states, whose first_index is even (S2.12): a first
+// block of two elements (one byte), and odd counts, whose last byte holds a
+// padding nibble.
+inline std::vector<ShardShape> EvenShardShapes() {
+  return {
+    {0, 1, 128},          {100, 1001, 128},     {36, 20001, 128},  {768, 513, 256},
+    {3 * 512 + 6, 3000, 512}, {(1 << 20) + 4, 9001, 1024}, {2048 * 3 + 2046, 5000, 2048},
+    {0, 4096, 4096},      {4094, 8201, 4096},   {(int64_t{1} << 33) + 300, 777, 2048},
+    {0, 0, 256},
+  };
+}
+
+// The shapes a config's shards take.
+inline std::vector<ShardShape> ShardShapesFor(const BlockConfig& c) {
+  return HasFourBitState(c) ? EvenShardShapes() : ShardShapes();
 }
 
 inline std::string ShardName(const Shard& s) {

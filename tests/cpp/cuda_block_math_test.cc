@@ -1,9 +1,11 @@
 // The CUDA kernels' per-block scaled step (csrc/cuda/block_codecs.h,
 // block_range.h) run on the CPU, lane after lane in the kernel's order, against
 // the CPU core (AdamStep) and the scalar reference, bitwise: every param, grad and
-// master option the core takes beside per-block moments, both block formats and
-// block moments beside unscaled ones, block sizes 128..4096, shards whose first
-// and last blocks are partial, zero, tiny, huge and non-finite blocks. What is
+// master option the core takes beside per-block moments, the 8-bit and 4-bit block
+// formats, block moments beside unscaled ones and beside the other width's, block
+// sizes 128..4096, shards whose first and last blocks are partial (4-bit: even
+// first indices, odd counts with a padding nibble), zero, tiny, huge and
+// non-finite blocks. What is
 // left to a GPU is the launch (tests/cpp/cuda/adam_cuda_test.cc).
 #include <algorithm>
 #include <cmath>
@@ -30,7 +32,8 @@ namespace ref = reference;
 
 // ---------------------------------------------------------------------- codecs
 
-// Inputs around every rounding position of the 8-bit codes and far outside them.
+// Inputs around every rounding position of the 8-bit and 4-bit codes and far
+// outside them.
 std::vector<float> CodecInputs() {
   std::vector<float> inputs;
   std::mt19937 rng(3);
@@ -43,7 +46,8 @@ std::vector<float> CodecInputs() {
       inputs.push_back(std::nextafter(std::ldexp(f, e), INFINITY));
     }
   }
-  inputs.insert(inputs.end(), {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 464.0f, 488.0f});
+  inputs.insert(inputs.end(), {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 464.0f, 488.0f, 7.0f,
+                               -7.0f, 20.0f, 0.25f, -0.25f, 0.0625f, 1.25f, 5.0f, 18.0f});
   return inputs;
 }
 
@@ -54,10 +58,10 @@ TEST(CudaBlockCodecTest, MatchReferenceAtEveryScale) {
   for (float scale : {std::ldexp(1.0f, -126), std::ldexp(1.0f, -20), 1.0f,
                       std::ldexp(1.0f, 20), std::ldexp(1.0f, 127)}) {
     SCOPED_TRACE("scale " + std::to_string(scale));
-    for (DType dtype : {kBlock8, kUBlock8}) {
+    for (DType dtype : {kBlock8, kUBlock8, kBlock4, kUBlock4}) {
       SCOPED_TRACE(DTypeName(dtype));
       const auto tag = static_cast<uint8_t>(dtype);
-      for (uint32_t code = 0; code < 256; ++code) {
+      for (uint32_t code = 0; code < (1u << FormatOf(dtype).item_bits); ++code) {
         const auto byte = static_cast<uint8_t>(code);
         const float want = ref::LoadElement(&byte, dtype, 0) * scale;
         const float got = cuda::DecodeState(code, tag, scale);
@@ -74,8 +78,10 @@ TEST(CudaBlockCodecTest, MatchReferenceAtEveryScale) {
 }
 
 TEST(CudaBlockCodecTest, EveryBlockFormatOfTheCoreHasACodec) {
-  EXPECT_TRUE(cuda::HasBlockCodec(kBlock8));
-  EXPECT_TRUE(cuda::HasBlockCodec(kUBlock8));
+  for (int tag = 0; tag < kNumDTypes; ++tag) {
+    const auto d = static_cast<DType>(tag);
+    if (IsBlockScaled(d)) EXPECT_TRUE(cuda::HasBlockCodec(d)) << DTypeName(d);
+  }
   for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
     EXPECT_FALSE(cuda::HasBlockCodec(d)) << DTypeName(d);
   }
@@ -131,7 +137,9 @@ class CudaBlockStepMathTest : public ::testing::TestWithParam<BlockConfig> {};
 TEST_P(CudaBlockStepMathTest, MatchesCpuCoreBitwise) {
   const BlockConfig& config = GetParam();
   std::vector<Shard> shards;
-  for (const ShardShape& s : ShardShapes()) shards.emplace_back(config, s.first_index, s.numel, s.block);
+  for (const ShardShape& s : ShardShapesFor(config)) {
+    shards.emplace_back(config, s.first_index, s.numel, s.block);
+  }
   std::mt19937 rng(17);
   for (const StepParams& params : BlockSchedule(config.adam_w)) {
     SCOPED_TRACE("step " + std::to_string(params.step));
@@ -187,16 +195,65 @@ TEST(CudaBlockStepMathTest, ZeroAndTinyBlocksFollowTheScaleRule) {
   EXPECT_EQ(m_scale[3], std::ldexp(1.0f, -12));   // m = 0.1: 409.6 <= 464 < 819.2
 }
 
-// Block layouts are compiled for FusedAdam's block8 beside the common weights;
-// other block combinations take the catch-all, and no per-tensor layout is
-// picked for a tensor with block scales.
-TEST(CudaBlockLayoutTest, Block8CombinationsGetTheirLayouts) {
+// The 4-bit rule's edge cases on the emulated kernel's own output (S2.12), one
+// scale block each: all zeros (scale 1); m at most 0.25 * 2^-126, which fp4-block
+// stores as zeros even at 2^-126 (scale 1); a v so small that even 2^-126 rounds
+// it to code 0, which ufp4-block stores as code 1; an ordinary block.
+TEST(CudaBlockStepMathTest, ZeroAndTinyFourBitBlocksFollowTheScaleRule) {
+  const BlockConfig config{DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                           true};
+  Shard s(config, 0, 512, 128);
+  const float grads[4] = {0.0f, std::ldexp(1.0f, -126), std::ldexp(1.0f, -68), 1.0f};
+  for (int64_t i = 0; i < 512; ++i) static_cast<float*>(Shard::At(s.grad))[i] = grads[i / 128];
+  EmulatedBlockStep(s.Slot(), StepParams{});
+  const auto* m_scale = static_cast<const float*>(Shard::At(s.m_scales));
+  const auto* v_scale = static_cast<const float*>(Shard::At(s.v_scales));
+  const auto* m = static_cast<const uint8_t*>(Shard::At(s.exp_avg));
+  const auto* v = static_cast<const uint8_t*>(Shard::At(s.exp_avg_sq));
+  EXPECT_EQ(m_scale[0], 1.0f);
+  EXPECT_EQ(v_scale[0], 1.0f);
+  EXPECT_EQ(m[0], 0);
+  EXPECT_EQ(v[0], 0);
+  EXPECT_EQ(m_scale[1], 1.0f);  // m = 0.1 * 2^-126 <= 0.25 * 2^-126
+  EXPECT_EQ(m[64], 0);
+  EXPECT_EQ(v_scale[2], std::ldexp(1.0f, -126));  // v about 2^-146
+  EXPECT_EQ(v[128], 0x11);                         // code 1 in both nibbles
+  EXPECT_EQ(m_scale[3], std::ldexp(1.0f, -6));     // m = 0.1: 6.4 < 7 < 12.8
+}
+
+// A 4-bit buffer of an odd count: the byte of the last element is written whole,
+// its padding nibble 0 as the CPU core writes it, whatever it held before.
+TEST(CudaBlockStepMathTest, PaddingNibbleIsWrittenZeroLikeTheCore) {
+  const BlockConfig config{DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                           true};
+  Shard s(config, 2, 301, 128);
+  std::mt19937 rng(5);
+  FillBlockGrad(&s, 1, &rng);
+  for (auto* buffer : {&s.exp_avg, &s.exp_avg_sq}) buffer->at(kGuard + 150) = 0xA0;
+  Shard core = s, got = s;
+  TensorSlot slot = core.Slot();
+  Error error;
+  ASSERT_EQ(AdamStep(&slot, 1, StepParams{}, 1, &error), Status::kOk) << error.message;
+  EmulatedBlockStep(got.Slot(), StepParams{});
+  ASSERT_TRUE(SameShard(core, got));
+  for (const auto* pair : {&core.exp_avg, &got.exp_avg, &core.exp_avg_sq, &got.exp_avg_sq}) {
+    EXPECT_EQ(pair->at(kGuard + 150) & 0xF0, 0);
+  }
+  EXPECT_EQ(core.exp_avg, got.exp_avg);
+  EXPECT_EQ(core.exp_avg_sq, got.exp_avg_sq);
+}
+
+// Block layouts are compiled for FusedAdam's block8 and block4 beside the common
+// weights; other block combinations take the catch-all, and no per-tensor layout
+// is picked for a tensor with block scales.
+TEST(CudaBlockLayoutTest, BlockPairCombinationsGetTheirLayouts) {
   for (const BlockConfig& config : BlockConfigs()) {
     SCOPED_TRACE(BlockConfigName(config));
     Shard s(config, 0, 4, 128);
     const cuda::DeviceSlot slot = cuda::MakeDeviceSlot(s.Slot());
-    const bool listed = config.grad == config.param && config.exp_avg == kBlock8 &&
-                        config.exp_avg_sq == kUBlock8 &&
+    const bool pair = (config.exp_avg == kBlock8 && config.exp_avg_sq == kUBlock8) ||
+                      (config.exp_avg == kBlock4 && config.exp_avg_sq == kUBlock4);
+    const bool listed = config.grad == config.param && pair &&
                         ((config.param == DType::kFloat32 && config.master == DType::kNone) ||
                          (config.param == DType::kBFloat16 &&
                           (config.master == DType::kFloat32 ||

@@ -800,11 +800,13 @@ def test_cuda_format_support_is_decided_once_per_plan(monkeypatch):
 
 @needs_cuda_build
 def test_extension_lists_the_formats_its_cuda_kernels_step():
-    """Every format that is not per-block scaled, and block8's two (S2.11)."""
+    """Every format that is not per-block scaled, and block8's and block4's two each
+    (S2.11)."""
     from shardadam import _formats
 
     expected = {f.tag for f in _formats.FORMATS if f.scale != "block"}
-    expected |= {_formats.by_name(name).tag for name in ("fp8-block", "ufp8-block")}
+    expected |= {_formats.by_name(name).tag
+                 for name in ("fp8-block", "ufp8-block", "fp4-block", "ufp4-block")}
     assert expected <= set(INFO["cuda_formats"])
     assert _cuda_path.stepped_tags() == frozenset(INFO["cuda_formats"])
 

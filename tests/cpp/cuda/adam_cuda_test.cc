@@ -308,7 +308,9 @@ void ExpectBlocksMatchCpu(std::vector<Shard> shards, std::vector<Tensor> tensors
 
 std::vector<Shard> ShardsOf(const BlockConfig& config) {
   std::vector<Shard> shards;
-  for (const ShardShape& s : ShardShapes()) shards.emplace_back(config, s.first_index, s.numel, s.block);
+  for (const ShardShape& s : ShardShapesFor(config)) {
+    shards.emplace_back(config, s.first_index, s.numel, s.block);
+  }
   return shards;
 }
 
@@ -325,12 +327,21 @@ TEST(CudaBlockStepTest, BlockAndPerTensorStatesInOneCallMatchCpuCore) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   // The first shards alternate with tensors of per-tensor fp8 and fp16 states
   // (launches split by kind), then 38 of one block layout (more than a launch's
-  // 32), then the catch-all block layout (fp16 params, bf16 gradients).
+  // 32), then the catch-all block layout (fp16 params, bf16 gradients), then block4.
   std::vector<Shard> shards;
   const std::vector<BlockConfig> configs = BlockConfigs();
   for (int k = 0; k < 50; ++k) {
     const ShardShape shape = ShardShapes()[k % ShardShapes().size()];
     shards.emplace_back(configs[k < 44 ? 0 : 25], shape.first_index, shape.numel, shape.block);
+  }
+  // Then block4 shards, of its compiled layout and of the catch-all (fp16 params,
+  // bf16 gradients, fp4-block beside ufp8-block).
+  const BlockConfig block4s[] = {
+      {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4, true},
+      {DType::kFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock8, true}};
+  for (int k = 0; k < 6; ++k) {
+    const ShardShape shape = EvenShardShapes()[k];
+    shards.emplace_back(block4s[k % 2], shape.first_index, shape.numel, shape.block);
   }
   std::mt19937 rng(12);
   std::vector<Tensor> tensors;
@@ -348,6 +359,18 @@ TEST(CudaBlockStepTest, LargeBlock8ShardsMatchCpuCore) {
                          kUBlock8, true};
   for (int32_t block : {128, 256, 1024, 4096}) {
     shards.emplace_back(bf16, 3 * int64_t{block} + 77, (3 << 20) + 5, block);
+  }
+  ExpectBlocksMatchCpu(shards, {}, true);
+}
+
+TEST(CudaBlockStepTest, LargeBlock4ShardsMatchCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  // As above for block4: even first indices (S2.12), odd counts (a padding nibble).
+  std::vector<Shard> shards;
+  const BlockConfig bf16{DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock4,
+                         kUBlock4, true};
+  for (int32_t block : {128, 256, 1024, 4096}) {
+    shards.emplace_back(bf16, 3 * int64_t{block} + 78, (3 << 20) + 5, block);
   }
   ExpectBlocksMatchCpu(shards, {}, true);
 }
@@ -424,6 +447,8 @@ TEST(CudaValidationTest, PerBlockScaledStatesAreValidated) {
       << error.message;
   EXPECT_TRUE(CudaSupportsFormat(DType::kFloat8E4M3Block));
   EXPECT_TRUE(CudaSupportsFormat(DType::kUFloat8E4M4Block));
+  EXPECT_TRUE(CudaSupportsFormat(DType::kFloat4E2M1Block));
+  EXPECT_TRUE(CudaSupportsFormat(DType::kUFloat4E3M1Block));
   EXPECT_TRUE(CudaSupportsFormat(DType::kFloat32));
   EXPECT_FALSE(CudaSupportsFormat(static_cast<DType>(kNumDTypes)));
 }

@@ -1,0 +1,102 @@
+// S2.12's 4-bit element codecs (signed E2M1, unsigned zero-free E3M1), written
+// once on the integer bits of fp32 (no rounding-mode or library dependence) and
+// host-device: the scalar reference and the CUDA kernels both call these, so the
+// device stores the reference's codes. Codes are the low 4 bits of a byte; where
+// two share a byte is the caller's business (reference CodeAt/SetCode, the
+// kernels' ReadCode/WriteCode).
+#ifndef SHARDADAM_FLOAT4_H_
+#define SHARDADAM_FLOAT4_H_
+
+#include <cstdint>
+
+#include "host_device.h"
+#include "scale_rule.h"  // BitsOf, FloatOf
+
+namespace shardadam {
+
+// Rounds `mantissa >> shift` to nearest, ties to the even result (shift >= 1).
+SHARDADAM_HOST_DEVICE inline uint32_t ShiftRoundEven4(uint32_t mantissa, int shift) {
+  const uint32_t half = 1u << (shift - 1);
+  const uint32_t rest = mantissa & ((1u << shift) - 1u);
+  const uint32_t q = mantissa >> shift;
+  return q + ((rest > half || (rest == half && (q & 1u))) ? 1u : 0u);
+}
+
+// f as a signed E2M1 code: magnitude rounded to nearest, ties to the even code; a
+// magnitude of 7 or more (7 ties 6 and 8 and goes to the even 8), infinity and
+// NaN give 0x8; a magnitude that rounds to 0 gives 0x0 whatever the sign.
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1(float f) {
+  const uint32_t bits = BitsOf(f);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs >= 0x40E00000u) return 0x8;  // 7.0f; NaNs' bits are above it too
+  const uint32_t exponent = abs >> 23;  // biased by 127
+  uint32_t magnitude;
+  if (exponent >= 127) {
+    // |f| >= 1: rebias so that 1.0 is code 2 and keep one mantissa bit; a carry
+    // steps into the next binade, as the code's layout wants (below 7: no NaN).
+    magnitude = (abs - (126u << 23)) >> 22;
+    const uint32_t rest = abs & 0x3FFFFFu;
+    magnitude += (rest > 0x200000u || (rest == 0x200000u && (magnitude & 1u))) ? 1u : 0u;
+  } else if (exponent >= 125) {
+    // [0.25, 1): units of 0.5, the implicit bit set; 0.25 ties to 0.
+    magnitude = ShiftRoundEven4((abs & 0x7FFFFFu) | 0x800000u, static_cast<int>(149 - exponent));
+  } else {
+    magnitude = 0;  // below 0.25: under half a unit
+  }
+  if (magnitude == 0) return 0;
+  return static_cast<uint8_t>(((bits >> 28) & 0x8u) | magnitude);
+}
+
+// E = (c >> 1) & 3, M = c & 1: E = 0 is M * 0.5, E >= 1 is (2 + M) * 2^(E - 2);
+// sign bit 3; 0x8 is the quiet NaN.
+SHARDADAM_HOST_DEVICE inline float DecodeFloat4E2M1(uint8_t q) {
+  q &= 0xF;
+  if (q == 0x8) return FloatOf(0x7FC00000u);
+  const uint32_t exponent = (q >> 1) & 3u;
+  const uint32_t mantissa = q & 1u;
+  uint32_t magnitude;
+  if (exponent == 0) {
+    magnitude = mantissa != 0 ? 0x3F000000u : 0u;  // 0.5 or 0
+  } else {
+    magnitude = ((exponent + 126u) << 23) | (mantissa << 22);
+  }
+  return FloatOf((static_cast<uint32_t>(q & 0x8u) << 28) | magnitude);
+}
+
+// |f| as an unsigned E3M1 code: rounded to nearest, ties to the even code; above
+// 20 (the tie between 16 and 24, which stays 16), infinity and NaN give 0xF.
+// Zero-free: a non-zero magnitude that rounds to code 0 gives code 1.
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1(float f) {
+  const uint32_t abs = BitsOf(f) & 0x7FFFFFFFu;
+  if (abs > 0x41A00000u) return 0xF;  // 20.0f; NaNs' bits are above it too
+  if (abs == 0) return 0;
+  const uint32_t exponent = abs >> 23;  // biased by 127
+  uint32_t code;
+  if (exponent >= 125) {
+    // |f| >= 2^-2: rebias so that 0.25 is code 2 and keep one mantissa bit.
+    code = (abs - (124u << 23)) >> 22;
+    const uint32_t rest = abs & 0x3FFFFFu;
+    code += (rest > 0x200000u || (rest == 0x200000u && (code & 1u))) ? 1u : 0u;
+  } else if (exponent >= 123) {
+    // [2^-4, 2^-2): units of 2^-3, the implicit bit set; may round up to 2.
+    code = ShiftRoundEven4((abs & 0x7FFFFFu) | 0x800000u, static_cast<int>(147 - exponent));
+  } else {
+    code = 0;  // below 2^-4: under half a unit
+  }
+  return static_cast<uint8_t>(code == 0 ? 1u : code);
+}
+
+// E = c >> 1, M = c & 1: E = 0 is M * 0.125, E >= 1 is (2 + M) * 2^(E - 4); 0xF
+// is the quiet NaN.
+SHARDADAM_HOST_DEVICE inline float DecodeUFloat4E3M1(uint8_t q) {
+  q &= 0xF;
+  if (q == 0xF) return FloatOf(0x7FC00000u);
+  const uint32_t exponent = q >> 1;
+  const uint32_t mantissa = q & 1u;
+  if (exponent == 0) return FloatOf(mantissa != 0 ? 0x3E000000u : 0u);  // 0.125 or 0
+  return FloatOf(((exponent + 124u) << 23) | (mantissa << 22));
+}
+
+}  // namespace shardadam
+
+#endif  // SHARDADAM_FLOAT4_H_
