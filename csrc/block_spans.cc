@@ -14,8 +14,8 @@ namespace internal {
 namespace {
 
 // Steps the `c` elements (a multiple of kt.pair) from element `e`, which hold
-// the first `valid` elements of block `j`; zero padding past `valid` cannot
-// raise a block's maximum (zero inputs update to zero).
+// the first `valid` elements of block `j`; the maxima are taken over those
+// only (zero padding updates to zero, or to NaN under an infinite decay).
 void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                int64_t e, size_t c, size_t valid, int64_t j, Scratch& s) {
   const ScaleView m_old = p.block_scaled[kStreamM] ? p.BlockScale(kStreamM, j)

@@ -89,6 +89,8 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
       scale[BlockOf(t, begin)] = s;
       begin = end;
     }
+    // S2.12: the nibble after an odd count of 4-bit codes is padding, written 0.
+    if (FormatOf(dtype).item_bits == 4 && numel % 2 == 1) SetCode(buffer, dtype, numel, 0);
     return;
   }
   if (!IsScaled(dtype)) {

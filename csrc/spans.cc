@@ -54,9 +54,13 @@ void StageOut(const TensorPlan& p, const TensorPlan& q, int64_t e, size_t t) {
   const char* const staged[4] = {q.param, q.master, q.exp_avg, q.exp_avg_sq};
   const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
   for (int b = 0; b < 4; ++b) {
-    if (originals[b] != nullptr) {
-      memcpy(ElementAt(originals[b], bits[b], e), staged[b], BytesOf(bits[b], t));
-    }
+    if (originals[b] == nullptr) continue;
+    char* to = ElementAt(originals[b], bits[b], e);
+    const size_t bytes = BytesOf(bits[b], t);
+    memcpy(to, staged[b], bytes);
+    // The padding nibble after an odd count of 4-bit codes is written 0 (S2.12),
+    // whatever its zero input updated to (an infinite weight decay makes it NaN).
+    if (bits[b] == 4 && t % 2 == 1) to[bytes - 1] &= 0x0F;
   }
 }
 

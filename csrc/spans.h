@@ -41,8 +41,8 @@ void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
 // from element `e` (an even one), `padded` elements each, in `buffers` (param,
 // master, exp_avg, exp_avg_sq, grad; each large enough): tails shorter than a
 // pair, and blocks cut by a tensor's ends. StageOut copies the `t` staged
-// elements of the written buffers back (a 4-bit buffer's last byte whole: its
-// padding nibble, past the tensor's last element, stays in the tensor's buffer).
+// elements of the written buffers back (a 4-bit buffer's last byte whole, its
+// padding nibble past the tensor's last element written 0).
 TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
                    char* const buffers[5]);
 void StageOut(const TensorPlan& p, const TensorPlan& q, int64_t e, size_t t);

@@ -461,6 +461,34 @@ TEST(BlockScaleRuleTest, FourBitBounds) {
   EXPECT_EQ(BlockScaleFromAbsMaxBits(1, u4.scale_target, u4.zero_bound), std::ldexp(1.0f, -126));
 }
 
+// S2.12: after an odd count of 4-bit codes the last byte's high nibble is
+// padding, written 0 by the core as by the reference, also when the zero input
+// behind it updates to NaN (an infinite L2 decay times a zero weight).
+TEST(BlockPaddingTest, PaddingNibbleIsWrittenZero) {
+  const BlockConfig c = {DType::kBFloat16, DType::kBFloat16, DType::kFloat32, kBlock4, kUBlock4,
+                         false};
+  for (double decay : {0.01, 1e300}) {
+    BlockTensor t = MakeShard(c, 0, 43, 128);
+    FillGrad(&t, 1);
+    t.exp_avg.back() = 0xA0;  // junk in the padding nibbles
+    t.exp_avg_sq.back() = 0xB0;
+    StepParams params;
+    params.adam_w_mode = false;
+    params.weight_decay = decay;
+    BlockTensor want = t;
+    TensorSlot want_slot = want.Slot();
+    ref::AdamStep(&want_slot, 1, params);
+    ForEachTarget([&] {
+      BlockTensor got = t;
+      TensorSlot slot = got.Slot();
+      ASSERT_EQ(AdamStep(&slot, 1, params, 1, nullptr), Status::kOk);
+      EXPECT_EQ(got.exp_avg[21] >> 4, 0) << "decay " << decay;
+      EXPECT_EQ(got.exp_avg_sq[21] >> 4, 0) << "decay " << decay;
+      EXPECT_TRUE(SameTensor(want, got)) << "decay " << decay;
+    });
+  }
+}
+
 // Geometry and scale slots are checked before anything is written.
 TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
   const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kBlock8, true};
