@@ -716,41 +716,40 @@ float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
   return out;
 }
 
-// Per-block scales are powers of two (S2.9, S2.10): one exact multiply.
-float* DecodeUF8Scaled(const void* src, const void* /*aux*/, size_t n,
-                       const internal::ScaleView& view, float* HWY_RESTRICT out) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
-  const VF s = hn::Set(DF(), view.PerTensor());
-  for (size_t i = 0; i < n; i += step) {
-    VF a, b;
-    LoadUF8x2(in + i, a, b);
-    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+// The per-block formats' codes (S2.9, S2.10, S2.12) as one loop each way: a
+// format names its pair load / store and its bits per code.
+struct UF8Codes {
+  static constexpr size_t kBits = 8;
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF8x2(p, a, b); }
+  static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+    StoreUF8x2(a, b, a_over_s, b_over_s, p);
   }
-  return out;
-}
-
-float* DecodeF4Scaled(const void* src, const void* /*aux*/, size_t n,
-                      const internal::ScaleView& view, float* HWY_RESTRICT out) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
-  const VF s = hn::Set(DF(), view.PerTensor());
-  for (size_t i = 0; i < n; i += step) {
-    VF a, b;
-    LoadF4x2(in + i / 2, a, b);
-    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+};
+struct F4Codes {
+  static constexpr size_t kBits = 4;
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadF4x2(p, a, b); }
+  static void Store(VF, VF, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+    StoreF4x2(a_over_s, b_over_s, p);
   }
-  return out;
-}
+};
+struct UF4Codes {
+  static constexpr size_t kBits = 4;
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF4x2(p, a, b); }
+  static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+    StoreUF4x2(a, b, a_over_s, b_over_s, p);
+  }
+};
 
-float* DecodeUF4Scaled(const void* src, const void* /*aux*/, size_t n,
-                       const internal::ScaleView& view, float* HWY_RESTRICT out) {
+// Per-block scales are powers of two: decoding is one exact multiply.
+template <class Codes>
+float* DecodeBlockScaled(const void* src, const void* /*aux*/, size_t n,
+                         const internal::ScaleView& view, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
   const VF s = hn::Set(DF(), view.PerTensor());
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
-    LoadUF4x2(in + i / 2, a, b);
+    Codes::Load(in + i * Codes::kBits / 8, a, b);
     StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
   }
   return out;
@@ -822,39 +821,16 @@ void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::Scale
   }
 }
 
-void EncodeUF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
-                     void* dst, void* /*aux*/) {
+template <class Codes>
+void EncodeBlockScaled(const float* HWY_RESTRICT x, size_t n,
+                       const internal::ScaleView& scale, void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
   const VF s = hn::Set(DF(), scale.PerTensor());
   uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
     LoadF32x2(x + i, a, b);
-    StoreUF8x2(a, b, hn::Div(a, s), hn::Div(b, s), out + i);
-  }
-}
-
-void EncodeF4Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
-                    void* dst, void* /*aux*/) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale.PerTensor());
-  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
-  for (size_t i = 0; i < n; i += step) {
-    VF a, b;
-    LoadF32x2(x + i, a, b);
-    StoreF4x2(hn::Div(a, s), hn::Div(b, s), out + i / 2);
-  }
-}
-
-void EncodeUF4Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
-                     void* dst, void* /*aux*/) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale.PerTensor());
-  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
-  for (size_t i = 0; i < n; i += step) {
-    VF a, b;
-    LoadF32x2(x + i, a, b);
-    StoreUF4x2(a, b, hn::Div(a, s), hn::Div(b, s), out + i / 2);
+    Codes::Store(a, b, hn::Div(a, s), hn::Div(b, s), out + i * Codes::kBits / 8);
   }
 }
 
