@@ -37,6 +37,10 @@ that block's largest magnitude ``a``. Two scale rules:
    the block's largest element lands in the top binade, so re-encoding is exact too.
    ``name@p2`` is a rule-1 map with the smallest power of two at least ``a`` instead
    (its re-encoding is not exact for every map: ``--check`` lists which).
+   ``name@sr`` (any of these small binary floats, e.g. ``m=fe2m1@sr:128``) keeps the
+   scale and rounds ``x`` stochastically between its two neighbouring entries,
+   unbiased, from a counter-based hash of (seed, step, tensor, flat index): no torch
+   RNG (``StochasticFloatP2``).
 
 Either rule: ``a`` not finite -> ``s`` = NaN, codes 0 (the whole block decodes to NaN:
 most maps have no NaN code to keep one element's); unsigned maps keep code 0 for an
@@ -303,10 +307,13 @@ def power_of_two_scales(rows, s_min):
     return torch.where(torch.isfinite(absmax), scale, math.nan)
 
 
-def quantize(u, qmap, block):
-    """(codes, scales) of the fp32 tensor ``u``."""
+def quantize(u, qmap, block, key=None):
+    """(codes, scales) of the fp32 tensor ``u``. ``key``: the stochastic maps' (``@sr``)
+    per-tensor, per-step counter key (``sr_key``); the other maps ignore it."""
     n = u.numel()
     rows = _blocks(u.reshape(-1), block)
+    if isinstance(qmap, StochasticFloatP2):
+        return qmap.quantize(rows, n, key)
     if not isinstance(qmap, (TableMap, CompandedMap)):
         return qmap.quantize(rows, n)
     scales = block_scales(rows, qmap.s_min)
@@ -392,6 +399,13 @@ class FloatP2:
                          f"(bias {bias}), power-of-two scale, a/s <= {self.target:g}")
 
     def quantize(self, rows, n):
+        scales, x = self.scaled(rows)
+        finite = torch.isfinite(scales)[:, None]
+        codes = torch.where(finite, self.table.encode(x, rows != 0), 0)
+        return codes.reshape(-1)[:n].to(torch.int16), scales
+
+    def scaled(self, rows):
+        """(scales, x): the blocks' scales and ``x = u / s`` (0 in a non-finite block)."""
         absmax = rows.abs().amax(dim=1)
         mantissa, exponent = torch.frexp(absmax / self.target)  # exact: both fp32,
         # and only the binade of the quotient matters unless it is a power of two
@@ -403,11 +417,117 @@ class FloatP2:
         scales = torch.where(torch.isfinite(absmax), scales, math.nan)
         finite = torch.isfinite(scales)[:, None]
         x = torch.where(finite, rows / torch.where(finite, scales[:, None], 1.0), 0.0)
-        codes = torch.where(finite, self.table.encode(x, rows != 0), 0)
-        return codes.reshape(-1)[:n].to(torch.int16), scales
+        return scales, x
 
     def decode(self, codes):
         return self.table.decode(codes)
+
+
+# --- stochastic rounding -----------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(x: int) -> int:
+    """lowbias32 (Chris Wellons' 32-bit integer hash: xorshift-multiply, two rounds), on a
+    Python int in [0, 2^32)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _mul32(x, c):
+    """``x * c mod 2^32`` for an int64 tensor ``x`` in [0, 2^32) and a 32-bit constant,
+    with no int64 product past 2^49 (no reliance on wrap-around)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32_tensor(x):
+    """``mix32`` elementwise on an int64 tensor of values in [0, 2^32)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+SR_SALT = 0x5352A5E1  # keeps seed 0 off mix32's fixed point 0
+
+
+def sr_key(seed: int, step: int, tensor_id: int) -> int:
+    """The 32-bit key of one tensor's one step: ``mix32(mix32(mix32(seed ^ SALT) ^
+    tensor_id) ^ step)``, every argument taken mod 2^32."""
+    return mix32(mix32(mix32((seed ^ SR_SALT) & _M32) ^ (tensor_id & _M32))
+                 ^ (step & _M32))
+
+
+def sr_uniform24(key: int, index):
+    """The 24-bit uniform integers (in [0, 2^24)) of the flat element indices ``index``
+    (an int64 tensor, each < 2^32) under ``key``: ``mix32(mix32(index) ^ key) >> 8``.
+    Hashing the index before mixing in the key keeps two keys from handing out the same
+    numbers to shifted indices (as ``mix32(index ^ key)`` would: ``i ^ k == j ^ k'``)."""
+    assert int(index.max()) <= _M32 if index.numel() else True
+    return mix32_tensor(mix32_tensor(index) ^ key) >> 8
+
+
+class StochasticFloatP2:
+    """A ``FloatP2`` map (``name@sr``) whose codes are rounded stochastically: the same
+    scale (so the block's largest magnitude still fits: ``a / s <= T``), then for
+    ``x = u / s`` the two neighbouring table magnitudes ``lo <= |x| < hi`` (``lo`` the
+    largest table entry at most ``|x|``), ``hi`` taken iff ``r < (|x| - lo) / (hi -
+    lo)``, ``r = sr_uniform24(key, flat index) / 2^24``. Within a float grid ``hi - lo``
+    is a power of two and ``|x| - lo`` is exact (Sterbenz), so ``p`` is an exact fp32
+    number; for ``lo > 0`` it has at most 23 fractional bits and the comparison of two
+    exact fp32 numbers takes ``hi`` with probability exactly ``p``: unbiased (for
+    ``lo = 0`` with probability ``ceil(p * 2^24) / 2^24``). ``|x|`` on a table entry (p = 0, exact
+    midpoints included: p = 1/2) stays / is rounded with its probability, never a tie
+    rule; ``|x|`` above the top entry (up to ``T``) takes the top entry (never rounded
+    past it); a magnitude 0 is code 0 (no -0); unsigned maps stay zero-free (a non-zero
+    ``u`` whose magnitude rounds to 0 takes code 1, as the nearest rounding does: a
+    bias upwards for values below the smallest entry's neighbourhood only). Values on
+    the grid encode to themselves, so decoding and encoding again gives the same values
+    (codes and scale too, except where the rounding took the block's largest element
+    below ``T / 2``: then the smaller scale holds the same values)."""
+
+    def __init__(self, base: FloatP2):
+        self.base = base
+        self.name, self.bits, self.signed = base.name + "@sr", base.bits, base.signed
+        self.values = base.values
+        self.describe = base.describe + ", stochastic rounding"
+
+    def encode(self, x, nonzero, key, index):
+        values = self.values
+        ax = x.abs()
+        lo_index = torch.searchsorted(values, ax, right=True) - 1  # values[0] = 0 <= ax
+        top = values.numel() - 1
+        lo_index = lo_index.clamp(0, top)
+        hi_index = (lo_index + 1).clamp(max=top)
+        lo, hi = values[lo_index], values[hi_index]
+        step = torch.where(hi_index > lo_index, hi - lo, 1.0)
+        p = torch.where(hi_index > lo_index, (ax - lo) / step, 0.0)  # exact, in [0, 1)
+        r = sr_uniform24(key, index).to(torch.float32) * 2.0 ** -24  # exact
+        index_code = torch.where(r < p, hi_index, lo_index)
+        if self.signed:
+            negative = torch.signbit(x) & (index_code > 0)
+            return index_code + negative.long() * (1 << (self.bits - 1))
+        return torch.where((index_code == 0) & nonzero, 1, index_code)
+
+    def quantize(self, rows, n, key=None):
+        if key is None:
+            key = sr_key(0, 0, 0)
+        scales, x = self.base.scaled(rows)
+        finite = torch.isfinite(scales)[:, None]
+        index = torch.arange(rows.numel(), dtype=torch.int64).view(rows.shape)
+        codes = torch.where(finite, self.encode(x, rows != 0, key, index), 0)
+        return codes.reshape(-1)[:n].to(torch.int16), scales
+
+    def decode(self, codes):
+        return self.base.decode(codes)
 
 
 MAPS["e4m3s29"] = CoreFp8Block()
@@ -420,6 +540,7 @@ for _map in (FloatP2("fe4m3", 4, 3, 7, True, reserve_top=1),
              FloatP2("ufe3m1", 3, 1, 3, False),
              FloatP2("ufe3m1n", 3, 1, 3, False, reserve_top=1)):
     MAPS[_map.name] = _map
+    MAPS[_map.name + "@sr"] = StochasticFloatP2(_map)
 for _name in list(MAPS):
     if isinstance(MAPS[_name], (TableMap, CompandedMap)):
         MAPS[_name + "@p2"] = PowerOfTwoScaled(MAPS[_name])
@@ -431,13 +552,19 @@ class BlockAdamW(torch.optim.Optimizer):
     """AdamW (fp32 parameters) with each moment stored in a block format, or in fp32
     when its spec is None. ``spec`` = (map name, block size)."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, exp_avg=None, exp_avg_sq=None):
+    def __init__(self, params, lr, betas, eps, weight_decay, exp_avg=None, exp_avg_sq=None,
+                 sr_seed=0):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps,
                                       weight_decay=weight_decay))
         self.specs = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         self.step_count = 0
+        # Stochastic maps (``@sr``): key (sr_seed, step, tensor id), the tensor id
+        # 2 * (the parameter's position in the param groups) + (0 exp_avg, 1 exp_avg_sq).
+        self.sr_seed = sr_seed
+        self._position = {}
         for group in self.param_groups:
             for p in group["params"]:
+                self._position[p] = len(self._position)
                 for name in self.specs:
                     self._store(p, name, torch.zeros_like(p, dtype=torch.float32))
 
@@ -446,7 +573,11 @@ class BlockAdamW(torch.optim.Optimizer):
         if spec is None:
             self.state[p][name] = value
         else:
-            codes, scales = quantize(value, MAPS[spec[0]], spec[1])
+            key = None
+            if isinstance(MAPS[spec[0]], StochasticFloatP2):
+                key = sr_key(self.sr_seed, self.step_count,
+                             2 * self._position[p] + (name == "exp_avg_sq"))
+            codes, scales = quantize(value, MAPS[spec[0]], spec[1], key)
             self.state[p][name + ".codes"] = codes
             self.state[p][name + ".scales"] = scales
 
@@ -542,7 +673,8 @@ def check():
         codes = codes[magnitudes < qmap.values.numel()]  # E4M3's NaN code unused
         if qmap.signed:
             codes = codes[codes != 1 << (qmap.bits - 1)]  # -0 is never stored
-        power_of_two = isinstance(qmap, (PowerOfTwoScaled, CoreFp8Block, FloatP2))
+        power_of_two = isinstance(qmap, (PowerOfTwoScaled, CoreFp8Block, FloatP2,
+                                         StochasticFloatP2))
         scale_choices = ((1.0, 2.0 ** -100, 2.0 ** 70) if power_of_two
                          else (1.0, qmap.s_min, 2.0 ** -100, 3.0e-30, 0.37, 7.5e20))
         for block in (64, 128, 256):
@@ -574,7 +706,14 @@ def check():
                 u = u.abs()
             c, s = quantize(u, qmap, block)
             c2, s2 = quantize(dequantize(c, s, qmap, block, u.shape), qmap, block)
-            if not (torch.equal(c, c2) and torch.equal(s, s2)):
+            if isinstance(qmap, StochasticFloatP2):
+                # the block's largest element may have been rounded below T / 2: the
+                # scale may halve, the values may not change
+                if not torch.equal(dequantize(c, s, qmap, block, u.shape),
+                                   dequantize(c2, s2, qmap, block, u.shape)):
+                    print(f"  {qmap.name} block {block}, random block: decoded values "
+                          f"change on re-encoding")
+            elif not (torch.equal(c, c2) and torch.equal(s, s2)):
                 print(f"  {qmap.name} block {block}, random block: "
                       f"{(c != c2).sum().item()} codes and "
                       f"{(s != s2).sum().item()} scales change on re-encoding")
@@ -586,6 +725,72 @@ def check():
                 print(f"  {qmap.name} block {block}: {flushed} of {u.numel()} non-zero "
                       f"values of a wide random block encode to 0 (no zero-free rule)")
     print(f"re-encoding checked for {len(MAPS)} maps (lines above list any failures)")
+    sr_check()
+
+
+def sr_check(draws=2000):
+    """Stochastic rounding (``@sr`` maps): the torch hash equals the integer one; the
+    same counters give the same codes, other steps other codes; and unbiasedness: for
+    random blocks (each with a fixed largest element, so the scale stays fixed) the
+    mean over ``draws`` steps of each decoded element is within 6 standard errors of
+    the input, the standard error from the exact variance ``p (1 - p) (hi - lo)^2 s^2``
+    of one rounding (elements on the grid: exactly the input), the z-scores' mean
+    within 6 / sqrt(count) of 0, and no decoded element is ever further than one grid
+    step from its input. Elements outside the unbiased range (above the top entry;
+    for unsigned maps below the smallest entry, zero-free) are left out."""
+    generator = torch.Generator().manual_seed(7)
+    index = torch.randint(0, 2 ** 32, (10_000,), generator=generator)
+    expected = torch.tensor([mix32(mix32(int(i)) ^ 0x12345678) >> 8 for i in index])
+    assert torch.equal(sr_uniform24(0x12345678, index), expected), "torch hash != int hash"
+    assert len({sr_key(s, t, i) for s in range(3) for t in range(50) for i in range(20)}) \
+        == 3 * 50 * 20, "key collision"
+    for qmap in MAPS.values():
+        if not isinstance(qmap, StochasticFloatP2):
+            continue
+        block, blocks = 128, 8
+        top = float(qmap.values[-1])
+        u = torch.randn(blocks * block, generator=generator) * torch.exp(
+            torch.randn(blocks * block, generator=generator))
+        if not qmap.signed:
+            u = u.abs()
+        rows = u.view(blocks, block)
+        rows[:, 0] = rows.abs().amax(dim=1) * 1.01  # the block's largest, positive
+        c0, s0 = quantize(u, qmap, block, sr_key(1, 1, 0))
+        c1, s1 = quantize(u, qmap, block, sr_key(1, 1, 0))
+        c2, _ = quantize(u, qmap, block, sr_key(1, 2, 0))
+        assert torch.equal(c0, c1) and torch.equal(s0, s1), qmap.name
+        assert not torch.equal(c0, c2), qmap.name
+        # With largest elements themselves on the grid's top entry, scales don't move.
+        rows[:, 0] = s0 * top
+        x = (rows / s0[:, None]).reshape(-1)
+        ax = x.abs()
+        lo_i = (torch.searchsorted(qmap.values, ax, right=True) - 1).clamp(
+            max=qmap.values.numel() - 2)
+        lo, hi = qmap.values[lo_i].double(), qmap.values[lo_i + 1].double()
+        scale = s0.repeat_interleave(block).double()
+        p = (ax.double() - lo) / (hi - lo)
+        keep = ax <= top
+        if not qmap.signed:
+            keep &= ax >= qmap.values[1]
+        total = torch.zeros(u.numel(), dtype=torch.float64)
+        for step in range(draws):
+            c, s = quantize(u, qmap, block, sr_key(1, step, 3))
+            assert torch.equal(s, s0), qmap.name
+            d = dequantize(c, s, qmap, block, u.shape).double()
+            assert ((d - u.double()).abs() <= (hi - lo) * scale)[keep].all(), qmap.name
+            total += d
+        mean = total / draws
+        sd = (p * (1 - p)).sqrt() * (hi - lo) * scale / math.sqrt(draws)
+        err = (mean - u.double())[keep]
+        exact = sd[keep] == 0
+        assert torch.equal(err[exact], torch.zeros_like(err[exact])), qmap.name
+        z = err[~exact] / sd[keep][~exact]
+        print(f"  {qmap.name}: {int(keep.sum())} elements, {draws} draws: "
+              f"largest |z| {z.abs().max().item():.2f}, mean z {z.mean().item():+.3f} "
+              f"(bound 6 and {6 / math.sqrt(z.numel()):.3f})")
+        assert z.abs().max() < 6 and abs(z.mean().item()) < 6 / math.sqrt(z.numel()), \
+            qmap.name
+    print("stochastic rounding: deterministic per counter, unbiased within the bounds")
 
 
 # --- runs --------------------------------------------------------------------------------
