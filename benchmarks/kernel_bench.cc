@@ -59,33 +59,28 @@ const Preset kPresets[] = {
      DType::kInt16Remainder, 256},
     {"p=fp32 g=fp32 m=fp8-block v=ufp8-block", DType::kFloat32, DType::kFloat32,
      DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block, DType::kNone, 256},
+    // moment_format="block4" (S2.12), blocks of 128: two codes per byte.
+    {"p=bf16 g=bf16 master=remainder m=fp4-block v=ufp4-block", DType::kBFloat16,
+     DType::kBFloat16, DType::kFloat4E2M1Block, DType::kUFloat4E3M1Block,
+     DType::kInt16Remainder, 128},
 };
 
-size_t Bytes(DType t) {
-  switch (t) {
-    case DType::kNone: return 0;
-    case DType::kFloat32: return 4;
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E4M3Block:
-    case DType::kUFloat8E4M4Block: return 1;
-    default: return 2;
-  }
-}
+size_t Bits(DType t) { return t == DType::kNone ? 0 : static_cast<size_t>(FormatOf(t).item_bits); }
 
 // Bytes the step must move per element (docs/benchmarking.md "minimum"): grad, both
 // moments and the master (or the param when there is none) are read; param, master
-// and both moments are written. Per-block scales (8 bytes per block of 256 read and
-// written, 0.03 bytes per element) are left out.
-size_t MinimumBytes(const Preset& p) {
+// and both moments are written. Per-block scales (8 bytes per block read and
+// written, 0.03 to 0.06 bytes per element) are left out.
+double MinimumBytes(const Preset& p) {
   // A remainder master is read together with the param it completes.
-  const size_t weight_read = p.master == DType::kNone ? Bytes(p.param)
+  const size_t weight_read = p.master == DType::kNone ? Bits(p.param)
                              : p.master == DType::kInt16Remainder
-                                 ? Bytes(p.param) + Bytes(p.master)
-                                 : Bytes(p.master);
-  const size_t reads = Bytes(p.grad) + weight_read + Bytes(p.exp_avg) + Bytes(p.exp_avg_sq);
-  const size_t writes = Bytes(p.param) + Bytes(p.master) + Bytes(p.exp_avg) +
-                        Bytes(p.exp_avg_sq);
-  return reads + writes;
+                                 ? Bits(p.param) + Bits(p.master)
+                                 : Bits(p.master);
+  const size_t reads = Bits(p.grad) + weight_read + Bits(p.exp_avg) + Bits(p.exp_avg_sq);
+  const size_t writes = Bits(p.param) + Bits(p.master) + Bits(p.exp_avg) +
+                        Bits(p.exp_avg_sq);
+  return static_cast<double>(reads + writes) / 8;
 }
 
 // One buffer per stream, 64-byte aligned like torch's CPU allocator.
@@ -154,11 +149,11 @@ struct Streams {
   Buffer param, grad, exp_avg, exp_avg_sq, master;
 
   Streams(const Preset& p, int64_t n) {
-    param.Allocate(n * Bytes(p.param));
-    grad.Allocate(n * Bytes(p.grad));
-    exp_avg.Allocate(n * Bytes(p.exp_avg));
-    exp_avg_sq.Allocate(n * Bytes(p.exp_avg_sq));
-    if (p.master != DType::kNone) master.Allocate(n * Bytes(p.master));
+    param.Allocate(BufferBytes(p.param, n));
+    grad.Allocate(BufferBytes(p.grad, n));
+    exp_avg.Allocate(BufferBytes(p.exp_avg, n));
+    exp_avg_sq.Allocate(BufferBytes(p.exp_avg_sq, n));
+    if (p.master != DType::kNone) master.Allocate(BufferBytes(p.master, n));
   }
 
   double MiB() const {
@@ -280,12 +275,31 @@ struct Case {
     }
   }
 
+  // Remainder with 4-bit moments: per pair of elements (ranges start on even
+  // elements), a u32 of the two bf16 params, of their remainders, of their grads,
+  // and one byte of each moment.
+  void ProbeRemainderNibbles(size_t begin, size_t end) {
+    using u32 = uint32_t;
+    const u32* g = As<const u32>(probe.grad);
+    u32 *p = As<u32>(probe.param), *r = As<u32>(probe.master);
+    uint8_t *m = As<uint8_t>(probe.exp_avg), *v = As<uint8_t>(probe.exp_avg_sq);
+    for (size_t j = begin / 2; j < end / 2; ++j) {
+      const u32 x = g[j];
+      p[j] += x;
+      r[j] ^= x;
+      m[j] = static_cast<uint8_t>(m[j] + x);
+      v[j] = static_cast<uint8_t>(v[j] + (x >> 16));
+    }
+  }
+
   void ProbeRangeForPreset(size_t begin, size_t end) {
     using u8 = uint8_t;
     using u16 = uint16_t;
     using u32 = uint32_t;
-    const bool fp8 = Bytes(preset.exp_avg) == 1;
-    if (preset.param == DType::kFloat32 && fp8) {
+    const bool fp8 = Bits(preset.exp_avg) == 8;
+    if (preset.master == DType::kInt16Remainder && Bits(preset.exp_avg) == 4) {
+      ProbeRemainderNibbles(begin, end);
+    } else if (preset.param == DType::kFloat32 && fp8) {
       ProbeTyped<u32, u32, u8, u8, u32>(begin, end);
     } else if (preset.param == DType::kFloat32) {
       ProbeTyped<u32, u32, u32, u32, u32>(begin, end);
@@ -295,11 +309,11 @@ struct Case {
       } else {
         ProbeRemainder<u16>(begin, end);
       }
-    } else if (fp8 && Bytes(preset.exp_avg_sq) == 1) {
+    } else if (fp8 && Bits(preset.exp_avg_sq) == 8) {
       ProbeTyped<u16, u32, u8, u8, u16>(begin, end);
     } else if (fp8) {
       ProbeTyped<u16, u32, u8, u16, u16>(begin, end);
-    } else if (Bytes(preset.exp_avg) == 2) {
+    } else if (Bits(preset.exp_avg) == 16) {
       ProbeTyped<u16, u32, u16, u16, u16>(begin, end);
     } else {
       ProbeTyped<u16, u32, u32, u32, u16>(begin, end);
@@ -308,10 +322,10 @@ struct Case {
 
   void ReadRangeForPreset(size_t begin, size_t end) {
     uint32_t acc;
-    if (Bytes(preset.exp_avg) == 1 && Bytes(preset.exp_avg_sq) == 1) {
+    if (Bits(preset.exp_avg) == 8 && Bits(preset.exp_avg_sq) == 8) {
       acc = ReadRange(As<const uint16_t>(probe.grad), As<const uint8_t>(probe.exp_avg),
                       As<const uint8_t>(probe.exp_avg_sq), begin, end);
-    } else if (Bytes(preset.exp_avg) == 1) {  // bf16 exp_avg_sq: not measured
+    } else if (Bits(preset.exp_avg) == 8) {  // bf16 exp_avg_sq: not measured
       acc = ReadRange(As<const uint16_t>(probe.grad), As<const uint8_t>(probe.exp_avg),
                       begin, end);
     } else {
@@ -459,7 +473,7 @@ int main(int argc, char** argv) {
     char row[1024];
     std::snprintf(row, sizeof(row),
                   "  {\"preset\": \"%s\", \"numel\": %lld, \"threads\": %d, "
-                  "\"target\": \"%s\", \"bytes_per_element\": %zu, "
+                  "\"target\": \"%s\", \"bytes_per_element\": %g, "
                   "\"kernel_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
                   "\"probe_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
                   "\"elements_per_s\": %.6g, \"gb_per_s\": %.6g, "

@@ -233,7 +233,7 @@ HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
 
 // A moment stream's decode factor: the old per-tensor scale (fp8 codes decode
 // to a fixed fraction of their value, folded in here; the plan only picks the
-// fused path when the product is finite, see DecodeF8Scaled).
+// fused path when the product is finite, see ScaledLoad).
 template <DType kMoment>
 HWY_INLINE float MomentDecodeFactor(const internal::ScaleView& old_scale) {
   if constexpr (!IsScaled(kMoment)) {
@@ -446,42 +446,50 @@ HWY_NOINLINE HWY_FLATTEN void FusedMeasure(const StepConstants& k, const void* g
   if (bits_v > max_bits[2]) max_bits[2] = bits_v;
 }
 
-// FusedBlockSpan's pair at element e: loaded and decoded with the block's old
-// scales (m_factor folds the E4M3 decoder's factor unless that overflowed, then
-// m_scale follows).
-template <class L>
-HWY_INLINE void LoadBlock8Pair(const void* grad, const void* param, const void* master,
-                               const uint8_t* m_codes, const uint8_t* v_codes, size_t e,
-                               bool m_one_multiply, const VF& m_factor, const VF& m_scale,
-                               const VF& v_scale, const FusedPair& p) {
-  LoadGradx2<L::kGrad, false>(grad, e, p.g0, p.g1);
-  LoadWx2<L::kWeight, false>(param, master, e, p.w0, p.w1);
-  LoadF8x2Raw(m_codes + e, p.m0, p.m1);
-  p.m0 = hn::Mul(p.m0, m_factor);
-  p.m1 = hn::Mul(p.m1, m_factor);
-  if (!m_one_multiply) {
-    p.m0 = hn::Mul(p.m0, m_scale);
-    p.m1 = hn::Mul(p.m1, m_scale);
-  }
-  LoadUF8x2(v_codes + e, p.v0, p.v1);
-  p.v0 = hn::Mul(p.v0, v_scale);
-  p.v1 = hn::Mul(p.v1, v_scale);
+// The codes of a per-block moment format, for FusedBlockSpan.
+template <DType D>
+struct BlockCodesOf;
+template <>
+struct BlockCodesOf<DType::kFloat8E4M3Block> { using T = F8Codes; };
+template <>
+struct BlockCodesOf<DType::kUFloat8E4M4Block> { using T = UF8Codes; };
+template <>
+struct BlockCodesOf<DType::kFloat4E2M1Block> { using T = F4Codes; };
+template <>
+struct BlockCodesOf<DType::kUFloat4E3M1Block> { using T = UF4Codes; };
+
+// Where element e's code starts (e is even for 4-bit codes: a pair's start).
+template <class Codes>
+HWY_INLINE uint8_t* CodesAt(void* codes, size_t e) {
+  return static_cast<uint8_t*>(codes) + e * Codes::kBits / 8;
+}
+
+// FusedBlockSpan's pair at element e, its moments decoded with the block's old scales.
+template <class L, bool kEO, class MC, class VC>
+HWY_INLINE void LoadBlockPair(const void* grad, const void* param, const void* master,
+                              void* m, void* v, size_t e, const ScaledLoad<MC>& load_m,
+                              const ScaledLoad<VC>& load_v, const FusedPair& p) {
+  LoadGradx2<L::kGrad, kEO>(grad, e, p.g0, p.g1);
+  LoadWx2<L::kWeight, kEO>(param, master, e, p.w0, p.w1);
+  load_m.template Load<kEO>(CodesAt<MC>(m, e), p.m0, p.m1);
+  load_v.template Load<kEO>(CodesAt<VC>(v, e), p.v0, p.v1);
 }
 
 // Stores the pair's weight, keeps its new moments in L1 and folds their magnitudes.
-template <class L>
-HWY_INLINE void KeepBlock8Pair(const FusedPair& p, void* param, void* master, size_t e,
-                               float* new_m, float* new_v, VI& acc_m, VI& acc_v) {
-  StoreWx2<L::kWeight, false, false>(p.w0, p.w1, param, master, e);
+template <class L, bool kEO>
+HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, size_t e,
+                              float* new_m, float* new_v, VI& acc_m, VI& acc_v) {
+  StoreWx2<L::kWeight, kEO, false>(p.w0, p.w1, param, master, e);
   StoreF32x2(p.m0, p.m1, new_m);
   StoreF32x2(p.v0, p.v1, new_v);
   acc_m = hn::Max(acc_m, hn::Max(AbsBits(p.m0), AbsBits(p.m1)));
   acc_v = hn::Max(acc_v, hn::Max(AbsBits(p.v0), AbsBits(p.v1)));
 }
 
-// internal::FusedBlockFn for block8 moments (fused_layouts.h FusedBlockLayouts):
-// E4M3 exp_avg and unsigned E4M4 exp_avg_sq, each block's power-of-two scales
-// (S2.9, S2.10). Per block, one pass reads every stream once, updates in
+// internal::FusedBlockFn for per-block moments (fused_layouts.h
+// FusedBlockLayouts): block8's E4M3 exp_avg and unsigned E4M4 exp_avg_sq, or
+// block4's E2M1 and unsigned E3M1, each block's power-of-two scales (S2.9,
+// S2.10, S2.12). Per block, one pass reads every stream once, updates in
 // registers and stores the weight; only the new moments wait in L1 (their scale
 // needs the block's absmax) before they are encoded. The same codecs and
 // element formula as block_spans.cc, so the same bits.
@@ -490,9 +498,12 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
                                              void* param, void* master, void* m, void* v,
                                              float* m_scales, float* v_scales,
                                              size_t block, size_t n) {
-  static_assert(L::kExpAvg == DType::kFloat8E4M3Block &&
-                    L::kExpAvgSq == DType::kUFloat8E4M4Block,
-                "the fused block kernel stores block8 moments");
+  using MC = typename BlockCodesOf<L::kExpAvg>::T;
+  using VC = typename BlockCodesOf<L::kExpAvgSq>::T;
+  // Pairs in even/odd order where every stream has it (the moments' L1 copies
+  // keep that order too): bf16 gradients and bf16 params + remainders.
+  constexpr bool kEO = L::kGrad == kBF16 && L::kWeight == Weight::kRemainder &&
+                       MC::kHasEvenOdd && VC::kHasEvenOdd;
   constexpr FormatInfo kM = FormatOf(L::kExpAvg);
   constexpr FormatInfo kV = FormatOf(L::kExpAvgSq);
   const DF df;
@@ -502,25 +513,17 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   alignas(64) float new_m[kMaxScaleBlock];
   alignas(64) float new_v[kMaxScaleBlock];
-  uint8_t* HWY_RESTRICT m_codes = static_cast<uint8_t*>(m);
-  uint8_t* HWY_RESTRICT v_codes = static_cast<uint8_t*>(v);
   for (size_t b = 0; b < n; b += block) {
     const size_t j = b / block;
-    // Decoding multiplies by a power of two: exact, in one multiply unless
-    // folding the E4M3 decoder's factor into a huge scale overflows.
-    const float m_folded = m_scales[j] * kF8RawFactor;
-    const bool m_one_multiply = std::isfinite(m_folded);
-    const VF m_factor = hn::Set(df, m_one_multiply ? m_folded : kF8RawFactor);
-    const VF m_scale = hn::Set(df, m_scales[j]);
-    const VF v_scale = hn::Set(df, v_scales[j]);
+    const ScaledLoad<MC> load_m(m_scales[j]);
+    const ScaledLoad<VC> load_v(v_scales[j]);
     VI acc_m = hn::Zero(di);
     VI acc_v = hn::Zero(di);
     // Pipelined as FusedSpan: pair i + 1's moments and denominators are computed
     // before pair i's weight division, so two halves of the long chain overlap.
     VF g0, g1, w0, w1, m0, m1, v0, v1, d0, d1;
     const FusedPair cur{g0, g1, w0, w1, m0, m1, v0, v1};
-    LoadBlock8Pair<L>(grad, param, master, m_codes, v_codes, b, m_one_multiply, m_factor,
-                      m_scale, v_scale, cur);
+    LoadBlockPair<L, kEO>(grad, param, master, m, v, b, load_m, load_v, cur);
     AdamMoments<kAdamW>(ops, c, cur.g0, cur.w0, cur.m0, cur.v0, d0);
     AdamMoments<kAdamW>(ops, c, cur.g1, cur.w1, cur.m1, cur.v1, d1);
     size_t i = 0;
@@ -528,20 +531,19 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF next_g0, next_g1, next_w0, next_w1, next_m0, next_m1, next_v0, next_v1, e0, e1;
       const FusedPair next{next_g0, next_g1, next_w0, next_w1,
                            next_m0, next_m1, next_v0, next_v1};
-      LoadBlock8Pair<L>(grad, param, master, m_codes, v_codes, b + i + step, m_one_multiply,
-                        m_factor, m_scale, v_scale, next);
+      LoadBlockPair<L, kEO>(grad, param, master, m, v, b + i + step, load_m, load_v, next);
       AdamMoments<kAdamW>(ops, c, next.g0, next.w0, next.m0, next.v0, e0);
       AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1, e1);
       AdamWeight(ops, c, cur.w0, cur.m0, d0);
       AdamWeight(ops, c, cur.w1, cur.m1, d1);
-      KeepBlock8Pair<L>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
+      KeepBlockPair<L, kEO>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
       CopyPair(next, cur);
       d0 = e0;
       d1 = e1;
     }
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
-    KeepBlock8Pair<L>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
+    KeepBlockPair<L, kEO>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
         kM.zero_bound);
@@ -558,8 +560,10 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF m0, m1, v0, v1;
       LoadF32x2(new_m + i, m0, m1);
       LoadF32x2(new_v + i, v0, v1);
-      StoreF8x2(hn::Mul(m0, m_by), hn::Mul(m1, m_by), m_codes + b + i);
-      StoreUF8x2(v0, v1, hn::Mul(v0, v_by), hn::Mul(v1, v_by), v_codes + b + i);
+      MC::template Store<kEO>(m0, m1, hn::Mul(m0, m_by), hn::Mul(m1, m_by),
+                              CodesAt<MC>(m, b + i));
+      VC::template Store<kEO>(v0, v1, hn::Mul(v0, v_by), hn::Mul(v1, v_by),
+                              CodesAt<VC>(v, b + i));
     }
     m_scales[j] = sm;
     v_scales[j] = sv;
@@ -621,12 +625,12 @@ const internal::KernelTable* GetKernelTable() {
   SHARDADAM_KERNEL_TABLE internal::KernelTable table = {
       HWY_TARGET,
       SHARDADAM_PAIR_LANES,
-      {DecodeF32, DecodeBF16, DecodeF16, DecodeF16Scaled, DecodeF8Scaled,
-       DecodeRemainder, DecodeBlockScaled<UF8Codes>, DecodeBlockScaled<F4Codes>,
-       DecodeBlockScaled<UF4Codes>},
-      {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeF8Scaled,
-       EncodeRemainder, EncodeBlockScaled<UF8Codes>, EncodeBlockScaled<F4Codes>,
-       EncodeBlockScaled<UF4Codes>},
+      {DecodeF32, DecodeBF16, DecodeF16, DecodeF16Scaled, DecodeScaled<F8Codes>,
+       DecodeRemainder, DecodeScaled<UF8Codes>, DecodeScaled<F4Codes>,
+       DecodeScaled<UF4Codes>},
+      {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeScaled<F8Codes>,
+       EncodeRemainder, EncodeScaled<UF8Codes>, EncodeScaled<F4Codes>,
+       EncodeScaled<UF4Codes>},
       {{UpdateBlock<false, false>, UpdateBlock<false, true>},
        {UpdateBlock<true, false>, UpdateBlock<true, true>}},
       {{{ReduceBlock<false, false, false>, ReduceBlock<false, false, true>},

@@ -487,52 +487,43 @@ HWY_INLINE void StoreUF8x2(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RE
 }
 
 // 2 * Lanes 4-bit codes (Lanes bytes; element 2i the low nibble of byte i)
-// as two vectors of codes in natural element order: each byte widens to a u16
-// lane that becomes the bytes (low nibble, high nibble), which then widen as
-// 8-bit codes do. Through L1, since Highway 1.0.3 has no portable byte
-// interleave across 128-bit blocks.
-HWY_INLINE void LoadNibblesx2(const uint8_t* HWY_RESTRICT p, VU& a, VU& b) {
-  const DU16 d16;
-  const auto w = hn::PromoteTo(d16, hn::LoadU(DU8(), p));
-  const auto split = hn::And(hn::Or(w, hn::ShiftLeft<4>(w)), hn::Set(d16, 0x0F0F));
-  alignas(64) uint8_t bytes[HWY_MAX_BYTES];
-  hn::StoreU(split, d16, reinterpret_cast<uint16_t*>(bytes));
-  a = LoadWideU8(bytes);
-  b = LoadWideU8(bytes + hn::Lanes(DF()));
+// as two vectors of codes (each lane in [0, 15]), and back. In natural element
+// order each byte widens to a u16 lane that becomes the bytes (low nibble, high
+// nibble), which then widen as 8-bit codes do: through L1, since Highway 1.0.3
+// has no portable byte interleave across 128-bit blocks. In the even/odd order
+// of the 16-bit layouts' codecs below (kEO), byte i widens to lane i and its
+// nibbles are the pair's lane i: no shuffles.
+template <bool kEO>
+HWY_INLINE void LoadNibbles(const uint8_t* HWY_RESTRICT p, VU& a, VU& b) {
+  if constexpr (kEO) {
+    const VU w = LoadWideU8(p);
+    a = hn::And(w, hn::Set(DU(), 0x0Fu));
+    b = hn::ShiftRight<4>(w);
+  } else {
+    const DU16 d16;
+    const auto w = hn::PromoteTo(d16, hn::LoadU(DU8(), p));
+    const auto split = hn::And(hn::Or(w, hn::ShiftLeft<4>(w)), hn::Set(d16, 0x0F0F));
+    alignas(64) uint8_t bytes[HWY_MAX_BYTES];
+    hn::StoreU(split, d16, reinterpret_cast<uint16_t*>(bytes));
+    a = LoadWideU8(bytes);
+    b = LoadWideU8(bytes + hn::Lanes(DF()));
+  }
 }
 
-// The inverse: codes (each lane in [0, 15]) of 2 * Lanes elements to Lanes bytes.
-HWY_INLINE void StoreNibblesx2(VU a, VU b, uint8_t* HWY_RESTRICT p) {
-  const DU16 d16;
-  alignas(64) uint8_t bytes[HWY_MAX_BYTES];
-  StoreNarrowU8(a, b, bytes);
-  const auto w = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(bytes));
-  const auto packed =
-      hn::Or(hn::And(w, hn::Set(d16, 0x000F)), hn::And(hn::ShiftRight<4>(w), hn::Set(d16, 0x00F0)));
-  hn::StoreU(hn::DemoteTo(DU8(), hn::BitCast(DI16(), packed)), DU8(), p);
-}
-
-HWY_INLINE void LoadF4x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
-  VU ca, cb;
-  LoadNibblesx2(p, ca, cb);
-  a = F4ToF32(ca);
-  b = F4ToF32(cb);
-}
-
-// Stores the codes of a / s and b / s (S2.12), given those quotients.
-HWY_INLINE void StoreF4x2(VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-  StoreNibblesx2(F32ToF4(a_over_s), F32ToF4(b_over_s), p);
-}
-
-HWY_INLINE void LoadUF4x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
-  VU ca, cb;
-  LoadNibblesx2(p, ca, cb);
-  a = UF4ToF32(ca);
-  b = UF4ToF32(cb);
-}
-
-HWY_INLINE void StoreUF4x2(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-  StoreNibblesx2(F32ToUF4(a_over_s, a), F32ToUF4(b_over_s, b), p);
+template <bool kEO>
+HWY_INLINE void StoreNibbles(VU a, VU b, uint8_t* HWY_RESTRICT p) {
+  if constexpr (kEO) {
+    const DU8 d8;
+    hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), hn::Or(a, hn::ShiftLeft<4>(b)))), d8, p);
+  } else {
+    const DU16 d16;
+    alignas(64) uint8_t bytes[HWY_MAX_BYTES];
+    StoreNarrowU8(a, b, bytes);
+    const auto w = hn::LoadU(d16, reinterpret_cast<const uint16_t*>(bytes));
+    const auto packed = hn::Or(hn::And(w, hn::Set(d16, 0x000F)),
+                               hn::And(hn::ShiftRight<4>(w), hn::Set(d16, 0x00F0)));
+    hn::StoreU(hn::DemoteTo(DU8(), hn::BitCast(DI16(), packed)), DU8(), p);
+  }
 }
 
 // fp32 master = (param << 16) + sign-extended remainder, modulo 2^32: a
@@ -691,66 +682,103 @@ float* DecodeF16Scaled(const void* src, const void* /*aux*/, size_t n,
   return out;
 }
 
-float* DecodeF8Scaled(const void* src, const void* /*aux*/, size_t n,
-                      const internal::ScaleView& view, float* HWY_RESTRICT out) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
-  const float scale = view.PerTensor();
-  const float folded = scale * kF8RawFactor;
-  if (std::isfinite(folded)) {  // one multiply
-    const VF s = hn::Set(DF(), folded);
-    for (size_t i = 0; i < n; i += step) {
-      VF a, b;
-      LoadF8x2Raw(in + i, a, b);
-      StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
-    }
-  } else {  // huge scale: undo the factor exactly first
-    const VF f = hn::Set(DF(), kF8RawFactor);
-    const VF s = hn::Set(DF(), scale);
-    for (size_t i = 0; i < n; i += step) {
-      VF a, b;
-      LoadF8x2Raw(in + i, a, b);
-      StoreF32x2(hn::Mul(hn::Mul(a, f), s), hn::Mul(hn::Mul(b, f), s), out + i);
-    }
+// The 8- and 4-bit scaled formats' codes (S2.3, S2.9, S2.10, S2.12), for one
+// decode loop, one encode loop and the fused block kernel: a format names its
+// pair load / store, its bits per code, and the factor its loaded values still
+// need (E4M3's fp16 decoding leaves one, folded into the scale).
+struct F8Codes {
+  static constexpr size_t kBits = 8;
+  static constexpr bool kHasEvenOdd = false;
+  static constexpr float kRawFactor = kF8RawFactor;
+  template <bool kEO = false>
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadF8x2Raw(p, a, b); }
+  template <bool kEO = false>
+  static void Store(VF, VF, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+    StoreF8x2(a_over_s, b_over_s, p);
   }
-  return out;
-}
-
-// The per-block formats' codes (S2.9, S2.10, S2.12) as one loop each way: a
-// format names its pair load / store and its bits per code.
+};
 struct UF8Codes {
   static constexpr size_t kBits = 8;
+  static constexpr bool kHasEvenOdd = false;
+  static constexpr float kRawFactor = 1.0f;
+  template <bool kEO = false>
   static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF8x2(p, a, b); }
+  template <bool kEO = false>
   static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
     StoreUF8x2(a, b, a_over_s, b_over_s, p);
   }
 };
+// The 4-bit ones also pair their codes in even/odd order (kEO).
 struct F4Codes {
   static constexpr size_t kBits = 4;
-  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadF4x2(p, a, b); }
+  static constexpr bool kHasEvenOdd = true;
+  static constexpr float kRawFactor = 1.0f;
+  template <bool kEO = false>
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+    VU ca, cb;
+    LoadNibbles<kEO>(p, ca, cb);
+    a = F4ToF32(ca);
+    b = F4ToF32(cb);
+  }
+  template <bool kEO = false>
   static void Store(VF, VF, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-    StoreF4x2(a_over_s, b_over_s, p);
+    StoreNibbles<kEO>(F32ToF4(a_over_s), F32ToF4(b_over_s), p);
   }
 };
 struct UF4Codes {
   static constexpr size_t kBits = 4;
-  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF4x2(p, a, b); }
+  static constexpr bool kHasEvenOdd = true;
+  static constexpr float kRawFactor = 1.0f;
+  template <bool kEO = false>
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+    VU ca, cb;
+    LoadNibbles<kEO>(p, ca, cb);
+    a = UF4ToF32(ca);
+    b = UF4ToF32(cb);
+  }
+  template <bool kEO = false>
   static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-    StoreUF4x2(a, b, a_over_s, b_over_s, p);
+    StoreNibbles<kEO>(F32ToUF4(a_over_s, a), F32ToUF4(b_over_s, b), p);
   }
 };
 
-// Per-block scales are powers of two: decoding is one exact multiply.
+// Decodes with scale s: kRawFactor * s in one multiply, which rounds like the
+// reference's value * s whenever that product is finite (it is then exact: a
+// power-of-two factor); else the factor first (exact), then s.
 template <class Codes>
-float* DecodeBlockScaled(const void* src, const void* /*aux*/, size_t n,
-                         const internal::ScaleView& view, float* HWY_RESTRICT out) {
+struct ScaledLoad {
+  float first, second;
+  bool twice;
+  explicit ScaledLoad(float s) {
+    const float folded = s * Codes::kRawFactor;
+    twice = Codes::kRawFactor != 1.0f && !std::isfinite(folded);
+    first = twice ? Codes::kRawFactor : folded;
+    second = s;
+  }
+  // The pair of elements whose codes start at p.
+  template <bool kEO = false>
+  HWY_INLINE void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) const {
+    const DF df;
+    Codes::template Load<kEO>(p, a, b);
+    a = hn::Mul(a, hn::Set(df, first));
+    b = hn::Mul(b, hn::Set(df, first));
+    if (twice) {
+      a = hn::Mul(a, hn::Set(df, second));
+      b = hn::Mul(b, hn::Set(df, second));
+    }
+  }
+};
+
+template <class Codes>
+float* DecodeScaled(const void* src, const void* /*aux*/, size_t n,
+                    const internal::ScaleView& view, float* HWY_RESTRICT out) {
   const size_t step = 2 * hn::Lanes(DF());
   const uint8_t* HWY_RESTRICT in = static_cast<const uint8_t*>(src);
-  const VF s = hn::Set(DF(), view.PerTensor());
+  const ScaledLoad<Codes> load(view.PerTensor());
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
-    Codes::Load(in + i * Codes::kBits / 8, a, b);
-    StoreF32x2(hn::Mul(a, s), hn::Mul(b, s), out + i);
+    load.Load(in + i * Codes::kBits / 8, a, b);
+    StoreF32x2(a, b, out + i);
   }
   return out;
 }
@@ -809,21 +837,10 @@ void EncodeF16Scaled(const float* HWY_RESTRICT x, size_t n, const internal::Scal
   }
 }
 
-void EncodeF8Scaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
-                    void* dst, void* /*aux*/) {
-  const size_t step = 2 * hn::Lanes(DF());
-  const VF s = hn::Set(DF(), scale.PerTensor());
-  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
-  for (size_t i = 0; i < n; i += step) {
-    VF a, b;
-    LoadF32x2(x + i, a, b);
-    StoreF8x2(hn::Div(a, s), hn::Div(b, s), out + i);
-  }
-}
-
+// As the other scaled encoders.
 template <class Codes>
-void EncodeBlockScaled(const float* HWY_RESTRICT x, size_t n,
-                       const internal::ScaleView& scale, void* dst, void* /*aux*/) {
+void EncodeScaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleView& scale,
+                  void* dst, void* /*aux*/) {
   const size_t step = 2 * hn::Lanes(DF());
   const VF s = hn::Set(DF(), scale.PerTensor());
   uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);

@@ -68,11 +68,14 @@ using FusedLayouts = std::tuple<
 
 inline constexpr int kNumFusedLayouts = static_cast<int>(std::tuple_size_v<FusedLayouts>);
 
-// The layouts with per-block scaled moments (S2.9, S2.10) that have a fused
-// block kernel (adam-inl.h FusedBlockSpan): FusedAdam's block8 moments beside
-// every fused weight and gradient. Others take block_spans.cc's fp32 blocks.
+// The layouts with per-block scaled moments (S2.9, S2.10, S2.12) that have a
+// fused block kernel (adam-inl.h FusedBlockSpan): FusedAdam's block8 and block4
+// moments beside every fused weight and gradient. Others take block_spans.cc's
+// fp32 blocks.
 constexpr DType kF8Block = DType::kFloat8E4M3Block;
 constexpr DType kUF8Block = DType::kUFloat8E4M4Block;
+constexpr DType kF4Block = DType::kFloat4E2M1Block;
+constexpr DType kUF4Block = DType::kUFloat4E3M1Block;
 
 using FusedBlockLayouts = std::tuple<
     FusedLayout<kF32, Weight::kParamF32, kF8Block, kUF8Block>,
@@ -80,7 +83,13 @@ using FusedBlockLayouts = std::tuple<
     FusedLayout<kF32, Weight::kRemainder, kF8Block, kUF8Block>,
     FusedLayout<kBF16, Weight::kParamF32, kF8Block, kUF8Block>,
     FusedLayout<kBF16, Weight::kMasterF32, kF8Block, kUF8Block>,
-    FusedLayout<kBF16, Weight::kRemainder, kF8Block, kUF8Block>>;
+    FusedLayout<kBF16, Weight::kRemainder, kF8Block, kUF8Block>,
+    FusedLayout<kF32, Weight::kParamF32, kF4Block, kUF4Block>,
+    FusedLayout<kF32, Weight::kMasterF32, kF4Block, kUF4Block>,
+    FusedLayout<kF32, Weight::kRemainder, kF4Block, kUF4Block>,
+    FusedLayout<kBF16, Weight::kParamF32, kF4Block, kUF4Block>,
+    FusedLayout<kBF16, Weight::kMasterF32, kF4Block, kUF4Block>,
+    FusedLayout<kBF16, Weight::kRemainder, kF4Block, kUF4Block>>;
 
 inline constexpr int kNumFusedBlockLayouts =
     static_cast<int>(std::tuple_size_v<FusedBlockLayouts>);

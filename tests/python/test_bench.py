@@ -21,8 +21,9 @@ _RECORD_TYPES = {
     "ratio_to": dict,
 }
 _TIMED_FIELDS = ("elements_per_s", "gb_per_s")
-_LOWBIT = {"shardadam", "torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8",
-           "bnb-adamw8bit", "probe"}
+_LOWBIT = {"bf16-remainder-block8": {"shardadam", "torchao-adamw8bit", "torchao-adamwfp8",
+                                      "bnb-adamw8bit", "probe"},
+           "bf16-remainder-block4": {"shardadam", "torchao-adamw4bit", "probe"}}
 # A contender may be missing from this machine (DeepSpeed, the low-bit optimizers of
 # other packages) or reject a layout (DTensor support): then it says so instead of
 # timing.
@@ -91,7 +92,8 @@ def test_every_case_and_contender_is_reported(tiny_run):
     assert _FP32 <= by_case[("transformer", "fp32")]
     assert _FP32 <= by_case[("many", "fp32")]
     assert by_case[("dtensor", "fp32")] == {"dtensor", "plain"}
-    assert _LOWBIT <= by_case[("lowbit", "bf16-remainder-block8")]
+    for preset, contenders in _LOWBIT.items():
+        assert contenders <= by_case[("lowbit", preset)], preset
 
 
 def test_records_have_the_documented_fields(tiny_run):
@@ -132,12 +134,15 @@ def test_timings_are_positive_and_ordered(tiny_run):
 def test_optimizer_state_bytes_follow_the_layout(tiny_run):
     """Counted from each optimizer's own state: shardadam's block8 beside remainders
     holds 2 (remainder) + 1 + 1 (codes) + 2 * 4 / 256 (a scale per 256 elements of each
-    moment) bytes per parameter; torch's fp32 AdamW 8 (two fp32 moments)."""
+    moment) bytes per parameter, block4 2 + 0.5 + 0.5 + 2 * 4 / 128; torch's fp32 AdamW
+    8 (two fp32 moments)."""
     _, data, _ = tiny_run
     held = {(r["case"], r["contender"]): r.get("optimizer_state_bytes_per_param")
             for r in data["results"] if r["status"] == "ok"}
-    lowbit = next(case for case, _ in held if case.startswith("lowbit/"))
-    assert held[(lowbit, "shardadam")] == pytest.approx(2 + 1 + 1 + 2 * 4 / 256)
+    assert held[("lowbit/bf16-remainder-block8", "shardadam")] == pytest.approx(
+        2 + 1 + 1 + 2 * 4 / 256)
+    assert held[("lowbit/bf16-remainder-block4", "shardadam")] == pytest.approx(
+        2 + 0.5 + 0.5 + 2 * 4 / 128)
     assert held[("large/fp32", "torch-fused")] == pytest.approx(8, abs=0.01)
 
 

@@ -20,15 +20,18 @@ _NAME = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
          torch.int16: "int16", torch.uint8: "fp8"}
 
 
-# FusedAdam's ``moment_format`` values: the core's formats of each moment.
-_MOMENT_FORMATS = {"block8": ("fp8-block", "ufp8-block")}
+# FusedAdam's ``moment_format`` values: the core's formats of each moment, and the
+# bytes of one element's code.
+_MOMENT_FORMATS = {"block8": ("fp8-block", "ufp8-block", 1),
+                   "block4": ("fp4-block", "ufp4-block", 0.5)}
 
 
 @dataclass(frozen=True)
 class Preset:
     """One state layout. ``master`` is None, ``"fp32"`` or ``"remainder"`` (int16);
-    ``moment_format`` FusedAdam's keyword (per-block moments, stored as uint8 codes
-    plus one fp32 scale per 256 elements, left out of the byte counts: 1.6%)."""
+    ``moment_format`` FusedAdam's keyword (per-block moments, stored as 8- or 4-bit
+    codes plus one fp32 scale per 256 or 128 elements, left out of the byte counts:
+    1.6% and 3.1%)."""
 
     name: str
     param_dtype: torch.dtype
@@ -38,8 +41,15 @@ class Preset:
 
     def _moment_names(self) -> tuple:
         if self.moment_format is not None:
-            return _MOMENT_FORMATS[self.moment_format]
+            return _MOMENT_FORMATS[self.moment_format][:2]
         return (_NAME[self.moment_dtype],) * 2
+
+    @property
+    def moment_size(self) -> float:
+        """Bytes of one element of one moment (scales left out)."""
+        if self.moment_format is not None:
+            return _MOMENT_FORMATS[self.moment_format][2]
+        return _SIZE[self.moment_dtype]
 
     @property
     def label(self) -> str:
@@ -60,9 +70,9 @@ class Preset:
         return {None: 0, "fp32": 4, "remainder": 2}[self.master]
 
     @property
-    def minimum_bytes(self) -> int:
+    def minimum_bytes(self) -> float:
         """docs/benchmarking.md: bytes per element the step must read and write."""
-        p, m, w = _SIZE[self.param_dtype], _SIZE[self.moment_dtype], self._master_size()
+        p, m, w = _SIZE[self.param_dtype], self.moment_size, self._master_size()
         # The weight read is the master, else the param; a remainder completes the param.
         weight_read = p if self.master in (None, "remainder") else 0
         reads = p + weight_read + w + 2 * m
@@ -70,16 +80,16 @@ class Preset:
         return reads + writes
 
     @property
-    def effective_bytes(self) -> int:
+    def effective_bytes(self) -> float:
         """Minimum plus the write-allocate read of a write-only param
         (docs/benchmarking.md)."""
         extra = _SIZE[self.param_dtype] if self.master == "fp32" else 0
         return self.minimum_bytes + extra
 
     @property
-    def state_bytes_per_element(self) -> int:
+    def state_bytes_per_element(self) -> float:
         """Resident bytes: param, grad, both moments and the master."""
-        return (2 * _SIZE[self.param_dtype] + 2 * _SIZE[self.moment_dtype]
+        return (2 * _SIZE[self.param_dtype] + 2 * self.moment_size
                 + self._master_size())
 
     def fused_adam_kwargs(self) -> dict:
@@ -103,9 +113,14 @@ PRESETS = {p.name: p for p in (
     Preset("bf16-master-fp8m", torch.bfloat16, torch.uint8, "fp32"),
 )}
 
-# Beside the 8-bit and 4-bit optimizers of other packages (the "lowbit" cases).
-LOWBIT_PRESET = Preset("bf16-remainder-block8", torch.bfloat16, torch.uint8, "remainder",
-                       "block8")
+# Beside the 8-bit and 4-bit optimizers of other packages (the "lowbit" cases), each
+# with those of its width.
+LOWBIT_CASES = (
+    (Preset("bf16-remainder-block8", torch.bfloat16, torch.uint8, "remainder", "block8"),
+     ("shardadam", "torchao-adamw8bit", "torchao-adamwfp8", "bnb-adamw8bit")),
+    (Preset("bf16-remainder-block4", torch.bfloat16, torch.uint8, "remainder", "block4"),
+     ("shardadam", "torchao-adamw4bit")),
+)
 
 # Sizes per mode before --scale. Large: not a power of two (buffers spaced by large
 # powers of two alias in the caches) and >= 64 MiB of state for the smallest preset.
@@ -133,7 +148,7 @@ class Case:
 
     @property
     def state_bytes(self) -> int:
-        return self.numel * self.preset.state_bytes_per_element
+        return round(self.numel * self.preset.state_bytes_per_element)
 
 
 def settings(mode: str) -> dict:
@@ -167,8 +182,6 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
 
 CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
 LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
-LOWBIT_CONTENDERS = ("shardadam", "torchao-adamw8bit", "torchao-adamw4bit",
-                     "torchao-adamwfp8", "bnb-adamw8bit")
 
 
 def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
@@ -193,9 +206,10 @@ def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
                       "FusedAdam, Shard(0) on 2 gloo ranks, 1 thread each"))
     # One 2-D weight: the other packages quantize per block of a flat tensor too.
     rows = max(1, round(numel / 4096))
-    cases.append(Case(f"lowbit/{LOWBIT_PRESET.name}", "lowbit", LOWBIT_PRESET,
-                      ((rows, 4096),), LOWBIT_CONTENDERS,
-                      "8-bit and 4-bit optimizer states, bf16 params"))
+    for preset, contenders in LOWBIT_CASES:
+        width = preset.moment_format[-1]
+        cases.append(Case(f"lowbit/{preset.name}", "lowbit", preset, ((rows, 4096),),
+                          contenders, f"{width}-bit optimizer states, bf16 params"))
     if kinds is not None:
         cases = [c for c in cases if c.kind in kinds]
     return cases

@@ -43,7 +43,11 @@ class Probe:
             numel = math.prod(shape)
             grad = torch.zeros(numel, dtype=preset.param_dtype)
             param = torch.zeros(numel, dtype=preset.param_dtype)
-            moments = [torch.zeros(numel, dtype=preset.moment_dtype) for _ in range(2)]
+            # Per-block moments: their codes' bytes (4-bit codes pack two per byte).
+            moment_bytes = math.ceil(numel * preset.moment_size)
+            moments = [torch.zeros(moment_bytes, dtype=torch.uint8)
+                       if preset.moment_format is not None
+                       else torch.zeros(numel, dtype=preset.moment_dtype) for _ in range(2)]
             master = None if master_dtype is None else torch.zeros(numel, dtype=master_dtype)
             if preset.master == "fp32":
                 # The param is only written; the master is read and written.
@@ -51,29 +55,35 @@ class Probe:
             else:
                 updated, written = [param, *moments] + ([master] if master is not None
                                                         else []), []
-            self.tensors.append((numel, grad, updated, written))
+            self.tensors.append((numel, grad, [(t, _per_element(t, numel)) for t in updated],
+                                 [(t, _per_element(t, numel)) for t in written]))
 
     def __call__(self):
         for numel, grad, updated, written in self.tensors:
             for start in range(0, numel, self.block):
                 end = min(numel, start + self.block)
-                g = _bytes(grad, start, end)
+                g = _bytes(grad, grad.element_size(), start, end)
                 # The grad's bytes are added into the first updated stream (read once);
                 # everything else is a trivial byte add (read + write) or a fill (write).
-                first = _bytes(updated[0], start, end)
+                first = _bytes(*updated[0], start, end)
                 first[:g.numel()].add_(g)
                 if first.numel() > g.numel():
                     first[g.numel():].add_(1)
                 for stream in updated[1:]:
-                    _bytes(stream, start, end).add_(1)
+                    _bytes(*stream, start, end).add_(1)
                 for stream in written:
-                    _bytes(stream, start, end).fill_(1)
+                    _bytes(*stream, start, end).fill_(1)
 
 
-def _bytes(tensor, start, end):
-    """Elements [start, end) of a 1-D tensor as its raw bytes."""
-    size = tensor.element_size()
-    return tensor.view(torch.uint8)[start * size:end * size]
+def _per_element(tensor, numel):
+    """Bytes of ``tensor`` per element of its parameter (1/2 for 4-bit codes)."""
+    return tensor.numel() * tensor.element_size() / numel
+
+
+def _bytes(tensor, per_element, start, end):
+    """The raw bytes of elements [start, end) of a 1-D stream."""
+    return tensor.view(torch.uint8)[math.floor(start * per_element):
+                                    math.floor(end * per_element)]
 
 
 def find_kernel_bench():
