@@ -65,10 +65,21 @@ test-python: $(VENV)/.package-stamp
 	$(PY) -m pytest -q
 
 # Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
-bench: setup
+bench: setup $(VENV)/.deepspeed-stamp
 	mkdir -p build/bench
 	$(PY) -m pip install -q -r requirements-bench.txt
 	$(PY) -m shardadam bench $(BENCH_FLAGS) --json build/bench/bench.json --png build/bench/bench.png
+
+# DeepSpeed's CPU Adam, built when it installs (about 2 minutes; its build needs wheel
+# and py-cpuinfo first), once per venv. Where it cannot build, the bench says why.
+DEEPSPEED := deepspeed==0.19.8
+$(VENV)/.deepspeed-stamp: | $(VENV)/.package-stamp
+	$(PY) -m pip install -q wheel py-cpuinfo
+	if DS_BUILD_CPU_ADAM=1 $(PY) -m pip install -q --no-build-isolation $(DEEPSPEED); then \
+	  touch $@; \
+	else \
+	  echo "$(DEEPSPEED) did not build here: the bench reports it unavailable"; \
+	fi
 
 clean:
 	rm -rf build $(VENV)

@@ -50,7 +50,10 @@ def _torch_adamw(params, preset, **flags):
 
 def _deepspeed(params, preset):
     if preset.master is not None:
-        raise Unavailable("DeepSpeedCPUAdam is benchmarked on fp32 parameters only")
+        # Its bf16/fp16 params are updated in place, with no fp32 master: ZeRO-Offload
+        # steps an fp32 copy on the CPU, which is the fp32 case.
+        raise Unavailable("DeepSpeedCPUAdam keeps no master weights (it rounds bf16/fp16 "
+                          "params in place each step); its fp32 step is the fp32 cases")
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
     except Exception as error:  # ImportError, or its op build failing at import
