@@ -486,6 +486,22 @@ HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, siz
   acc_v = hn::Max(acc_v, hn::Max(AbsBits(p.v0), AbsBits(p.v1)));
 }
 
+// Stores a pair of new exp_avg values as codes of `Codes` given 1 / scale:
+// rounded stochastically where `rounding` asks (signed E2M1 only; the pair's
+// element 0 at flat index `index`), else to nearest.
+template <class Codes, bool kEO>
+HWY_INLINE void StoreExpAvgPair(VF a, VF b, VF by, const internal::RoundingView* rounding,
+                                uint64_t index, uint8_t* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<Codes, F4Codes>) {
+    if (rounding != nullptr) {
+      Codes::template StoreStochastic<kEO>(hn::Mul(a, by), hn::Mul(b, by), rounding->key,
+                                           index, p);
+      return;
+    }
+  }
+  Codes::template Store<kEO>(a, b, hn::Mul(a, by), hn::Mul(b, by), p);
+}
+
 // internal::FusedBlockFn for per-block moments (fused_layouts.h
 // FusedBlockLayouts): block8's E4M3 exp_avg and unsigned E4M4 exp_avg_sq, or
 // block4's E2M1 and unsigned E3M1, each block's power-of-two scales (S2.9,
@@ -497,7 +513,8 @@ template <bool kAdamW, bool kUnitBc2, class L>
 HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void* grad,
                                              void* param, void* master, void* m, void* v,
                                              float* m_scales, float* v_scales,
-                                             size_t block, size_t n) {
+                                             size_t block, size_t n,
+                                             const internal::RoundingView* m_rounding) {
   using MC = typename BlockCodesOf<L::kExpAvg>::T;
   using VC = typename BlockCodesOf<L::kExpAvgSq>::T;
   // Pairs in even/odd order where every stream has it (the moments' L1 copies
@@ -560,8 +577,9 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF m0, m1, v0, v1;
       LoadF32x2(new_m + i, m0, m1);
       LoadF32x2(new_v + i, v0, v1);
-      MC::template Store<kEO>(m0, m1, hn::Mul(m0, m_by), hn::Mul(m1, m_by),
-                              CodesAt<MC>(m, b + i));
+      const uint64_t index =
+          m_rounding ? static_cast<uint64_t>(m_rounding->index) + b + i : 0;
+      StoreExpAvgPair<MC, kEO>(m0, m1, m_by, m_rounding, index, CodesAt<MC>(m, b + i));
       VC::template Store<kEO>(v0, v1, hn::Mul(v0, v_by), hn::Mul(v1, v_by),
                               CodesAt<VC>(v, b + i));
     }
@@ -631,6 +649,7 @@ const internal::KernelTable* GetKernelTable() {
       {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeScaled<F8Codes>,
        EncodeRemainder, EncodeScaled<UF8Codes>, EncodeScaled<F4Codes>,
        EncodeScaled<UF4Codes>},
+      EncodeF4Stochastic,
       {{UpdateBlock<false, false>, UpdateBlock<false, true>},
        {UpdateBlock<true, false>, UpdateBlock<true, true>}},
       {{{ReduceBlock<false, false, false>, ReduceBlock<false, false, true>},

@@ -20,7 +20,7 @@ Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params
   }
   if (count == 0) return Status::kOk;
   const StepConstants k = MakeStepConstants(params);
-  internal::Step(internal::ActiveKernels(), slots, count, k, num_threads);
+  internal::Step(internal::ActiveKernels(), slots, count, k, params.step, num_threads);
   return Status::kOk;
 }
 

@@ -66,6 +66,8 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                         int64_t e, int64_t end, int64_t j) {
   const int64_t n = (end - e) / p.block * p.block;
   if (n == 0) return e;
+  RoundingView rounding = p.m_rounding;
+  rounding.index += e;
   const auto at = [e](auto* buffer, int bits) {
     return buffer == nullptr ? nullptr : ElementAt(buffer, bits, e);
   };
@@ -74,7 +76,8 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                                 at(p.master, p.master_bits), at(p.exp_avg, p.exp_avg_bits),
                                 at(p.exp_avg_sq, p.exp_avg_sq_bits),
                                 p.scale_slot[kStreamM] + j, p.scale_slot[kStreamV] + j,
-                                static_cast<size_t>(p.block), static_cast<size_t>(n));
+                                static_cast<size_t>(p.block), static_cast<size_t>(n),
+                                p.encode_m_stochastic ? &rounding : nullptr);
   return e + n;
 }
 

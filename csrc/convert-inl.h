@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "counter_hash.h"
 #include "hwy/highway.h"
 #include "kernels.h"
 
@@ -331,6 +332,19 @@ HWY_INLINE VF F4ToF32(VU c) {
                                         hn::Set(du, 0x7FC00000u), r));
 }
 
+// A signed E2M1 code from magnitude code `mag` of x (`bits`, `abs` its fp32 bits
+// and magnitude's): x's sign unless mag is 0 (no -0); |x| >= 7, inf and NaN give
+// the NaN code 0x8.
+HWY_INLINE VU SignedF4(VU bits, VU abs, VU mag) {
+  const DU du;
+  const DI di;
+  const VU sign = hn::And(hn::ShiftRight<28>(bits), hn::Set(du, 8u));
+  const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
+  return hn::IfThenElse(
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x40DFFFFF))),  // >= 7
+      hn::Set(du, 8u), code);
+}
+
 // fp32 -> signed E2M1 code (S2.12) by F32ToF8's one addition: M = 2^(e + 22)
 // for |x| in [2^e, 2^(e+1)) (e >= 0; 2^22 below 1), whose ulp is the E2M1 step
 // at |x|; the sum's low bits count steps, two codes per binade above 1.
@@ -338,16 +352,33 @@ HWY_INLINE VF F4ToF32(VU c) {
 // magnitude rounding to 0 is code 0 whatever its sign (0x8 is no -0).
 HWY_INLINE VU F32ToF4(VF x) {
   const DU du;
-  const DI di;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
   // Binades from 1, M = 2^(e + 22): 2 codes per binade.
-  const VU mag = SmallFloatCode<0x3F800000u, 0x0B000000u, 22>(abs);
-  const VU sign = hn::And(hn::ShiftRight<28>(bits), hn::Set(du, 8u));
-  const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
-  return hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x40DFFFFF))),  // >= 7
-      hn::Set(du, 8u), code);
+  return SignedF4(bits, abs, SmallFloatCode<0x3F800000u, 0x0B000000u, 22>(abs));
+}
+
+// F32ToF4 rounded stochastically with 22 of the bits of `random`, as
+// float4.h EncodeFloat4E2M1Stochastic (S2.13): from 1 up the fp32 bits above
+// 1.0 plus the random bits count codes; below 1, |x| * 2^23 truncated does.
+HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU bits = hn::BitCast(du, x);
+  const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
+  const VU r = hn::And(random, hn::Set(du, 0x3FFFFFu));
+  const VU normal = hn::Min(
+      hn::Add(hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3F800000u)), r)),
+              hn::Set(du, 2u)),
+      hn::Set(du, 7u));  // [6, 7): the top code
+  // Under 2^23 below 1: the conversion truncates, as the reference's cast.
+  const VU halves = hn::BitCast(
+      du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 8388608.0f))));
+  const VU small = hn::ShiftRight<22>(hn::Add(halves, r));
+  const auto at_least_one =
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x3F7FFFFF)));
+  return SignedF4(bits, abs, hn::IfThenElse(at_least_one, normal, small));
 }
 
 // Unsigned E3M1 code (S2.12) -> fp32: (2 + M) * 2^(E - 4) for c >= 2 is c
@@ -380,6 +411,34 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
   const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
   return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
                         hn::Set(du, 1u), code);
+}
+
+// counter_hash.h's Mix32 on every lane.
+HWY_INLINE VU MixLanes(VU x) {
+  const DU du;
+  x = hn::Xor(x, hn::ShiftRight<16>(x));
+  x = hn::Mul(x, hn::Set(du, 0x7FEB352Du));
+  x = hn::Xor(x, hn::ShiftRight<15>(x));
+  x = hn::Mul(x, hn::Set(du, 0x846CA68Bu));
+  return hn::Xor(x, hn::ShiftRight<16>(x));
+}
+
+// counter_hash.h RandomBits of a pair of vectors of elements from flat index
+// `index` (the pair's element 0) in the order the pair holds them: natural
+// (a = index + lane, b = index + Lanes + lane), or even/odd (kEO: a = index +
+// 2 lane, b = a + 1). The pair does not cross a multiple of 2^32.
+template <bool kEO>
+HWY_INLINE void PairBits(uint32_t key, uint64_t index, VU& a, VU& b) {
+  const DU du;
+  VU low = hn::Iota(du, 0);
+  if constexpr (kEO) low = hn::ShiftLeft<1>(low);
+  low = hn::Add(low, hn::Set(du, static_cast<uint32_t>(index)));
+  const VU other =
+      hn::Add(low, hn::Set(du, kEO ? 1u : static_cast<uint32_t>(hn::Lanes(du))));
+  const VU high = hn::Set(du, IndexHigh(index));
+  const VU k = hn::Set(du, key);
+  a = MixLanes(hn::Xor(MixLanes(hn::Xor(low, high)), k));
+  b = MixLanes(hn::Xor(MixLanes(hn::Xor(other, high)), k));
 }
 
 HWY_INLINE VI AbsBits(VF x) {
@@ -724,6 +783,14 @@ struct F4Codes {
   static void Store(VF, VF, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
     StoreNibbles<kEO>(F32ToF4(a_over_s), F32ToF4(b_over_s), p);
   }
+  // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
+  template <bool kEO = false>
+  static void StoreStochastic(VF a_over_s, VF b_over_s, uint32_t key, uint64_t index,
+                              uint8_t* HWY_RESTRICT p) {
+    VU ra, rb;
+    PairBits<kEO>(key, index, ra, rb);
+    StoreNibbles<kEO>(F32ToF4Stochastic(a_over_s, ra), F32ToF4Stochastic(b_over_s, rb), p);
+  }
 };
 struct UF4Codes {
   static constexpr size_t kBits = 4;
@@ -848,6 +915,21 @@ void EncodeScaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleVi
     VF a, b;
     LoadF32x2(x + i, a, b);
     Codes::Store(a, b, hn::Div(a, s), hn::Div(b, s), out + i * Codes::kBits / 8);
+  }
+}
+
+// internal::StochasticEncodeFn: EncodeScaled<F4Codes> rounded stochastically.
+void EncodeF4Stochastic(const float* HWY_RESTRICT x, size_t n,
+                        const internal::ScaleView& scale,
+                        const internal::RoundingView& rounding, void* dst) {
+  const size_t step = 2 * hn::Lanes(DF());
+  const VF s = hn::Set(DF(), scale.PerTensor());
+  uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
+  for (size_t i = 0; i < n; i += step) {
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    F4Codes::StoreStochastic(hn::Div(a, s), hn::Div(b, s), rounding.key,
+                             static_cast<uint64_t>(rounding.index) + i, out + i / 2);
   }
 }
 

@@ -12,9 +12,9 @@
 namespace shardadam {
 namespace internal {
 
-// One step over validated slots (step.cc).
+// One step (number `step`) over validated slots (step.cc).
 void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
-          const StepConstants& k, int num_threads);
+          const StepConstants& k, int64_t step, int num_threads);
 
 // A validated Convert of numel > 0 elements (convert.cc).
 void ConvertBuffer(const KernelTable& kt, const void* src, DType src_dtype, void* dst,

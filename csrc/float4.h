@@ -22,6 +22,12 @@ SHARDADAM_HOST_DEVICE inline uint32_t ShiftRoundEven4(uint32_t mantissa, int shi
   return q + ((rest > half || (rest == half && (q & 1u))) ? 1u : 0u);
 }
 
+// The code of magnitude code `magnitude` with f's sign (`bits`), none on zero.
+SHARDADAM_HOST_DEVICE inline uint8_t SignedFloat4E2M1(uint32_t bits, uint32_t magnitude) {
+  if (magnitude == 0) return 0;
+  return static_cast<uint8_t>(((bits >> 28) & 0x8u) | magnitude);
+}
+
 // f as a signed E2M1 code: magnitude rounded to nearest, ties to the even code; a
 // magnitude of 7 or more (7 ties 6 and 8 and goes to the even 8), infinity and
 // NaN give 0x8; a magnitude that rounds to 0 gives 0x0 whatever the sign.
@@ -43,8 +49,31 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1(float f) {
   } else {
     magnitude = 0;  // below 0.25: under half a unit
   }
-  if (magnitude == 0) return 0;
-  return static_cast<uint8_t>(((bits >> 28) & 0x8u) | magnitude);
+  return SignedFloat4E2M1(bits, magnitude);
+}
+
+// f as a signed E2M1 code rounded stochastically (S2.13) with 22 of the bits of
+// `random`: |f| between adjacent values lo <= |f| < hi goes to hi with
+// probability (|f| - lo) / (hi - lo), so a value on the grid encodes to itself.
+// From 1 up the steps are linear in the fp32 bits, so the bits' distance above
+// 1.0 plus 22 random bits, shifted down by 22, counts codes above code 2
+// exactly. Below 1 (step 0.5) |f| * 2^23 is truncated first: a half-ulp is
+// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. Magnitudes in
+// [6, 7) give the top code 7 (never past it); from 7 up, inf and NaN give 0x8 and
+// a zero magnitude code 0x0, as EncodeFloat4E2M1.
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1Stochastic(float f, uint32_t random) {
+  const uint32_t bits = BitsOf(f);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs >= 0x40E00000u) return 0x8;  // 7.0f; NaNs' bits are above it too
+  const uint32_t r = random & 0x3FFFFFu;
+  uint32_t magnitude;
+  if (abs >= 0x3F800000u) {
+    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);
+    if (magnitude > 7u) magnitude = 7u;
+  } else {
+    magnitude = (static_cast<uint32_t>(FloatOf(abs) * 8388608.0f) + r) >> 22;
+  }
+  return SignedFloat4E2M1(bits, magnitude);
 }
 
 // E = (c >> 1) & 3, M = c & 1: E = 0 is M * 0.5, E >= 1 is (2 + M) * 2^(E - 2);

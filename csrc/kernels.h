@@ -77,6 +77,17 @@ using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
 // remainder to `aux`.
 using EncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale, void* dst,
                           void* aux);
+// Stochastic rounding of a run of exp_avg (S2.13): the step's key
+// (counter_hash.h StepKey) and the flat index in the whole parameter of the
+// run's element 0. A run never crosses a multiple of 2^32 (it lies in one scale
+// block), so the index's high half is the same for all its elements.
+struct RoundingView {
+  uint32_t key = 0;
+  int64_t index = 0;
+};
+// EncodeFn for a signed E2M1 exp_avg rounded stochastically (scaled per block).
+using StochasticEncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale,
+                                    const RoundingView& rounding, void* dst);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
 using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
                           float* m, float* v, size_t n);
@@ -116,9 +127,12 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // decoded with its old scales, updated in registers, the weight stored, the new
 // moments kept in L1 while their absmax is taken, then encoded with the new
 // scales, which replace the old ones in m_scales / v_scales (one per block).
+// A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
+// its index that of element 0.
 using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
                               void* master, void* m, void* v, float* m_scales,
-                              float* v_scales, size_t block, size_t n);
+                              float* v_scales, size_t block, size_t n,
+                              const RoundingView* m_rounding);
 
 struct FusedTable {
   // [adam_w_mode][unit bias_correction2_sqrt][FusedLayouts index]
@@ -144,6 +158,7 @@ struct KernelTable {
   size_t pair;
   DecodeFn decode[kNumCodecs];
   EncodeFn encode[kNumCodecs];
+  StochasticEncodeFn encode_f4_stochastic;
   // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
   UpdateFn update[2][2];
   ReduceFn reduce[2][2][2];  // [adam_w_mode][reduce_w][same]

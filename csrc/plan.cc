@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "counter_hash.h"
+
 namespace shardadam {
 namespace internal {
 namespace {
@@ -67,7 +69,7 @@ Codec CodecOf(DType dtype, bool is_state) {
   }
 }
 
-TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
+TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
   TensorPlan p;
   p.numel = s.numel;
   p.param = static_cast<char*>(s.param);
@@ -107,6 +109,10 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s) {
   p.decode_v = kt.decode[p.v_codec];
   if (p.m_codec != kCodecF32) p.encode_m = kt.encode[p.m_codec];
   if (p.v_codec != kCodecF32) p.encode_v = kt.encode[p.v_codec];
+  if (s.exp_avg_rounding == Rounding::kStochastic) {
+    p.encode_m_stochastic = kt.encode_f4_stochastic;
+    p.m_rounding = {StepKey(s.rounding_key, step), s.first_index};
+  }
 
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};

@@ -47,6 +47,11 @@ struct TensorPlan {
   // Null where the update already wrote the buffer in place (fp32).
   EncodeFn encode_param = nullptr, encode_master = nullptr, encode_m = nullptr,
            encode_v = nullptr;
+  // Set where exp_avg is rounded stochastically (S2.13), then used instead of
+  // encode_m; `m_rounding` holds the step's key and the flat index in the whole
+  // parameter of element 0 of the buffers above (a staged copy's own).
+  StochasticEncodeFn encode_m_stochastic = nullptr;
+  RoundingView m_rounding;
 
   // Per-tensor scales (StateStream order): read from the slots before the step,
   // measured on the new state, written back after it.
@@ -89,8 +94,9 @@ struct TensorPlan {
   }
 };
 
-// The plan of a validated slot; reads its old scales.
-TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s);
+// The plan of a validated slot for step `step` (the stochastic rounding key's);
+// reads its old scales.
+TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step = 1);
 
 // The block-path codec of a buffer of `dtype`: a state's (moment, master) or a
 // value's (param, grad, which are never scaled).

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "counter_hash.h"  // shared with the CUDA kernels
 #include "element.h"
 #include "float4.h"   // shared with the CUDA kernels
 #include "ufloat8.h"  // shared with the CUDA kernels
@@ -76,16 +77,25 @@ float LoadState(const TensorSlot& t, const void* buffer, DType dtype, const floa
 }
 
 // Stores the fp32 values `u` as a moment or master of `t` with fresh scales
-// (S2.3, S2.9).
+// (S2.3, S2.9); a non-null `stochastic_key` (the step's key, fp4-block only)
+// rounds them stochastically (S2.13).
 void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
-                DType dtype, float* scale) {
+                DType dtype, float* scale, const uint32_t* stochastic_key = nullptr) {
   const int64_t numel = static_cast<int64_t>(u.size());
   if (IsBlockScaled(dtype)) {
     for (int64_t begin = 0; begin < numel;) {
       int64_t end = begin + 1;
       while (end < numel && BlockOf(t, end) == BlockOf(t, begin)) ++end;
       const float s = BlockScale(u.data() + begin, end - begin, dtype);
-      for (int64_t i = begin; i < end; ++i) StoreBlockElement(buffer, dtype, i, u[i], s);
+      for (int64_t i = begin; i < end; ++i) {
+        if (stochastic_key == nullptr) {
+          StoreBlockElement(buffer, dtype, i, u[i], s);
+        } else {
+          const uint32_t bits =
+              RandomBits(*stochastic_key, static_cast<uint64_t>(t.first_index + i));
+          SetCode(buffer, dtype, i, EncodeFloat4E2M1Stochastic(u[i] / s, bits));
+        }
+      }
       scale[BlockOf(t, begin)] = s;
       begin = end;
     }
@@ -103,7 +113,7 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
 }
 
 template <bool kAdamW>
-void StepTensor(const TensorSlot& t, const StepConstants& c) {
+void StepTensor(const TensorSlot& t, const StepConstants& c, int64_t step) {
   const int64_t n = t.numel;
   std::vector<float> w(n), m(n), v(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -135,7 +145,9 @@ void StepTensor(const TensorSlot& t, const StepConstants& c) {
       StoreState(t, w, t.master_param, t.master_dtype, t.master_scale);
     }
   }
-  StoreState(t, m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale);
+  const uint32_t key = StepKey(t.rounding_key, step);
+  StoreState(t, m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale,
+             t.exp_avg_rounding == Rounding::kStochastic ? &key : nullptr);
   StoreState(t, v, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale);
 }
 
@@ -364,9 +376,9 @@ void AdamStep(const TensorSlot* slots, int64_t count,
   const StepConstants c = MakeStepConstants(params);
   for (int64_t k = 0; k < count; ++k) {
     if (c.adam_w_mode) {
-      StepTensor<true>(slots[k], c);
+      StepTensor<true>(slots[k], c, params.step);
     } else {
-      StepTensor<false>(slots[k], c);
+      StepTensor<false>(slots[k], c, params.step);
     }
   }
 }

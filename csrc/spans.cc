@@ -40,6 +40,7 @@ TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
     return buffer;
   };
   TensorPlan q = p;
+  q.m_rounding.index = p.m_rounding.index + e;
   char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
   const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
   for (int b = 0; b < 4; ++b) {
@@ -104,7 +105,14 @@ void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
   // The param is rounded from the updated w before the master is re-stored.
   if (p.encode_param) p.encode_param(d.w, c, ScaleView(), ElementAt(p.param, p.param_bits, e), master);
   if (p.encode_master) p.encode_master(d.w, c, p.NewScale(kStreamW, e), master, nullptr);
-  if (p.encode_m) p.encode_m(d.m, c, m_scale, ElementAt(p.exp_avg, p.exp_avg_bits, e), nullptr);
+  char* const m = ElementAt(p.exp_avg, p.exp_avg_bits, e);
+  if (p.encode_m_stochastic) {
+    RoundingView r = p.m_rounding;
+    r.index += e;
+    p.encode_m_stochastic(d.m, c, m_scale, r, m);
+  } else if (p.encode_m) {
+    p.encode_m(d.m, c, m_scale, m, nullptr);
+  }
   if (p.encode_v) {
     p.encode_v(d.v, c, v_scale, ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e), nullptr);
   }

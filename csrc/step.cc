@@ -54,10 +54,10 @@ void AppendItems(int64_t tensor, int64_t numel, int64_t item, Pass pass,
 }  // namespace
 
 void Step(const KernelTable& kt, const TensorSlot* slots, int64_t count,
-          const StepConstants& k, int num_threads) {
+          const StepConstants& k, int64_t step, int num_threads) {
   std::vector<TensorPlan> plans;
   plans.reserve(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) plans.push_back(MakePlan(kt, slots[i]));
+  for (int64_t i = 0; i < count; ++i) plans.push_back(MakePlan(kt, slots[i], step));
 
   // Phase A: every single-pass tensor, every small scaled tensor (both
   // passes), pass 1 of large scaled tensors. Phase B: their pass 2. Each

@@ -166,6 +166,26 @@ bool CheckBlocks(int64_t i, const TensorSlot& s, Error* error) {
   return true;
 }
 
+// exp_avg's rounding (S2.13): stochastic rounding exists for signed E2M1 only.
+bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
+  const int32_t code = static_cast<int32_t>(s.exp_avg_rounding);
+  if (s.exp_avg_rounding != Rounding::kNearest &&
+      s.exp_avg_rounding != Rounding::kStochastic) {
+    return Fail(error, i,
+                Format("exp_avg_rounding %d is not a rounding; expected 0 (nearest) or "
+                       "1 (stochastic)",
+                       code));
+  }
+  if (s.exp_avg_rounding == Rounding::kStochastic &&
+      s.exp_avg_dtype != DType::kFloat4E2M1Block) {
+    return Fail(error, i,
+                Format("exp_avg_rounding 1 (stochastic) is not allowed for an exp_avg_dtype "
+                       "%d (%s) exp_avg; stochastic rounding needs fp4-block",
+                       Code(s.exp_avg_dtype), DTypeName(s.exp_avg_dtype)));
+  }
+  return true;
+}
+
 bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error) {
   if (s.numel < 0) {
     return Fail(error, i, Format("numel %" PRId64 " is negative; expected >= 0", s.numel));
@@ -209,7 +229,7 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   }
   const bool has_master = s.master_dtype != DType::kNone;
 
-  if (!CheckBlocks(i, s, error) ||
+  if (!CheckRounding(i, s, error) || !CheckBlocks(i, s, error) ||
       !CheckScale(i, "exp_avg_scale", s.exp_avg_dtype, "exp_avg", s.exp_avg_scale,
                   ScaleBytes(s, s.exp_avg_dtype) / 4, values, error) ||
       !CheckScale(i, "exp_avg_sq_scale", s.exp_avg_sq_dtype, "exp_avg_sq",

@@ -327,6 +327,13 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                                i);
       }
     }
+    // S2.13 is implemented on the CPU only: refused rather than rounded otherwise.
+    if (slots[i].exp_avg_rounding == Rounding::kStochastic) {
+      return InvalidArgument(error,
+                             "exp_avg_rounding 1 (stochastic) has no CUDA kernel; "
+                             "stochastically rounded states step on the CPU",
+                             i);
+    }
     if (const char* name = MisalignedBuffer(slots[i])) {
       char message[160];
       snprintf(message, sizeof(message),

@@ -437,6 +437,12 @@ std::vector<ErrorCase> ErrorCases() {
             [](TensorSlot* s) { s->exp_avg_dtype = DType::kInt16Remainder; });
   slot_case("exp_avg_sq_dtype_unknown", 1, "exp_avg_sq",
             [bad](TensorSlot* s) { s->exp_avg_sq_dtype = bad; });
+  // Stochastic rounding (S2.13) exists for an fp4-block exp_avg only.
+  slot_case("exp_avg_rounding_stochastic_fp32", 0,
+            "exp_avg_rounding 1 (stochastic) is not allowed for an exp_avg_dtype",
+            [](TensorSlot* s) { s->exp_avg_rounding = Rounding::kStochastic; });
+  slot_case("exp_avg_rounding_unknown", 1, "exp_avg_rounding -1 is not a rounding",
+            [](TensorSlot* s) { s->exp_avg_rounding = static_cast<Rounding>(-1); });
   slot_case("master_dtype_bf16", 1, "master",
             [](TensorSlot* s) { s->master_dtype = DType::kBFloat16; });
   slot_case("master_dtype_fp8", 1, "master",

@@ -32,16 +32,22 @@ bool HasFourBit(DType a, DType b) {
   return FormatOf(a).item_bits == 4 || FormatOf(b).item_bits == 4;
 }
 
-// The dtypes of one layout with at least one per-block scaled moment.
+// The dtypes of one layout with at least one per-block scaled moment, and how
+// exp_avg is rounded (S2.13).
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
+  Rounding rounding = Rounding::kNearest;
 };
+
+// The rounding_key of the tensors below (any constant: shards share it).
+constexpr uint32_t kRoundingKey = 0x5EED1234u;
 
 std::string Name(const BlockConfig& c) {
   std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
                      DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
-                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2");
+                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
+                     (c.rounding == Rounding::kStochastic ? "_sr" : "");
   for (char& ch : name) {
     if (ch == '-') ch = '_';
   }
@@ -71,6 +77,8 @@ struct BlockTensor {
     s.exp_avg_sq = exp_avg_sq.data();
     s.exp_avg_sq_dtype = config.exp_avg_sq;
     s.exp_avg_sq_scale = exp_avg_sq_scales.data();
+    s.exp_avg_rounding = config.rounding;
+    s.rounding_key = kRoundingKey;
     if (config.master != DType::kNone) {
       s.master_param = master.data();
       s.master_dtype = config.master;
@@ -184,6 +192,18 @@ std::vector<BlockConfig> Configs() {
     configs.push_back({DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock4, kBlock4, adam_w});
     configs.push_back(
         {DType::kFloat32, DType::kFloat32, DType::kNone, DType::kBFloat16, kUBlock4, adam_w});
+    // Stochastically rounded E2M1 exp_avg: block4 beside fp32 params, bf16 params +
+    // fp32 master, and bf16 params + remainders with bf16 gradients (the fused
+    // kernel's even/odd order); fp4-block for both (no fused kernel).
+    constexpr Rounding kSR = Rounding::kStochastic;
+    configs.push_back(
+        {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4, adam_w, kSR});
+    configs.push_back(
+        {DType::kBFloat16, DType::kFloat32, DType::kFloat32, kBlock4, kUBlock4, adam_w, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock4,
+                       kUBlock4, adam_w, kSR});
+    configs.push_back(
+        {DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock4, kBlock4, adam_w, kSR});
   }
   return configs;
 }
@@ -201,7 +221,9 @@ TEST_P(BlockStepTest, MatchesReferenceOnEveryTarget) {
     int32_t block;
   } shards[] = {{0, 1, 128},          {0, 127, 128},      {5, 300, 128},
                 {253, 1000, 256},     {3 * 256, 777, 256}, {4095, 70001, 4096},
-                {1, 2 * 16384 + 5, 128}};
+                {1, 2 * 16384 + 5, 128},
+                // Across flat index 2^32, where the index's high half starts to count.
+                {(int64_t{1} << 32) - 300, 1000, 128}};
   // 4-bit states pack two codes per byte and need an even first index.
   const int64_t parity = HasFourBit(c.exp_avg, c.exp_avg_sq) ? ~int64_t{1} : ~int64_t{0};
   for (int threads : {1, 2}) {
@@ -526,6 +548,13 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
       {"4-bit at an odd first index", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_sq_dtype = kUBlock4; s->first_index = 301; },
        "first_index 301 is odd; ufp4-block states pack two elements per byte"},
+      {"stochastic fp8-block exp_avg", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_rounding = Rounding::kStochastic; },
+       "exp_avg_rounding 1 (stochastic) is not allowed for an exp_avg_dtype 6 (fp8-block) "
+       "exp_avg; stochastic rounding needs fp4-block"},
+      {"unknown rounding", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_dtype = kBlock4; s->exp_avg_rounding = static_cast<Rounding>(2); },
+       "exp_avg_rounding 2 is not a rounding; expected 0 (nearest) or 1 (stochastic)"},
   };
   for (const auto& bad : cases) {
     BlockTensor t = MakeShard(c, 300, 1000, 128);
@@ -541,6 +570,33 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
     BlockTensor untouched = t;
     if (std::string(bad.what) == "bad scale") untouched.exp_avg_scales[2] = 1.0f;
     EXPECT_TRUE(SameTensor(before, untouched)) << bad.what;
+  }
+}
+
+// The random bits depend on the rounding key and the step: changing either
+// changes exp_avg's codes (and only them), and rounding to nearest differs too.
+TEST(BlockStochasticTest, KeyAndStepChangeTheCodes) {
+  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                         true, Rounding::kStochastic};
+  const auto step = [&](uint32_t key, int64_t step_number, Rounding rounding) {
+    BlockTensor t = MakeShard(c, 0, 4096 + 6, 256);
+    FillGrad(&t, 1);
+    TensorSlot slot = t.Slot();
+    slot.rounding_key = key;
+    slot.exp_avg_rounding = rounding;
+    StepParams params;
+    params.step = step_number;
+    EXPECT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
+    return t;
+  };
+  const BlockTensor base = step(kRoundingKey, 7, Rounding::kStochastic);
+  EXPECT_TRUE(SameTensor(base, step(kRoundingKey, 7, Rounding::kStochastic)));
+  for (const BlockTensor& other : {step(kRoundingKey + 1, 7, Rounding::kStochastic),
+                                   step(kRoundingKey, 8, Rounding::kStochastic),
+                                   step(kRoundingKey, 7, Rounding::kNearest)}) {
+    EXPECT_NE(base.exp_avg, other.exp_avg);
+    EXPECT_EQ(base.exp_avg_sq, other.exp_avg_sq);
+    EXPECT_EQ(base.exp_avg_scales, other.exp_avg_scales);
   }
 }
 

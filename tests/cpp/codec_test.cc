@@ -13,6 +13,8 @@
 #include <random>
 #include <vector>
 
+#include "counter_hash.h"
+#include "float4.h"
 #include "gtest/gtest.h"
 #include "kernels.h"
 #include "reference.h"
@@ -372,6 +374,121 @@ TEST(SimdCodecTest, SignedE2M1MatchesReference) {
 TEST(SimdCodecTest, UnsignedE3M1MatchesReference) {
   ExpectBlockCodecMatchesReference(DType::kUFloat4E3M1Block, internal::kCodecUF4Scaled,
                                    InputsWithGrid(kUFloat4Format));
+}
+
+// S2.13's generator, pinned: lowbias32, one key per (tensor, step) with steps
+// modulo 2^32, and flat indices below 2^32 hashed as their low half alone.
+TEST(StochasticRoundingTest, CounterHashIsPinned) {
+  EXPECT_EQ(Mix32(0), 0u);
+  EXPECT_EQ(Mix32(1), 0x688990C0u);
+  EXPECT_EQ(Mix32(0xDEADBEEFu), 0xE628C683u);
+  const uint32_t key = StepKey(0x5EED, 3);
+  EXPECT_EQ(key, 0xCD4470E2u);
+  EXPECT_EQ(StepKey(0x5EED, 3 + (int64_t{1} << 32)), key);
+  EXPECT_EQ(RandomBits(key, (uint64_t{5} << 32) + 17), 0x4F80DC40u);
+  EXPECT_EQ(RandomBits(key, 17), Mix32(Mix32(17) ^ key));
+}
+
+// Values on the grid encode to their own code whatever the bits (so decoding
+// then encoding is the identity), and the edges: [6, 7) gives the top code, 7
+// and up, inf and NaN the NaN code, zero and magnitudes below 2^-23 code 0.
+TEST(StochasticRoundingTest, GridValuesAndEdgesIgnoreTheBits) {
+  std::mt19937 rng(1);
+  std::vector<uint32_t> bits = {0u, 0x3FFFFFu, 0x400000u, 0xFFFFFFFFu};
+  for (int k = 0; k < 64; ++k) bits.push_back(rng());
+  for (uint32_t r : bits) {
+    for (uint8_t code = 0; code < 16; ++code) {
+      if (code == 8) continue;
+      ASSERT_EQ(EncodeFloat4E2M1Stochastic(DecodeFloat4E2M1(code), r), code) << r;
+    }
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(6.5f, r), 0x7);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(-std::nextafter(7.0f, 0.0f), r), 0xF);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(7.0f, r), 0x8);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(-INFINITY, r), 0x8);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(NAN, r), 0x8);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(-0.0f, r), 0x0);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(-1e-7f, r), 0x0);
+    EXPECT_EQ(EncodeFloat4E2M1Stochastic(FloatOf(1), r), 0x0);
+  }
+}
+
+using F4Encoder = uint8_t (*)(float x, uint32_t random);
+
+// How many standard errors the mean of `n` decoded codes of x lies from x, the
+// bits drawn as the core draws them (one tensor and step, indices 0..n-1). x
+// lies strictly between two grid values below 6.
+double BiasInStandardErrors(F4Encoder encode, float x, int n) {
+  const double grid[] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  const double a = std::fabs(x);
+  int k = 0;
+  while (grid[k + 1] <= a) ++k;
+  const double step = grid[k + 1] - grid[k];
+  const double p = (a - grid[k]) / step;
+  const double standard_error = step * std::sqrt(p * (1 - p) / n);
+  const uint32_t key = StepKey(0xC0FFEE, 1);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) {
+    sum += DecodeFloat4E2M1(encode(x, RandomBits(key, static_cast<uint64_t>(i))));
+  }
+  return std::fabs(sum / n - x) / standard_error;
+}
+
+// Stochastic rounding is unbiased in every binade and below 1: the mean of 2^16
+// codes within 5 standard errors of x. Rounding to nearest, or with the random
+// bits' top bit forced, fails the same check by far.
+TEST(StochasticRoundingTest, MeanOfManyCodesIsTheValue) {
+  const F4Encoder stochastic = EncodeFloat4E2M1Stochastic;
+  const F4Encoder nearest = [](float x, uint32_t) { return EncodeFloat4E2M1(x); };
+  const F4Encoder biased = [](float x, uint32_t r) {
+    return EncodeFloat4E2M1Stochastic(x, r | 0x200000u);
+  };
+  constexpr int kN = 1 << 16;
+  for (float x : {0.01f, 0.1f, 0.3f, 0.7f, 0.95f, 1.1f, 1.3f, 1.75f, 2.2f, 2.9f, 3.5f,
+                  3.9f, 4.4f, 5.1f, 5.9f}) {
+    for (float signed_x : {x, -x}) {
+      EXPECT_LT(BiasInStandardErrors(stochastic, signed_x, kN), 5.0) << signed_x;
+      EXPECT_GT(BiasInStandardErrors(nearest, signed_x, kN), 5.0) << signed_x;
+      EXPECT_GT(BiasInStandardErrors(biased, signed_x, kN), 5.0) << signed_x;
+    }
+  }
+}
+
+// The stochastic E2M1 encoder of every target against the reference: the
+// grid, its midpoints, the edges and random values of every binade, with
+// several keys, flat indices below and above 2^32, and scales.
+TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
+  std::vector<float> inputs = InputsWithGrid(kFloat4Format);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int i = 0; i < 4096; ++i) {
+    inputs.push_back(std::ldexp(unit(rng), static_cast<int>(rng() % 14) - 10));
+  }
+  ForEachTarget([&] {
+    const internal::KernelTable& kt = internal::ActiveKernels();
+    std::vector<float> x = inputs;
+    const size_t n = (x.size() + kt.pair - 1) / kt.pair * kt.pair;
+    x.resize(n, 0.0f);
+    std::vector<uint8_t> codes(n / 2);
+    for (float scale : {1.0f, 0.125f, 1024.0f}) {
+      for (uint32_t key : {0u, 0x5EEDu, 0x9E3779B9u}) {
+        for (uint64_t index : {uint64_t{0}, uint64_t{4096}, (uint64_t{3} << 32) + 8192}) {
+          SCOPED_TRACE("scale " + std::to_string(scale) + " key " + std::to_string(key) +
+                       " index " + std::to_string(index));
+          const internal::ScaleView view{&scale, 0, 0};
+          kt.encode_f4_stochastic(x.data(), n, view, {key, static_cast<int64_t>(index)},
+                                  codes.data());
+          for (size_t i = 0; i < n; ++i) {
+            const uint8_t want =
+                EncodeFloat4E2M1Stochastic(x[i] / scale, RandomBits(key, index + i));
+            ASSERT_EQ(ref::CodeAt(codes.data(), DType::kFloat4E2M1Block,
+                                  static_cast<int64_t>(i)),
+                      want)
+                << "fp32 0x" << std::hex << BitsOf(x[i]);
+          }
+        }
+      }
+    }
+  });
 }
 
 // The compiler's IEEE half type: _Float16, or on AArch64 the ACLE's __fp16

@@ -30,6 +30,15 @@
 
 namespace shardadam {
 
+// How a state is rounded to its format: to nearest (ties to even), or
+// stochastically (SEMANTICS S2.13: up or down with probability by distance, so
+// the stored value is unbiased; the bits are a hash of the slot's rounding_key,
+// the step and the element's flat index in the whole parameter).
+enum class Rounding : int32_t {
+  kNearest = 0,
+  kStochastic = 1,
+};
+
 // TensorSlot: one tensor of a step, as raw pointers, dtype tags and a count.
 // - `numel` counts elements, not bytes. Every buffer of the slot holds `numel`
 //   elements of its own format, contiguous, BufferBytes(dtype, numel) bytes
@@ -86,6 +95,13 @@ struct TensorSlot {
   // 4-bit state, first_index is even (block boundaries fall between bytes).
   int64_t first_index = 0;
   int32_t scale_block = 0;
+  // exp_avg's rounding: kStochastic only with exp_avg_dtype kFloat4E2M1Block,
+  // where rounding to nearest flushes most small values to 0. Its random bits
+  // come from rounding_key (a per-tensor constant the caller picks, e.g. a hash
+  // of the parameter's name; the same for every shard of a parameter), the
+  // step and first_index + i, so shards round as the whole parameter would.
+  Rounding exp_avg_rounding = Rounding::kNearest;
+  uint32_t rounding_key = 0;
 };
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).
