@@ -327,13 +327,6 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                                i);
       }
     }
-    // S2.13 is implemented on the CPU only: refused rather than rounded otherwise.
-    if (slots[i].exp_avg_rounding == Rounding::kStochastic) {
-      return InvalidArgument(error,
-                             "exp_avg_rounding 1 (stochastic) has no CUDA kernel; "
-                             "stochastically rounded states step on the CPU",
-                             i);
-    }
     if (const char* name = MisalignedBuffer(slots[i])) {
       char message[160];
       snprintf(message, sizeof(message),
@@ -377,7 +370,7 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   launch.count = 0;
   int64_t first = 0;  // index of the launch's first tensor
   for (int64_t i = 0; i <= count; ++i) {
-    const DeviceSlot t = i < count ? MakeDeviceSlot(slots[i]) : DeviceSlot{};
+    const DeviceSlot t = i < count ? MakeDeviceSlot(slots[i], params.step) : DeviceSlot{};
     const int layout = LayoutOf(t);
     const bool full = launch.count == kMaxSlots ||
                       (i < count && launch.count > 0 &&

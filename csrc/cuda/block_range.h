@@ -139,7 +139,7 @@ SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j,
     const int64_t i = BlockElement(t, j, lane, k);
     if (k >= per_lane || i < 0 || i >= t.numel) continue;
     Codes codes{};
-    EncodeMoments(t, now, in.m[k], in.v[k], codes);
+    EncodeBlockMoments(t, now, i, in.m[k], in.v[k], codes);
     WriteMomentCodes(t, i, codes);
   }
 }

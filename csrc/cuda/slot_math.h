@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/block_codecs.h"
+#include "counter_hash.h"
 #include "cuda/codecs.h"
 #include "element.h"
 #include "shardadam/adam.h"
@@ -60,12 +61,19 @@ struct DeviceSlot {
   uint8_t param_dtype, grad_dtype, exp_avg_dtype, exp_avg_sq_dtype, master_dtype;
   // Every buffer aligned to four of its elements: moved four at a time (quads.h).
   bool quad_aligned;
+  // exp_avg rounded stochastically (S2.13, an fp4-block exp_avg only), with the
+  // step's key (counter_hash.h StepKey) and the flat index of element 0 in the
+  // whole parameter.
+  bool m_stochastic;
+  uint32_t m_key;
+  int64_t first_index;
 };
 
 // Index of the three states that may carry a scale.
 enum StateIndex { kW = 0, kM = 1, kV = 2 };
 
-inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
+// The kernels' view of `t` for step `step` (the stochastic rounding key's).
+inline DeviceSlot MakeDeviceSlot(const TensorSlot& t, int64_t step = 1) {
   DeviceSlot d;
   d.param = t.param;
   d.grad = t.grad;
@@ -84,6 +92,9 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t) {
   const bool blocks = IsBlockScaledTag(d.exp_avg_dtype) || IsBlockScaledTag(d.exp_avg_sq_dtype);
   d.scale_block = blocks ? t.scale_block : 0;
   d.lead = blocks ? static_cast<int32_t>(t.first_index % t.scale_block) : 0;
+  d.m_stochastic = t.exp_avg_rounding == Rounding::kStochastic;
+  d.m_key = StepKey(t.rounding_key, step);
+  d.first_index = t.first_index;
   const auto aligned = [](const void* p, uint8_t dtype) {
     const auto quad = static_cast<uintptr_t>(4 * ItemBytes(dtype));
     return quad == 0 || reinterpret_cast<uintptr_t>(p) % quad == 0;
@@ -303,6 +314,19 @@ SHARDADAM_HOST_DEVICE inline void EncodeMoments(const DeviceSlot& t, const Scale
                                                  float m, float v, Codes& c) {
   c.m = EncodeState(m, t.exp_avg_dtype, now.s[kM]);
   c.v = EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
+}
+
+// EncodeMoments for local element i of a tensor with per-block scales, its
+// exp_avg rounded stochastically where the slot asks (S2.13).
+SHARDADAM_HOST_DEVICE inline void EncodeBlockMoments(const DeviceSlot& t, const Scales& now,
+                                                      int64_t i, float m, float v, Codes& c) {
+  if (t.m_stochastic) {
+    const uint32_t random = RandomBits(t.m_key, static_cast<uint64_t>(t.first_index + i));
+    c.m = EncodeFloat4E2M1Stochastic(m / now.s[kM], random);
+    c.v = EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
+  } else {
+    EncodeMoments(t, now, m, v, c);
+  }
 }
 
 SHARDADAM_HOST_DEVICE inline Codes EncodeOutputs(const DeviceSlot& t, const Scales& now,

@@ -27,16 +27,22 @@ constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
 constexpr DType kBlock4 = DType::kFloat4E2M1Block;
 constexpr DType kUBlock4 = DType::kUFloat4E3M1Block;
 
-// The dtypes of one tensor with at least one per-block scaled moment.
+// The dtypes of one tensor with at least one per-block scaled moment, and how
+// exp_avg is rounded (S2.13).
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
+  Rounding rounding = Rounding::kNearest;
 };
+
+// The rounding_key of every shard (a parameter's shards share it).
+inline constexpr uint32_t kShardRoundingKey = 0x5EED1234u;
 
 inline std::string BlockConfigName(const BlockConfig& c) {
   std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
                      DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
-                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2");
+                     DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
+                     (c.rounding == Rounding::kStochastic ? "_sr" : "");
   for (char& ch : name) {
     if (ch == '-') ch = '_';
   }
@@ -87,6 +93,15 @@ inline std::vector<BlockConfig> BlockConfigs() {
             configs.push_back({w.param, g, w.master, m.m, m.v, adam_w});
           }
         }
+      }
+    }
+  }
+  // Then every weight beside block4 with exp_avg rounded stochastically.
+  for (bool adam_w : {true, false}) {
+    for (const auto& w : weights) {
+      for (DType g : grads) {
+        configs.push_back(
+            {w.param, g, w.master, kBlock4, kUBlock4, adam_w, Rounding::kStochastic});
       }
     }
   }
@@ -156,6 +171,8 @@ struct Shard {
     s.exp_avg_dtype = config.exp_avg;
     s.exp_avg_sq = At(exp_avg_sq);
     s.exp_avg_sq_dtype = config.exp_avg_sq;
+    s.exp_avg_rounding = config.rounding;
+    s.rounding_key = kShardRoundingKey;
     if (IsScaled(config.exp_avg)) s.exp_avg_scale = static_cast<float*>(At(m_scales));
     if (IsScaled(config.exp_avg_sq)) s.exp_avg_sq_scale = static_cast<float*>(At(v_scales));
     if (config.master != DType::kNone) {

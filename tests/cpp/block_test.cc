@@ -2,7 +2,8 @@
 // every target and thread count, blocks keyed to the whole parameter (so shards
 // cut on block boundaries step exactly like the whole tensor), the block scale
 // rule's round trip (decoding a block and encoding it again gives back its codes
-// and scale), and the validation of the block geometry.
+// and scale), and the validation of the block geometry; the same for an fp4-block
+// exp_avg rounded stochastically (S2.13), whose codes follow the key and step.
 #include <gtest/gtest.h>
 
 #include <cfloat>

@@ -3,7 +3,8 @@
 // ties to the even code), exhaustively for every 8- and 16-bit code; then the
 // SIMD Convert, MeasureScale, remainder split/merge and the per-block E4M4,
 // E2M1 and E3M1 codecs are checked against the reference bit for bit on every Highway
-// target.
+// target; so is stochastically rounded E2M1 (S2.13), whose reference rule is
+// checked for its generator, its grid and its mean.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>

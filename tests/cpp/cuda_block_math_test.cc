@@ -5,7 +5,7 @@
 // formats, block moments beside unscaled ones and beside the other width's, block
 // sizes 128..4096, shards whose first and last blocks are partial (4-bit: even
 // first indices, odd counts with a padding nibble), zero, tiny, huge and
-// non-finite blocks. What is
+// non-finite blocks, block4 with exp_avg rounded stochastically (S2.13). What is
 // left to a GPU is the launch (tests/cpp/cuda/adam_cuda_test.cc).
 #include <algorithm>
 #include <cmath>
@@ -92,8 +92,8 @@ TEST(CudaBlockCodecTest, EveryBlockFormatOfTheCoreHasACodec) {
 // elements and stores their weights), the group's absmax, then each lane's
 // moments with the new scales, then the scale slots.
 template <bool kAdamW>
-void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c) {
-  cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot);
+void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t step) {
+  cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot, step);
   ASSERT_TRUE(cuda::HasBlockScales(t));
   cuda::VisitLayout(cuda::LayoutOf(t), [&](auto layout) {
     using L = decltype(layout);
@@ -126,9 +126,9 @@ void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c) {
 void EmulatedBlockStep(const TensorSlot& slot, const StepParams& params) {
   const StepConstants c = MakeStepConstants(params);
   if (params.adam_w_mode) {
-    EmulatedBlockStep<true>(slot, c);
+    EmulatedBlockStep<true>(slot, c, params.step);
   } else {
-    EmulatedBlockStep<false>(slot, c);
+    EmulatedBlockStep<false>(slot, c, params.step);
   }
 }
 
