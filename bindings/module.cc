@@ -31,6 +31,7 @@ enum Column : size_t {
   kExpAvgSq, kExpAvgSqDtype, kExpAvgSqScale,
   kMaster, kMasterDtype, kMasterScale,
   kFirstIndex, kScaleBlock,
+  kExpAvgRounding, kRoundingKey,
   kSlotColumns,
 };
 constexpr const char* kColumnNames[] = {
@@ -39,6 +40,7 @@ constexpr const char* kColumnNames[] = {
     "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
     "master_param", "master_dtype", "master_scale",
     "first_index", "scale_block",
+    "exp_avg_rounding", "rounding_key",
 };
 static_assert(sizeof(kColumnNames) / sizeof(kColumnNames[0]) == kSlotColumns,
               "one name per column");
@@ -151,6 +153,20 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
     t.scale_block = row[kScaleBlock] == static_cast<int32_t>(row[kScaleBlock])
                         ? static_cast<int32_t>(row[kScaleBlock])
                         : -1;
+    // As the tags: a wider value would wrap into a valid rounding; -1 is refused.
+    t.exp_avg_rounding = static_cast<Rounding>(
+        row[kExpAvgRounding] == static_cast<int32_t>(row[kExpAvgRounding])
+            ? static_cast<int32_t>(row[kExpAvgRounding])
+            : -1);
+    if (row[kRoundingKey] != static_cast<uint32_t>(row[kRoundingKey])) {
+      Error error;
+      SetError(&error, static_cast<int64_t>(i),
+               "rounding_key " + std::to_string(row[kRoundingKey]) +
+                   " is out of range; expected [0, 2^32)");
+      error.message = std::string(caller) + ": " + error.message;
+      Raise(PyExc_ValueError, error);
+    }
+    t.rounding_key = static_cast<uint32_t>(row[kRoundingKey]);
   }
   return tensors;
 }

@@ -360,7 +360,8 @@ HWY_INLINE VU F32ToF4(VF x) {
 
 // F32ToF4 rounded stochastically with 22 of the bits of `random`, as
 // float4.h EncodeFloat4E2M1Stochastic (S2.13): from 1 up the fp32 bits above
-// 1.0 plus the random bits count codes; below 1, |x| * 2^23 truncated does.
+// 1.0 plus the random bits count codes; below 1, |x| * 2^23 truncated does;
+// from 3.5 up F32ToF4's nearest.
 HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const DF df;
   const DU du;
@@ -368,17 +369,19 @@ HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
   const VU r = hn::And(random, hn::Set(du, 0x3FFFFFu));
-  const VU normal = hn::Min(
-      hn::Add(hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3F800000u)), r)),
-              hn::Set(du, 2u)),
-      hn::Set(du, 7u));  // [6, 7): the top code
+  const VU normal = hn::Add(  // at most 6 below 3.5
+      hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3F800000u)), r)),
+      hn::Set(du, 2u));
   // Under 2^23 below 1: the conversion truncates, as the reference's cast.
   const VU halves = hn::BitCast(
       du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 8388608.0f))));
   const VU small = hn::ShiftRight<22>(hn::Add(halves, r));
   const auto at_least_one =
       hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x3F7FFFFF)));
-  return SignedF4(bits, abs, hn::IfThenElse(at_least_one, normal, small));
+  const VU stochastic = SignedF4(bits, abs, hn::IfThenElse(at_least_one, normal, small));
+  const auto top_binade =
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x405FFFFF)));  // >= 3.5
+  return hn::IfThenElse(top_binade, F32ToF4(x), stochastic);
 }
 
 // Unsigned E3M1 code (S2.12) -> fp32: (2 + M) * 2^(E - 4) for c >= 2 is c
@@ -767,8 +770,10 @@ struct UF8Codes {
     StoreUF8x2(a, b, a_over_s, b_over_s, p);
   }
 };
-// The 4-bit ones also pair their codes in even/odd order (kEO).
-struct F4Codes {
+// The 4-bit ones also pair their codes in even/odd order (kEO); `Map` names
+// the decoder of codes and the encoder of (x / s, x).
+template <class Map>
+struct NibbleCodes {
   static constexpr size_t kBits = 4;
   static constexpr bool kHasEvenOdd = true;
   static constexpr float kRawFactor = 1.0f;
@@ -776,13 +781,25 @@ struct F4Codes {
   static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
     VU ca, cb;
     LoadNibbles<kEO>(p, ca, cb);
-    a = F4ToF32(ca);
-    b = F4ToF32(cb);
+    a = Map::Decode(ca);
+    b = Map::Decode(cb);
   }
   template <bool kEO = false>
-  static void Store(VF, VF, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-    StoreNibbles<kEO>(F32ToF4(a_over_s), F32ToF4(b_over_s), p);
+  static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
+    StoreNibbles<kEO>(Map::Encode(a_over_s, a), Map::Encode(b_over_s, b), p);
   }
+};
+struct F4Map {
+  static VF Decode(VU c) { return F4ToF32(c); }
+  static VU Encode(VF x_over_s, VF /*x: signed codes need no zero-free test*/) {
+    return F32ToF4(x_over_s);
+  }
+};
+struct UF4Map {
+  static VF Decode(VU c) { return UF4ToF32(c); }
+  static VU Encode(VF x_over_s, VF x) { return F32ToUF4(x_over_s, x); }
+};
+struct F4Codes : NibbleCodes<F4Map> {
   // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
   template <bool kEO = false>
   static void StoreStochastic(VF a_over_s, VF b_over_s, uint32_t key, uint64_t index,
@@ -792,22 +809,7 @@ struct F4Codes {
     StoreNibbles<kEO>(F32ToF4Stochastic(a_over_s, ra), F32ToF4Stochastic(b_over_s, rb), p);
   }
 };
-struct UF4Codes {
-  static constexpr size_t kBits = 4;
-  static constexpr bool kHasEvenOdd = true;
-  static constexpr float kRawFactor = 1.0f;
-  template <bool kEO = false>
-  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
-    VU ca, cb;
-    LoadNibbles<kEO>(p, ca, cb);
-    a = UF4ToF32(ca);
-    b = UF4ToF32(cb);
-  }
-  template <bool kEO = false>
-  static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
-    StoreNibbles<kEO>(F32ToUF4(a_over_s, a), F32ToUF4(b_over_s, b), p);
-  }
-};
+using UF4Codes = NibbleCodes<UF4Map>;
 
 // Decodes with scale s: kRawFactor * s in one multiply, which rounds like the
 // reference's value * s whenever that product is finite (it is then exact: a

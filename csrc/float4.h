@@ -58,18 +58,19 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1(float f) {
 // From 1 up the steps are linear in the fp32 bits, so the bits' distance above
 // 1.0 plus 22 random bits, shifted down by 22, counts codes above code 2
 // exactly. Below 1 (step 0.5) |f| * 2^23 is truncated first: a half-ulp is
-// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. Magnitudes in
-// [6, 7) give the top code 7 (never past it); from 7 up, inf and NaN give 0x8 and
-// a zero magnitude code 0x0, as EncodeFloat4E2M1.
+// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. From 3.5 up (what
+// rounds into the top binade, 4 and 6) f is rounded to nearest, as
+// EncodeFloat4E2M1: a block's largest element (in [3.5, 7) by S2.12's scale)
+// then always stores 4 or 6, so decoding and encoding again finds the same
+// scale; rounded down to 3 it would find half of it, with other codes.
 SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1Stochastic(float f, uint32_t random) {
   const uint32_t bits = BitsOf(f);
   const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs >= 0x40E00000u) return 0x8;  // 7.0f; NaNs' bits are above it too
+  if (abs >= 0x40600000u) return EncodeFloat4E2M1(f);  // 3.5f; NaNs' bits are above it
   const uint32_t r = random & 0x3FFFFFu;
   uint32_t magnitude;
   if (abs >= 0x3F800000u) {
-    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);
-    if (magnitude > 7u) magnitude = 7u;
+    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);  // at most 6 (the value 4)
   } else {
     magnitude = (static_cast<uint32_t>(FloatOf(abs) * 8388608.0f) + r) >> 22;
   }

@@ -7,6 +7,8 @@ codes is torch's own ``.to()`` (S2.4), so only these rules are written here.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -168,6 +170,51 @@ def ufp4_encode(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
                        _UFP4_NAN).to(torch.uint8)
 
 
+# S2.13's generator, on uint32 values held in int64 (torch has no uint32 arithmetic):
+# each product is split at 16 bits so none leaves int64.
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x):
+    """lowbias32 of ``x`` (a Python int or an int64 tensor, values in [0, 2^32))."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def step_key(rounding_key: int, step: int) -> int:
+    """The key of one tensor's stochastic rounding at ``step`` (S2.13)."""
+    return mix32(mix32(rounding_key & _M32) ^ (step & _M32))
+
+
+def random_bits(key: int, first: int, n: int, device) -> torch.Tensor:
+    """32 random bits (int64) of each element of flat indices ``[first, first + n)``."""
+    index = torch.arange(first, first + n, dtype=torch.int64, device=device)
+    return mix32(mix32((index & _M32) ^ mix32(index >> 32)) ^ key)
+
+
+def fp4_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+    """Signed E2M1 codes of fp32 ``x`` rounded stochastically with 22 of the ``random``
+    bits (S2.13): from 1 up the fp32 bits above 1.0 plus the random bits count codes;
+    below 1, ``|x| · 2^23`` truncated does; from 3.5 up ``fp4_encode``'s nearest (also
+    for 7 and above, inf and NaN). A magnitude code 0 is code 0."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    magnitude_bits = bits & 0x7FFFFFFF
+    r = random & 0x3FFFFF
+    normal = 2 + ((magnitude_bits - 0x3F800000 + r) >> 22)
+    below_one = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=1.0)
+    small = ((below_one * 8388608.0).to(torch.int64) + r) >> 22
+    mag = torch.where(magnitude_bits >= 0x3F800000, normal, small)
+    code = torch.where(mag == 0, 0, mag | ((bits >> 28) & 8)).to(torch.uint8)
+    return torch.where(magnitude_bits >= 0x40600000, fp4_encode(x), code)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes`` (uint8, one each, an even count) two per byte: element 2i in the
     low nibble of byte i (S2.12)."""
@@ -239,9 +286,10 @@ def block_scales(absmax: torch.Tensor, target: float, zero_bound: float) -> torc
 
 
 def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target: float,
-                  zero_bound: float):
+                  zero_bound: float, rounding: Optional[int] = None):
     """``(codes, scales)`` of fp32 ``value`` (any shape) in per-block format ``name``
-    (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched."""
+    (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched. ``rounding``:
+    a step key (``step_key``) to round ``fp4-block`` codes stochastically (S2.13)."""
     flat = value.reshape(-1).float()
     n = flat.numel()
     count = block_count(first, n, block)
@@ -256,4 +304,8 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
     scales = block_scales(absmax, target, zero_bound)
     # A true division by a power of two, as the core's: exact but for fp32 subnormals.
     x = flat / scales[_block_of_each(n, first, block, value.device)]
+    if rounding is not None:
+        if name != "fp4-block":
+            raise ValueError(f"no stochastic rounding for per-block format {name!r}")
+        return fp4_encode_stochastic(x, random_bits(rounding, first, n, x.device)), scales
     return _codes_of(name, x, flat), scales

@@ -154,14 +154,17 @@ class Format:
         return codes.float() * scale
 
     def encode(self, value: torch.Tensor, stored: torch.Tensor,
-               scale: Optional[torch.Tensor], first: int = 0) -> None:
+               scale: Optional[torch.Tensor], first: int = 0,
+               rounding: Optional[int] = None) -> None:
         """Store the exported ``value`` into ``stored``; a scaled format first measures
         a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
         ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
-        itself (fp32 updated in place) there is nothing to do."""
+        itself (fp32 updated in place) there is nothing to do. ``rounding``: a step key
+        to round an ``fp4-block`` exp_avg stochastically (S2.13), else to nearest."""
         if self.scale == "block":
             codes, scales = _codecs.encode_blocks(self.name, value, first, self._block(),
-                                                  self.scale_target, self.zero_bound)
+                                                  self.scale_target, self.zero_bound,
+                                                  rounding)
             if self.packed:
                 codes = _codecs.pack_nibbles(codes)
             stored.copy_(codes.view(stored.shape))

@@ -39,10 +39,12 @@ class Entry:
     __slots__ = ("index", "place", "param", "local", "layout", "numel", "param_kind",
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
-                 "master_scale", "first_index", "scale_block")
+                 "master_scale", "first_index", "scale_block", "exp_avg_rounding",
+                 "rounding_key")
 
-    def __init__(self, index: int, param: torch.Tensor, place: str):
+    def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int):
         self.index = index
+        self.rounding_key = rounding_key  # S2.13: one per parameter, the same on every rank
         self.place = place  # "group g, param i ('name')", for the core's messages
         self.param = param
         self.local = _dtensor.to_local(param)
@@ -58,6 +60,7 @@ class Entry:
         # Per-block moments (S2.9): where the local tensor's blocks start, and their
         # size (both moments of one configuration share it; 0: none is per block).
         self.first_index, self.scale_block = 0, 0
+        self.exp_avg_rounding = 0  # nearest
         for spec in specs:
             if spec.format.scale == "block":
                 self.first_index, self.scale_block = spec.first_index, spec.format.scale_block
@@ -66,6 +69,8 @@ class Entry:
             if spec.name == "exp_avg":
                 self.exp_avg, self.exp_avg_format = stored, spec.format
                 self.exp_avg_scale = scale
+                # A 4-bit exp_avg rounds stochastically (S2.12, S2.13).
+                self.exp_avg_rounding = int(spec.format.name == "fp4-block")
             elif spec.name == "exp_avg_sq":
                 self.exp_avg_sq, self.exp_avg_sq_format = stored, spec.format
                 self.exp_avg_sq_scale = scale
@@ -92,6 +97,14 @@ class DeviceBatch:
         self.backend_cache = {}
 
 
+def rounding_key(group_index: int, index: int) -> int:
+    """S2.13's per-tensor key of parameter ``index`` of group ``group_index``, from its
+    position, which every rank and every resumed run share: ``(group_index ·
+    0x9E3779B9 + index) mod 2^32``, distinct for any two parameters of up to 2,048
+    groups of up to 2^20 parameters each."""
+    return (group_index * 0x9E3779B9 + index) & 0xFFFFFFFF
+
+
 class GroupPlan:
     """One group's parameters by device, their state once bound, and what it was built
     from (to tell when it is stale)."""
@@ -108,7 +121,8 @@ class GroupPlan:
         self.formats = formats
         self.held = None  # set by bind(): what the plan rests on, see is_current
         self.entries = [
-            Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)))
+            Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)),
+                  rounding_key(group_index, i))
             for i, p in enumerate(params)]
         by_device = {}
         for entry in self.entries:

@@ -15,7 +15,7 @@ from array import array
 
 import torch
 
-from . import _validate
+from . import _codecs, _validate
 
 
 def _f32(value: float) -> float:
@@ -170,7 +170,9 @@ def step(work, hyper) -> None:
 
     for entry, w_i, m_i, v_i in zip(entries, w, m, v):
         _store_weight(entry, w_i)
+        rounding = (_codecs.step_key(entry.rounding_key, hyper.step)
+                    if entry.exp_avg_rounding else None)
         entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale,
-                                    entry.first_index)
+                                    entry.first_index, rounding)
         entry.exp_avg_sq_format.encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale,
                                        entry.first_index)

@@ -211,10 +211,12 @@ def test_random_blocks_survive_decode_then_encode(fmt, block):
 
 
 @pytest.mark.skipif(not have_core(), reason="C++ extension is not built")
+@pytest.mark.parametrize("rounding,key", [(0, 0), (1, 0x5EED), (1, 2**32 - 1)])
 @pytest.mark.parametrize("first,rows,block", [(0, 8, 128), (2 * 96, 31, 256)])
-def test_torch_codec_equals_the_core(first, rows, block):
+def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     """One core step from zero moments stores (1-beta1)g and (1-beta2)g^2 (S3.6) packed:
-    bitwise what the torch codec and the rule's oracle make of those fp32 values."""
+    bitwise what the torch codec makes of those fp32 values, exp_avg rounded to
+    nearest or stochastically (S2.13) with the slot's rounding_key."""
     from shardadam import _C
 
     for fmt in (FP4B, UFP4B):
@@ -229,15 +231,96 @@ def test_torch_codec_equals_the_core(first, rows, block):
     m_scales, v_scales = torch.ones(count), torch.ones(count)
     row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), FP4B.tag,
            m_scales.data_ptr(), v.data_ptr(), UFP4B.tag, v_scales.data_ptr(), 0, 0, 0,
-           first, block]
-    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
+           first, block, rounding, key]
+    step = 7
+    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, step, 2)
+    # Bias corrections change only the weight; the moments from zero are (1 - beta) g.
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
     for stored, scales, f, u in ((m, m_scales, FP4B, c1 * g), (v, v_scales, UFP4B,
                                                               (c2 * g) * g)):
-        codes, want = _codecs.encode_blocks(f.name, u, first, block, f.scale_target,
-                                            f.zero_bound)
+        stochastic = rounding and f is FP4B  # S2.13: exp_avg only
+        codes, want = _codecs.encode_blocks(
+            f.name, u, first, block, f.scale_target, f.zero_bound,
+            _codecs.step_key(key, step) if stochastic else None)
         assert_bitwise_equal(stored, _codecs.pack_nibbles(codes), f"{f.name} from the core")
         assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
         oracle_codes, oracle_scales = block_oracle(f.name, u, first, block)
-        assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
         assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
+        if not stochastic:  # the stochastic rule's own oracle: test_stochastic_encode_*
+            assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
+
+
+# --------------------------------------------------------------------------- S2.13
+
+def lowbias32(x: int) -> int:
+    """S2.13's Mix32 in Python integers."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_generator_follows_s2_13():
+    """The torch generator against Python integers, at indices on both sides of 2^32,
+    and the values the C++ tests pin (codec_test.cc CounterHashIsPinned)."""
+    assert _codecs.mix32(1) == lowbias32(1) == 0x688990C0
+    assert _codecs.mix32(0xDEADBEEF) == 0xE628C683
+    key = _codecs.step_key(0x5EED, 3)
+    assert key == 0xCD4470E2 == _codecs.step_key(0x5EED, 3 + 2**32)
+    for first in (0, 2**32 - 5, (5 << 32) + 17):
+        got = _codecs.random_bits(key, first, 10, "cpu").tolist()
+        want = [lowbias32(lowbias32((i & 0xFFFFFFFF) ^ lowbias32(i >> 32)) ^ key)
+                for i in range(first, first + 10)]
+        assert got == want, first
+    assert _codecs.random_bits(key, (5 << 32) + 17, 1, "cpu").item() == 0x4F80DC40
+
+
+def stochastic_oracle(x: float, r: int) -> int:
+    """S2.13's rule from its text, in float64 and Python integers: between grid values
+    lo <= |x| < hi, hi when r + 2^22 * (|x| - lo) / (hi - lo) reaches 2^22 (below 1:
+    |x| * 2^23 truncated first); from 3.5 up S2.12's nearest (this file's oracle)."""
+    a = abs(x)
+    if not a < 3.5:
+        return fp4_oracle(x)
+    r &= 0x3FFFFF
+    if a >= 1:
+        grid = [1, 1.5, 2, 3, 4]
+        k = max(i for i, value in enumerate(grid) if value <= a)
+        f = int((a - grid[k]) / (grid[k + 1] - grid[k]) * 2**22)  # exact: 22 bits
+        mag = 2 + k + (1 if f + r >= 2**22 else 0)
+    else:
+        mag = (math.floor(a * 2**23) + r) >> 22
+    return mag | 8 if mag and math.copysign(1, x) < 0 else mag
+
+
+def test_stochastic_encode_follows_s2_13():
+    gen = torch.Generator().manual_seed(13)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    x = torch.cat([
+        torch.rand(3000, generator=gen) * 7,
+        torch.ldexp(torch.rand(500, generator=gen), torch.randint(-40, 1, (500,), generator=gen)),
+        grid, torch.nextafter(grid, torch.tensor(9.0)), torch.nextafter(grid, -grid - 1),
+        torch.tensor([6.99999952, 7.0, 2.0**-23, 2.0**-24, math.inf, math.nan])])
+    x = torch.cat([x, -x])
+    r = torch.randint(0, 2**32, x.shape, generator=gen, dtype=torch.int64)
+    r[:16] = torch.tensor([0, 0x3FFFFF] * 8)
+    got = _codecs.fp4_encode_stochastic(x, r)
+    want = [stochastic_oracle(a, b) for a, b in zip(x.tolist(), r.tolist())]
+    assert got.tolist() == want
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Over 2^14 draws, the mean decoded value of each x below 3.5 is x within 5
+    standard errors (a rule always rounding toward the nearer value fails this by far)."""
+    x = torch.tensor([0.1, 0.3, 0.74, 1.2, 1.7, 2.6, 3.1, 3.4, -0.3, -2.6])
+    draws = 2**14
+    bits = _codecs.random_bits(_codecs.step_key(1, 1), 0, draws * x.numel(), "cpu")
+    codes = _codecs.fp4_encode_stochastic(x.repeat(draws), bits)
+    values = torch.tensor([fp4_value(c) for c in range(16)])[codes.long()].view(draws, -1)
+    mean, spread = values.double().mean(0), values.double().std(0)
+    assert torch.all((mean - x.double()).abs() <= 5 * spread / math.sqrt(draws) + 1e-12)
+    nearest_codes = _codecs.fp4_encode(x.repeat(draws))
+    nearest_mean = torch.tensor([fp4_value(c) for c in range(16)])[
+        nearest_codes.long()].view(draws, -1).double().mean(0)
+    assert torch.any((nearest_mean - x.double()).abs() > 5 * spread / math.sqrt(draws))
