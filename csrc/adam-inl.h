@@ -650,6 +650,7 @@ const internal::KernelTable* GetKernelTable() {
        EncodeRemainder, EncodeScaled<UF8Codes>, EncodeScaled<F4Codes>,
        EncodeScaled<UF4Codes>},
       EncodeF4Stochastic,
+      EncodeBF16Stochastic,
       {{UpdateBlock<false, false>, UpdateBlock<false, true>},
        {UpdateBlock<true, false>, UpdateBlock<true, true>}},
       {{{ReduceBlock<false, false, false>, ReduceBlock<false, false, true>},

@@ -444,6 +444,32 @@ HWY_INLINE void PairBits(uint32_t key, uint64_t index, VU& a, VU& b) {
   b = MixLanes(hn::Xor(MixLanes(hn::Xor(other, high)), k));
 }
 
+// counter_hash.h RandomBits of one vector of elements from flat index `index`
+// (lane j: index + j), which may cross a multiple of 2^32: the lanes past it
+// mix the next high half.
+HWY_INLINE VU VectorBits(uint32_t key, uint64_t index) {
+  const DU du;
+  const uint32_t low0 = static_cast<uint32_t>(index);
+  const VU low = hn::Add(hn::Iota(du, 0), hn::Set(du, low0));
+  const uint64_t before_wrap = (uint64_t{1} << 32) - low0;  // lanes below the multiple
+  const VU high = hn::IfThenElse(
+      // Clamped: FirstN's count must fit a lane.
+      hn::FirstN(du, static_cast<size_t>(HWY_MIN(before_wrap, uint64_t{hn::Lanes(du)}))),
+      hn::Set(du, IndexHigh(index)), hn::Set(du, IndexHigh(index + before_wrap)));
+  return MixLanes(hn::Xor(MixLanes(hn::Xor(low, high)), hn::Set(du, key)));
+}
+
+// fp32 -> bf16 bits (low half of each lane) rounded stochastically with the
+// high 16 bits of `random`, as bf16_stochastic.h EncodeBF16Stochastic (S2.14);
+// a NaN as F32ToBF16's.
+HWY_INLINE VU F32ToBF16Stochastic(VF x, VU random) {
+  const DU du;
+  const VU bits = hn::BitCast(du, x);
+  const VU rounded = hn::Add(bits, hn::ShiftRight<16>(random));
+  return hn::ShiftRight<16>(hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                                           hn::Or(bits, hn::Set(du, 0x00400000u)), rounded));
+}
+
 HWY_INLINE VI AbsBits(VF x) {
   const DU du;
   return hn::BitCast(DI(), hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu)));
@@ -932,6 +958,22 @@ void EncodeF4Stochastic(const float* HWY_RESTRICT x, size_t n,
     LoadF32x2(x + i, a, b);
     F4Codes::StoreStochastic(hn::Div(a, s), hn::Div(b, s), rounding.key,
                              static_cast<uint64_t>(rounding.index) + i, out + i / 2);
+  }
+}
+
+// internal::StochasticEncodeFn for a bf16 param (S2.14): EncodeBF16 rounded
+// stochastically; a run may cross a multiple of 2^32 (VectorBits).
+void EncodeBF16Stochastic(const float* HWY_RESTRICT x, size_t n,
+                          const internal::ScaleView& /*scale*/,
+                          const internal::RoundingView& rounding, void* dst) {
+  const size_t lanes = hn::Lanes(DF());
+  uint16_t* HWY_RESTRICT out = static_cast<uint16_t*>(dst);
+  for (size_t i = 0; i < n; i += 2 * lanes) {
+    const uint64_t index = static_cast<uint64_t>(rounding.index) + i;
+    VF a, b;
+    LoadF32x2(x + i, a, b);
+    StoreNarrowU16(F32ToBF16Stochastic(a, VectorBits(rounding.key, index)),
+                   F32ToBF16Stochastic(b, VectorBits(rounding.key, index + lanes)), out + i);
   }
 }
 

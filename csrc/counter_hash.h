@@ -1,4 +1,4 @@
-// The counter-based generator behind stochastic rounding (S2.13): the random
+// The counter-based generator behind stochastic rounding (S2.13, S2.14): the random
 // bits of an element are a hash of (tensor key, step, flat index in the whole
 // parameter), so they depend on nothing else: not the SIMD target, the thread
 // count, the order of work, nor how the parameter is sharded. Host-device: the
@@ -28,6 +28,13 @@ SHARDADAM_HOST_DEVICE inline uint32_t Mix32(uint32_t x) {
 // t + 2^32 draw the same bits (4 billion steps apart).
 SHARDADAM_HOST_DEVICE inline uint32_t StepKey(uint32_t rounding_key, int64_t step) {
   return Mix32(Mix32(rounding_key) ^ static_cast<uint32_t>(step));
+}
+
+// The key of one (tensor, step) for its param's rounding (S2.14): drawn from
+// StepKey's, so a tensor whose exp_avg and param both round stochastically
+// draws unrelated bits for the two.
+SHARDADAM_HOST_DEVICE inline uint32_t ParamStepKey(uint32_t rounding_key, int64_t step) {
+  return Mix32(StepKey(rounding_key, step) ^ 0x5851F42Du);
 }
 
 // The high half of a flat index as RandomBits mixes it: constant over any run

@@ -77,15 +77,16 @@ using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
 // remainder to `aux`.
 using EncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale, void* dst,
                           void* aux);
-// Stochastic rounding of a run of exp_avg (S2.13): the step's key
-// (counter_hash.h StepKey) and the flat index in the whole parameter of the
-// run's element 0. A run never crosses a multiple of 2^32 (it lies in one scale
-// block), so the index's high half is the same for all its elements.
+// Stochastic rounding of a run of exp_avg (S2.13) or of a bf16 param (S2.14):
+// the step's key (counter_hash.h StepKey, ParamStepKey) and the flat index in
+// the whole parameter of the run's element 0. An exp_avg run lies in one scale
+// block, so never crosses a multiple of 2^32; a param run may.
 struct RoundingView {
   uint32_t key = 0;
   int64_t index = 0;
 };
-// EncodeFn for a signed E2M1 exp_avg rounded stochastically (scaled per block).
+// EncodeFn for a signed E2M1 exp_avg rounded stochastically (scaled per block),
+// or for a bf16 param (scale ignored).
 using StochasticEncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale,
                                     const RoundingView& rounding, void* dst);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
@@ -159,6 +160,7 @@ struct KernelTable {
   DecodeFn decode[kNumCodecs];
   EncodeFn encode[kNumCodecs];
   StochasticEncodeFn encode_f4_stochastic;
+  StochasticEncodeFn encode_bf16_stochastic;
   // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
   UpdateFn update[2][2];
   ReduceFn reduce[2][2][2];  // [adam_w_mode][reduce_w][same]

@@ -113,6 +113,10 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
     p.encode_m_stochastic = kt.encode_f4_stochastic;
     p.m_rounding = {StepKey(s.rounding_key, step), s.first_index};
   }
+  if (s.param_rounding == Rounding::kStochastic) {
+    p.encode_param_stochastic = kt.encode_bf16_stochastic;
+    p.param_rounding = {ParamStepKey(s.rounding_key, step), s.first_index};
+  }
 
   const DType state_dtypes[3] = {s.master_dtype, s.exp_avg_dtype, s.exp_avg_sq_dtype};
   float* const slots[3] = {s.master_scale, s.exp_avg_scale, s.exp_avg_sq_scale};

@@ -52,6 +52,10 @@ struct TensorPlan {
   // parameter of element 0 of the buffers above (a staged copy's own).
   StochasticEncodeFn encode_m_stochastic = nullptr;
   RoundingView m_rounding;
+  // The same for a bf16 param rounded stochastically (S2.14), used instead of
+  // encode_param.
+  StochasticEncodeFn encode_param_stochastic = nullptr;
+  RoundingView param_rounding;
 
   // Per-tensor scales (StateStream order): read from the slots before the step,
   // measured on the new state, written back after it.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_stochastic.h"  // shared with the CUDA kernels
 #include "counter_hash.h"  // shared with the CUDA kernels
 #include "element.h"
 #include "float4.h"   // shared with the CUDA kernels
@@ -136,6 +137,12 @@ void StepTensor(const TensorSlot& t, const StepConstants& c, int64_t step) {
     for (int64_t i = 0; i < n; ++i) {
       SplitMaster(w[i], &static_cast<uint16_t*>(t.param)[i],
                   &static_cast<int16_t*>(t.master_param)[i]);
+    }
+  } else if (t.param_rounding == Rounding::kStochastic) {  // S2.14
+    const uint32_t key = ParamStepKey(t.rounding_key, step);
+    for (int64_t i = 0; i < n; ++i) {
+      static_cast<uint16_t*>(t.param)[i] = EncodeBF16Stochastic(
+          w[i], RandomBits(key, static_cast<uint64_t>(t.first_index + i)));
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {

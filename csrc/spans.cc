@@ -41,6 +41,7 @@ TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
   };
   TensorPlan q = p;
   q.m_rounding.index = p.m_rounding.index + e;
+  q.param_rounding.index = p.param_rounding.index + e;
   char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
   const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
   for (int b = 0; b < 4; ++b) {
@@ -103,7 +104,14 @@ void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
                const ScaleView& m_scale, const ScaleView& v_scale) {
   char* master = p.master ? ElementAt(p.master, p.master_bits, e) : nullptr;
   // The param is rounded from the updated w before the master is re-stored.
-  if (p.encode_param) p.encode_param(d.w, c, ScaleView(), ElementAt(p.param, p.param_bits, e), master);
+  char* const param = ElementAt(p.param, p.param_bits, e);
+  if (p.encode_param_stochastic) {
+    RoundingView r = p.param_rounding;
+    r.index += e;
+    p.encode_param_stochastic(d.w, c, ScaleView(), r, param);
+  } else if (p.encode_param) {
+    p.encode_param(d.w, c, ScaleView(), param, master);
+  }
   if (p.encode_master) p.encode_master(d.w, c, p.NewScale(kStreamW, e), master, nullptr);
   char* const m = ElementAt(p.exp_avg, p.exp_avg_bits, e);
   if (p.encode_m_stochastic) {

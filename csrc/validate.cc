@@ -166,15 +166,21 @@ bool CheckBlocks(int64_t i, const TensorSlot& s, Error* error) {
   return true;
 }
 
-// exp_avg's rounding (S2.13): stochastic rounding exists for signed E2M1 only.
+// A rounding field's value: 0 (nearest) or 1 (stochastic).
+bool CheckRoundingCode(int64_t i, const char* field, Rounding rounding, Error* error) {
+  if (rounding == Rounding::kNearest || rounding == Rounding::kStochastic) return true;
+  return Fail(error, i,
+              Format("%s %d is not a rounding; expected 0 (nearest) or 1 (stochastic)",
+                     field, static_cast<int32_t>(rounding)));
+}
+
+// The states' roundings: stochastic rounding exists for a signed E2M1 exp_avg
+// (S2.13) and for a bf16 param that is the weight's only copy (S2.14), whose
+// bits are keyed by first_index as a block's are.
 bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
-  const int32_t code = static_cast<int32_t>(s.exp_avg_rounding);
-  if (s.exp_avg_rounding != Rounding::kNearest &&
-      s.exp_avg_rounding != Rounding::kStochastic) {
-    return Fail(error, i,
-                Format("exp_avg_rounding %d is not a rounding; expected 0 (nearest) or "
-                       "1 (stochastic)",
-                       code));
+  if (!CheckRoundingCode(i, "exp_avg_rounding", s.exp_avg_rounding, error) ||
+      !CheckRoundingCode(i, "param_rounding", s.param_rounding, error)) {
+    return false;
   }
   if (s.exp_avg_rounding == Rounding::kStochastic &&
       s.exp_avg_dtype != DType::kFloat4E2M1Block) {
@@ -182,6 +188,20 @@ bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
                 Format("exp_avg_rounding 1 (stochastic) is not allowed for an exp_avg_dtype "
                        "%d (%s) exp_avg; stochastic rounding needs fp4-block",
                        Code(s.exp_avg_dtype), DTypeName(s.exp_avg_dtype)));
+  }
+  if (s.param_rounding != Rounding::kStochastic) return true;
+  if (s.param_dtype != DType::kBFloat16 || s.master_dtype != DType::kNone) {
+    return Fail(error, i,
+                Format("param_rounding 1 (stochastic) is not allowed for a param_dtype %d "
+                       "(%s) param with master_dtype %d (%s); stochastic rounding needs a "
+                       "bf16 param with no master",
+                       Code(s.param_dtype), DTypeName(s.param_dtype), Code(s.master_dtype),
+                       DTypeName(s.master_dtype)));
+  }
+  if (s.first_index < 0 || s.first_index > INT64_MAX / 8 - s.numel) {
+    return Fail(error, i,
+                Format("first_index %" PRId64 " is outside [0, %" PRId64 "]", s.first_index,
+                       INT64_MAX / 8 - s.numel));
   }
   return true;
 }

@@ -102,6 +102,12 @@ struct TensorSlot {
   // step and first_index + i, so shards round as the whole parameter would.
   Rounding exp_avg_rounding = Rounding::kNearest;
   uint32_t rounding_key = 0;
+  // The param's rounding from the updated fp32 weight: kStochastic only for a
+  // bf16 param with no master (master_dtype kNone), which is then the weight's
+  // only copy (S2.14). Its bits come from rounding_key (another stream than
+  // exp_avg's), the step and first_index + i, as exp_avg's; first_index is
+  // then read even when no state is per-block scaled.
+  Rounding param_rounding = Rounding::kNearest;
 };
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).
