@@ -31,7 +31,7 @@ enum Column : size_t {
   kExpAvgSq, kExpAvgSqDtype, kExpAvgSqScale,
   kMaster, kMasterDtype, kMasterScale,
   kFirstIndex, kScaleBlock,
-  kExpAvgRounding, kRoundingKey,
+  kExpAvgRounding, kRoundingKey, kParamRounding,
   kSlotColumns,
 };
 constexpr const char* kColumnNames[] = {
@@ -40,7 +40,7 @@ constexpr const char* kColumnNames[] = {
     "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
     "master_param", "master_dtype", "master_scale",
     "first_index", "scale_block",
-    "exp_avg_rounding", "rounding_key",
+    "exp_avg_rounding", "rounding_key", "param_rounding",
 };
 static_assert(sizeof(kColumnNames) / sizeof(kColumnNames[0]) == kSlotColumns,
               "one name per column");
@@ -154,10 +154,13 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
                         ? static_cast<int32_t>(row[kScaleBlock])
                         : -1;
     // As the tags: a wider value would wrap into a valid rounding; -1 is refused.
-    t.exp_avg_rounding = static_cast<Rounding>(
-        row[kExpAvgRounding] == static_cast<int32_t>(row[kExpAvgRounding])
-            ? static_cast<int32_t>(row[kExpAvgRounding])
-            : -1);
+    const auto rounding = [&](Column column) {
+      return static_cast<Rounding>(row[column] == static_cast<int32_t>(row[column])
+                                       ? static_cast<int32_t>(row[column])
+                                       : -1);
+    };
+    t.exp_avg_rounding = rounding(kExpAvgRounding);
+    t.param_rounding = rounding(kParamRounding);
     if (row[kRoundingKey] != static_cast<uint32_t>(row[kRoundingKey])) {
       Error error;
       SetError(&error, static_cast<int64_t>(i),

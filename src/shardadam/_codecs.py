@@ -193,6 +193,12 @@ def step_key(rounding_key: int, step: int) -> int:
     return mix32(mix32(rounding_key & _M32) ^ (step & _M32))
 
 
+def param_step_key(rounding_key: int, step: int) -> int:
+    """The key of one bf16 parameter's stochastic rounding at ``step`` (S2.14): another
+    stream than its exp_avg's."""
+    return mix32(step_key(rounding_key, step) ^ 0x5851F42D)
+
+
 def random_bits(key: int, first: int, n: int, device) -> torch.Tensor:
     """32 random bits (int64) of each element of flat indices ``[first, first + n)``."""
     index = torch.arange(first, first + n, dtype=torch.int64, device=device)
@@ -213,6 +219,17 @@ def fp4_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor
     mag = torch.where(magnitude_bits >= 0x3F800000, normal, small)
     code = torch.where(mag == 0, 0, mag | ((bits >> 28) & 8)).to(torch.uint8)
     return torch.where(magnitude_bits >= 0x40600000, fp4_encode(x), code)
+
+
+def bf16_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 ``x`` rounded stochastically with the high 16 of the ``random`` bits
+    (S2.14): they are added to the fp32 bits, whose high half is kept; a NaN is made
+    quiet, as rounding to nearest stores it."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    rounded = (bits + (random >> 16)) >> 16
+    quiet = (bits >> 16) | 0x40
+    high = torch.where(torch.isnan(x), quiet, rounded)
+    return (high - ((high & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

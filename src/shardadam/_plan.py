@@ -40,7 +40,7 @@ class Entry:
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
                  "master_scale", "first_index", "scale_block", "exp_avg_rounding",
-                 "rounding_key")
+                 "rounding_key", "param_rounding")
 
     def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int):
         self.index = index
@@ -53,14 +53,21 @@ class Entry:
         self.param_kind = PARAM_TAGS[self.local.dtype]
         self.first_index, self.scale_block = 0, 0  # set by bind()
 
-    def bind(self, specs: tuple, entry: dict, scales: Optional[dict]) -> None:
+    def bind(self, specs: tuple, entry: dict, scales: Optional[dict],
+             param_rounding: str) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
-        exactly ``specs``)."""
+        exactly ``specs``), and how the parameter is rounded (``param_rounding``)."""
         self.master, self.master_format, self.master_scale = None, None, None
         # Per-block moments (S2.9): where the local tensor's blocks start, and their
         # size (both moments of one configuration share it; 0: none is per block).
         self.first_index, self.scale_block = 0, 0
         self.exp_avg_rounding = 0  # nearest
+        # S2.14: a bf16 parameter with no master, its bits keyed like a block's.
+        self.param_rounding = int(param_rounding == "stochastic"
+                                  and self.local.dtype == torch.bfloat16
+                                  and all(s.name != "master_param" for s in specs))
+        if self.param_rounding:
+            self.first_index = self.layout.first_index(self.local)
         for spec in specs:
             if spec.format.scale == "block":
                 self.first_index, self.scale_block = spec.first_index, spec.format.scale_block
@@ -155,7 +162,8 @@ class GroupPlan:
             if not writes.empty():  # leave a settled entry alone
                 _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
                                    entry.layout)
-            entry.bind(specs, state[entry.param], scales.get(entry.param))
+            entry.bind(specs, state[entry.param], scales.get(entry.param),
+                       self.config.param_rounding)
         self.held = _Held(self.entries, self.config, state, scales)
         for batch in self.batches:
             batch.backend_cache.clear()
@@ -240,6 +248,11 @@ def build_plan(group: dict, group_index: int, config, state, scales,
     _validate.check_params(params, group_index, group)
     plan = GroupPlan(group, group_index, params, config, state, scales, formats)
     for entry in plan.entries:
+        if config.param_rounding == "stochastic" and entry.local.dtype == torch.float16:
+            raise _validate.fail(
+                RuntimeError, "is float16, and param_rounding='stochastic' rounds bf16 "
+                "parameters only (rule: fp32 or bf16 parameters, S2.14)", group=group_index,
+                param=entry.index, name=_validate.param_name(group, entry.index))
         existing = state.get(entry.param)
         error = _state.consistency_error(config.specs_of(entry.local, entry.layout),
                                          existing, entry.local, entry.layout,

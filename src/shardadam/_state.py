@@ -54,6 +54,9 @@ class StateConfig(NamedTuple):
     store_param_remainders: bool
     moment_format: Optional[str] = None  # S2.11: "block8" / "block4", or None: the dtypes
     moment_block_size: Optional[int] = None
+    # S2.14: how a bf16 parameter with no master is rounded, "nearest" or "stochastic".
+    # Not part of the state's layout (record() leaves it out).
+    param_rounding: str = "nearest"
 
     def moment_formats(self, packable: bool = True) -> tuple:
         """``(exp_avg format, exp_avg_sq format)`` of a tensor whose states can be

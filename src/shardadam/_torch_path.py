@@ -67,12 +67,16 @@ def _weight(entry):
     return fmt.true_value(fmt.decode(entry.master, entry.master_scale), entry.local)
 
 
-def _store_weight(entry, w) -> None:
-    """The parameter from the updated ``w`` first (a remainder's high half), then the
-    master (S3.6)."""
+def _store_weight(entry, w, step: int) -> None:
+    """The parameter from the updated ``w`` first (a remainder's high half, or rounded
+    stochastically, S2.14), then the master (S3.6)."""
     fmt = entry.master_format
     value, bits = (w, None) if fmt is None else fmt.from_true(w)
     param = w if bits is None else bits
+    if entry.param_rounding:
+        param = _codecs.bf16_encode_stochastic(w.reshape(-1), _codecs.random_bits(
+            _codecs.param_step_key(entry.rounding_key, step), entry.first_index, w.numel(),
+            w.device)).view(entry.local.shape)
     if param is not entry.local:
         entry.local.copy_(param)
     if fmt is not None:
@@ -169,7 +173,7 @@ def step(work, hyper) -> None:
     torch._foreach_sub_(w, update)
 
     for entry, w_i, m_i, v_i in zip(entries, w, m, v):
-        _store_weight(entry, w_i)
+        _store_weight(entry, w_i, hyper.step)
         rounding = (_codecs.step_key(entry.rounding_key, hyper.step)
                     if entry.exp_avg_rounding else None)
         entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale,

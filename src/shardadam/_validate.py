@@ -86,6 +86,21 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
                 f"in {dtypes}, got {shown(dtype)}).")
 
 
+PARAM_ROUNDINGS = ("nearest", "stochastic")
+
+
+def check_param_rounding(param_rounding, master_weights) -> None:
+    """S2.14: ``param_rounding`` says how a bf16 parameter stepped without a master is
+    rounded; stochastic rounding stands in for a master, so not beside one."""
+    if not isinstance(param_rounding, str) or param_rounding not in PARAM_ROUNDINGS:
+        raise ValueError(f"FusedAdam: unknown param_rounding {shown(param_rounding)} "
+                         f"(rule: param_rounding in {list(PARAM_ROUNDINGS)})")
+    if param_rounding == "stochastic" and master_weights:
+        raise ValueError("FusedAdam: param_rounding='stochastic' rounds bf16 parameters "
+                         "that have no master, but master_weights is True (rule: "
+                         "param_rounding='stochastic' needs master_weights=False)")
+
+
 def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
                         exp_avg_sq_dtype) -> None:
     """S2.11: ``moment_format`` names a pair of per-block moment formats and replaces

@@ -34,7 +34,7 @@ _disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disa
 _CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
                       "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
                       "store_param_remainders", "set_grad_none", "moment_format",
-                      "moment_block_size")
+                      "moment_block_size", "param_rounding")
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -46,7 +46,10 @@ class FusedAdam(torch.optim.Optimizer):
     fp32 or fp16 master (``master_weights``), or for bf16 an int16 remainder
     (``store_param_remainders``). CPU tensors step in the C++ core, CUDA tensors in its
     CUDA build where there is one, other devices with torch ops. ``amsgrad`` and
-    ``capturable`` are not supported.
+    ``capturable`` are not supported. Beyond TE, keyword-only: ``moment_format`` /
+    ``moment_block_size`` (per-block scaled 8- or 4-bit moments, S2.11) and
+    ``param_rounding="stochastic"`` (bf16 parameters with no master rounded
+    stochastically, S2.14).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class FusedAdam(torch.optim.Optimizer):
         set_grad_none: Optional[bool] = None,
         moment_format: Optional[str] = None,
         moment_block_size: Optional[int] = None,
+        param_rounding: str = "nearest",
     ):
         _validate.check_options(
             amsgrad=amsgrad, capturable=capturable, master_weights=master_weights,
@@ -77,6 +81,7 @@ class FusedAdam(torch.optim.Optimizer):
             exp_avg_sq_dtype=exp_avg_sq_dtype)
         _validate.check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
                                       exp_avg_sq_dtype)
+        _validate.check_param_rounding(param_rounding, master_weights)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas,
                     "eps": eps, "weight_decay": weight_decay}
         _validate.hyper_parameters(defaults)
@@ -90,6 +95,8 @@ class FusedAdam(torch.optim.Optimizer):
         # Beyond TE (S2.11): per-block scaled moments, named by no dtype.
         self.moment_format = moment_format
         self.moment_block_size = moment_block_size
+        # Beyond TE (S2.14): bf16 parameters with no master rounded stochastically.
+        self.param_rounding = param_rounding
         self.use_decoupled_grad = use_decoupled_grad
         # Remainders only ever replace an fp32 master (of a bf16 parameter); as in TE,
         # the flag stays off when master weights are off at construction.
@@ -121,6 +128,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().__setstate__(state)
         for name in ("moment_format", "moment_block_size"):  # older pickles lack them
             self.__dict__.setdefault(name, None)
+        self.__dict__.setdefault("param_rounding", "nearest")
         self._scales = dict(state.get("_scales") or {})
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
@@ -167,7 +175,7 @@ class FusedAdam(torch.optim.Optimizer):
         return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
                                   bool(self.master_weights), self.master_weight_dtype,
                                   self.store_param_remainders, self.moment_format,
-                                  self.moment_block_size)
+                                  self.moment_block_size, self.param_rounding)
 
     # ------------------------------------------------------------------ step
 
@@ -196,6 +204,7 @@ class FusedAdam(torch.optim.Optimizer):
             exp_avg_sq_dtype=self.exp_avg_sq_dtype)
         _validate.check_moment_format(self.moment_format, self.moment_block_size,
                                       self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        _validate.check_param_rounding(self.param_rounding, self.master_weights)
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
         if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)

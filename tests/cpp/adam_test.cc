@@ -2,7 +2,8 @@
 // scalar reference bit for bit: both evaluate element.h's formula in the same
 // order with no FMA, and both round with round-to-nearest-even codecs. Checked
 // over every dtype combination, every Highway target, thread counts and sizes
-// around the vector width; then every error status (nothing written), and the
+// around the vector width, and a bf16 param rounded stochastically (S2.14);
+// then every error status (nothing written), and the
 // reference itself against a float64 Adam so that the oracle is right, not only
 // consistent.
 #include "shardadam/adam.h"
@@ -139,6 +140,108 @@ TEST_P(AdamLargeTest, ThreadCountDoesNotChangeBits) {
 
 INSTANTIATE_TEST_SUITE_P(Representative, AdamLargeTest,
                          ::testing::ValuesIn(RepresentativeConfigs()),
+                         [](const ::testing::TestParamInfo<Config>& case_info) {
+                           return ConfigName(case_info.param);
+                         });
+
+// ---------------------------------------------------------------------------
+// A bf16 param with no master rounded stochastically (S2.14): the core on every
+// target and thread count against the reference, its bits keyed by the
+// rounding_key, the step and each element's flat index only.
+
+// bf16 params with no master beside every gradient dtype, 16-bit moments (the
+// block path) and per-tensor scaled ones (the measuring pass), both modes.
+std::vector<Config> ParamRoundingConfigs() {
+  using D = DType;
+  std::vector<Config> configs;
+  for (bool adam_w : {true, false}) {
+    for (D g : {D::kFloat32, D::kFloat16, D::kBFloat16}) {
+      configs.push_back({D::kBFloat16, g, D::kFloat32, D::kFloat32, D::kNone, adam_w});
+    }
+    configs.push_back({D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kNone, adam_w});
+    configs.push_back(
+        {D::kBFloat16, D::kFloat32, D::kFloat8E4M3, D::kFloat16, D::kNone, adam_w});
+  }
+  return configs;
+}
+
+Tensor StochasticTensor(const Config& c, int64_t numel, uint32_t key, int64_t first_index,
+                        std::mt19937* rng) {
+  Tensor t = MakeTensor(c, numel, rng);
+  t.param_rounding = Rounding::kStochastic;
+  t.rounding_key = key;
+  t.first_index = first_index;
+  return t;
+}
+
+class ParamRoundingTest : public ::testing::TestWithParam<Config> {};
+
+// Sizes around every vector width with their own keys and offsets, and runs
+// whose flat indices cross a multiple of 2^32.
+TEST_P(ParamRoundingTest, MatchesReferenceOnEveryTarget) {
+  std::mt19937 rng(4321);
+  std::vector<Tensor> tensors;
+  uint32_t key = 1;
+  for (int64_t n : kListSizes) {
+    tensors.push_back(StochasticTensor(GetParam(), n, key * 0x9E3779B9u, 1000 * key, &rng));
+    ++key;
+  }
+  tensors.push_back(StochasticTensor(GetParam(), 1001, 7, (int64_t{1} << 32) - 501, &rng));
+  tensors.push_back(StochasticTensor(GetParam(), 100, 7, (int64_t{5} << 32) - 3, &rng));
+  ExpectStepsMatchReference(tensors, GetParam().adam_w, 2, 99);
+}
+
+// Bitwise equal for any thread count, and equal to the reference; another key
+// or step stores other params, the same ones the same.
+TEST_P(ParamRoundingTest, BitsFollowKeyAndStepOnly) {
+  std::mt19937 rng(32);
+  std::vector<Tensor> start;
+  // 70k elements: enough work for a second thread (work_items.cc).
+  for (int64_t n : {int64_t{70001}, int64_t{33}}) {
+    start.push_back(StochasticTensor(GetParam(), n, 0xABCDu, 12345, &rng));
+  }
+  StepParams params;
+  params.adam_w_mode = GetParam().adam_w;
+  params.lr = 1e-4;  // below half a bf16 step for most weights: rounding decides
+  params.step = 9;
+  std::vector<Tensor> want = start;
+  std::vector<TensorSlot> want_slots = Slots(&want);
+  ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
+  ForEachTarget([&] {
+    for (int threads : {1, 2, 3, 7}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      std::vector<Tensor> got = start;
+      std::vector<TensorSlot> slots = Slots(&got);
+      Error error;
+      ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params, threads,
+                         &error),
+                Status::kOk)
+          << error.message;
+      ASSERT_TRUE(SameTensors(want, got));
+    }
+  });
+  const auto params_after = [&](uint32_t key, int64_t step, Rounding rounding) {
+    std::vector<Tensor> got = start;
+    for (Tensor& t : got) {
+      t.rounding_key = key;
+      t.param_rounding = rounding;
+    }
+    std::vector<TensorSlot> slots = Slots(&got);
+    StepParams p = params;
+    p.step = step;
+    EXPECT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), p, 2, nullptr),
+              Status::kOk);
+    return got[0].param;
+  };
+  const std::vector<uint8_t> base = params_after(0xABCDu, 9, Rounding::kStochastic);
+  EXPECT_EQ(base, want[0].param);
+  EXPECT_NE(base, params_after(0xABCEu, 9, Rounding::kStochastic));
+  EXPECT_NE(base, params_after(0xABCDu, 10, Rounding::kStochastic));
+  EXPECT_NE(base, params_after(0xABCDu, 9, Rounding::kNearest));
+}
+
+INSTANTIATE_TEST_SUITE_P(BF16NoMaster, ParamRoundingTest,
+                         ::testing::ValuesIn(ParamRoundingConfigs()),
                          [](const ::testing::TestParamInfo<Config>& case_info) {
                            return ConfigName(case_info.param);
                          });
@@ -443,6 +546,25 @@ std::vector<ErrorCase> ErrorCases() {
             [](TensorSlot* s) { s->exp_avg_rounding = Rounding::kStochastic; });
   slot_case("exp_avg_rounding_unknown", 1, "exp_avg_rounding -1 is not a rounding",
             [](TensorSlot* s) { s->exp_avg_rounding = static_cast<Rounding>(-1); });
+  // ... and for a bf16 param with no master (S2.14), its first_index checked.
+  slot_case("param_rounding_stochastic_fp32", 0,
+            "param_rounding 1 (stochastic) is not allowed for a param_dtype 1 (fp32)",
+            [](TensorSlot* s) { s->param_rounding = Rounding::kStochastic; });
+  slot_case("param_rounding_stochastic_fp16_master", 1,
+            "stochastic rounding needs a bf16 param with no master",
+            [](TensorSlot* s) { s->param_rounding = Rounding::kStochastic; });
+  slot_case("param_rounding_stochastic_remainder", 2,
+            "param_rounding 1 (stochastic) is not allowed",
+            [](TensorSlot* s) { s->param_rounding = Rounding::kStochastic; });
+  slot_case("param_rounding_unknown", 0, "param_rounding 2 is not a rounding",
+            [](TensorSlot* s) { s->param_rounding = static_cast<Rounding>(2); });
+  slot_case("param_rounding_negative_first_index", 2, "first_index -1 is outside",
+            [](TensorSlot* s) {
+              s->master_param = nullptr;
+              s->master_dtype = DType::kNone;
+              s->param_rounding = Rounding::kStochastic;
+              s->first_index = -1;
+            });
   slot_case("master_dtype_bf16", 1, "master",
             [](TensorSlot* s) { s->master_dtype = DType::kBFloat16; });
   slot_case("master_dtype_fp8", 1, "master",

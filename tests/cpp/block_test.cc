@@ -3,7 +3,8 @@
 // cut on block boundaries step exactly like the whole tensor), the block scale
 // rule's round trip (decoding a block and encoding it again gives back its codes
 // and scale), and the validation of the block geometry; the same for an fp4-block
-// exp_avg rounded stochastically (S2.13), whose codes follow the key and step.
+// exp_avg rounded stochastically (S2.13), whose codes follow the key and step,
+// and a bf16 param with no master rounded stochastically beside it (S2.14).
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -34,11 +35,12 @@ bool HasFourBit(DType a, DType b) {
 }
 
 // The dtypes of one layout with at least one per-block scaled moment, and how
-// exp_avg is rounded (S2.13).
+// exp_avg (S2.13) and a bf16 param with no master (S2.14) are rounded.
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
   Rounding rounding = Rounding::kNearest;
+  Rounding param_rounding = Rounding::kNearest;
 };
 
 // The rounding_key of the tensors below (any constant: shards share it).
@@ -48,7 +50,8 @@ std::string Name(const BlockConfig& c) {
   std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
                      DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
                      DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
-                     (c.rounding == Rounding::kStochastic ? "_sr" : "");
+                     (c.rounding == Rounding::kStochastic ? "_sr" : "") +
+                     (c.param_rounding == Rounding::kStochastic ? "_param_sr" : "");
   for (char& ch : name) {
     if (ch == '-') ch = '_';
   }
@@ -79,6 +82,7 @@ struct BlockTensor {
     s.exp_avg_sq_dtype = config.exp_avg_sq;
     s.exp_avg_sq_scale = exp_avg_sq_scales.data();
     s.exp_avg_rounding = config.rounding;
+    s.param_rounding = config.param_rounding;
     s.rounding_key = kRoundingKey;
     if (config.master != DType::kNone) {
       s.master_param = master.data();
@@ -205,6 +209,13 @@ std::vector<BlockConfig> Configs() {
                        kUBlock4, adam_w, kSR});
     configs.push_back(
         {DType::kFloat32, DType::kBFloat16, DType::kNone, kBlock4, kBlock4, adam_w, kSR});
+    // A bf16 param with no master rounded stochastically (S2.14), beside block8
+    // and beside block4 with its exp_avg rounded stochastically too: the two
+    // streams of bits of one tensor, keyed to the whole parameter.
+    configs.push_back({DType::kBFloat16, DType::kFloat32, DType::kNone, kBlock8, kUBlock8,
+                       adam_w, Rounding::kNearest, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock4,
+                       adam_w, kSR, kSR});
   }
   return configs;
 }

@@ -3,8 +3,8 @@
 // ties to the even code), exhaustively for every 8- and 16-bit code; then the
 // SIMD Convert, MeasureScale, remainder split/merge and the per-block E4M4,
 // E2M1 and E3M1 codecs are checked against the reference bit for bit on every Highway
-// target; so is stochastically rounded E2M1 (S2.13), whose reference rule is
-// checked for its generator, its grid and its mean.
+// target; so are stochastically rounded E2M1 (S2.13) and bf16 (S2.14), whose
+// rules are checked for their generator, their grid and their mean.
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "bf16_stochastic.h"
 #include "counter_hash.h"
 #include "float4.h"
 #include "gtest/gtest.h"
@@ -491,6 +492,103 @@ TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
                       want)
                 << "fp32 0x" << std::hex << BitsOf(x[i]);
           }
+        }
+      }
+    }
+  });
+}
+
+// S2.14: a bf16 param rounded stochastically. The param stream's key is
+// pinned, and differs from exp_avg's for the same tensor and step.
+TEST(Bf16StochasticTest, ParamKeyIsPinned) {
+  const uint32_t key = ParamStepKey(0x5EED, 3);
+  EXPECT_EQ(key, 0x14BB4865u);
+  EXPECT_NE(key, StepKey(0x5EED, 3));
+  EXPECT_EQ(ParamStepKey(0x5EED, 3 + (int64_t{1} << 32)), key);
+  EXPECT_EQ(RandomBits(key, (uint64_t{5} << 32) + 17), 0xF0507104u);
+}
+
+// Every bf16 value stores itself whatever the bits (a checkpoint's params
+// come back as they were); every other fp32 value stores one of the two bf16
+// values around it, the lower with the bits' high half 0, the upper with it
+// all ones; NaN stays NaN as rounding to nearest stores it.
+TEST(Bf16StochasticTest, StoresTheValuesAroundX) {
+  std::mt19937 rng(11);
+  std::vector<uint32_t> bits = {0u, 0xFFFFu, 0x10000u, 0xFFFFFFFFu};
+  for (int k = 0; k < 16; ++k) bits.push_back(rng());
+  for (uint32_t h = 0; h < 0x10000u; ++h) {
+    const float x = ref::BFloat16ToFloat(static_cast<uint16_t>(h));
+    for (uint32_t r : bits) {
+      ASSERT_EQ(EncodeBF16Stochastic(x, r), std::isnan(x) ? ref::FloatToBFloat16(x) : h)
+          << std::hex << h << " " << r;
+    }
+  }
+  for (int k = 0; k < 100000; ++k) {
+    const uint32_t x_bits = rng();
+    const float x = FloatOf(x_bits);
+    if (std::isnan(x)) {
+      ASSERT_EQ(EncodeBF16Stochastic(x, rng()), ref::FloatToBFloat16(x));
+      continue;
+    }
+    const uint32_t down = x_bits >> 16;
+    const uint32_t up = down + ((x_bits & 0xFFFFu) != 0 ? 1u : 0u);
+    ASSERT_EQ(EncodeBF16Stochastic(x, 0u), down) << std::hex << x_bits;
+    ASSERT_EQ(EncodeBF16Stochastic(x, 0xFFFF0000u), up) << std::hex << x_bits;
+    const uint16_t got = EncodeBF16Stochastic(x, rng());
+    ASSERT_TRUE(got == down || got == up) << std::hex << x_bits;
+  }
+  // Past the largest bf16 a magnitude may round to inf, as to nearest; inf stays.
+  EXPECT_EQ(EncodeBF16Stochastic(FLT_MAX, 0xFFFF0000u), 0x7F80u);
+  EXPECT_EQ(EncodeBF16Stochastic(-FLT_MAX, 0u), 0xFF7Fu);
+  EXPECT_EQ(EncodeBF16Stochastic(-INFINITY, 0xFFFFFFFFu), 0xFF80u);
+}
+
+// Unbiased in normal and subnormal binades, both signs: the mean of 2^16
+// stored values, the bits drawn as the core draws them, within 5 standard
+// errors of x. Rounding to nearest fails the same check by far.
+TEST(Bf16StochasticTest, MeanOfManyValuesIsTheValue) {
+  constexpr int kN = 1 << 16;
+  const uint32_t key = ParamStepKey(0xC0FFEE, 1);
+  for (float x : {1.001f, 1.0039f, 3.14159f, -0.7071f, 1e-3f, 6.1e5f, -2.5e-39f}) {
+    const uint32_t low = BitsOf(x) & 0xFFFF0000u;
+    const double lo = FloatOf(low), hi = FloatOf(low + 0x10000u);
+    const double p = (x - lo) / (hi - lo);
+    const double standard_error = std::fabs(hi - lo) * std::sqrt(p * (1 - p) / kN);
+    double stochastic = 0, nearest = 0;
+    for (int i = 0; i < kN; ++i) {
+      const uint32_t r = RandomBits(key, static_cast<uint64_t>(i));
+      stochastic += ref::BFloat16ToFloat(EncodeBF16Stochastic(x, r));
+      nearest += ref::BFloat16ToFloat(ref::FloatToBFloat16(x));
+    }
+    EXPECT_LT(std::fabs(stochastic / kN - x), 5 * standard_error) << x;
+    EXPECT_GT(std::fabs(nearest / kN - x), 5 * standard_error) << x;
+  }
+}
+
+// The SIMD encoder of every target against the rule: every binade, the
+// specials, keys, and runs whose flat indices cross a multiple of 2^32 inside
+// a vector.
+TEST(SimdCodecTest, StochasticBF16MatchesReference) {
+  std::vector<float> inputs = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, FLT_MAX, -FLT_MAX,
+                               FLT_MIN, FloatOf(1), FloatOf(0x7FC00001u),
+                               FloatOf(0xFF800001u), FloatOf(0x7F7FFFFFu)};
+  std::mt19937 rng(9);
+  while (inputs.size() < 4096) inputs.push_back(FloatOf(rng()));
+  ForEachTarget([&] {
+    const internal::KernelTable& kt = internal::ActiveKernels();
+    std::vector<float> x = inputs;
+    const size_t n = (x.size() + kt.pair - 1) / kt.pair * kt.pair;
+    x.resize(n, 0.5f);
+    std::vector<uint16_t> out(n);
+    for (uint32_t key : {0u, 0x5EEDu, 0x9E3779B9u}) {
+      for (uint64_t index : {uint64_t{0}, uint64_t{4097}, (uint64_t{1} << 32) - 7,
+                             (uint64_t{3} << 32) - 1000, (uint64_t{3} << 32) + 8192}) {
+        SCOPED_TRACE("key " + std::to_string(key) + " index " + std::to_string(index));
+        kt.encode_bf16_stochastic(x.data(), n, internal::ScaleView(),
+                                  {key, static_cast<int64_t>(index)}, out.data());
+        for (size_t i = 0; i < n; ++i) {
+          ASSERT_EQ(out[i], EncodeBF16Stochastic(x[i], RandomBits(key, index + i)))
+              << i << ": fp32 0x" << std::hex << BitsOf(x[i]);
         }
       }
     }

@@ -117,10 +117,18 @@ struct Tensor {
   int64_t numel = 0;
   std::vector<uint8_t> param, grad, exp_avg, exp_avg_sq, master;
   float exp_avg_scale = 1.0f, exp_avg_sq_scale = 1.0f, master_scale = 1.0f;
+  // A bf16 param with no master may round stochastically (S2.14), its bits keyed
+  // by rounding_key and first_index.
+  Rounding param_rounding = Rounding::kNearest;
+  uint32_t rounding_key = 0;
+  int64_t first_index = 0;
 
   TensorSlot Slot() {
     TensorSlot s;
     s.numel = numel;
+    s.param_rounding = param_rounding;
+    s.rounding_key = rounding_key;
+    s.first_index = first_index;
     s.param = param.data();
     s.param_dtype = config.param;
     s.grad = grad.data();

@@ -231,7 +231,7 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     m_scales, v_scales = torch.ones(count), torch.ones(count)
     row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), FP4B.tag,
            m_scales.data_ptr(), v.data_ptr(), UFP4B.tag, v_scales.data_ptr(), 0, 0, 0,
-           first, block, rounding, key]
+           first, block, rounding, key, 0]
     step = 7
     _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, step, 2)
     # Bias corrections change only the weight; the moments from zero are (1 - beta) g.

@@ -22,6 +22,8 @@ OPTIONS = {
     "bf16-master": (torch.bfloat16, dict(master_weights=True)),
     "bf16-remainder": (torch.bfloat16, dict(master_weights=True,
                                             store_param_remainders=True)),
+    # No master: the parameter rounded stochastically (S2.14).
+    "bf16-stochastic": (torch.bfloat16, dict(param_rounding="stochastic")),
 }
 
 

@@ -44,9 +44,10 @@ def test_constructor_signature():
         ("use_decoupled_grad", inspect.Parameter.KEYWORD_ONLY, False),
         ("store_param_remainders", inspect.Parameter.KEYWORD_ONLY, False),
         ("set_grad_none", inspect.Parameter.KEYWORD_ONLY, None),
-        # Beyond TE (S2.11), after its arguments.
+        # Beyond TE (S2.11, S2.14), after its arguments.
         ("moment_format", inspect.Parameter.KEYWORD_ONLY, None),
         ("moment_block_size", inspect.Parameter.KEYWORD_ONLY, None),
+        ("param_rounding", inspect.Parameter.KEYWORD_ONLY, "nearest"),
     ]
     actual = [(p.name, p.kind, p.default) for p in sig.parameters.values()][1:]  # self
     assert actual == expected

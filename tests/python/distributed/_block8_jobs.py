@@ -31,7 +31,11 @@ PRESETS = {"p=fp32-m=block8": (torch.float32, {}),
            # block4 (S2.12): codes packed along the rows, DTensors of the packed shape.
            "p=bf16-master=remainder-m=block4": (
                torch.bfloat16, dict(master_weights=True, store_param_remainders=True,
-                                    moment_format="block4"))}
+                                    moment_format="block4")),
+           # No master: the parameters rounded stochastically (S2.14), their bits keyed
+           # to the global flat index like the blocks.
+           "p=bf16-sr-m=block4": (
+               torch.bfloat16, dict(param_rounding="stochastic", moment_format="block4"))}
 
 
 def _model(ctx, dtype, seed, shard=True):

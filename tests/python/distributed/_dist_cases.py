@@ -29,7 +29,7 @@ FSDP2_PRESETS = ("p=fp32-m=fp32", "p=bf16-master=fp32-m=bf16",
 
 # block8 moments (S2.11) under FSDP2, _block8_jobs.PRESETS.
 BLOCK8_PRESETS = ("p=fp32-m=block8", "p=bf16-master=remainder-m=block8",
-                  "p=bf16-master=remainder-m=block4")
+                  "p=bf16-master=remainder-m=block4", "p=bf16-sr-m=block4")
 
 LAYOUT_ERRORS = ("grad-placements", "grad-mesh", "grad-global-shape", "partial-param",
                  "plain-grad-for-dtensor-param", "dtensor-grad-for-plain-param",
