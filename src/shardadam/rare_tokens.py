@@ -220,6 +220,10 @@ def add_arguments(parser):
                         default="none",
                         help="master weights for bf16 parameters: an fp32 or fp16 copy, "
                              "or int16 remainders (default none)")
+    parser.add_argument("--param-rounding", choices=("nearest", "stochastic"),
+                        default="nearest",
+                        help="rounding of bf16 parameters without master (S2.14; "
+                             "default nearest)")
     parser.add_argument("--steps", type=_positive_int, default=FULL.steps,
                         help=f"training steps (default {FULL.steps})")
     parser.add_argument("--vocab", type=_positive_int, default=FULL.vocab,
@@ -262,6 +266,8 @@ def describe(args) -> str:
     text = f"FusedAdam {args.params} params"
     if args.master != "none":
         text += f" + {args.master} master"
+    if args.param_rounding == "stochastic":
+        text += " rounded stochastically"
     if args.moment_format is not None:
         from shardadam import _formats
 
@@ -275,7 +281,8 @@ def run(args):
 
     if args.optimizer == "adamw" and (
             args.params, args.master, args.exp_avg, args.exp_avg_sq, args.moment_format,
-            args.moment_block_size) != ("fp32", "none", "fp32", "fp32", None, None):
+            args.moment_block_size, args.param_rounding) != (
+                "fp32", "none", "fp32", "fp32", None, None, "nearest"):
         print("shardadam rare-tokens: error: --optimizer adamw takes no state or "
               "parameter flags (it keeps fp32 state)", file=sys.stderr)
         return 2
@@ -296,6 +303,8 @@ def run(args):
                           master_weight_dtype=torch.float16 if args.master == "fp16"
                           else torch.float32,
                           store_param_remainders=args.master == "remainder")
+        if args.param_rounding != "nearest":
+            kwargs.update(param_rounding=args.param_rounding)
         make = fused_adam_factory(**kwargs)
     label = describe(args)
     print(f"rare tokens: embedding + head {workload.vocab} x {workload.dim}, Zipf "

@@ -243,6 +243,16 @@ void FuzzStep(FuzzedDataProvider& in) {
     t.first_index = kFirsts[in.ConsumeIntegralInRange<size_t>(0, 5)];
     t.master_dtype = PickDType(in, {DType::kNone, DType::kFloat32, DType::kFloat16,
                                     DType::kInt16Remainder});
+    // Stochastic rounding (S2.13, S2.14): mostly nearest or stochastic, sometimes
+    // not a rounding; first indices near 2^32 cross it inside a vector.
+    static const int32_t kRoundings[] = {0, 1, 1, 2};
+    const auto rounding = [&in] {
+      return static_cast<Rounding>(kRoundings[in.ConsumeIntegralInRange<size_t>(0, 3)]);
+    };
+    t.exp_avg_rounding = rounding();
+    t.param_rounding = rounding();
+    t.rounding_key = in.ConsumeIntegral<uint32_t>();
+    if (in.ConsumeIntegralInRange(0, 7) == 0) t.first_index += (int64_t{1} << 32) - 128;
     const DType dtypes[5] = {t.param_dtype, t.grad_dtype, t.exp_avg_dtype,
                              t.exp_avg_sq_dtype, t.master_dtype};
     const size_t n = t.numel > 0 ? static_cast<size_t>(t.numel) : 0;

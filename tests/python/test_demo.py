@@ -216,3 +216,29 @@ def test_remainder_block8_preset():
     stored = sum(t.numel() * t.element_size() for t in opt.state[p].values())
     scales = sum(t.numel() * t.element_size() for t in opt._scales[p].values())
     assert (stored + scales) / p.numel() == 4.03125
+
+
+def test_bf16_sr_block8_preset():
+    """The bf16-sr-block8 preset builds FusedAdam with bf16 parameters, no master, block8
+    moments and the parameters rounded stochastically (S2.14): 2 + 2 scale bytes per 256
+    elements, and its steps store other bits than bf16-block8's rounding to nearest."""
+    import torch
+
+    from shardadam import FusedAdam
+    from shardadam.demo.config import PRESETS
+
+    params = {}
+    for name in ("bf16-sr-block8", "bf16-block8"):
+        preset = PRESETS[name]
+        p = torch.nn.Parameter(torch.ones(4, 256, dtype=getattr(torch, preset.param_dtype)))
+        opt = FusedAdam([p], lr=1e-3, **preset.fused_adam_kwargs())
+        assert "master_param" not in opt.state[p]
+        stored = sum(t.numel() * t.element_size() for t in opt.state[p].values())
+        scales = sum(t.numel() * t.element_size() for t in opt._scales[p].values())
+        assert (stored + scales) / p.numel() == 2.03125
+        p.grad = torch.ones_like(p)
+        opt.step()
+        params[name] = p.detach()
+    assert opt.param_rounding == "nearest" and torch.equal(params["bf16-block8"],
+                                                           torch.ones(4, 256))
+    assert not torch.equal(params["bf16-sr-block8"], params["bf16-block8"])

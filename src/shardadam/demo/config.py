@@ -18,6 +18,7 @@ class StatePreset:
     master_weights: bool = False
     store_param_remainders: bool = False
     moment_format: str = ""     # FusedAdam moment_format (S2.11) instead of the dtypes
+    param_rounding: str = "nearest"  # FusedAdam param_rounding (S2.14)
     # Resume check (report.resume_check): largest |loss difference| allowed over the
     # first report.EARLY_STEPS resumed steps.
     resume_tolerance: float = 2e-6
@@ -33,6 +34,8 @@ class StatePreset:
                   "exp_avg_sq_dtype": getattr(torch, self.exp_avg_sq_dtype)}
         if self.moment_format:
             kwargs["moment_format"] = self.moment_format
+        if self.param_rounding != "nearest":
+            kwargs["param_rounding"] = self.param_rounding
         return kwargs
 
 
@@ -71,6 +74,20 @@ PRESETS = {p.name: p for p in (
                 "bfloat16", "float32", "float32", master_weights=True,
                 store_param_remainders=True, moment_format="block4",
                 resume_tolerance=2e-3),
+    # No master at all: the bf16 parameters are the weights. Rounded to nearest, an
+    # update below half a bf16 step is lost; rounded stochastically (S2.14) it moves
+    # the weight by a full step with the matching probability. 2 + 2.03 bytes per
+    # parameter with the parameters themselves.
+    StatePreset("bf16-block8",
+                "bf16 params without master (rounded to nearest), 8-bit moments with a "
+                "scale per block of 256",
+                "bfloat16", "float32", "float32", moment_format="block8",
+                resume_tolerance=2e-3),
+    StatePreset("bf16-sr-block8",
+                "bf16 params without master, rounded stochastically "
+                "(param_rounding='stochastic'), 8-bit moments with a scale per block of 256",
+                "bfloat16", "float32", "float32", moment_format="block8",
+                param_rounding="stochastic", resume_tolerance=2e-3),
     StatePreset("fp32", "fp32 params, fp32 moments (same state as torch's AdamW)",
                 "float32", "float32", "float32"),
 )}
