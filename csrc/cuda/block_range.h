@@ -106,7 +106,7 @@ SHARDADAM_HOST_DEVICE inline void UpdateBlockLane(const DeviceSlot& t, const Ste
     Inputs e = LoadInputs(t, old, i);
     Update<kAdamW>(c, e);
     Codes codes{};
-    EncodeWeight(t, old, e.w, codes);  // old.s[kW] is 1: no scaled master here
+    EncodeWeight(t, old, i, e.w, codes);  // old.s[kW] is 1: no scaled master here
     WriteWeightCodes(t, i, codes);
     out.m[k] = e.m;
     out.v[k] = e.v;

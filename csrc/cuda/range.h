@@ -100,7 +100,7 @@ SHARDADAM_HOST_DEVICE inline void StoreUpdated(const DeviceSlot& t, const Scales
     if (n == 4) {
       Codes out[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) out[k] = EncodeOutputs(t, now, e[k]);
+      for (int k = 0; k < 4; ++k) out[k] = EncodeOutputs(t, now, i + k, e[k]);
       WriteQuadCodes<L>(t, i, out);
       return;
     }

@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "bf16_stochastic.h"
 #include "cuda/block_codecs.h"
 #include "counter_hash.h"
 #include "cuda/codecs.h"
@@ -65,7 +66,12 @@ struct DeviceSlot {
   // step's key (counter_hash.h StepKey) and the flat index of element 0 in the
   // whole parameter.
   bool m_stochastic;
-  uint32_t m_key;
+  // The param rounded stochastically (S2.14, a bf16 param with no master only),
+  // with its own key (ParamStepKey); first_index as above, read even when no
+  // state is per-block scaled. In the padding after the flags: the slot's size,
+  // and so the launch's argument block, is unchanged.
+  bool p_stochastic;
+  uint32_t m_key, p_key;
   int64_t first_index;
 };
 
@@ -94,6 +100,8 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t, int64_t step = 1) {
   d.lead = blocks ? static_cast<int32_t>(t.first_index % t.scale_block) : 0;
   d.m_stochastic = t.exp_avg_rounding == Rounding::kStochastic;
   d.m_key = StepKey(t.rounding_key, step);
+  d.p_stochastic = t.param_rounding == Rounding::kStochastic;
+  d.p_key = ParamStepKey(t.rounding_key, step);
   d.first_index = t.first_index;
   const auto aligned = [](const void* p, uint8_t dtype) {
     const auto quad = static_cast<uintptr_t>(4 * ItemBytes(dtype));
@@ -292,11 +300,19 @@ SHARDADAM_HOST_DEVICE inline Inputs DecodeInputs(const DeviceSlot& t, const Scal
   return in;
 }
 
-// The codes of an element's new values with the new scales. The param is rounded
-// from the fp32 weight itself, independently of the master's encoding (S3.6).
+// The codes of local element i's new values with the new scales. The param is
+// rounded from the fp32 weight itself, independently of the master's encoding
+// (S3.6); stochastically where the slot asks (S2.14), with bits drawn from the
+// element's flat index. Validation allows that for a bf16 param with no master
+// only; testing the dtypes too folds the branch away in the compiled layouts
+// where it cannot apply (their tags are constants, layouts.h).
 SHARDADAM_HOST_DEVICE inline void EncodeWeight(const DeviceSlot& t, const Scales& now,
-                                                float w, Codes& c) {
-  if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
+                                                int64_t i, float w, Codes& c) {
+  if (t.param_dtype == static_cast<uint8_t>(DType::kBFloat16) &&
+      t.master_dtype == static_cast<uint8_t>(DType::kNone) && t.p_stochastic) {
+    c.param = EncodeBF16Stochastic(
+        w, RandomBits(t.p_key, static_cast<uint64_t>(t.first_index + i)));
+  } else if (t.master_dtype == static_cast<uint8_t>(DType::kInt16Remainder)) {
     uint16_t param_bits;
     int16_t remainder;
     SplitMaster(w, &param_bits, &remainder);
@@ -329,10 +345,11 @@ SHARDADAM_HOST_DEVICE inline void EncodeBlockMoments(const DeviceSlot& t, const 
   }
 }
 
+// Local element i's codes.
 SHARDADAM_HOST_DEVICE inline Codes EncodeOutputs(const DeviceSlot& t, const Scales& now,
-                                                 const Inputs& out) {
+                                                 int64_t i, const Inputs& out) {
   Codes c{};
-  EncodeWeight(t, now, out.w, c);
+  EncodeWeight(t, now, i, out.w, c);
   EncodeMoments(t, now, out.m, out.v, c);
   return c;
 }
@@ -344,7 +361,7 @@ SHARDADAM_HOST_DEVICE inline Inputs LoadInputs(const DeviceSlot& t, const Scales
 
 SHARDADAM_HOST_DEVICE inline void StoreElement(const DeviceSlot& t, const Scales& now,
                                                int64_t i, const Inputs& out) {
-  WriteCodes(t, i, EncodeOutputs(t, now, out));
+  WriteCodes(t, i, EncodeOutputs(t, now, i, out));
 }
 
 // The updated fp32 weight and moments (SEMANTICS S3.6), in place in `in`.

@@ -27,22 +27,29 @@ constexpr DType kUBlock8 = DType::kUFloat8E4M4Block;
 constexpr DType kBlock4 = DType::kFloat4E2M1Block;
 constexpr DType kUBlock4 = DType::kUFloat4E3M1Block;
 
-// The dtypes of one tensor with at least one per-block scaled moment, and how
-// exp_avg is rounded (S2.13).
+// The rounding_key of every shard (a parameter's shards share it), unless its
+// config names another.
+inline constexpr uint32_t kShardRoundingKey = 0x5EED1234u;
+
+// The dtypes of one tensor with at least one per-block scaled moment, how
+// exp_avg (S2.13) and the param (S2.14) are rounded, and the key of their bits.
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
   Rounding rounding = Rounding::kNearest;
+  Rounding param_rounding = Rounding::kNearest;
+  uint32_t rounding_key = kShardRoundingKey;
 };
-
-// The rounding_key of every shard (a parameter's shards share it).
-inline constexpr uint32_t kShardRoundingKey = 0x5EED1234u;
 
 inline std::string BlockConfigName(const BlockConfig& c) {
   std::string name = "p_" + DTypeName(c.param) + "_g_" + DTypeName(c.grad) + "_master_" +
                      DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
                      DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
-                     (c.rounding == Rounding::kStochastic ? "_sr" : "");
+                     (c.rounding == Rounding::kStochastic ? "_sr" : "") +
+                     (c.param_rounding == Rounding::kStochastic ? "_param_sr" : "") +
+                     (c.rounding_key != kShardRoundingKey
+                          ? "_key_" + std::to_string(c.rounding_key)
+                          : "");
   for (char& ch : name) {
     if (ch == '-') ch = '_';
   }
@@ -102,6 +109,29 @@ inline std::vector<BlockConfig> BlockConfigs() {
       for (DType g : grads) {
         configs.push_back(
             {w.param, g, w.master, kBlock4, kUBlock4, adam_w, Rounding::kStochastic});
+      }
+    }
+  }
+  // Then a bf16 param with no master rounded stochastically (S2.14) beside each
+  // width's block moments, exp_avg of fp4-block rounded either way, with fp32
+  // and bf16 gradients and two keys.
+  struct ParamRounding {
+    DType m, v;
+    Rounding m_rounding;
+  };
+  const ParamRounding param_rounding[] = {{kBlock8, kUBlock8, Rounding::kNearest},
+                                          {DType::kFloat32, kBlock8, Rounding::kNearest},
+                                          {kBlock4, kUBlock4, Rounding::kNearest},
+                                          {kBlock4, kUBlock4, Rounding::kStochastic},
+                                          {kBlock4, kUBlock8, Rounding::kStochastic}};
+  for (bool adam_w : {true, false}) {
+    for (DType g : {DType::kFloat32, DType::kBFloat16}) {
+      for (const ParamRounding& m : param_rounding) {
+        if (!adam_w && g == DType::kBFloat16) continue;
+        for (uint32_t key : {kShardRoundingKey, 0u}) {
+          configs.push_back({DType::kBFloat16, g, DType::kNone, m.m, m.v, adam_w, m.m_rounding,
+                             Rounding::kStochastic, key});
+        }
       }
     }
   }
@@ -172,7 +202,8 @@ struct Shard {
     s.exp_avg_sq = At(exp_avg_sq);
     s.exp_avg_sq_dtype = config.exp_avg_sq;
     s.exp_avg_rounding = config.rounding;
-    s.rounding_key = kShardRoundingKey;
+    s.param_rounding = config.param_rounding;
+    s.rounding_key = config.rounding_key;
     if (IsScaled(config.exp_avg)) s.exp_avg_scale = static_cast<float*>(At(m_scales));
     if (IsScaled(config.exp_avg_sq)) s.exp_avg_sq_scale = static_cast<float*>(At(v_scales));
     if (config.master != DType::kNone) {

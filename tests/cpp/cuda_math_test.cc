@@ -2,7 +2,8 @@
 // the CPU: their codecs against the scalar reference on every 16-bit and 8-bit
 // pattern and on fp32 patterns around every rounding position, and their
 // two-pass step (measure the absmax, then store with the new scale), in the
-// order the kernels run it, against the reference on every dtype combination.
+// order the kernels run it, against the reference on every dtype combination,
+// and with a bf16 param without master rounded stochastically (S2.14).
 // What is left to a GPU is the launch itself (tests/python/test_cuda_backend.py).
 #include <algorithm>
 #include <cmath>
@@ -84,35 +85,39 @@ TEST(CudaCodecsTest, EncodersMatchReference) {
 // recomputes and stores with the scales it gives, then the scale slots are
 // written. Each tensor runs its layout's code (layouts.h), four elements per
 // access where its buffers allow.
+template <bool kAdamW, class L>
+void EmulatedTensorStep(cuda::DeviceSlot t, const StepConstants& c) {
+  L::Fix(t);
+  const auto each_lane = [&](auto&& done) {
+    for (int64_t begin = 0; begin < t.numel; begin += cuda::kChunk) {
+      const int64_t end = std::min(begin + cuda::kChunk, t.numel);
+      for (int lane = 0; lane < cuda::kThreads; ++lane) {
+        cuda::UpdateRange<kAdamW, L>(t, cuda::ReadScales(t), c, begin, end, lane,
+                                     cuda::kThreads, done);
+      }
+    }
+  };
+  uint32_t best[3] = {0, 0, 0};
+  each_lane([&](int64_t, int n, const cuda::Inputs* e) { cuda::FoldAbsMax<L>(n, e, best); });
+  const cuda::Scales now = cuda::NewScales(t, best);
+  each_lane([&](int64_t i, int n, const cuda::Inputs* e) {
+    cuda::StoreUpdated<L>(t, now, i, n, e);
+  });
+  for (int k = 0; k < 3; ++k) {
+    if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
+  }
+}
+
+// With the step's stochastic rounding keys, as AdamStepCuda makes its slots.
 template <bool kAdamW>
 void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& params) {
   const StepConstants c = MakeStepConstants(params);
   for (const TensorSlot& slot : slots) {
-    cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot);
+    const cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot, params.step);
     cuda::VisitLayout(cuda::LayoutOf(t), [&](auto layout) {
       using L = decltype(layout);
       // Per-block layouts step in BlockKernel (cuda_block_math_test), never here.
-      if constexpr (L::kMayTensor) {
-        L::Fix(t);
-        const auto each_lane = [&](auto&& done) {
-          for (int64_t begin = 0; begin < t.numel; begin += cuda::kChunk) {
-            const int64_t end = std::min(begin + cuda::kChunk, t.numel);
-            for (int lane = 0; lane < cuda::kThreads; ++lane) {
-              cuda::UpdateRange<kAdamW, L>(t, cuda::ReadScales(t), c, begin, end, lane,
-                                           cuda::kThreads, done);
-            }
-          }
-        };
-        uint32_t best[3] = {0, 0, 0};
-        each_lane([&](int64_t, int n, const cuda::Inputs* e) { cuda::FoldAbsMax<L>(n, e, best); });
-        const cuda::Scales now = cuda::NewScales(t, best);
-        each_lane([&](int64_t i, int n, const cuda::Inputs* e) {
-          cuda::StoreUpdated<L>(t, now, i, n, e);
-        });
-        for (int k = 0; k < 3; ++k) {
-          if (t.scale[k] != nullptr) *t.scale[k] = now.s[k];
-        }
-      }
+      if constexpr (L::kMayTensor) EmulatedTensorStep<kAdamW, L>(t, c);
     });
   }
 }
@@ -125,11 +130,30 @@ void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& pa
   }
 }
 
+// EmulatedCudaStep in layout L whichever layout the tensors would get: a fixed
+// layout not among the compiled ones still runs its four-at-a-time path.
+template <class L>
+void EmulatedCudaStepIn(const std::vector<TensorSlot>& slots, const StepParams& params) {
+  const StepConstants c = MakeStepConstants(params);
+  for (const TensorSlot& slot : slots) {
+    const cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot, params.step);
+    ASSERT_TRUE(L::Matches(t));
+    if (params.adam_w_mode) {
+      EmulatedTensorStep<true, L>(t, c);
+    } else {
+      EmulatedTensorStep<false, L>(t, c);
+    }
+  }
+}
+
+using EmulatedStep = void (*)(const std::vector<TensorSlot>&, const StepParams&);
+
 // EmulatedCudaStep on copies of the tensors' buffers placed as the device gets
 // them: 16-byte aligned, or one element past that where `shifted` says, with
 // guard bytes on both sides that must be intact afterwards.
 ::testing::AssertionResult RelocatedStep(const std::vector<TensorSlot>& slots,
-                                         const StepParams& params, unsigned shifted) {
+                                         const StepParams& params, unsigned shifted,
+                                         EmulatedStep step = EmulatedCudaStep) {
   constexpr size_t kGuard = 16;
   constexpr uint8_t kGuardByte = 0xA5;
   struct Copy {
@@ -160,7 +184,7 @@ void EmulatedCudaStep(const std::vector<TensorSlot>& slots, const StepParams& pa
       s.master_param = relocate(s.master_param, s.master_dtype, s.numel, kMasterShifted);
     }
   }
-  EmulatedCudaStep(moved, params);
+  step(moved, params);
   for (size_t k = 0; k < copies.size(); ++k) {
     const Copy& copy = *copies[k];
     for (size_t b = 0; b < copy.storage.size(); ++b) {
@@ -218,6 +242,100 @@ INSTANTIATE_TEST_SUITE_P(AllDTypes, CudaStepMathTest, ::testing::ValuesIn(AllCon
                          [](const ::testing::TestParamInfo<Config>& case_info) {
                            return ConfigName(case_info.param);
                          });
+
+// S2.14: a bf16 param with no master rounded stochastically stores the CPU
+// core's bits, in the layout its dtypes get (the catch-all: no compiled layout
+// has such a param) and, where the moments allow, in a fixed layout's
+// four-at-a-time path, which passes each element's own index.
+class CudaParamRoundingMathTest : public ::testing::TestWithParam<ParamRoundingCase> {};
+
+template <int kGrad, int kExpAvg, int kExpAvgSq>
+EmulatedStep FixedLayoutStep() {
+  return EmulatedCudaStepIn<cuda::Layout<cuda::kBF16, kGrad, cuda::kNoMaster, kExpAvg, kExpAvgSq>>;
+}
+
+// The fixed layout of `config`'s dtypes, where the test instantiates one.
+EmulatedStep FixedParamRoundingStep(const Config& config) {
+  using D = DType;
+  if (config.exp_avg != config.exp_avg_sq) return nullptr;
+  const bool f32 = config.grad == D::kFloat32;
+  switch (config.exp_avg) {
+    case D::kFloat32:
+      return f32 ? FixedLayoutStep<cuda::kF32, cuda::kF32, cuda::kF32>()
+                 : FixedLayoutStep<cuda::kBF16, cuda::kF32, cuda::kF32>();
+    case D::kFloat8E4M3:
+      return f32 ? FixedLayoutStep<cuda::kF32, cuda::kF8, cuda::kF8>()
+                 : FixedLayoutStep<cuda::kBF16, cuda::kF8, cuda::kF8>();
+    default:
+      return nullptr;
+  }
+}
+
+TEST_P(CudaParamRoundingMathTest, MatchesCpuCoreBitwise) {
+  const ParamRoundingCase& param_case = GetParam();
+  std::mt19937 rng(2468);
+  std::vector<Tensor> tensors;
+  int k = 0;
+  for (int64_t n : {0, 1, 17, 0, 255, 1001, 0, 8195}) {
+    tensors.push_back(MakeTensor(param_case.config, n, &rng));
+    SetParamRounding(param_case, k++, &tensors.back());
+  }
+  const EmulatedStep fixed = FixedParamRoundingStep(param_case.config);
+  for (const StepParams& params : Schedule(param_case.config.adam_w)) {
+    SCOPED_TRACE("step " + std::to_string(params.step));
+    for (Tensor& t : tensors) FillGrad(&t, &rng);
+    std::vector<Tensor> want = tensors, reference = tensors;
+    std::vector<TensorSlot> want_slots = Slots(&want), reference_slots = Slots(&reference);
+    Error error;
+    ASSERT_EQ(AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params, 2,
+                       &error),
+              Status::kOk)
+        << error.message;
+    ref::AdamStep(reference_slots.data(), static_cast<int64_t>(reference_slots.size()), params);
+    ASSERT_TRUE(SameTensors(want, reference)) << "the CPU core and the reference";
+    for (unsigned shifted : {kNoneShifted, kAllShifted}) {
+      SCOPED_TRACE("shifted buffers: " + std::to_string(shifted));
+      std::vector<Tensor> got = tensors;
+      ASSERT_TRUE(RelocatedStep(Slots(&got), params, shifted));
+      ASSERT_TRUE(SameTensors(want, got));
+      if (fixed != nullptr) {
+        SCOPED_TRACE("fixed layout");
+        got = tensors;
+        ASSERT_TRUE(RelocatedStep(Slots(&got), params, shifted, fixed));
+        ASSERT_TRUE(SameTensors(want, got));
+      }
+    }
+    // Rounded stochastically: not the bits rounding to nearest stores.
+    if (params.lr != 0.0) {
+      std::vector<Tensor> nearest = tensors;
+      for (Tensor& t : nearest) t.param_rounding = Rounding::kNearest;
+      std::vector<TensorSlot> nearest_slots = Slots(&nearest);
+      ref::AdamStep(nearest_slots.data(), static_cast<int64_t>(nearest_slots.size()), params);
+      EXPECT_NE(nearest.back().param, want.back().param);
+    }
+    tensors = want;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(BF16ParamNoMaster, CudaParamRoundingMathTest,
+                         ::testing::ValuesIn(ParamRoundingCases()),
+                         [](const ::testing::TestParamInfo<ParamRoundingCase>& case_info) {
+                           return ParamRoundingCaseName(case_info.param);
+                         });
+
+TEST(CudaParamRoundingMathTest, SlotCarriesTheParamKey) {
+  TensorSlot s;
+  s.param_dtype = DType::kBFloat16;
+  s.param_rounding = Rounding::kStochastic;
+  s.rounding_key = 77;
+  s.first_index = int64_t{5} << 32;
+  const cuda::DeviceSlot d = cuda::MakeDeviceSlot(s, 9);
+  EXPECT_TRUE(d.p_stochastic);
+  EXPECT_FALSE(d.m_stochastic);
+  EXPECT_EQ(d.p_key, ParamStepKey(77, 9));
+  EXPECT_NE(d.p_key, d.m_key);
+  EXPECT_EQ(d.first_index, int64_t{5} << 32);
+}
 
 TEST(CudaStepMathTest, NonFiniteStateGetsUnitScale) {
   // An fp16 moment whose update overflows or is NaN: scale 1, as S2.3 says.

@@ -97,6 +97,50 @@ inline std::vector<Config> RepresentativeConfigs() {
   };
 }
 
+// Tensors whose bf16 param has no master and is rounded stochastically (S2.14):
+// fp32 and bf16 gradients, unscaled, fp8 (per-tensor scaled) and mixed moments,
+// each with its rounding_key and the first_index of its first tensor (the
+// others follow it; the last key's tensors cross a multiple of 2^32).
+struct ParamRoundingCase {
+  Config config;
+  uint32_t rounding_key;
+  int64_t first_index;
+};
+
+inline std::string ParamRoundingCaseName(const ParamRoundingCase& c) {
+  return ConfigName(c.config) + "_key_" + std::to_string(c.rounding_key) + "_first_" +
+         std::to_string(c.first_index);
+}
+
+inline void PrintTo(const ParamRoundingCase& c, std::ostream* os) {
+  *os << ParamRoundingCaseName(c);
+}
+
+inline std::vector<ParamRoundingCase> ParamRoundingCases() {
+  using D = DType;
+  const struct {
+    DType m, v;
+  } moments[] = {{D::kFloat32, D::kFloat32},
+                 {D::kBFloat16, D::kBFloat16},
+                 {D::kFloat8E4M3, D::kFloat8E4M3},
+                 {D::kFloat8E4M3, D::kBFloat16}};
+  const struct {
+    uint32_t key;
+    int64_t first;
+  } keys[] = {{0u, 0}, {0x5EED1234u, 12345}, {0xFFFFFFFFu, (int64_t{1} << 32) - 4000}};
+  std::vector<ParamRoundingCase> cases;
+  int k = 0;
+  for (bool adam_w : {true, false}) {
+    for (DType g : {D::kFloat32, D::kBFloat16}) {
+      for (const auto& m : moments) {
+        const auto& key = keys[k++ % 3];
+        cases.push_back({{D::kBFloat16, g, m.m, m.v, D::kNone, adam_w}, key.key, key.first});
+      }
+    }
+  }
+  return cases;
+}
+
 // The buffers of one tensor, owned here as a caller would own them. Copies are
 // deep, so one starting state can be stepped by two implementations.
 // Which buffers a test places one element past a 16-byte boundary: not aligned
@@ -147,6 +191,13 @@ struct Tensor {
     return s;
   }
 };
+
+// Sets `t` (the k-th tensor of a case) to round its param as the case says.
+inline void SetParamRounding(const ParamRoundingCase& c, int k, Tensor* t) {
+  t->param_rounding = Rounding::kStochastic;
+  t->rounding_key = c.rounding_key;
+  t->first_index = c.first_index + 3 * int64_t{k};
+}
 
 // A buffer of n elements of `dtype`; never empty, so that even an empty tensor
 // has a distinct, non-null address.

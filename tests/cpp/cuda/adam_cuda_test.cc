@@ -3,7 +3,8 @@
 // bits on every dtype combination, across the launch boundaries (tensors per
 // launch, elements per block) and with empty tensors anywhere in the list;
 // per-block scaled moments (S2.9, S2.10) too, on every option the core takes
-// beside them, block sizes 128..4096 and shards cut inside blocks.
+// beside them, block sizes 128..4096 and shards cut inside blocks; bf16 params
+// without master rounded stochastically (S2.14) with either kind of moments.
 #include "shardadam/adam_cuda.h"
 
 #include <cuda_runtime.h>
@@ -169,6 +170,27 @@ TEST(CudaStepTest, OneBufferAlignedOnlyToItsElementMatchesCpuCoreBitwise) {
   // A tensor takes four elements per access only if all its buffers allow it.
   ExpectShiftedMatchCpu(RepresentativeConfigs(), {kParamShifted, kGradShifted, kExpAvgShifted,
                                                   kExpAvgSqShifted, kMasterShifted});
+}
+
+// S2.14: bf16 params with no master rounded stochastically, their bits keyed by
+// rounding_key, the step and first_index + i (tensors crossing a multiple of
+// 2^32 included), aligned and shifted.
+TEST(CudaStepTest, StochasticParamRoundingMatchesCpuCoreBitwise) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  for (const ParamRoundingCase& param_case : ParamRoundingCases()) {
+    SCOPED_TRACE(ParamRoundingCaseName(param_case));
+    std::mt19937 rng(5);
+    std::vector<Tensor> tensors;
+    int k = 0;
+    for (int64_t n : {0, 1, 17, 0, 8193, 1001, 0}) {
+      tensors.push_back(MakeTensor(param_case.config, n, &rng));
+      SetParamRounding(param_case, k++, &tensors.back());
+    }
+    ExpectCudaMatchesCpu(tensors, param_case.config.adam_w);
+    if (::testing::Test::HasFatalFailure()) return;
+    ExpectCudaMatchesCpu(tensors, param_case.config.adam_w, true, kAllShifted);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 TEST(CudaStepListTest, ManyTensorsAcrossLaunchesMatchCpuCore) {
@@ -351,6 +373,30 @@ TEST(CudaBlockStepTest, BlockAndPerTensorStatesInOneCallMatchCpuCore) {
   ExpectBlocksMatchCpu(shards, tensors, true);
 }
 
+// S2.14 in one call: shards of block moments and per-tensor tensors whose bf16
+// param (no master) rounds stochastically, between ones that round to nearest.
+TEST(CudaBlockStepTest, StochasticParamRoundingInOneCallMatchesCpuCore) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  std::vector<Shard> shards;
+  int k = 0;
+  for (const BlockConfig& config : BlockConfigs()) {
+    if (config.param_rounding != Rounding::kStochastic || !config.adam_w) continue;
+    const ShardShape shape = ShardShapesFor(config)[k++ % ShardShapes().size()];
+    shards.emplace_back(config, shape.first_index, shape.numel, shape.block);
+  }
+  std::mt19937 rng(13);
+  std::vector<Tensor> tensors;
+  k = 0;
+  for (const ParamRoundingCase& param_case : ParamRoundingCases()) {
+    if (!param_case.config.adam_w) continue;
+    Tensor nearest = MakeTensor(param_case.config, 1 + rng() % 20000, &rng);
+    tensors.push_back(nearest);
+    SetParamRounding(param_case, k++, &tensors.back());
+    tensors.push_back(nearest);
+  }
+  ExpectBlocksMatchCpu(shards, tensors, true);
+}
+
 TEST(CudaBlockStepTest, LargeBlock8ShardsMatchCpuCore) {
   if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
   // Millions of elements: many CUDA blocks per tensor, each block size.
@@ -451,6 +497,32 @@ TEST(CudaValidationTest, PerBlockScaledStatesAreValidated) {
   EXPECT_TRUE(CudaSupportsFormat(DType::kUFloat4E3M1Block));
   EXPECT_TRUE(CudaSupportsFormat(DType::kFloat32));
   EXPECT_FALSE(CudaSupportsFormat(static_cast<DType>(kNumDTypes)));
+}
+
+// Stochastic rounding of the param (S2.14) is refused as by AdamStep where the
+// param is not bf16 or has a master.
+TEST(CudaValidationTest, StochasticParamRoundingNeedsBF16WithoutMaster) {
+  float buffers[4][8] = {};
+  int workspace[4] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  s.param_rounding = Rounding::kStochastic;
+  Error error;
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), workspace, sizeof(workspace), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 0);
+  EXPECT_NE(error.message.find("param_rounding 1 (stochastic) is not allowed"),
+            std::string::npos)
+      << error.message;
+  s.param_rounding = static_cast<Rounding>(2);
+  EXPECT_EQ(AdamStepCuda(&s, 1, StepParams(), workspace, sizeof(workspace), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("param_rounding 2 is not a rounding"), std::string::npos)
+      << error.message;
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
 }
 
 TEST(CudaValidationTest, MisalignedBuffersAreRejected) {
