@@ -473,6 +473,8 @@ BLOCK8_OPTIONS = {
     "bf16-remainder": (torch.bfloat16, dict(master_weights=True,
                                             store_param_remainders=True)),
     "fp16-master": (torch.float16, dict(master_weights=True)),
+    # No master: the parameter rounded stochastically (S2.14), the same bits on both.
+    "bf16-stochastic": (torch.bfloat16, dict(param_rounding="stochastic")),
 }
 
 
