@@ -686,7 +686,10 @@ def _host_cases():
     for case_id, change, pattern in BAD_HYPER:
         cases.append((f"hyper:{case_id}", fp32, change, "ValueError", [pattern]))
     for case_id, column in NULL_CASES.items():
-        row = [16, _FAKE, 1, _FAKE, 1, _FAKE, 1, 0, _FAKE, 1, 0, 0, 0, 0, 0, 0, 0, 0]
+        # numel, then param, grad, exp_avg (+ scale), exp_avg_sq (+ scale) fp32; the
+        # columns after them 0.
+        row = [16, _FAKE, 1, _FAKE, 1, _FAKE, 1, 0, _FAKE, 1, 0]
+        row += [0] * (COLUMNS - len(row))
         if column == 11:
             row[2], row[12] = 3, 1  # bf16 param, fp32 master
         row[column] = 0
