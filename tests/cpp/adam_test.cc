@@ -149,19 +149,11 @@ INSTANTIATE_TEST_SUITE_P(Representative, AdamLargeTest,
 // target and thread count against the reference, its bits keyed by the
 // rounding_key, the step and each element's flat index only.
 
-// bf16 params with no master beside every gradient dtype, 16-bit moments (the
-// block path) and per-tensor scaled ones (the measuring pass), both modes.
+// The layouts of tensor_fixture.h's ParamRoundingCases (which the CUDA tests
+// step with their own keys and offsets).
 std::vector<Config> ParamRoundingConfigs() {
-  using D = DType;
   std::vector<Config> configs;
-  for (bool adam_w : {true, false}) {
-    for (D g : {D::kFloat32, D::kFloat16, D::kBFloat16}) {
-      configs.push_back({D::kBFloat16, g, D::kFloat32, D::kFloat32, D::kNone, adam_w});
-    }
-    configs.push_back({D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kBFloat16, D::kNone, adam_w});
-    configs.push_back(
-        {D::kBFloat16, D::kFloat32, D::kFloat8E4M3, D::kFloat16, D::kNone, adam_w});
-  }
+  for (const ParamRoundingCase& c : ParamRoundingCases()) configs.push_back(c.config);
   return configs;
 }
 
