@@ -263,12 +263,24 @@ float MeasureScaleFromPointer(int64_t src, int64_t numel, int64_t dtype,
                       num_threads);
 }
 
+void SetThreadRuntimeByName(const std::string& name) {
+  if (name == "auto") {
+    SetThreadRuntime(ThreadRuntime::kAuto);
+  } else if (name == "pool") {
+    SetThreadRuntime(ThreadRuntime::kOwnPool);
+  } else {
+    throw nb::value_error(("set_thread_runtime: runtime must be \"auto\" or \"pool\", got \"" +
+                           name + "\"").c_str());
+  }
+}
+
 nb::dict Info() {
   nb::dict info;
   info["version"] = SHARDADAM_VERSION;
   info["simd_target"] = ChosenTarget();
   info["supported_targets"] = SupportedTargets();
   info["default_threads"] = DefaultThreads();
+  info["thread_runtime"] = ThreadRuntimeName();
 #if defined(SHARDADAM_WITH_CUDA)
   info["cuda"] = true;
   info["cuda_archs"] = CudaArchitectures();
@@ -343,5 +355,9 @@ NB_MODULE(_C, m) {
   m.def("cuda_kernels_run_on", &CudaKernelsRunOn, nb::arg("device"),
         "Whether the compiled kernels fit CUDA device `device`'s architecture.");
 #endif
-  m.def("info", &Info, "Version, SIMD target, threads and built backends.");
+  m.def("set_thread_runtime", &SetThreadRuntimeByName, nb::arg("runtime"),
+        "Where the core's workers run: \"auto\" (the default: torch's already loaded "
+        "OpenMP runtime, else the core's own pool) or \"pool\" (always the pool). "
+        "Results are the same either way.");
+  m.def("info", &Info, "Version, SIMD target, threads, workers' runtime and built backends.");
 }

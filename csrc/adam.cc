@@ -2,10 +2,12 @@
 // the driver (driver.h) on the kernels of the active SIMD target (targets.cc).
 // How one AdamStep call runs: docs/kernel-design.md. Where each job lives:
 // plan.cc (per-tensor choices), spans.cc (update pass), measure.cc (measuring
-// pass), work_items.cc (the split between threads), step.cc (the schedule),
+// pass), work_items.cc (the split between threads; openmp_team.cc and
+// thread_pool.cc run it), step.cc (the schedule),
 // convert.cc (Convert, MeasureScale).
 #include "driver.h"
 #include "float_mode.h"
+#include "openmp_team.h"
 #include "shardadam/adam.h"
 #include "thread_pool.h"
 #include "validate.h"
@@ -54,5 +56,14 @@ float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads) 
 }
 
 int DefaultThreads() { return internal::HardwareThreads(); }
+
+void SetThreadRuntime(ThreadRuntime runtime) {
+  internal::UseLoadedOpenMp(runtime == ThreadRuntime::kAuto);
+}
+
+std::string ThreadRuntimeName() {
+  const std::string path = internal::LoadedOpenMpPath();
+  return path.empty() ? "pool" : "openmp:" + path;
+}
 
 }  // namespace shardadam

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "openmp_team.h"
+
 namespace shardadam {
 namespace internal {
 namespace {
@@ -38,6 +40,11 @@ int ThreadsFor(int threads, int64_t work, size_t items) {
   const int64_t useful = std::max<int64_t>(1, work / kMinWorkPerThread);
   return static_cast<int>(
       std::min<int64_t>({threads, useful, static_cast<int64_t>(std::max<size_t>(items, 1))}));
+}
+
+void RunTeam(int threads, const std::function<void(int)>& body) {
+  if (threads > 1 && RunOnLoadedOpenMp(threads, body)) return;
+  ThreadPool::Global().Run(threads, body);
 }
 
 void AtomicMax(std::atomic<uint32_t>& target, uint32_t value) {

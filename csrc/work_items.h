@@ -49,6 +49,11 @@ int ResolveThreads(int num_threads);
 // Threads worth waking for `work` elements spread over `items` work items.
 int ThreadsFor(int threads, int64_t work, size_t items);
 
+// Calls body(i) on each of up to `threads` threads, i == 0 the caller's: on the
+// OpenMP runtime the process has already loaded (openmp_team.h), else on the
+// core's own pool. Bodies must not depend on how many threads there are.
+void RunTeam(int threads, const std::function<void(int)>& body);
+
 // Raises `target` to `value` if larger (relaxed: the maxima are read after
 // the pool's barrier).
 void AtomicMax(std::atomic<uint32_t>& target, uint32_t value);
@@ -68,7 +73,7 @@ void RunItems(size_t count, int threads, const Fn& run) {
       run(i, scratch);
     }
   };
-  ThreadPool::Global().Run(threads, body);
+  RunTeam(threads, body);
 }
 
 // Runs `run(range, scratch)` over the work items of one buffer of `numel`

@@ -25,6 +25,9 @@ def _info(_args):
     print(f"SIMD target:    {info['simd_target']} (supported: {info['supported_targets']})")
     print(f"threads:        {torch.get_num_threads()} used by step() "
           f"({info['default_threads']} hardware threads)")
+    runtime = info["thread_runtime"]
+    print("workers:        " + (f"the loaded OpenMP runtime, {runtime[len('openmp:'):]}"
+                                if runtime.startswith("openmp:") else "the core's own pool"))
     print(f"CUDA backend:   {_cuda_line(info)}")
     cuda_steps = info.get("cuda", False) and info.get("cuda_devices", 0) > 0
     backends = (["cpu (C++)"] + (["cuda (C++)"] if cuda_steps else [])

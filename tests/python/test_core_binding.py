@@ -63,11 +63,13 @@ def test_slot_columns_are_named_and_the_package_places_values_by_name():
 def test_info():
     info = _C.info()
     assert {"version", "simd_target", "supported_targets", "default_threads",
-            "cuda"} <= set(info)
+            "thread_runtime", "cuda"} <= set(info)
     assert isinstance(info["version"], str) and info["version"]
     assert info["simd_target"] in info["supported_targets"].split(), info
     assert isinstance(info["default_threads"], int) and info["default_threads"] >= 1
     assert isinstance(info["cuda"], bool)
+    runtime = info["thread_runtime"]
+    assert runtime == "pool" or runtime.startswith("openmp:"), runtime
 
 
 # --------------------------------------------------------------------------------------

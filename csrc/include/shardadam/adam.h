@@ -11,10 +11,12 @@
 //   written nothing: no buffer, no scale slot.
 // - Bad input never throws. Only std::bad_alloc can leave a call, when memory
 //   runs out (a call allocates a few words per tensor).
-// - The update runs on the calling thread plus up to num_threads - 1 workers of
-//   one process-wide pool, started on first use and recreated after fork().
-//   Entry points may be called from any thread, also concurrently: calls share
-//   the pool one at a time. Results never depend on the thread count, the SIMD
+// - The update runs on the calling thread plus up to num_threads - 1 workers:
+//   those of the OpenMP runtime already loaded into the process (PyTorch's),
+//   else of one process-wide pool, started on first use and recreated after
+//   fork() (SetThreadRuntime). Entry points may be called from any thread, also
+//   concurrently: calls share the pool one at a time. Results never depend on
+//   the thread count, the workers' runtime, the SIMD
 //   target or the caller's floating-point mode (flush-to-zero and
 //   denormals-are-zero are switched off for the call, then restored).
 // - Linking: CMake target shardadam::core (find_package(shardadam)); the CUDA
@@ -215,6 +217,17 @@ const char* ChosenTarget();
 std::string SupportedTargets();
 // Number of hardware threads used when num_threads <= 0.
 int DefaultThreads();
+
+// Where a call's workers come from. kAuto (the default): the threads of an
+// OpenMP runtime the process has already loaded (PyTorch's bundled libgomp, or
+// the program's own; found at run time, never linked), which right after a
+// parallel region of its own still spin on the cores a step needs; in a
+// process without one, or in a child forked after the runtime was loaded, the
+// core's own pool. kOwnPool: always the pool. Results are the same either way.
+enum class ThreadRuntime { kAuto, kOwnPool };
+void SetThreadRuntime(ThreadRuntime runtime);
+// What a call would run on now: "openmp:" and the runtime's path, or "pool".
+std::string ThreadRuntimeName();
 
 }  // namespace shardadam
 

@@ -136,7 +136,7 @@ _MANY_SIZES = (256, 8192)  # log-uniform element counts of the many-tensor case
 @dataclass(frozen=True)
 class Case:
     id: str
-    kind: str            # "large", "transformer", "many" or "dtensor"
+    kind: str            # "large", "training", "transformer", "many", "dtensor", "lowbit"
     preset: Preset
     shapes: tuple
     contenders: tuple
@@ -182,6 +182,8 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
 
 CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
 LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
+# The large cases' step as training calls it (bench/training.py).
+TRAINING_CONTENDERS = ("shardadam", "after-matmul", "after-backward", "after-backward-pool")
 
 
 def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
@@ -195,6 +197,9 @@ def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
                       else LOW_PRECISION_CONTENDERS)
         cases.append(Case(f"large/{preset.name}", "large", preset, ((numel,),),
                           contenders))
+    for preset in PRESETS.values():
+        cases.append(Case(f"training/{preset.name}", "training", preset, ((numel,),),
+                          TRAINING_CONTENDERS, "the step right after torch's work"))
     fp32 = PRESETS["fp32"]
     cases.append(Case(f"transformer-d{d_model}/fp32", "transformer", fp32,
                       tuple(transformer_shapes(d_model)), CPU_FP32_CONTENDERS,

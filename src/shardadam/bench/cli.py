@@ -18,7 +18,7 @@ import time
 
 from .timing import SETTLE_S
 
-_KINDS = ("large", "transformer", "many", "dtensor", "lowbit")
+_KINDS = ("large", "training", "transformer", "many", "dtensor", "lowbit")
 _MEMORY_JOBS = 2  # memory subprocesses at a time
 
 
@@ -147,7 +147,7 @@ def run(args) -> int:
     selected = cases.build_cases(mode, args.scale, args.cases)
 
     kernel_rows = None
-    large = [c for c in selected if c.kind == "large"]
+    large = [c for c in selected if c.kind in ("large", "training")]
     path = None if args.no_kernel_bench or not large else probe.find_kernel_bench()
     meta["kernel_bench"] = path
     if path:
@@ -165,7 +165,8 @@ def run(args) -> int:
     if not args.no_memory:
         by_contender = {}
         for case in selected:
-            if case.kind != "dtensor":
+            # The training cases hold the large cases' state: their timing is the point.
+            if case.kind not in ("dtensor", "training"):
                 for name in case.contenders:
                     by_contender.setdefault(name, []).append(case.id)
         _log(f"memory: one fresh subprocess per contender ({', '.join(by_contender)})")

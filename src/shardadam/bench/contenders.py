@@ -29,6 +29,9 @@ DESCRIPTIONS = {
     "probe": "bandwidth probe: same arrays, in-place integer adds",
     "dtensor": "shardadam.FusedAdam on DTensor (Shard(0)) parameters",
     "plain": "shardadam.FusedAdam on the same local tensors, plain",
+    "after-matmul": "shardadam.FusedAdam right after a 512x512 matmul",
+    "after-backward": "shardadam.FusedAdam right after a small MLP's forward + backward",
+    "after-backward-pool": "the same, workers on the core's own pool, not torch's OpenMP",
 }
 
 
@@ -85,6 +88,14 @@ def _bnb_adamw8bit(params, preset):
     return bitsandbytes.optim.AdamW8bit(params, **HYPER).step
 
 
+def _after(work, runtime="auto"):
+    def make(params, preset):
+        from .training import AfterTorchWork
+
+        return AfterTorchWork(_shardadam(params, preset), work, runtime)
+    return make
+
+
 def _multipass(params, preset):
     if preset.master is None:
         raise Unavailable("all-fp32 state needs no unscale/rescale passes")
@@ -101,6 +112,9 @@ _FACTORIES = {
     "torchao-adamw4bit": _torchao("AdamW4bit"),
     "torchao-adamwfp8": _torchao("AdamWFp8"),
     "bnb-adamw8bit": _bnb_adamw8bit,
+    "after-matmul": _after("matmul"),
+    "after-backward": _after("backward"),
+    "after-backward-pool": _after("backward", "pool"),
 }
 
 

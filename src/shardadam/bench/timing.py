@@ -7,7 +7,9 @@ Each timed call starts after a short idle gap (``settle_s``): torch's bundled Op
 runtime keeps its workers spinning for a few milliseconds after a parallel region, and
 a contender with its own thread pool (shardadam's C++ core) started inside that window
 shares its cores with them (measured here: 7 ms -> 11 ms for a 7M-element fp32 step
-right after a torch op). The gap lets every contender start on idle cores.
+right after a torch op). The gap lets every contender start on idle cores. A step
+with a ``before()`` (``training.AfterTorchWork``) has it called after the gap, untimed,
+right before the timed call.
 """
 
 from __future__ import annotations
@@ -19,15 +21,21 @@ import time
 SETTLE_S = 0.02
 
 
+def _nothing():
+    pass
+
+
 def interleaved(steps: dict, reps: int, warmup: int, settle_s: float = SETTLE_S) -> dict:
     """``{name: [seconds per repetition]}`` for ``{name: zero-argument callable}``."""
     for _ in range(warmup):  # first touch, thread pools, lazy state and caches
         for step in steps.values():
+            getattr(step, "before", _nothing)()
             step()
     samples = {name: [] for name in steps}
     for _ in range(reps):
         for name, step in steps.items():
             time.sleep(settle_s)
+            getattr(step, "before", _nothing)()
             start = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - start)
