@@ -11,9 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <mutex>
 #include <random>
@@ -28,12 +26,17 @@
 
 #include "gtest/gtest.h"
 #include "shardadam/adam.h"
+#include "tensor_fixture.h"
 
 namespace shardadam {
 namespace {
 
 using internal::LoadedOpenMpPath;
 using internal::RunOnLoadedOpenMp;
+using testing::Config;
+using testing::MakeTensor;
+using testing::Schedule;
+using testing::Tensor;
 
 // Loads libgomp as a library dependency would; false where there is none, and
 // off Linux, where the core does not look for a runtime.
@@ -124,65 +127,48 @@ TEST(OpenMpTeamTest, AnExceptionReachesTheCallerAfterTheTeam) {
   }
 }
 
-// One fp32 AdamW step over `n` elements on `threads` threads; the new params.
-std::vector<float> StepOnce(int64_t n, int threads) {
+// One AdamW step of a bf16 tensor with an int16 remainder and bf16 moments,
+// `n` elements on `threads` threads, from the same seeded state every time.
+Tensor StepOnce(int64_t n, int threads) {
+  const Config config{DType::kBFloat16, DType::kBFloat16, DType::kBFloat16,
+                      DType::kBFloat16, DType::kInt16Remainder, true};
   std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  std::vector<float> p(static_cast<size_t>(n)), g(p.size()), m(p.size()), v(p.size());
-  for (size_t i = 0; i < p.size(); ++i) {
-    p[i] = normal(rng);
-    g[i] = normal(rng) * 1e-3f;
-    m[i] = normal(rng) * 1e-4f;
-    v[i] = std::fabs(normal(rng)) * 1e-6f;
-  }
-  TensorSlot slot;
-  slot.numel = n;
-  slot.param = p.data();
-  slot.grad = g.data();
-  slot.exp_avg = m.data();
-  slot.exp_avg_sq = v.data();
-  StepParams params;
-  params.lr = 1e-3f;
-  params.beta1 = 0.9f;
-  params.beta2 = 0.999f;
-  params.eps = 1e-8f;
-  params.weight_decay = 0.01f;
-  params.adam_w_mode = true;
-  params.bias_correction = true;
-  params.step = 3;
+  Tensor t = MakeTensor(config, n, &rng);
+  TensorSlot slot = t.Slot();
   Error error;
-  EXPECT_EQ(AdamStep(&slot, 1, params, threads, &error), Status::kOk) << error.message;
-  return p;
+  EXPECT_EQ(AdamStep(&slot, 1, Schedule(true)[1], threads, &error), Status::kOk)
+      << error.message;
+  return t;
+}
+
+bool SameBits(const Tensor& a, const Tensor& b) {
+  return a.param == b.param && a.master == b.master && a.exp_avg == b.exp_avg &&
+         a.exp_avg_sq == b.exp_avg_sq;
 }
 
 TEST(OpenMpTeamTest, AdamStepGivesThePoolsBits) {
   if (!LoadLibgomp()) GTEST_SKIP() << "no libgomp.so.1 on this system";
   constexpr int64_t kN = 1 << 19;  // enough work for four threads
   SetThreadRuntime(ThreadRuntime::kOwnPool);
-  const std::vector<float> pool = StepOnce(kN, 4);
+  const Tensor pool = StepOnce(kN, 4);
   SetThreadRuntime(ThreadRuntime::kAuto);
   ASSERT_NE(ThreadRuntimeName(), "pool");
   for (int threads : {1, 2, 3, 4}) {
-    const std::vector<float> team = StepOnce(kN, threads);
-    EXPECT_EQ(std::memcmp(team.data(), pool.data(), pool.size() * sizeof(float)), 0)
-        << threads << " threads";
+    EXPECT_TRUE(SameBits(StepOnce(kN, threads), pool)) << threads << " threads";
   }
 }
 
 TEST(OpenMpTeamTest, AForkedChildStepsOnThePool) {
   if (!LoadLibgomp()) GTEST_SKIP() << "no libgomp.so.1 on this system";
   // The parent's runtime has run a team (its threads exist, in the parent only).
-  const std::vector<float> expected = StepOnce(1 << 19, 4);
+  const Tensor expected = StepOnce(1 << 19, 4);
   ASSERT_NE(ThreadRuntimeName(), "pool");
   const pid_t child = fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     alarm(60);  // a hang fails the test instead of stalling the suite
     const bool on_pool = ThreadRuntimeName() == "pool";
-    const std::vector<float> got = StepOnce(1 << 19, 4);
-    const bool same =
-        std::memcmp(got.data(), expected.data(), expected.size() * sizeof(float)) == 0;
-    _exit(on_pool && same ? 0 : 1);
+    _exit(on_pool && SameBits(StepOnce(1 << 19, 4), expected) ? 0 : 1);
   }
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
