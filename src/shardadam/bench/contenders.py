@@ -90,8 +90,10 @@ def _bnb_adamw8bit(params, preset):
 
 def _after(work, runtime="auto"):
     def make(params, preset):
-        from .training import AfterTorchWork
-
+        try:
+            from .training import AfterTorchWork
+        except ImportError as error:  # no C++ core: nothing runs threads of its own
+            raise Unavailable(f"the C++ core is not importable: {error}") from None
         return AfterTorchWork(_shardadam(params, preset), work, runtime)
     return make
 

@@ -5,9 +5,11 @@ every contender alike, so the ratios of medians from one run stay meaningful.
 
 Each timed call starts after a short idle gap (``settle_s``): torch's bundled OpenMP
 runtime keeps its workers spinning for a few milliseconds after a parallel region, and
-a contender with its own thread pool (shardadam's C++ core) started inside that window
-shares its cores with them (measured here: 7 ms -> 11 ms for a 7M-element fp32 step
-right after a torch op). The gap lets every contender start on idle cores. A step
+a contender with threads of its own (DeepSpeed's, or shardadam's core on its own pool)
+started inside that window shares its cores with them (measured: 7 ms -> 11 ms for a
+7M-element fp32 step right after a torch op). The gap lets every contender start on idle
+cores; shardadam's core, which runs on torch's threads, is also timed right after
+torch's work (``training``). A step
 with a ``before()`` (``training.AfterTorchWork``) has it called after the gap, untimed,
 right before the timed call.
 """
