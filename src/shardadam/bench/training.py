@@ -43,9 +43,6 @@ class AfterTorchWork:
     untimed, with the core's workers on ``runtime`` ("auto" or "pool")."""
 
     def __init__(self, step, work: str, runtime: str = "auto"):
-        if runtime not in ("auto", "pool"):
-            raise ValueError(f"AfterTorchWork: runtime must be \"auto\" or \"pool\", "
-                             f"got {runtime!r}")
         self.step = step
         self.work = WORK[work]()
         self.runtime = runtime
