@@ -13,6 +13,7 @@
 #include <link.h>
 #include <unistd.h>
 
+#include <cstddef>  // offsetof
 #include <cstring>
 #define SHARDADAM_FIND_OPENMP 1
 #endif
