@@ -11,8 +11,14 @@
 // anything here.
 //
 //   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] [--preset SUBSTR]
+//                [--settle-ms MS]
 //
 // --preset runs only the presets whose name contains SUBSTR (e.g. "m=fp8").
+// --settle-ms sleeps MS milliseconds before each timed probe and kernel, as
+// `python -m shardadam bench` does before each timed step: a core that has just been
+// idle runs a step measurably slower than one that has just streamed the same arrays
+// (cache contents, clock), so the yardstick is timed the way the steps it is compared
+// with are. Default 0: back to back.
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -368,7 +374,7 @@ Stats Summarize(std::vector<double> s) {
 
 const char kUsage[] =
     "usage: kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] "
-    "[--preset SUBSTR]\n";
+    "[--preset SUBSTR] [--settle-ms MS]\n";
 
 // Prints the problem and the usage to stderr; main returns this status.
 int Usage(const char* problem) {
@@ -386,6 +392,16 @@ bool ParsePositive(const char* text, int64_t* out) {
   return true;
 }
 
+// A decimal number of milliseconds in [0, 60000], nothing else.
+bool ParseMilliseconds(const char* text, double* out) {
+  char* end = nullptr;
+  errno = 0;
+  const double ms = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno != 0 || !(ms >= 0 && ms <= 60'000)) return false;
+  *out = ms;
+  return true;
+}
+
 }  // namespace
 }  // namespace shardadam
 
@@ -397,6 +413,7 @@ int main(int argc, char** argv) {
   int threads = DefaultThreads();
   const char* json_path = nullptr;
   std::string only;
+  double settle_ms = 0;
   for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -419,6 +436,10 @@ int main(int argc, char** argv) {
       json_path = value;
     } else if (flag == "--preset") {
       only = value;
+    } else if (flag == "--settle-ms") {
+      if (!ParseMilliseconds(value, &settle_ms)) {
+        return Usage("--settle-ms wants a number of milliseconds in [0, 60000]");
+      }
     } else {
       return Usage(("unknown flag " + flag).c_str());
     }
@@ -437,8 +458,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::printf("shardadam kernel benchmark: target %s, %d threads, numel %lld, %d reps\n",
-              ChosenTarget(), threads, static_cast<long long>(numel), reps);
+  std::printf("shardadam kernel benchmark: target %s, %d threads, numel %lld, %d reps, "
+              "%g ms idle before each\n",
+              ChosenTarget(), threads, static_cast<long long>(numel), reps, settle_ms);
   std::printf("%-46s %9s %9s %9s %8s %8s %7s %9s\n", "preset", "state MiB", "kernel ms",
               "probe ms", "Gelem/s", "GB/s", "/probe", "/2-pass");
   std::string json = "[\n";
@@ -449,9 +471,19 @@ int main(int argc, char** argv) {
     c.TimeProbe(two_pass);  // warm-up: thread start, page mapping, caches
     c.TimeKernel(1);
     std::vector<double> kernel, probe, probe2;
+    const auto settle = [settle_ms] {
+      if (settle_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(settle_ms));
+      }
+    };
     for (int r = 0; r < reps; ++r) {
+      settle();
       probe.push_back(c.TimeProbe(false));
-      if (two_pass) probe2.push_back(c.TimeProbe(true));
+      if (two_pass) {
+        settle();
+        probe2.push_back(c.TimeProbe(true));
+      }
+      settle();
       kernel.push_back(c.TimeKernel(r + 2));
     }
     const Stats k = Summarize(kernel), p = Summarize(probe);
@@ -473,12 +505,13 @@ int main(int argc, char** argv) {
     char row[1024];
     std::snprintf(row, sizeof(row),
                   "  {\"preset\": \"%s\", \"numel\": %lld, \"threads\": %d, "
-                  "\"target\": \"%s\", \"bytes_per_element\": %g, "
+                  "\"settle_ms\": %g, \"target\": \"%s\", \"bytes_per_element\": %g, "
                   "\"kernel_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
                   "\"probe_s\": {\"median\": %.6g, \"min\": %.6g, \"max\": %.6g}, "
                   "\"elements_per_s\": %.6g, \"gb_per_s\": %.6g, "
                   "\"fraction_of_probe\": %.4f%s}",
-                  preset.name, static_cast<long long>(numel), threads, ChosenTarget(),
+                  preset.name, static_cast<long long>(numel), threads, settle_ms,
+                  ChosenTarget(),
                   MinimumBytes(preset), k.median, k.min, k.max, p.median, p.min, p.max,
                   numel / k.median, bytes / k.median / 1e9, p.median / k.median,
                   two_pass_json);

@@ -152,7 +152,8 @@ def run(args) -> int:
     meta["kernel_bench"] = path
     if path:
         _log(f"kernel_bench: {path} --numel {large[0].numel}")
-        kernel_rows = probe.kernel_bench_figures(path, large[0].numel, size["reps"], threads)
+        kernel_rows = probe.kernel_bench_figures(path, large[0].numel, size["reps"], threads,
+                                                 size["settle_s"])
         if "error" in kernel_rows:
             meta["kernel_bench_error"] = kernel_rows.pop("error")
 

@@ -11,7 +11,10 @@ separate OpenMP region, so on a loaded machine this probe suffers more than a ke
 with one parallel region: read it beside the C++ probe.
 
 ``kernel_bench_figures`` folds in the C++ probe of ``benchmarks/kernel_bench`` (same
-pattern, own buffers, separate process, same thread count) when that binary is built.
+pattern, own buffers, separate process, same thread count, same idle gap before each
+timed call) when that binary is built. The gap matters: on a VM here the bare kernel
+took 2.1 ms back to back and 3.4-3.8 ms after 20 ms idle (7M elements, bf16 params with
+remainders, bf16 moments), so a yardstick timed back to back would flatter it.
 """
 
 from __future__ import annotations
@@ -98,13 +101,13 @@ def find_kernel_bench():
     return None
 
 
-def kernel_bench_figures(path, numel, reps, threads, timeout_s=600):
+def kernel_bench_figures(path, numel, reps, threads, settle_s, timeout_s=600):
     """``{preset label: row}`` from one kernel_bench run (probe and bare C++ kernel
-    seconds), or ``{"error": why}``."""
+    seconds, each after ``settle_s`` idle), or ``{"error": why}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "kernel_bench.json")
         command = [path, "--numel", str(numel), "--reps", str(reps), "--threads",
-                   str(threads), "--json", out]
+                   str(threads), "--settle-ms", repr(settle_s * 1e3), "--json", out]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
             with open(out) as f:
