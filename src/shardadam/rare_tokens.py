@@ -31,6 +31,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
+from . import peers
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -127,25 +129,9 @@ class Result:
         return self.state_bytes / self.params
 
 
-def state_bytes(optimizer) -> int:
-    """Bytes of every tensor in the optimizer's state (and FusedAdam's scales)."""
-    import torch
-
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                total += value.numel() * value.element_size()
-    for scales in getattr(optimizer, "_scales", {}).values():
-        for value in scales.values():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
-
-
 def train(make_optimizer: Callable, workload: Workload = FULL, *, param_dtype=None,
           label: str = "", progress: Optional[Callable] = None,
-          state_bytes_of: Callable = state_bytes) -> Result:
+          state_bytes_of: Optional[Callable] = None) -> Result:
     """Trains the workload with ``make_optimizer(params, lr=, betas=, eps=,
     weight_decay=)``; returns every step's loss. ``progress(step, loss)`` is called
     after each step."""
@@ -170,7 +156,8 @@ def train(make_optimizer: Callable, workload: Workload = FULL, *, param_dtype=No
             diverged_at = step
             break
     seconds = time.perf_counter() - began
-    return Result(label, losses, diverged_at, seconds, state_bytes_of(optimizer),
+    return Result(label, losses, diverged_at, seconds,
+                  (state_bytes_of or peers.state_bytes)(optimizer),
                   sum(p.numel() for p in params), workload.last)
 
 
@@ -196,11 +183,18 @@ def adamw_factory(params, **hyper):
     return torch.optim.AdamW(params, fused=True, **hyper)
 
 
+def peer_factory(name):
+    """``make_optimizer`` for another package's optimizer (``peers.PEERS``)."""
+    return lambda params, **hyper: peers.make(name, params, **hyper)
+
+
 def add_arguments(parser):
-    parser.add_argument("--optimizer", choices=("adamw", "shardadam"), default="shardadam",
+    parser.add_argument("--optimizer", choices=("adamw", "shardadam", *peers.PEERS),
+                        default="shardadam",
                         help="adamw: torch.optim.AdamW(fused=True), fp32 state and "
                              "parameters; shardadam: FusedAdam with the flags below "
-                             "(default shardadam)")
+                             "(default shardadam); the others: that package's optimizer "
+                             "on fp32 parameters, its own state format")
     parser.add_argument("--exp-avg", choices=list(_DTYPES), default="fp32",
                         help="FusedAdam exp_avg_dtype (fp8: E4M3 codes, one scale per "
                              "tensor; default fp32)")
@@ -263,6 +257,8 @@ def _positive_int_or_zero(text):
 def describe(args) -> str:
     if args.optimizer == "adamw":
         return "torch AdamW fp32"
+    if args.optimizer in peers.PEERS:
+        return peers.PEERS[args.optimizer][2]
     text = f"FusedAdam {args.params} params"
     if args.master != "none":
         text += f" + {args.master} master"
@@ -279,12 +275,13 @@ def describe(args) -> str:
 def run(args):
     import torch
 
-    if args.optimizer == "adamw" and (
+    if args.optimizer != "shardadam" and (
             args.params, args.master, args.exp_avg, args.exp_avg_sq, args.moment_format,
             args.moment_block_size, args.param_rounding) != (
                 "fp32", "none", "fp32", "fp32", None, None, "nearest"):
-        print("shardadam rare-tokens: error: --optimizer adamw takes no state or "
-              "parameter flags (it keeps fp32 state)", file=sys.stderr)
+        print(f"shardadam rare-tokens: error: --optimizer {args.optimizer} takes no state "
+              "or parameter flags (it keeps its own state on fp32 parameters)",
+              file=sys.stderr)
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -292,6 +289,8 @@ def run(args):
                        dim=args.dim, batch=args.batch, last=min(FULL.last, args.steps))
     if args.optimizer == "adamw":
         make = adamw_factory
+    elif args.optimizer in peers.PEERS:
+        make = peer_factory(args.optimizer)
     else:
         kwargs = {"exp_avg_dtype": getattr(torch, _DTYPES[args.exp_avg]),
                   "exp_avg_sq_dtype": getattr(torch, _DTYPES[args.exp_avg_sq])}
@@ -316,8 +315,12 @@ def run(args):
         if not args.quiet and (step % 10 == 0 or step == 1 or not loss <= 100):
             print(f"  step {step:>4}  loss {loss:.4f}", flush=True)
 
-    result = train(make, workload, label=label, progress=progress,
-                   param_dtype=getattr(torch, _DTYPES[args.params]))
+    try:
+        result = train(make, workload, label=label, progress=progress,
+                       param_dtype=getattr(torch, _DTYPES[args.params]))
+    except peers.Unavailable as error:
+        print(f"shardadam rare-tokens: error: {args.optimizer}: {error}", file=sys.stderr)
+        return 1
     if result.diverged_at is not None:
         print(f"{label}: DIVERGED at step {result.diverged_at} (loss "
               f"{result.losses[-1]:.4g}); {result.seconds:.0f} s")

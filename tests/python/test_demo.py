@@ -6,6 +6,7 @@ rank starts); the crashed-rank case runs the demo once more with a rank made to 
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -144,13 +145,18 @@ def _bad_input_cases(tmp_path):
         (["--model", "tiny", "--ranks", "9"], r"--ranks 9 exceeds the 8 sequences"),
         (["--out", str(blocker / "out")], r"cannot write to output folder"),
         (["--seed", str(2**64)], r"--seed: must be at most 9223372036854775807"),
+        (["--also", "nope"], r"--also: 'nope' is not one of torchao-adamw8bit, "),
+        # bitsandbytes' optimizers do not step DTensor parameters.
+        (["--also", "bnb-adamw8bit"], r"--also: 'bnb-adamw8bit' is not one of "),
+        (["--also", "torchao-adamw8bit,torchao-adamw8bit"], r"--also: a name is given twice"),
     ]
 
 
-@pytest.mark.parametrize("index", range(7), ids=["unknown-preset", "zero-ranks",
-                                                  "zero-resume-ranks", "one-step",
-                                                  "more-ranks-than-rows", "unwritable-out",
-                                                  "seed-beyond-torch"])
+@pytest.mark.parametrize("index", range(10), ids=["unknown-preset", "zero-ranks",
+                                                   "zero-resume-ranks", "one-step",
+                                                   "more-ranks-than-rows", "unwritable-out",
+                                                   "seed-beyond-torch", "unknown-peer",
+                                                   "peer-without-dtensor", "peer-twice"])
 def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     args, pattern = _bad_input_cases(tmp_path)[index]
     try:
@@ -163,6 +169,61 @@ def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err
     assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_also_refuses_a_peer_not_installed(tmp_path, capsys, monkeypatch):
+    """``--also`` with a package that is not installed: one line naming it, before any
+    rank starts."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torchao" else find_spec(name, *a))
+    code = main(["demo", "--also", "torchao-adamw4bit", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--also torchao-adamw4bit: torchao is not installed" in err[0]
+    assert not (tmp_path / "out" / "demo.json").exists()
+
+
+def _torchao_adamw8bit_bytes(shapes, ranks):
+    """State bytes torchao's AdamW8bit holds over FSDP2's Shard(0) shards on ``ranks``
+    ranks: its rule, applied to each rank's local shard, quantizes a shard of at least
+    4,096 elements that is a multiple of its block (256): 1 + 1 code bytes and 2 x 4 /
+    256 scale bytes per element and a 256-entry fp32 code map per moment; other shards
+    keep two fp32 moments. Every rank keeps a 4-byte step counter per parameter."""
+    total = 0
+    for shape in shapes:
+        rows, per_row = shape[0], math.prod(shape[1:])
+        chunk = -(-rows // ranks)
+        for rank in range(ranks):
+            n = max(0, min(chunk, rows - rank * chunk)) * per_row
+            quantized = n >= 4096 and n % 256 == 0
+            total += (2 * n + 8 * n // 256 + 2 * 256 * 4 if quantized else 8 * n) + 4
+    return total
+
+
+def test_also_trains_a_peer(tmp_path):
+    """``--also torchao-adamw8bit`` (where torchao is installed, as ``make bench`` does;
+    CI's venv has none): its run trains on the same data and ranks, and its state is
+    counted from the codes, scales and code maps inside its DTensor-wrapped states."""
+    pytest.importorskip("torchao.optim")
+    from shardadam.demo.config import SIZES
+    from shardadam.demo.data import VOCAB_SIZE
+    from shardadam.demo.model import Transformer
+
+    out = tmp_path / "out"
+    result = _run_demo(out, "--also", "torchao-adamw8bit")
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    figures = json.loads((out / "demo.json").read_text())
+    assert figures["config"]["also"] == ["torchao-adamw8bit"]
+    run = figures["runs"]["torchao-adamw8bit"]
+    assert run["ranks"] == RANKS and run["step"] == list(range(1, STEPS + 1))
+    assert run["final_loss"] < run["first_loss"] - 0.5, run["loss"]
+    shapes = [p.shape for p in Transformer(VOCAB_SIZE, SIZES["tiny"]).parameters()]
+    expected = _torchao_adamw8bit_bytes(shapes, RANKS) / run["params"]
+    assert run["state_bytes_per_param"] == pytest.approx(expected, rel=1e-12)
+    assert "torchao-adamw8bit x2" in result.stdout
 
 
 def _processes_with(marker):

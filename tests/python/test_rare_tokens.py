@@ -138,3 +138,39 @@ def test_command_block8(tmp_path, capsys):
 def test_command_refuses_state_flags_for_adamw(capsys):
     assert main(["rare-tokens", "--optimizer", "adamw", "--exp-avg", "fp8"]) == 2
     assert "takes no state" in capsys.readouterr().err
+
+
+def test_command_refuses_state_flags_for_a_peer(capsys):
+    assert main(["rare-tokens", "--optimizer", "torchao-adamw8bit", "--params", "bf16"]) == 2
+    assert "--optimizer torchao-adamw8bit takes no state" in capsys.readouterr().err
+
+
+def test_command_reports_a_peer_not_importable(capsys, monkeypatch):
+    """A peer whose package cannot be imported: exit 1 and the reason, nothing trained."""
+    from shardadam import peers
+
+    monkeypatch.setitem(peers.PEERS, "torchao-adamw8bit",
+                        ("no_such_package.optim", "AdamW8bit", "a package that is not there"))
+    status = main(["rare-tokens", "--optimizer", "torchao-adamw8bit", "--vocab", "512",
+                   "--dim", "32", "--batch", "256", "--steps", "3", "--quiet"])
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "no_such_package not importable: ModuleNotFoundError" in captured.err
+    assert "mean loss" not in captured.out
+
+
+def test_command_peer(tmp_path, capsys):
+    """torchao's AdamW8bit (where installed, as `make bench` does; CI's venv has none) on
+    the workload: its state counted from the codes and scales inside its tensors."""
+    pytest.importorskip("torchao.optim")
+    out = tmp_path / "result.json"
+    status = main(["rare-tokens", "--optimizer", "torchao-adamw8bit", "--vocab", "512",
+                   "--dim", "32", "--batch", "256", "--steps", "3", "--threads", "1",
+                   "--quiet", "--json", str(out)])
+    assert status == 0, capsys.readouterr().err
+    figures = json.loads(out.read_text())
+    assert figures["label"].startswith("torchao.optim.AdamW8bit")
+    # Per parameter 1 + 1 code bytes and 2 x 4 / 256 scale bytes; per tensor (2 of
+    # 16,384 elements) a 256-entry fp32 code map per moment and a 4-byte step.
+    expected = 2 + 8 / 256 + 2 * (2 * 256 * 4 + 4) / (2 * 512 * 32)
+    assert figures["state_bytes_per_param"] == pytest.approx(expected)

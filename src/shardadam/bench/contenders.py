@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .. import peers
+from ..peers import Unavailable  # noqa: F401 - the runner catches it from here
 from .multipass import Multipass
 
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -22,10 +24,7 @@ DESCRIPTIONS = {
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "deepspeed": "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)",
     "multipass": "multipass: fp32 copies -> torch._fused_adamw_ -> rescale",
-    "torchao-adamw8bit": "torchao.optim.AdamW8bit (blocks of 256, torch.compile on CPU)",
-    "torchao-adamw4bit": "torchao.optim.AdamW4bit (blocks of 128, torch.compile on CPU)",
-    "torchao-adamwfp8": "torchao.optim.AdamWFp8 (E4M3, blocks of 256, torch.compile on CPU)",
-    "bnb-adamw8bit": "bitsandbytes.optim.AdamW8bit (blocks of 256)",
+    **{name: what for name, (_, _, what) in peers.PEERS.items()},
     "probe": "bandwidth probe: same arrays, in-place integer adds",
     "dtensor": "shardadam.FusedAdam on DTensor (Shard(0)) parameters",
     "plain": "shardadam.FusedAdam on the same local tensors, plain",
@@ -33,10 +32,6 @@ DESCRIPTIONS = {
     "after-backward": "shardadam.FusedAdam right after a small MLP's forward + backward",
     "after-backward-pool": "the same, workers on the core's own pool, not torch's OpenMP",
 }
-
-
-class Unavailable(Exception):
-    """This contender cannot run here; the message says why."""
 
 
 def _shardadam(params, preset):
@@ -68,24 +63,8 @@ def _deepspeed(params, preset):
         raise Unavailable(f"DeepSpeedCPUAdam failed to build: {error}") from None
 
 
-def _torchao(name):
-    def make(params, preset):
-        try:
-            import torchao.optim
-        except Exception as error:  # not installed, or built for another torch
-            raise Unavailable(f"torchao not importable: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''}") from None
-        return getattr(torchao.optim, name)(params, **HYPER).step
-    return make
-
-
-def _bnb_adamw8bit(params, preset):
-    try:
-        import bitsandbytes
-    except Exception as error:
-        raise Unavailable(f"bitsandbytes not importable: {type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
-    return bitsandbytes.optim.AdamW8bit(params, **HYPER).step
+def _peer(name):
+    return lambda params, preset: peers.make(name, params, **HYPER).step
 
 
 def _after(work, runtime="auto"):
@@ -110,26 +89,11 @@ _FACTORIES = {
     "torch-foreach": lambda params, preset: _torch_adamw(params, preset, foreach=True),
     "deepspeed": _deepspeed,
     "multipass": _multipass,
-    "torchao-adamw8bit": _torchao("AdamW8bit"),
-    "torchao-adamw4bit": _torchao("AdamW4bit"),
-    "torchao-adamwfp8": _torchao("AdamWFp8"),
-    "bnb-adamw8bit": _bnb_adamw8bit,
+    **{name: _peer(name) for name in peers.PEERS},
     "after-matmul": _after("matmul"),
     "after-backward": _after("backward"),
     "after-backward-pool": _after("backward", "pool"),
 }
-
-
-def _tensor_bytes(t) -> int:
-    """Bytes a state tensor holds: the inner tensors of a wrapper subclass (torchao's
-    quantized states keep codes and scales inside one), else its elements."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None:
-        return _tensor_bytes(to_local())
-    return t.numel() * t.element_size()
 
 
 def state_bytes(step) -> Optional[int]:
@@ -139,9 +103,7 @@ def state_bytes(step) -> Optional[int]:
     optimizer = getattr(step, "__self__", None)
     if not isinstance(optimizer, torch.optim.Optimizer):
         return None
-    held = list(optimizer.state.values()) + list(getattr(optimizer, "_scales", {}).values())
-    return sum(_tensor_bytes(v) for state in held for v in state.values()
-               if isinstance(v, torch.Tensor))
+    return peers.state_bytes(optimizer)
 
 
 def names() -> tuple:

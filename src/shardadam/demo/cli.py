@@ -1,6 +1,8 @@
 """``python -m shardadam demo``: arguments, checks, and the three training phases.
 
-1. ``adamw``: torch's ``AdamW(fused=True)`` on fp32 parameters, ``--ranks`` ranks.
+1. ``adamw``: torch's ``AdamW(fused=True)`` on fp32 parameters, ``--ranks`` ranks;
+   then each ``--also`` optimizer (another package's, e.g. torchao's ``AdamW8bit``) the
+   same way.
 2. ``shardadam``: ``shardadam.FusedAdam`` with the ``--state`` preset, same seed, same
    data, same ranks; saves a DCP checkpoint after step ``--steps // 2``.
 3. ``resume``: the same shardadam run restarted from that checkpoint on
@@ -10,12 +12,14 @@ Bad arguments are rejected before anything heavy is imported or started.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import time
 
+from .. import peers
 from .config import DEFAULT_PRESET, PRESETS, SIZES
 
 # A collective that waits longer than this fails instead of hanging the demo.
@@ -44,6 +48,18 @@ def _int_at_least(minimum, maximum=None):
             raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
+
+
+def _peer_list(text):
+    """argparse type: comma-separated names of peers that step DTensor parameters."""
+    names = [name for name in text.split(",") if name]
+    for name in names:
+        if name not in peers.DTENSOR_PEERS:
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not one of {', '.join(peers.DTENSOR_PEERS)}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a name is given twice in {text!r}")
+    return tuple(names)
 
 
 def _fresh_folder(base):
@@ -75,6 +91,12 @@ def add_arguments(parser):
     parser.add_argument("--seed", type=_int_at_least(0, 2**63 - 1), default=0,
                         help="seed of the initial weights and of the data order, up to "
                              "torch's 2**63 - 1 (default 0)")
+    parser.add_argument("--also", type=_peer_list, default=(), metavar="NAMES",
+                        help="also train with these optimizers of other packages, on fp32 "
+                             "parameters, same data and ranks, for their losses and state "
+                             "beside shardadam's (comma-separated: "
+                             f"{', '.join(peers.DTENSOR_PEERS)}; `make bench` installs "
+                             "them)")
     parser.add_argument("--out", default=None,
                         help="folder for demo.json, demo.png and the rank logs "
                              "(default runs/demo-<date>-<time> under the current folder)")
@@ -94,6 +116,11 @@ def _check(args):
         except ValueError:
             raise DemoError(f"--fail-at expects RANK:STEP, got {args.fail_at!r}") from None
         args.fail_at = (rank, step)
+    for name in args.also:
+        package = peers.PEERS[name][0].split(".")[0]
+        if importlib.util.find_spec(package) is None:
+            raise DemoError(f"--also {name}: {package} is not installed (requirements-"
+                            "bench.txt pins the version `make bench` installs)")
     if args.out is None:
         args.out = _fresh_folder(os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     try:
@@ -142,6 +169,8 @@ def _phases(args, mid):
     return [
         ("adamw", args.ranks, f"torch AdamW fp32 x{args.ranks}",
          {"optimizer": "adamw", "preset": "fp32"}),
+        *((name, args.ranks, f"{name} x{args.ranks}", {"optimizer": name, "preset": "fp32"})
+          for name in args.also),
         ("shardadam", args.ranks, f"shardadam {args.state} x{args.ranks}",
          {"save_at": mid}),
         ("resume", args.resume_ranks, f"resumed x{args.resume_ranks}",

@@ -87,7 +87,7 @@ def summarize(args, corpus, phases, phase_wall_s, wall_s):
     return {
         "config": {"ranks": args.ranks, "resume_ranks": args.resume_ranks,
                    "steps": args.steps, "state": args.state, "model": args.model,
-                   "seed": args.seed},
+                   "seed": args.seed, "also": list(args.also)},
         "corpus": corpus,
         "runs": runs,
         "resume_check": resume_check(runs["shardadam"], runs["resume"]),

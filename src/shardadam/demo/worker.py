@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import shardadam
 
+from .. import peers
 from .config import PRESETS, SIZES
 from .data import VOCAB_SIZE, Batches
 from .model import Transformer
@@ -73,6 +74,8 @@ def build_optimizer(config, model):
               {"params": no_decay, "weight_decay": 0.0}]
     if config["optimizer"] == "adamw":
         return torch.optim.AdamW(groups, lr=0.0, betas=BETAS, eps=EPS, fused=True)
+    if config["optimizer"] in peers.PEERS:
+        return peers.make(config["optimizer"], groups, lr=0.0, betas=BETAS, eps=EPS)
     return shardadam.FusedAdam(groups, lr=0.0, betas=BETAS, eps=EPS, adam_w_mode=True,
                                **PRESETS[config["preset"]].fused_adam_kwargs())
 
@@ -90,18 +93,11 @@ def _step_count(optimizer):
 
 
 def memory_figures(model, optimizer):
-    """Bytes of this rank's parameter shards and optimizer state tensors, FusedAdam's
-    scales included (kept beside the state: 4 bytes per tensor for per-tensor scales,
-    per block for block8 moments)."""
+    """Bytes of this rank's parameter shards and optimizer state (``peers.state_bytes``:
+    FusedAdam's scales and the codes and scales inside torchao's states included)."""
     param_bytes = sum(_local(p).numel() * _local(p).element_size()
                       for p in model.parameters())
-    state_bytes = sum(_local(t).numel() * _local(t).element_size()
-                      for state in optimizer.state.values() for t in state.values()
-                      if isinstance(t, torch.Tensor))
-    state_bytes += sum(t.numel() * t.element_size()
-                       for scales in getattr(optimizer, "_scales", {}).values()
-                       for t in scales.values() if isinstance(t, torch.Tensor))
-    return param_bytes, state_bytes
+    return param_bytes, peers.state_bytes(optimizer)
 
 
 def save_checkpoint(path, model, optimizer):
@@ -151,7 +147,10 @@ def train(rank, world_size, config):
         (loss_sum / global_tokens).backward()
         lr = lr_at(step, config["steps"], size.lr)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's: a tensor, updated in place
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         opt_began = time.perf_counter()
         optimizer.step()
         opt_s = time.perf_counter() - opt_began
