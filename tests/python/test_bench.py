@@ -22,7 +22,8 @@ _RECORD_TYPES = {
 }
 _TIMED_FIELDS = ("elements_per_s", "gb_per_s")
 # The large presets' step right after torch's work (bench/training.py).
-_TRAINING = {"shardadam", "after-matmul", "after-backward", "after-backward-pool", "probe"}
+_TRAINING = {"shardadam", "after-matmul", "after-backward", "after-backward-pool", "probe",
+             "core"}
 _LOWBIT = {"bf16-remainder-block8": {"shardadam", "torchao-adamw8bit", "torchao-adamwfp8",
                                       "bnb-adamw8bit", "probe"},
            "bf16-remainder-block4": {"shardadam", "torchao-adamw4bit", "probe"}}
@@ -90,7 +91,7 @@ def test_every_case_and_contender_is_reported(tiny_run):
             record["contender"])
     for preset in _PRESETS:
         expected = _FP32 if preset == "fp32" else _LOW_PRECISION
-        assert expected <= by_case[("large", preset)], preset
+        assert expected | {"core"} <= by_case[("large", preset)], preset
         assert _TRAINING <= by_case[("training", preset)], preset
     assert _FP32 <= by_case[("transformer", "fp32")]
     assert _FP32 <= by_case[("many", "fp32")]
@@ -152,10 +153,11 @@ def test_optimizer_state_bytes_follow_the_layout(tiny_run):
 def test_peak_memory_is_measured_per_contender(tiny_run):
     _, data, _ = tiny_run
     for record in data["results"]:
-        # The training cases hold the large cases' state and are timed only.
+        # The training cases hold the large cases' state and are timed only; the bare
+        # core call is shardadam's step without its Python.
         if record["status"] != "ok" or "probe" in record["contender"] \
                 or record["contender"].startswith("kernel_bench") \
-                or record["kind"] == "training":
+                or record["kind"] == "training" or record["contender"] == "core":
             continue
         where = f"{record['case']} {record['contender']}"
         assert "memory_error" not in record, (where, record.get("memory_error"))
@@ -174,3 +176,30 @@ def test_png_is_a_valid_image(tiny_run):
     from matplotlib import image
 
     assert image.imread(str(png_path)).shape[:2] == (height, width)
+
+
+@pytest.mark.parametrize("preset", ["fp32", "bf16-remainder-bf16m", "bf16-master-fp8m"])
+def test_core_call_steps_as_step_does(preset):
+    """The in-process yardstick (bench/core_call.py) is the same computation as
+    ``FusedAdam.step()``: three steps either way store the same bits."""
+    import torch
+
+    pytest.importorskip("shardadam._C")
+    from shardadam import FusedAdam
+    from shardadam.bench import cases
+    from shardadam.bench.contenders import HYPER
+    from shardadam.bench.core_call import CoreCall
+
+    case = cases.find_case(f"large/{preset}", "quick", 0.001)
+    stepped, called = cases.make_params(case), cases.make_params(case)
+    kwargs = dict(HYPER, adam_w_mode=True, **case.preset.fused_adam_kwargs())
+    opt = FusedAdam(stepped, **kwargs)
+    call = CoreCall(FusedAdam(called, **kwargs))  # its first step is a step()
+    for _ in range(3):
+        opt.step()
+    for _ in range(2):
+        call()
+    for a, b in zip(stepped, called):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for name, value in opt.state[a].items():
+            assert torch.equal(value, call.__self__.state[b][name]), name

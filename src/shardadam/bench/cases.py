@@ -184,6 +184,9 @@ CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
 LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
 # The large cases' step as training calls it (bench/training.py).
 TRAINING_CONTENDERS = ("shardadam", "after-matmul", "after-backward", "after-backward-pool")
+# The large and training cases also time the bare C++ call in process, interleaved
+# (bench/core_call.py): the yardstick of FusedAdam.step() from the same run.
+BARE = ("core",)
 
 
 def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
@@ -196,10 +199,10 @@ def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
         contenders = (CPU_FP32_CONTENDERS if preset.master is None
                       else LOW_PRECISION_CONTENDERS)
         cases.append(Case(f"large/{preset.name}", "large", preset, ((numel,),),
-                          contenders))
+                          contenders + BARE))
     for preset in PRESETS.values():
         cases.append(Case(f"training/{preset.name}", "training", preset, ((numel,),),
-                          TRAINING_CONTENDERS, "the step right after torch's work"))
+                          TRAINING_CONTENDERS + BARE, "the step right after torch's work"))
     fp32 = PRESETS["fp32"]
     cases.append(Case(f"transformer-d{d_model}/fp32", "transformer", fp32,
                       tuple(transformer_shapes(d_model)), CPU_FP32_CONTENDERS,

@@ -167,9 +167,11 @@ def run(args) -> int:
         by_contender = {}
         for case in selected:
             # The training cases hold the large cases' state: their timing is the point.
+            # The bare core call is shardadam's step without its Python: same memory.
             if case.kind not in ("dtensor", "training"):
                 for name in case.contenders:
-                    by_contender.setdefault(name, []).append(case.id)
+                    if name not in cases.BARE:
+                        by_contender.setdefault(name, []).append(case.id)
         _log(f"memory: one fresh subprocess per contender ({', '.join(by_contender)})")
         # After all timing, so they may overlap: each measures only its own RSS.
         with concurrent.futures.ThreadPoolExecutor(_MEMORY_JOBS) as pool:

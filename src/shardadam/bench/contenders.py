@@ -31,6 +31,7 @@ DESCRIPTIONS = {
     "after-matmul": "shardadam.FusedAdam right after a 512x512 matmul",
     "after-backward": "shardadam.FusedAdam right after a small MLP's forward + backward",
     "after-backward-pool": "the same, workers on the core's own pool, not torch's OpenMP",
+    "core": "the C++ core alone: one _C.adam_step call on FusedAdam's prepared slots",
 }
 
 
@@ -77,6 +78,17 @@ def _after(work, runtime="auto"):
     return make
 
 
+def _core(params, preset):
+    try:
+        from .core_call import CoreCall
+    except ImportError as error:
+        raise Unavailable(f"the C++ core is not importable: {error}") from None
+    from shardadam import FusedAdam
+
+    return CoreCall(FusedAdam(params, **HYPER, adam_w_mode=True,
+                              **preset.fused_adam_kwargs()))
+
+
 def _multipass(params, preset):
     if preset.master is None:
         raise Unavailable("all-fp32 state needs no unscale/rescale passes")
@@ -93,6 +105,7 @@ _FACTORIES = {
     "after-matmul": _after("matmul"),
     "after-backward": _after("backward"),
     "after-backward-pool": _after("backward", "pool"),
+    "core": _core,
 }
 
 

@@ -1,0 +1,41 @@
+"""The bare C++ kernel, timed in the bench's own process: one ``_C.adam_step`` call.
+
+kernel_bench's bare kernel runs in a process of its own at the start of a run, so its
+figures and the steps compared with them are minutes apart; on a shared machine the
+speed of the whole machine moves more than that between them (medians 25% apart in
+two runs here). ``CoreCall`` is the same C++ call, on the slots FusedAdam prepared for
+its own copy of the case's tensors, interleaved with the other contenders like one of
+them: what ``FusedAdam.step()`` costs on top of it (its Python, torch's optimizer
+wrapper) is then a ratio from one run. It reads FusedAdam's private plan once
+(``_prepare_group``, ``_backend.prepare``) and steps with the hyper-parameters of the
+first step, the step counter advancing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardadam import FusedAdam, _C, _backend
+
+
+class CoreCall:
+    """Callable: one extension call that steps every tensor of ``optimizer``'s single
+    group, as its ``step()`` would, without the Python around it."""
+
+    def __init__(self, optimizer: FusedAdam):
+        optimizer.step()  # creates the state and the plan whose slots are reused
+        (group,) = optimizer.param_groups
+        _, self.hyper, batches = optimizer._prepare_group(0, group)
+        (item,) = [_backend.prepare(batch) for batch in batches]
+        if item.call is None:
+            raise RuntimeError("the C++ core does not step these tensors")
+        self.call = item.call
+        self.step_count = self.hyper.step
+        self.__self__ = optimizer  # for contenders.state_bytes
+
+    def __call__(self):
+        h = self.hyper
+        self.step_count += 1
+        _C.adam_step(
+            self.call.slots, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adam_w_mode,
+            h.bias_correction, self.step_count, torch.get_num_threads())
