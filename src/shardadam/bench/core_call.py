@@ -30,7 +30,7 @@ class CoreCall:
         if item.call is None:
             raise RuntimeError("the C++ core does not step these tensors")
         self.call = item.call
-        self.step_count = self.hyper.step
+        self.step_count = self.hyper.step - 1  # the step just taken; the next is hyper's
         self.__self__ = optimizer  # for contenders.state_bytes
 
     def __call__(self):
