@@ -83,10 +83,7 @@ def _core(params, preset):
         from .core_call import CoreCall
     except ImportError as error:
         raise Unavailable(f"the C++ core is not importable: {error}") from None
-    from shardadam import FusedAdam
-
-    return CoreCall(FusedAdam(params, **HYPER, adam_w_mode=True,
-                              **preset.fused_adam_kwargs()))
+    return CoreCall(_shardadam(params, preset).__self__)  # the same FusedAdam
 
 
 def _multipass(params, preset):
