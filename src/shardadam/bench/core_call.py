@@ -7,20 +7,19 @@ two runs here). ``CoreCall`` is the same C++ call, on the slots FusedAdam prepar
 its own copy of the case's tensors, interleaved with the other contenders like one of
 them: what ``FusedAdam.step()`` costs on top of it (its Python, torch's optimizer
 wrapper) is then a ratio from one run. It reads FusedAdam's private plan once
-(``_prepare_group``, ``_backend.prepare``) and steps with the hyper-parameters of the
-first step, the step counter advancing.
+(``_prepare_group``, ``_backend.prepare``) and runs it as ``step()`` does
+(``_backend.run``), with the hyper-parameters of the first step, the step counter
+advancing.
 """
 
 from __future__ import annotations
 
-import torch
-
-from shardadam import FusedAdam, _C, _backend
+from shardadam import FusedAdam, _backend
 
 
 class CoreCall:
-    """Callable: one extension call that steps every tensor of ``optimizer``'s single
-    group, as its ``step()`` would, without the Python around it."""
+    """Callable: the one extension call that steps every tensor of ``optimizer``'s
+    single group, as its ``step()`` would, without the checks and plans around it."""
 
     def __init__(self, optimizer: FusedAdam):
         optimizer.step()  # creates the state and the plan whose slots are reused
@@ -29,13 +28,10 @@ class CoreCall:
         (item,) = [_backend.prepare(batch) for batch in batches]
         if item.call is None:
             raise RuntimeError("the C++ core does not step these tensors")
-        self.call = item.call
+        self.item = item
         self.step_count = self.hyper.step - 1  # the step just taken; the next is hyper's
         self.__self__ = optimizer  # for contenders.state_bytes
 
     def __call__(self):
-        h = self.hyper
         self.step_count += 1
-        _C.adam_step(
-            self.call.slots, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adam_w_mode,
-            h.bias_correction, self.step_count, torch.get_num_threads())
+        _backend.run(self.item, self.hyper._replace(step=self.step_count))
