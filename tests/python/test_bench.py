@@ -133,6 +133,41 @@ def test_timings_are_positive_and_ordered(tiny_run):
             assert record["fraction_of_probe"] is None, where
         for other, ratio in record["ratio_to"].items():
             assert ratio > 0 and other != record["contender"], where
+        if record["contender"].startswith("kernel_bench"):  # another process's figures
+            assert record["samples"] is None, where
+        else:
+            assert len(record["samples"]) == record["reps"], where
+
+
+def test_paired_ratios_pair_repetitions_of_one_round(tiny_run):
+    """paired_ratio_to[other]: the median over repetitions of other's seconds over this
+    one's in the same round, recomputed here from the samples; kernel_bench's rows
+    (another process) and the probes are never paired."""
+    _, data, _ = tiny_run
+    by_case = {}
+    for record in data["results"]:
+        if record["status"] == "ok":
+            by_case.setdefault(record["case"], {})[record["contender"]] = record
+    paired = 0
+    for case, records in by_case.items():
+        for name, record in records.items():
+            expected = {}
+            for other_name, other in records.items():
+                if other_name in (name, "probe", "kernel_bench-probe") \
+                        or other["samples"] is None or record["samples"] is None:
+                    continue
+                ratios = sorted(o / t for o, t in zip(other["samples"], record["samples"]))
+                middle = len(ratios) // 2
+                expected[other_name] = (ratios[middle] if len(ratios) % 2 else
+                                        (ratios[middle - 1] + ratios[middle]) / 2)
+            assert record["paired_ratio_to"].keys() == expected.keys(), (case, name)
+            for other_name, ratio in expected.items():
+                assert record["paired_ratio_to"][other_name] == pytest.approx(
+                    ratio, rel=1e-12), (case, name, other_name)
+                paired += 1
+    assert paired > 0
+    assert any("core" in r["paired_ratio_to"] for r in data["results"]
+               if r["kind"] == "training")
 
 
 def test_optimizer_state_bytes_follow_the_layout(tiny_run):

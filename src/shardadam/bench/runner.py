@@ -26,12 +26,13 @@ def _base_record(case, contender, threads, ranks=1):
             "status": "ok", "reason": None, "seconds": None, "reps": 0,
             "elements_per_s": None, "gb_per_s": None, "fraction_of_probe": None,
             "fraction_of_kernel_bench_probe": None, "ratio_to": {},
+            "paired_ratio_to": {}, "samples": None,
             "peak_extra_bytes": None, "peak_extra_fraction_of_state": None}
 
 
 def _timed(record, samples):
     seconds = timing.summary(samples)
-    record.update(seconds=seconds, reps=len(samples),
+    record.update(seconds=seconds, reps=len(samples), samples=list(samples),
                   elements_per_s=record["numel"] / seconds["median"],
                   gb_per_s=record["numel"] * record["bytes_per_element"]["minimum"]
                   / seconds["median"] / 1e9)
@@ -124,6 +125,17 @@ def _relate(records, with_probe):
         record["ratio_to"] = {name: other["seconds"]["median"] / median
                               for name, other in timed.items()
                               if name != record["contender"] and name not in PROBES}
+        record["paired_ratio_to"] = {
+            name: timing.paired_ratio(other["samples"], record["samples"])
+            for name, other in timed.items()
+            if name != record["contender"] and name not in PROBES
+            and _same_repetitions(record, other)}
+
+
+def _same_repetitions(a, b):
+    """Both timed in one interleaved loop (kernel_bench's rows come from another process)."""
+    return (a["samples"] is not None and b["samples"] is not None
+            and len(a["samples"]) == len(b["samples"]))
 
 
 def add_memory(records, peaks):

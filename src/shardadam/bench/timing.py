@@ -47,3 +47,11 @@ def interleaved(steps: dict, reps: int, warmup: int, settle_s: float = SETTLE_S)
 def summary(samples: list) -> dict:
     return {"median": statistics.median(samples), "min": min(samples),
             "max": max(samples)}
+
+
+def paired_ratio(other: list, this: list) -> float:
+    """Median over repetitions of ``other[i] / this[i]``. Interleaving puts repetition
+    ``i`` of every contender within one round, so a slow stretch of the machine slows
+    both terms of a pair alike and cancels in their ratio, where a ratio of medians
+    keeps it (the medians may come from different rounds)."""
+    return statistics.median(o / t for o, t in zip(other, this))
