@@ -31,7 +31,7 @@ enum Column : size_t {
   kExpAvgSq, kExpAvgSqDtype, kExpAvgSqScale,
   kMaster, kMasterDtype, kMasterScale,
   kFirstIndex, kScaleBlock,
-  kExpAvgRounding, kRoundingKey, kParamRounding,
+  kExpAvgRounding, kRoundingKey, kParamRounding, kExpAvgSqRounding,
   kSlotColumns,
 };
 constexpr const char* kColumnNames[] = {
@@ -40,7 +40,7 @@ constexpr const char* kColumnNames[] = {
     "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
     "master_param", "master_dtype", "master_scale",
     "first_index", "scale_block",
-    "exp_avg_rounding", "rounding_key", "param_rounding",
+    "exp_avg_rounding", "rounding_key", "param_rounding", "exp_avg_sq_rounding",
 };
 static_assert(sizeof(kColumnNames) / sizeof(kColumnNames[0]) == kSlotColumns,
               "one name per column");
@@ -161,6 +161,7 @@ std::vector<TensorSlot> SlotsFromList(const char* caller, const std::vector<int6
     };
     t.exp_avg_rounding = rounding(kExpAvgRounding);
     t.param_rounding = rounding(kParamRounding);
+    t.exp_avg_sq_rounding = rounding(kExpAvgSqRounding);
     if (row[kRoundingKey] != static_cast<uint32_t>(row[kRoundingKey])) {
       Error error;
       SetError(&error, static_cast<int64_t>(i),

@@ -486,16 +486,17 @@ HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, siz
   acc_v = hn::Max(acc_v, hn::Max(AbsBits(p.v0), AbsBits(p.v1)));
 }
 
-// Stores a pair of new exp_avg values as codes of `Codes` given 1 / scale:
-// rounded stochastically where `rounding` asks (signed E2M1 only; the pair's
-// element 0 at flat index `index`), else to nearest.
+// Stores a pair of new moment values as codes of `Codes` given 1 / scale:
+// rounded stochastically where `rounding` asks (4-bit codes only; the pair's
+// element 0 at `offset` from the rounding's index), else to nearest.
 template <class Codes, bool kEO>
-HWY_INLINE void StoreExpAvgPair(VF a, VF b, VF by, const internal::RoundingView* rounding,
-                                uint64_t index, uint8_t* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<Codes, F4Codes>) {
+HWY_INLINE void StoreMomentPair(VF a, VF b, VF by, const internal::RoundingView* rounding,
+                                size_t offset, uint8_t* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<Codes, F4Codes> || std::is_same_v<Codes, UF4Codes>) {
     if (rounding != nullptr) {
-      Codes::template StoreStochastic<kEO>(hn::Mul(a, by), hn::Mul(b, by), rounding->key,
-                                           index, p);
+      Codes::template StoreStochastic<kEO>(
+          a, b, hn::Mul(a, by), hn::Mul(b, by), rounding->key,
+          static_cast<uint64_t>(rounding->index) + offset, p);
       return;
     }
   }
@@ -514,7 +515,8 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
                                              void* param, void* master, void* m, void* v,
                                              float* m_scales, float* v_scales,
                                              size_t block, size_t n,
-                                             const internal::RoundingView* m_rounding) {
+                                             const internal::RoundingView* m_rounding,
+                                             const internal::RoundingView* v_rounding) {
   using MC = typename BlockCodesOf<L::kExpAvg>::T;
   using VC = typename BlockCodesOf<L::kExpAvgSq>::T;
   // Pairs in even/odd order where every stream has it (the moments' L1 copies
@@ -577,11 +579,8 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF m0, m1, v0, v1;
       LoadF32x2(new_m + i, m0, m1);
       LoadF32x2(new_v + i, v0, v1);
-      const uint64_t index =
-          m_rounding ? static_cast<uint64_t>(m_rounding->index) + b + i : 0;
-      StoreExpAvgPair<MC, kEO>(m0, m1, m_by, m_rounding, index, CodesAt<MC>(m, b + i));
-      VC::template Store<kEO>(v0, v1, hn::Mul(v0, v_by), hn::Mul(v1, v_by),
-                              CodesAt<VC>(v, b + i));
+      StoreMomentPair<MC, kEO>(m0, m1, m_by, m_rounding, b + i, CodesAt<MC>(m, b + i));
+      StoreMomentPair<VC, kEO>(v0, v1, v_by, v_rounding, b + i, CodesAt<VC>(v, b + i));
     }
     m_scales[j] = sm;
     v_scales[j] = sv;
@@ -649,7 +648,8 @@ const internal::KernelTable* GetKernelTable() {
       {EncodeF32, EncodeBF16, EncodeF16, EncodeF16Scaled, EncodeScaled<F8Codes>,
        EncodeRemainder, EncodeScaled<UF8Codes>, EncodeScaled<F4Codes>,
        EncodeScaled<UF4Codes>},
-      EncodeF4Stochastic,
+      EncodeStochastic<F4Codes>,
+      EncodeStochastic<UF4Codes>,
       EncodeBF16Stochastic,
       {{UpdateBlock<false, false>, UpdateBlock<false, true>},
        {UpdateBlock<true, false>, UpdateBlock<true, true>}},

@@ -66,8 +66,10 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                         int64_t e, int64_t end, int64_t j) {
   const int64_t n = (end - e) / p.block * p.block;
   if (n == 0) return e;
-  RoundingView rounding = p.m_rounding;
-  rounding.index += e;
+  RoundingView m_rounding = p.m_rounding;
+  m_rounding.index += e;
+  RoundingView v_rounding = p.v_rounding;
+  v_rounding.index += e;
   const auto at = [e](auto* buffer, int bits) {
     return buffer == nullptr ? nullptr : ElementAt(buffer, bits, e);
   };
@@ -77,7 +79,8 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                                 at(p.exp_avg_sq, p.exp_avg_sq_bits),
                                 p.scale_slot[kStreamM] + j, p.scale_slot[kStreamV] + j,
                                 static_cast<size_t>(p.block), static_cast<size_t>(n),
-                                p.encode_m_stochastic ? &rounding : nullptr);
+                                p.encode_m_stochastic ? &m_rounding : nullptr,
+                                p.encode_v_stochastic ? &v_rounding : nullptr);
   return e + n;
 }
 

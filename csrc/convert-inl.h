@@ -416,6 +416,34 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
                         hn::Set(du, 1u), code);
 }
 
+// F32ToUF4 rounded stochastically with 22 of the bits of `random`, as
+// float4.h EncodeUFloat4E3M1Stochastic (S2.13): from 0.25 up the fp32 bits
+// above 0.25 plus the random bits count codes; below 0.25, |x| * 2^25
+// truncated does; from 10 up F32ToUF4's nearest. Zero-free on u as F32ToUF4.
+HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
+  const DF df;
+  const DU du;
+  const DI di;
+  const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
+  const VU r = hn::And(random, hn::Set(du, 0x3FFFFFu));
+  const VU normal = hn::Add(  // at most 13 below 10
+      hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3E800000u)), r)),
+      hn::Set(du, 2u));
+  // Under 2^23 below 0.25: the conversion truncates, as the reference's cast.
+  const VU eighths = hn::BitCast(
+      du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 33554432.0f))));
+  const VU small = hn::ShiftRight<22>(hn::Add(eighths, r));
+  const auto at_least_quarter =
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x3E7FFFFF)));
+  VU code = hn::IfThenElse(at_least_quarter, normal, small);
+  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
+  code = hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
+                        hn::Set(du, 1u), code);
+  const auto top =
+      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x411FFFFF)));  // >= 10
+  return hn::IfThenElse(top, F32ToUF4(x, u), code);
+}
+
 // counter_hash.h's Mix32 on every lane.
 HWY_INLINE VU MixLanes(VU x) {
   const DU du;
@@ -828,14 +856,24 @@ struct UF4Map {
 struct F4Codes : NibbleCodes<F4Map> {
   // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
   template <bool kEO = false>
-  static void StoreStochastic(VF a_over_s, VF b_over_s, uint32_t key, uint64_t index,
-                              uint8_t* HWY_RESTRICT p) {
+  static void StoreStochastic(VF /*a*/, VF /*b*/, VF a_over_s, VF b_over_s, uint32_t key,
+                              uint64_t index, uint8_t* HWY_RESTRICT p) {
     VU ra, rb;
     PairBits<kEO>(key, index, ra, rb);
     StoreNibbles<kEO>(F32ToF4Stochastic(a_over_s, ra), F32ToF4Stochastic(b_over_s, rb), p);
   }
 };
-using UF4Codes = NibbleCodes<UF4Map>;
+struct UF4Codes : NibbleCodes<UF4Map> {
+  // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
+  template <bool kEO = false>
+  static void StoreStochastic(VF a, VF b, VF a_over_s, VF b_over_s, uint32_t key,
+                              uint64_t index, uint8_t* HWY_RESTRICT p) {
+    VU ra, rb;
+    PairBits<kEO>(key, index, ra, rb);
+    StoreNibbles<kEO>(F32ToUF4Stochastic(a_over_s, a, ra),
+                      F32ToUF4Stochastic(b_over_s, b, rb), p);
+  }
+};
 
 // Decodes with scale s: kRawFactor * s in one multiply, which rounds like the
 // reference's value * s whenever that product is finite (it is then exact: a
@@ -946,18 +984,20 @@ void EncodeScaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleVi
   }
 }
 
-// internal::StochasticEncodeFn: EncodeScaled<F4Codes> rounded stochastically.
-void EncodeF4Stochastic(const float* HWY_RESTRICT x, size_t n,
-                        const internal::ScaleView& scale,
-                        const internal::RoundingView& rounding, void* dst) {
+// internal::StochasticEncodeFn: EncodeScaled<Codes> rounded stochastically
+// (F4Codes, UF4Codes).
+template <class Codes>
+void EncodeStochastic(const float* HWY_RESTRICT x, size_t n,
+                      const internal::ScaleView& scale,
+                      const internal::RoundingView& rounding, void* dst) {
   const size_t step = 2 * hn::Lanes(DF());
   const VF s = hn::Set(DF(), scale.PerTensor());
   uint8_t* HWY_RESTRICT out = static_cast<uint8_t*>(dst);
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
     LoadF32x2(x + i, a, b);
-    F4Codes::StoreStochastic(hn::Div(a, s), hn::Div(b, s), rounding.key,
-                             static_cast<uint64_t>(rounding.index) + i, out + i / 2);
+    Codes::StoreStochastic(a, b, hn::Div(a, s), hn::Div(b, s), rounding.key,
+                           static_cast<uint64_t>(rounding.index) + i, out + i / 2);
   }
 }
 

@@ -37,6 +37,12 @@ SHARDADAM_HOST_DEVICE inline uint32_t ParamStepKey(uint32_t rounding_key, int64_
   return Mix32(StepKey(rounding_key, step) ^ 0x5851F42Du);
 }
 
+// The key of one (tensor, step) for its exp_avg_sq's rounding (S2.13): a third
+// stream drawn from StepKey's, unrelated to exp_avg's and the param's.
+SHARDADAM_HOST_DEVICE inline uint32_t SquareStepKey(uint32_t rounding_key, int64_t step) {
+  return Mix32(StepKey(rounding_key, step) ^ 0x2545F491u);
+}
+
 // The high half of a flat index as RandomBits mixes it: constant over any run
 // of elements that does not cross a multiple of 2^32 (a scale block never does).
 SHARDADAM_HOST_DEVICE inline uint32_t IndexHigh(uint64_t index) {

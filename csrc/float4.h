@@ -116,6 +116,30 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1(float f) {
   return static_cast<uint8_t>(code == 0 ? 1u : code);
 }
 
+// |u| / scale as an unsigned E3M1 code rounded stochastically (S2.13) with 22
+// of the bits of `random`, as EncodeFloat4E2M1Stochastic: from 0.25 (code 2)
+// up the steps are linear in the fp32 bits; below it (steps of 0.125) the
+// quotient times 2^25 is truncated first. From 10 up (what rounds into 12 or
+// 16, where a block's largest element lies by S2.12's scale) it is rounded to
+// nearest, so decoding and encoding again finds the same scale. Zero-free on
+// the true value u, as the nearest encoders' callers: a non-zero u whose code
+// is 0 (also where the division underflowed) gives code 1.
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1Stochastic(float u, float scale,
+                                                                  uint32_t random) {
+  const float f = u / scale;
+  const uint32_t abs = BitsOf(f) & 0x7FFFFFFFu;
+  if (abs >= 0x41200000u) return EncodeUFloat4E3M1(f);  // 10.0f; NaNs' bits are above it
+  if (u == 0.0f) return 0;
+  const uint32_t r = random & 0x3FFFFFu;
+  uint32_t code;
+  if (abs >= 0x3E800000u) {
+    code = 2u + ((abs - 0x3E800000u + r) >> 22);  // at most 13 (the value 12)
+  } else {
+    code = (static_cast<uint32_t>(FloatOf(abs) * 33554432.0f) + r) >> 22;
+  }
+  return static_cast<uint8_t>(code == 0 ? 1u : code);
+}
+
 // E = c >> 1, M = c & 1: E = 0 is M * 0.125, E >= 1 is (2 + M) * 2^(E - 4); 0xF
 // is the quiet NaN.
 SHARDADAM_HOST_DEVICE inline float DecodeUFloat4E3M1(uint8_t q) {

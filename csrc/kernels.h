@@ -77,16 +77,18 @@ using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
 // remainder to `aux`.
 using EncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale, void* dst,
                           void* aux);
-// Stochastic rounding of a run of exp_avg (S2.13) or of a bf16 param (S2.14):
-// the step's key (counter_hash.h StepKey, ParamStepKey) and the flat index in
+// Stochastic rounding of a run of exp_avg or exp_avg_sq (S2.13) or of a bf16
+// param (S2.14): the step's key (counter_hash.h StepKey, SquareStepKey,
+// ParamStepKey) and the flat index in
 // the whole parameter of the run's element 0. An exp_avg run lies in one scale
-// block, so never crosses a multiple of 2^32; a param run may.
+// block, so never crosses a multiple of 2^32 (an exp_avg_sq run neither); a
+// param run may.
 struct RoundingView {
   uint32_t key = 0;
   int64_t index = 0;
 };
-// EncodeFn for a signed E2M1 exp_avg rounded stochastically (scaled per block),
-// or for a bf16 param (scale ignored).
+// EncodeFn for a signed E2M1 exp_avg or an unsigned E3M1 exp_avg_sq rounded
+// stochastically (scaled per block), or for a bf16 param (scale ignored).
 using StochasticEncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale,
                                     const RoundingView& rounding, void* dst);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
@@ -129,11 +131,13 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // moments kept in L1 while their absmax is taken, then encoded with the new
 // scales, which replace the old ones in m_scales / v_scales (one per block).
 // A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
-// its index that of element 0.
+// a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, each index that
+// of element 0.
 using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
                               void* master, void* m, void* v, float* m_scales,
                               float* v_scales, size_t block, size_t n,
-                              const RoundingView* m_rounding);
+                              const RoundingView* m_rounding,
+                              const RoundingView* v_rounding);
 
 struct FusedTable {
   // [adam_w_mode][unit bias_correction2_sqrt][FusedLayouts index]
@@ -160,6 +164,7 @@ struct KernelTable {
   DecodeFn decode[kNumCodecs];
   EncodeFn encode[kNumCodecs];
   StochasticEncodeFn encode_f4_stochastic;
+  StochasticEncodeFn encode_uf4_stochastic;
   StochasticEncodeFn encode_bf16_stochastic;
   // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
   UpdateFn update[2][2];

@@ -113,6 +113,10 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
     p.encode_m_stochastic = kt.encode_f4_stochastic;
     p.m_rounding = {StepKey(s.rounding_key, step), s.first_index};
   }
+  if (s.exp_avg_sq_rounding == Rounding::kStochastic) {
+    p.encode_v_stochastic = kt.encode_uf4_stochastic;
+    p.v_rounding = {SquareStepKey(s.rounding_key, step), s.first_index};
+  }
   if (s.param_rounding == Rounding::kStochastic) {
     p.encode_param_stochastic = kt.encode_bf16_stochastic;
     p.param_rounding = {ParamStepKey(s.rounding_key, step), s.first_index};

@@ -52,6 +52,9 @@ struct TensorPlan {
   // parameter of element 0 of the buffers above (a staged copy's own).
   StochasticEncodeFn encode_m_stochastic = nullptr;
   RoundingView m_rounding;
+  // The same for exp_avg_sq (S2.13), used instead of encode_v.
+  StochasticEncodeFn encode_v_stochastic = nullptr;
+  RoundingView v_rounding;
   // The same for a bf16 param rounded stochastically (S2.14), used instead of
   // encode_param.
   StochasticEncodeFn encode_param_stochastic = nullptr;

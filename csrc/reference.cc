@@ -78,8 +78,8 @@ float LoadState(const TensorSlot& t, const void* buffer, DType dtype, const floa
 }
 
 // Stores the fp32 values `u` as a moment or master of `t` with fresh scales
-// (S2.3, S2.9); a non-null `stochastic_key` (the step's key, fp4-block only)
-// rounds them stochastically (S2.13).
+// (S2.3, S2.9); a non-null `stochastic_key` (the step's key, fp4-block or
+// ufp4-block only) rounds them stochastically (S2.13).
 void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
                 DType dtype, float* scale, const uint32_t* stochastic_key = nullptr) {
   const int64_t numel = static_cast<int64_t>(u.size());
@@ -94,7 +94,10 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
         } else {
           const uint32_t bits =
               RandomBits(*stochastic_key, static_cast<uint64_t>(t.first_index + i));
-          SetCode(buffer, dtype, i, EncodeFloat4E2M1Stochastic(u[i] / s, bits));
+          SetCode(buffer, dtype, i,
+                  dtype == DType::kFloat4E2M1Block
+                      ? EncodeFloat4E2M1Stochastic(u[i] / s, bits)
+                      : EncodeUFloat4E3M1Stochastic(u[i], s, bits));
         }
       }
       scale[BlockOf(t, begin)] = s;
@@ -155,7 +158,9 @@ void StepTensor(const TensorSlot& t, const StepConstants& c, int64_t step) {
   const uint32_t key = StepKey(t.rounding_key, step);
   StoreState(t, m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale,
              t.exp_avg_rounding == Rounding::kStochastic ? &key : nullptr);
-  StoreState(t, v, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale);
+  const uint32_t square_key = SquareStepKey(t.rounding_key, step);
+  StoreState(t, v, t.exp_avg_sq, t.exp_avg_sq_dtype, t.exp_avg_sq_scale,
+             t.exp_avg_sq_rounding == Rounding::kStochastic ? &square_key : nullptr);
 }
 
 }  // namespace

@@ -41,6 +41,7 @@ TensorPlan StageIn(const TensorPlan& p, int64_t e, size_t t, size_t padded,
   };
   TensorPlan q = p;
   q.m_rounding.index = p.m_rounding.index + e;
+  q.v_rounding.index = p.v_rounding.index + e;
   q.param_rounding.index = p.param_rounding.index + e;
   char** writable[4] = {&q.param, &q.master, &q.exp_avg, &q.exp_avg_sq};
   const int bits[4] = {p.param_bits, p.master_bits, p.exp_avg_bits, p.exp_avg_sq_bits};
@@ -121,8 +122,13 @@ void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
   } else if (p.encode_m) {
     p.encode_m(d.m, c, m_scale, m, nullptr);
   }
-  if (p.encode_v) {
-    p.encode_v(d.v, c, v_scale, ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e), nullptr);
+  char* const v = ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e);
+  if (p.encode_v_stochastic) {
+    RoundingView r = p.v_rounding;
+    r.index += e;
+    p.encode_v_stochastic(d.v, c, v_scale, r, v);
+  } else if (p.encode_v) {
+    p.encode_v(d.v, c, v_scale, v, nullptr);
   }
 }
 

@@ -494,11 +494,17 @@ class StochasticFloatP2:
     (codes and scale too, except where the rounding took the block's largest element
     below ``T / 2``: then the smaller scale holds the same values)."""
 
-    def __init__(self, base: FloatP2):
+    def __init__(self, base: FloatP2, nearest_top=False):
         self.base = base
-        self.name, self.bits, self.signed = base.name + "@sr", base.bits, base.signed
+        # ``@srt``: as FusedAdam's block4 rounds (S2.13): |x| from T / 2 up (what
+        # rounds to nearest into the top binade) is rounded to nearest, so a block's
+        # largest element keeps its scale's binade.
+        self.nearest_from = base.target / 2 if nearest_top else math.inf
+        suffix = "@srt" if nearest_top else "@sr"
+        self.name, self.bits, self.signed = base.name + suffix, base.bits, base.signed
         self.values = base.values
-        self.describe = base.describe + ", stochastic rounding"
+        self.describe = base.describe + ", stochastic rounding" + (
+            " below T / 2" if nearest_top else "")
 
     def encode(self, x, nonzero, key, index):
         values = self.values
@@ -512,6 +518,8 @@ class StochasticFloatP2:
         p = torch.where(hi_index > lo_index, (ax - lo) / step, 0.0)  # exact, in [0, 1)
         r = sr_uniform24(key, index).to(torch.float32) * 2.0 ** -24  # exact
         index_code = torch.where(r < p, hi_index, lo_index)
+        index_code = torch.where(ax >= self.nearest_from,
+                                 self.base.table.encode(ax, nonzero), index_code)
         if self.signed:
             negative = torch.signbit(x) & (index_code > 0)
             return index_code + negative.long() * (1 << (self.bits - 1))
@@ -541,6 +549,7 @@ for _map in (FloatP2("fe4m3", 4, 3, 7, True, reserve_top=1),
              FloatP2("ufe3m1n", 3, 1, 3, False, reserve_top=1)):
     MAPS[_map.name] = _map
     MAPS[_map.name + "@sr"] = StochasticFloatP2(_map)
+    MAPS[_map.name + "@srt"] = StochasticFloatP2(_map, nearest_top=True)
 for _name in list(MAPS):
     if isinstance(MAPS[_name], (TableMap, CompandedMap)):
         MAPS[_name + "@p2"] = PowerOfTwoScaled(MAPS[_name])

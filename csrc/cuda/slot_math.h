@@ -71,7 +71,10 @@ struct DeviceSlot {
   // state is per-block scaled. In the padding after the flags: the slot's size,
   // and so the launch's argument block, is unchanged.
   bool p_stochastic;
-  uint32_t m_key, p_key;
+  // exp_avg_sq rounded stochastically (S2.13, a ufp4-block exp_avg_sq only),
+  // with its own key (SquareStepKey).
+  bool v_stochastic;
+  uint32_t m_key, p_key, v_key;
   int64_t first_index;
 };
 
@@ -102,6 +105,8 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t, int64_t step = 1) {
   d.m_key = StepKey(t.rounding_key, step);
   d.p_stochastic = t.param_rounding == Rounding::kStochastic;
   d.p_key = ParamStepKey(t.rounding_key, step);
+  d.v_stochastic = t.exp_avg_sq_rounding == Rounding::kStochastic;
+  d.v_key = SquareStepKey(t.rounding_key, step);
   d.first_index = t.first_index;
   const auto aligned = [](const void* p, uint8_t dtype) {
     const auto quad = static_cast<uintptr_t>(4 * ItemBytes(dtype));
@@ -333,15 +338,16 @@ SHARDADAM_HOST_DEVICE inline void EncodeMoments(const DeviceSlot& t, const Scale
 }
 
 // EncodeMoments for local element i of a tensor with per-block scales, its
-// exp_avg rounded stochastically where the slot asks (S2.13).
+// exp_avg and exp_avg_sq each rounded stochastically where the slot asks (S2.13).
 SHARDADAM_HOST_DEVICE inline void EncodeBlockMoments(const DeviceSlot& t, const Scales& now,
                                                       int64_t i, float m, float v, Codes& c) {
+  EncodeMoments(t, now, m, v, c);
+  const uint64_t index = static_cast<uint64_t>(t.first_index + i);
   if (t.m_stochastic) {
-    const uint32_t random = RandomBits(t.m_key, static_cast<uint64_t>(t.first_index + i));
-    c.m = EncodeFloat4E2M1Stochastic(m / now.s[kM], random);
-    c.v = EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
-  } else {
-    EncodeMoments(t, now, m, v, c);
+    c.m = EncodeFloat4E2M1Stochastic(m / now.s[kM], RandomBits(t.m_key, index));
+  }
+  if (t.v_stochastic) {
+    c.v = EncodeUFloat4E3M1Stochastic(v, now.s[kV], RandomBits(t.v_key, index));
   }
 }
 

@@ -199,6 +199,12 @@ def param_step_key(rounding_key: int, step: int) -> int:
     return mix32(step_key(rounding_key, step) ^ 0x5851F42D)
 
 
+def square_step_key(rounding_key: int, step: int) -> int:
+    """The key of one exp_avg_sq's stochastic rounding at ``step`` (S2.13): a third
+    stream, unrelated to its exp_avg's and its parameter's."""
+    return mix32(step_key(rounding_key, step) ^ 0x2545F491)
+
+
 def random_bits(key: int, first: int, n: int, device) -> torch.Tensor:
     """32 random bits (int64) of each element of flat indices ``[first, first + n)``."""
     index = torch.arange(first, first + n, dtype=torch.int64, device=device)
@@ -219,6 +225,22 @@ def fp4_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor
     mag = torch.where(magnitude_bits >= 0x3F800000, normal, small)
     code = torch.where(mag == 0, 0, mag | ((bits >> 28) & 8)).to(torch.uint8)
     return torch.where(magnitude_bits >= 0x40600000, fp4_encode(x), code)
+
+
+def ufp4_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
+                           random: torch.Tensor) -> torch.Tensor:
+    """Unsigned E3M1 codes of fp32 ``|x|`` rounded stochastically with 22 of the
+    ``random`` bits (S2.13): from 0.25 up the fp32 bits above 0.25 plus the random bits
+    count codes; below 0.25, ``|x| · 2^25`` truncated does; from 10 up ``ufp4_encode``'s
+    nearest (also above 20, inf and NaN). Zero-free on ``u`` as ``ufp4_encode``."""
+    magnitude_bits = x.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    r = random & 0x3FFFFF
+    normal = 2 + ((magnitude_bits - 0x3E800000 + r) >> 22)
+    below_quarter = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=0.25)
+    small = ((below_quarter * 33554432.0).to(torch.int64) + r) >> 22
+    code = torch.where(magnitude_bits >= 0x3E800000, normal, small)
+    code = torch.where((code == 0) & (u != 0), 1, code).to(torch.uint8)
+    return torch.where(magnitude_bits >= 0x41200000, ufp4_encode(x, u), code)
 
 
 def bf16_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
@@ -306,7 +328,8 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
                   zero_bound: float, rounding: Optional[int] = None):
     """``(codes, scales)`` of fp32 ``value`` (any shape) in per-block format ``name``
     (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched. ``rounding``:
-    a step key (``step_key``) to round ``fp4-block`` codes stochastically (S2.13)."""
+    a step key (``step_key``, ``square_step_key``) to round ``fp4-block`` or
+    ``ufp4-block`` codes stochastically (S2.13)."""
     flat = value.reshape(-1).float()
     n = flat.numel()
     count = block_count(first, n, block)
@@ -322,7 +345,10 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
     # A true division by a power of two, as the core's: exact but for fp32 subnormals.
     x = flat / scales[_block_of_each(n, first, block, value.device)]
     if rounding is not None:
-        if name != "fp4-block":
-            raise ValueError(f"no stochastic rounding for per-block format {name!r}")
-        return fp4_encode_stochastic(x, random_bits(rounding, first, n, x.device)), scales
+        if name == "fp4-block":
+            return fp4_encode_stochastic(x, random_bits(rounding, first, n, x.device)), scales
+        if name == "ufp4-block":
+            return ufp4_encode_stochastic(x, flat, random_bits(rounding, first, n,
+                                                               x.device)), scales
+        raise ValueError(f"no stochastic rounding for per-block format {name!r}")
     return _codes_of(name, x, flat), scales

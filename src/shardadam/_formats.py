@@ -160,7 +160,8 @@ class Format:
         a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
         ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
         itself (fp32 updated in place) there is nothing to do. ``rounding``: a step key
-        to round an ``fp4-block`` exp_avg stochastically (S2.13), else to nearest."""
+        to round a 4-bit moment (``fp4-block``, ``ufp4-block``) stochastically (S2.13),
+        else to nearest."""
         if self.scale == "block":
             codes, scales = _codecs.encode_blocks(self.name, value, first, self._block(),
                                                   self.scale_target, self.zero_bound,

@@ -40,7 +40,7 @@ class Entry:
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
                  "master_scale", "first_index", "scale_block", "exp_avg_rounding",
-                 "rounding_key", "param_rounding")
+                 "rounding_key", "param_rounding", "exp_avg_sq_rounding")
 
     def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int):
         self.index = index
@@ -61,7 +61,7 @@ class Entry:
         # Per-block moments (S2.9): where the local tensor's blocks start, and their
         # size (both moments of one configuration share it; 0: none is per block).
         self.first_index, self.scale_block = 0, 0
-        self.exp_avg_rounding = 0  # nearest
+        self.exp_avg_rounding = self.exp_avg_sq_rounding = 0  # nearest
         # S2.14: a bf16 parameter with no master, its bits keyed like a block's.
         self.param_rounding = int(param_rounding == "stochastic"
                                   and self.local.dtype == torch.bfloat16
@@ -81,6 +81,8 @@ class Entry:
             elif spec.name == "exp_avg_sq":
                 self.exp_avg_sq, self.exp_avg_sq_format = stored, spec.format
                 self.exp_avg_sq_scale = scale
+                # So does a 4-bit exp_avg_sq (S2.12, S2.13).
+                self.exp_avg_sq_rounding = int(spec.format.name == "ufp4-block")
             else:
                 self.master, self.master_format = stored, spec.format
                 self.master_scale = scale

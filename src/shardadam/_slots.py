@@ -27,7 +27,7 @@ NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",
          "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
          "master_param", "master_dtype", "master_scale",
          "first_index", "scale_block", "exp_avg_rounding", "rounding_key",
-         "param_rounding")
+         "param_rounding", "exp_avg_sq_rounding")
 
 # The extension's names of the formats' tags.
 _TAG_NAMES = {"DTYPE_NONE": None, "DTYPE_FLOAT32": "fp32", "DTYPE_FLOAT16": "fp16",
@@ -78,7 +78,8 @@ def _row(entry) -> list:
               _ptr(entry.master), _tag(entry.master_format), _ptr(entry.master_scale),
               entry.first_index, entry.scale_block,  # per-block moments (S2.9, S2.11)
               entry.exp_avg_rounding, entry.rounding_key,  # S2.13
-              entry.param_rounding)  # S2.14
+              entry.param_rounding,  # S2.14
+              entry.exp_avg_sq_rounding)  # S2.13
     row = [0] * COLUMNS
     for place, value in zip(_PLACES, values):
         row[place] = value

@@ -178,5 +178,7 @@ def step(work, hyper) -> None:
                     if entry.exp_avg_rounding else None)
         entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale,
                                     entry.first_index, rounding)
-        entry.exp_avg_sq_format.encode(v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale,
-                                       entry.first_index)
+        entry.exp_avg_sq_format.encode(
+            v_i, entry.exp_avg_sq, entry.exp_avg_sq_scale, entry.first_index,
+            _codecs.square_step_key(entry.rounding_key, hyper.step)
+            if entry.exp_avg_sq_rounding else None)

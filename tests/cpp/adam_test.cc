@@ -532,12 +532,16 @@ std::vector<ErrorCase> ErrorCases() {
             [](TensorSlot* s) { s->exp_avg_dtype = DType::kInt16Remainder; });
   slot_case("exp_avg_sq_dtype_unknown", 1, "exp_avg_sq",
             [bad](TensorSlot* s) { s->exp_avg_sq_dtype = bad; });
-  // Stochastic rounding (S2.13) exists for an fp4-block exp_avg only.
+  // Stochastic rounding (S2.13) exists for an fp4-block exp_avg and a ufp4-block
+  // exp_avg_sq only.
   slot_case("exp_avg_rounding_stochastic_fp32", 0,
             "exp_avg_rounding 1 (stochastic) is not allowed for an exp_avg_dtype",
             [](TensorSlot* s) { s->exp_avg_rounding = Rounding::kStochastic; });
   slot_case("exp_avg_rounding_unknown", 1, "exp_avg_rounding -1 is not a rounding",
             [](TensorSlot* s) { s->exp_avg_rounding = static_cast<Rounding>(-1); });
+  slot_case("exp_avg_sq_rounding_stochastic_fp32", 2,
+            "exp_avg_sq_rounding 1 (stochastic) is not allowed for an exp_avg_sq_dtype",
+            [](TensorSlot* s) { s->exp_avg_sq_rounding = Rounding::kStochastic; });
   // ... and for a bf16 param with no master (S2.14), its first_index checked.
   slot_case("param_rounding_stochastic_fp32", 0,
             "param_rounding 1 (stochastic) is not allowed for a param_dtype 1 (fp32)",

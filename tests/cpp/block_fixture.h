@@ -32,13 +32,15 @@ constexpr DType kUBlock4 = DType::kUFloat4E3M1Block;
 inline constexpr uint32_t kShardRoundingKey = 0x5EED1234u;
 
 // The dtypes of one tensor with at least one per-block scaled moment, how
-// exp_avg (S2.13) and the param (S2.14) are rounded, and the key of their bits.
+// exp_avg (S2.13), the param (S2.14) and exp_avg_sq (S2.13) are rounded, and
+// the key of their bits.
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
   Rounding rounding = Rounding::kNearest;
   Rounding param_rounding = Rounding::kNearest;
   uint32_t rounding_key = kShardRoundingKey;
+  Rounding v_rounding = Rounding::kNearest;
 };
 
 inline std::string BlockConfigName(const BlockConfig& c) {
@@ -47,6 +49,7 @@ inline std::string BlockConfigName(const BlockConfig& c) {
                      DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
                      (c.rounding == Rounding::kStochastic ? "_sr" : "") +
                      (c.param_rounding == Rounding::kStochastic ? "_param_sr" : "") +
+                     (c.v_rounding == Rounding::kStochastic ? "_v_sr" : "") +
                      (c.rounding_key != kShardRoundingKey
                           ? "_key_" + std::to_string(c.rounding_key)
                           : "");
@@ -135,6 +138,23 @@ inline std::vector<BlockConfig> BlockConfigs() {
       }
     }
   }
+  // Then block4 as FusedAdam steps it, both moments rounded stochastically, beside
+  // every weight (fp32 and bf16 gradients), beside a bf16 param with no master
+  // rounded stochastically too, and the unsigned E3M1 exp_avg_sq alone beside an
+  // 8-bit exp_avg.
+  constexpr Rounding kSR = Rounding::kStochastic, kNear = Rounding::kNearest;
+  for (bool adam_w : {true, false}) {
+    for (const auto& w : weights) {
+      for (DType g : {DType::kFloat32, DType::kBFloat16}) {
+        configs.push_back({w.param, g, w.master, kBlock4, kUBlock4, adam_w, kSR, kNear,
+                           kShardRoundingKey, kSR});
+      }
+    }
+  }
+  configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock4, true,
+                     kSR, kSR, kShardRoundingKey, kSR});
+  configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock4, true,
+                     kNear, kNear, kShardRoundingKey, kSR});
   return configs;
 }
 
@@ -203,6 +223,7 @@ struct Shard {
     s.exp_avg_sq_dtype = config.exp_avg_sq;
     s.exp_avg_rounding = config.rounding;
     s.param_rounding = config.param_rounding;
+    s.exp_avg_sq_rounding = config.v_rounding;
     s.rounding_key = config.rounding_key;
     if (IsScaled(config.exp_avg)) s.exp_avg_scale = static_cast<float*>(At(m_scales));
     if (IsScaled(config.exp_avg_sq)) s.exp_avg_sq_scale = static_cast<float*>(At(v_scales));

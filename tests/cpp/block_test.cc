@@ -35,12 +35,13 @@ bool HasFourBit(DType a, DType b) {
 }
 
 // The dtypes of one layout with at least one per-block scaled moment, and how
-// exp_avg (S2.13) and a bf16 param with no master (S2.14) are rounded.
+// exp_avg, exp_avg_sq (S2.13) and a bf16 param with no master (S2.14) are rounded.
 struct BlockConfig {
   DType param, grad, master, exp_avg, exp_avg_sq;
   bool adam_w;
   Rounding rounding = Rounding::kNearest;
   Rounding param_rounding = Rounding::kNearest;
+  Rounding v_rounding = Rounding::kNearest;
 };
 
 // The rounding_key of the tensors below (any constant: shards share it).
@@ -51,7 +52,8 @@ std::string Name(const BlockConfig& c) {
                      DTypeName(c.master) + "_m_" + DTypeName(c.exp_avg) + "_v_" +
                      DTypeName(c.exp_avg_sq) + (c.adam_w ? "_adamw" : "_l2") +
                      (c.rounding == Rounding::kStochastic ? "_sr" : "") +
-                     (c.param_rounding == Rounding::kStochastic ? "_param_sr" : "");
+                     (c.param_rounding == Rounding::kStochastic ? "_param_sr" : "") +
+                     (c.v_rounding == Rounding::kStochastic ? "_v_sr" : "");
   for (char& ch : name) {
     if (ch == '-') ch = '_';
   }
@@ -83,6 +85,7 @@ struct BlockTensor {
     s.exp_avg_sq_scale = exp_avg_sq_scales.data();
     s.exp_avg_rounding = config.rounding;
     s.param_rounding = config.param_rounding;
+    s.exp_avg_sq_rounding = config.v_rounding;
     s.rounding_key = kRoundingKey;
     if (config.master != DType::kNone) {
       s.master_param = master.data();
@@ -216,6 +219,19 @@ std::vector<BlockConfig> Configs() {
                        adam_w, Rounding::kNearest, kSR});
     configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock4,
                        adam_w, kSR, kSR});
+    // Stochastically rounded unsigned E3M1 exp_avg_sq: block4 as FusedAdam steps it
+    // (both moments rounded stochastically) beside fp32 params, bf16 params +
+    // remainders with bf16 gradients (fused, even/odd) and bf16 params with no
+    // master (all three streams of one tensor); alone beside an 8-bit exp_avg.
+    constexpr Rounding kNear = Rounding::kNearest;
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                       adam_w, kSR, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock4,
+                       kUBlock4, adam_w, kSR, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock4,
+                       adam_w, kSR, kSR, kSR});
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock4,
+                       adam_w, kNear, kNear, kSR});
   }
   return configs;
 }
@@ -567,6 +583,13 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
       {"unknown rounding", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_dtype = kBlock4; s->exp_avg_rounding = static_cast<Rounding>(2); },
        "exp_avg_rounding 2 is not a rounding; expected 0 (nearest) or 1 (stochastic)"},
+      {"stochastic fp8-block exp_avg_sq", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_sq_rounding = Rounding::kStochastic; },
+       "exp_avg_sq_rounding 1 (stochastic) is not allowed for an exp_avg_sq_dtype 6 "
+       "(fp8-block) exp_avg_sq; stochastic rounding needs ufp4-block"},
+      {"unknown exp_avg_sq rounding", [](BlockTensor*, TensorSlot* s) {
+         s->exp_avg_sq_dtype = kUBlock4; s->exp_avg_sq_rounding = static_cast<Rounding>(-1); },
+       "exp_avg_sq_rounding -1 is not a rounding; expected 0 (nearest) or 1 (stochastic)"},
   };
   for (const auto& bad : cases) {
     BlockTensor t = MakeShard(c, 300, 1000, 128);
@@ -610,6 +633,41 @@ TEST(BlockStochasticTest, KeyAndStepChangeTheCodes) {
     EXPECT_EQ(base.exp_avg_sq, other.exp_avg_sq);
     EXPECT_EQ(base.exp_avg_scales, other.exp_avg_scales);
   }
+}
+
+// The same for exp_avg_sq's own stream: its key and the step change its codes
+// (and only them), and with exp_avg rounded stochastically too, exp_avg's codes
+// are those it stores alone (the two streams draw unrelated bits).
+TEST(BlockStochasticTest, KeyAndStepChangeTheSquareCodes) {
+  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                         true, Rounding::kNearest, Rounding::kNearest, Rounding::kStochastic};
+  const auto step = [&](uint32_t key, int64_t step_number, Rounding m_rounding,
+                        Rounding v_rounding) {
+    BlockTensor t = MakeShard(c, 0, 4096 + 6, 256);
+    FillGrad(&t, 1);
+    TensorSlot slot = t.Slot();
+    slot.rounding_key = key;
+    slot.exp_avg_rounding = m_rounding;
+    slot.exp_avg_sq_rounding = v_rounding;
+    StepParams params;
+    params.step = step_number;
+    EXPECT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
+    return t;
+  };
+  constexpr Rounding kSR = Rounding::kStochastic, kNear = Rounding::kNearest;
+  const BlockTensor base = step(kRoundingKey, 7, kNear, kSR);
+  EXPECT_TRUE(SameTensor(base, step(kRoundingKey, 7, kNear, kSR)));
+  for (const BlockTensor& other : {step(kRoundingKey + 1, 7, kNear, kSR),
+                                   step(kRoundingKey, 8, kNear, kSR),
+                                   step(kRoundingKey, 7, kNear, kNear)}) {
+    EXPECT_NE(base.exp_avg_sq, other.exp_avg_sq);
+    EXPECT_EQ(base.exp_avg, other.exp_avg);
+    EXPECT_EQ(base.exp_avg_sq_scales, other.exp_avg_sq_scales);
+  }
+  const BlockTensor both = step(kRoundingKey, 7, kSR, kSR);
+  EXPECT_EQ(both.exp_avg_sq, base.exp_avg_sq);
+  EXPECT_EQ(both.exp_avg, step(kRoundingKey, 7, kSR, kNear).exp_avg);
+  EXPECT_NE(both.exp_avg, base.exp_avg);
 }
 
 // Convert is a cast with at most one scale: per-block formats are refused.

@@ -420,14 +420,16 @@ TEST(StochasticRoundingTest, GridValuesAndEdgesIgnoreTheBits) {
 }
 
 using F4Encoder = uint8_t (*)(float x, uint32_t random);
+using F4Decoder = float (*)(uint8_t code);
 
 // How many standard errors the mean of `n` decoded codes of x lies from x, the
 // bits drawn as the core draws them (one tensor and step, indices 0..n-1). x
-// lies strictly between two grid values below 3.5.
-double BiasInStandardErrors(F4Encoder encode, float x, int n) {
-  const double grid[] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+// lies strictly between two values of `grid` (the map's magnitudes, ascending)
+// in the range rounded stochastically.
+double BiasInStandardErrors(F4Encoder encode, F4Decoder decode,
+                            const std::vector<double>& grid, float x, int n) {
   const double a = std::fabs(x);
-  int k = 0;
+  size_t k = 0;
   while (grid[k + 1] <= a) ++k;
   const double step = grid[k + 1] - grid[k];
   const double p = (a - grid[k]) / step;
@@ -435,7 +437,7 @@ double BiasInStandardErrors(F4Encoder encode, float x, int n) {
   const uint32_t key = StepKey(0xC0FFEE, 1);
   double sum = 0;
   for (int i = 0; i < n; ++i) {
-    sum += DecodeFloat4E2M1(encode(x, RandomBits(key, static_cast<uint64_t>(i))));
+    sum += decode(encode(x, RandomBits(key, static_cast<uint64_t>(i))));
   }
   return std::fabs(sum / n - x) / standard_error;
 }
@@ -449,24 +451,95 @@ TEST(StochasticRoundingTest, MeanOfManyCodesIsTheValue) {
   const F4Encoder biased = [](float x, uint32_t r) {
     return EncodeFloat4E2M1Stochastic(x, r | 0x200000u);
   };
+  const std::vector<double> grid = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
   constexpr int kN = 1 << 16;
   for (float x : {0.01f, 0.1f, 0.3f, 0.7f, 0.95f, 1.1f, 1.3f, 1.75f, 2.2f, 2.9f, 3.1f,
                   3.4f}) {
     for (float signed_x : {x, -x}) {
-      EXPECT_LT(BiasInStandardErrors(stochastic, signed_x, kN), 5.0) << signed_x;
-      EXPECT_GT(BiasInStandardErrors(nearest, signed_x, kN), 5.0) << signed_x;
-      EXPECT_GT(BiasInStandardErrors(biased, signed_x, kN), 5.0) << signed_x;
+      const auto bias = [&](F4Encoder encode) {
+        return BiasInStandardErrors(encode, DecodeFloat4E2M1, grid, signed_x, kN);
+      };
+      EXPECT_LT(bias(stochastic), 5.0) << signed_x;
+      EXPECT_GT(bias(nearest), 5.0) << signed_x;
+      EXPECT_GT(bias(biased), 5.0) << signed_x;
     }
   }
 }
 
-// The stochastic E2M1 encoder of every target against the reference: the
+// The unsigned encoder at scale 1.
+uint8_t UnsignedStochastic(float x, uint32_t random) {
+  return EncodeUFloat4E3M1Stochastic(x, 1.0f, random);
+}
+
+// The unsigned E3M1 exp_avg_sq (S2.13): every code stores itself whatever the
+// bits; from 10 up the nearest code, above 20, inf and NaN the NaN code; 0 is
+// code 0 and any other magnitude at least code 1 (zero-free); the sign is ignored.
+TEST(StochasticRoundingTest, UnsignedGridValuesAndEdgesIgnoreTheBits) {
+  std::mt19937 rng(2);
+  std::vector<uint32_t> bits = {0u, 0x3FFFFFu, 0x400000u, 0xFFFFFFFFu};
+  for (int k = 0; k < 64; ++k) bits.push_back(rng());
+  for (uint32_t r : bits) {
+    for (uint8_t code = 0; code < 15; ++code) {
+      ASSERT_EQ(UnsignedStochastic(DecodeUFloat4E3M1(code), r), code) << r;
+      ASSERT_EQ(UnsignedStochastic(-DecodeUFloat4E3M1(code), r), code) << r;
+    }
+    for (float x : {10.0f, 10.5f, 11.0f, 13.9f, 14.0f, 15.2f, 17.9f, 18.0f, 20.0f}) {
+      EXPECT_EQ(UnsignedStochastic(x, r), EncodeUFloat4E3M1(x)) << x;
+    }
+    EXPECT_EQ(UnsignedStochastic(15.2f, r), 14);  // 16: 0.95 * 16 stays
+    EXPECT_EQ(UnsignedStochastic(std::nextafter(20.0f, 21.0f), r), 0xF);
+    EXPECT_EQ(UnsignedStochastic(INFINITY, r), 0xF);
+    EXPECT_EQ(UnsignedStochastic(NAN, r), 0xF);
+    EXPECT_EQ(UnsignedStochastic(0.0f, r), 0);
+    EXPECT_EQ(UnsignedStochastic(-0.0f, r), 0);
+    EXPECT_EQ(UnsignedStochastic(FloatOf(1), r), 1);
+    EXPECT_EQ(UnsignedStochastic(1e-30f, r), 1);
+    EXPECT_EQ(EncodeUFloat4E3M1Stochastic(FloatOf(1), 1024.0f, r), 1);  // underflowed
+    // Below 10 a value between two codes stores one of them.
+    const uint8_t code = UnsignedStochastic(9.5f, r);
+    EXPECT_TRUE(code == 12 || code == 13) << r;  // 8 or 12
+  }
+}
+
+// Unbiased from the smallest non-zero value up to 10, where rounding to nearest
+// is not: under beta2 = 0.95 a value decays in expectation, where rounded to
+// nearest 0.95 * x goes back to x at every code (S2.12's reason for S2.13).
+TEST(StochasticRoundingTest, UnsignedMeanOfManyCodesIsTheValue) {
+  const F4Encoder stochastic = UnsignedStochastic;
+  const F4Encoder nearest = [](float x, uint32_t) { return EncodeUFloat4E3M1(x); };
+  const F4Encoder biased = [](float x, uint32_t r) {
+    return UnsignedStochastic(x, r | 0x200000u);
+  };
+  const std::vector<double> grid = {0,   0.125, 0.25, 0.375, 0.5, 0.75, 1, 1.5,
+                                    2,   3,     4,    6,     8,   12,   16};
+  constexpr int kN = 1 << 16;
+  for (float x : {0.14f, 0.2f, 0.3f, 0.45f, 0.6f, 0.95f, 1.2f, 1.9f, 2.5f, 3.3f, 5.0f,
+                  7.6f, 9.5f}) {
+    const auto bias = [&](F4Encoder encode) {
+      return BiasInStandardErrors(encode, DecodeUFloat4E3M1, grid, x, kN);
+    };
+    EXPECT_LT(bias(stochastic), 5.0) << x;
+    EXPECT_GT(bias(nearest), 5.0) << x;
+    EXPECT_GT(bias(biased), 5.0) << x;
+  }
+  for (uint8_t code = 2; code < 13; ++code) {  // every decay to below 10 moves
+    const float decayed = 0.95f * DecodeUFloat4E3M1(code);
+    EXPECT_EQ(EncodeUFloat4E3M1(decayed), code);
+    EXPECT_LT(BiasInStandardErrors(stochastic, DecodeUFloat4E3M1, grid, decayed, kN), 5.0)
+        << static_cast<int>(code);
+  }
+}
+
+// A stochastic 4-bit encoder of every target against the reference: the
 // grid, its midpoints, the edges and random values of every binade, with
 // several keys, flat indices below and above 2^32, and scales (each value in
 // some combination: the key and index only reach the hash, the scale only the
 // division, so their cross product adds time, not paths).
-TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
-  std::vector<float> inputs = InputsWithGrid(kFloat4Format);
+void ExpectStochasticEncoderMatchesReference(
+    DType dtype, const Format& format,
+    internal::StochasticEncodeFn internal::KernelTable::*encoder,
+    uint8_t (*reference)(float u, float scale, uint32_t random)) {
+  std::vector<float> inputs = InputsWithGrid(format);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   for (int i = 0; i < 4096; ++i) {
@@ -490,17 +563,29 @@ TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
       SCOPED_TRACE("scale " + std::to_string(run.scale) + " key " + std::to_string(run.key) +
                    " index " + std::to_string(run.index));
       const internal::ScaleView view{&run.scale, 0, 0};
-      kt.encode_f4_stochastic(x.data(), n, view, {run.key, static_cast<int64_t>(run.index)},
-                              codes.data());
+      (kt.*encoder)(x.data(), n, view, {run.key, static_cast<int64_t>(run.index)},
+                    codes.data());
       for (size_t i = 0; i < n; ++i) {
-        const uint8_t want =
-            EncodeFloat4E2M1Stochastic(x[i] / run.scale, RandomBits(run.key, run.index + i));
-        ASSERT_EQ(ref::CodeAt(codes.data(), DType::kFloat4E2M1Block, static_cast<int64_t>(i)),
-                  want)
+        const uint8_t want = reference(x[i], run.scale, RandomBits(run.key, run.index + i));
+        ASSERT_EQ(ref::CodeAt(codes.data(), dtype, static_cast<int64_t>(i)), want)
             << "fp32 0x" << std::hex << BitsOf(x[i]);
       }
     }
   });
+}
+
+TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
+  ExpectStochasticEncoderMatchesReference(DType::kFloat4E2M1Block, kFloat4Format,
+                                          &internal::KernelTable::encode_f4_stochastic,
+                                          [](float u, float scale, uint32_t random) {
+                                            return EncodeFloat4E2M1Stochastic(u / scale, random);
+                                          });
+}
+
+TEST(SimdCodecTest, StochasticUnsignedE3M1MatchesReference) {
+  ExpectStochasticEncoderMatchesReference(DType::kUFloat4E3M1Block, kUFloat4Format,
+                                          &internal::KernelTable::encode_uf4_stochastic,
+                                          EncodeUFloat4E3M1Stochastic);
 }
 
 // S2.14: a bf16 param rounded stochastically. The param stream's key is
@@ -511,6 +596,16 @@ TEST(Bf16StochasticTest, ParamKeyIsPinned) {
   EXPECT_NE(key, StepKey(0x5EED, 3));
   EXPECT_EQ(ParamStepKey(0x5EED, 3 + (int64_t{1} << 32)), key);
   EXPECT_EQ(RandomBits(key, (uint64_t{5} << 32) + 17), 0xF0507104u);
+}
+
+// exp_avg_sq's stream (S2.13): drawn from the step's key like the param's, with
+// another constant, so the three streams of one tensor and step differ.
+TEST(StochasticRoundingTest, SquareKeyIsItsOwnStream) {
+  const uint32_t key = SquareStepKey(0x5EED, 3);
+  EXPECT_EQ(key, Mix32(StepKey(0x5EED, 3) ^ 0x2545F491u));
+  EXPECT_NE(key, StepKey(0x5EED, 3));
+  EXPECT_NE(key, ParamStepKey(0x5EED, 3));
+  EXPECT_EQ(SquareStepKey(0x5EED, 3 + (int64_t{1} << 32)), key);
 }
 
 // Every bf16 value stores itself whatever the bits (a checkpoint's params

@@ -18,7 +18,7 @@ from _optimizer_testing import (TORCH_DTYPE, decode_codes, merge_remainder,
 
 CODE = {"none": 0, "fp32": 1, "fp16": 2, "bf16": 3, "fp8": 4, "rem": 5}
 STORAGE = dict(TORCH_DTYPE, rem=torch.int16)
-COLUMNS = 19
+COLUMNS = 20
 
 
 class Buffers:
@@ -67,7 +67,7 @@ class Buffers:
                 ptr(self.master), CODE[f["master"]], scale("master"),
                 0, 0,  # first_index, scale_block: no per-block scaled state here
                 0, 0,  # exp_avg_rounding (nearest), rounding_key
-                0]  # param_rounding (nearest)
+                0, 0]  # param_rounding, exp_avg_sq_rounding (nearest)
 
     def true(self, name):
         values = decode_codes(getattr(self, name))

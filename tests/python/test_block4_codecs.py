@@ -215,7 +215,7 @@ def test_random_blocks_survive_decode_then_encode(fmt, block):
 @pytest.mark.parametrize("first,rows,block", [(0, 8, 128), (2 * 96, 31, 256)])
 def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     """One core step from zero moments stores (1-beta1)g and (1-beta2)g^2 (S3.6) packed:
-    bitwise what the torch codec makes of those fp32 values, exp_avg rounded to
+    bitwise what the torch codec makes of those fp32 values, both moments rounded to
     nearest or stochastically (S2.13) with the slot's rounding_key."""
     from shardadam import _C
 
@@ -231,22 +231,22 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     m_scales, v_scales = torch.ones(count), torch.ones(count)
     row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), FP4B.tag,
            m_scales.data_ptr(), v.data_ptr(), UFP4B.tag, v_scales.data_ptr(), 0, 0, 0,
-           first, block, rounding, key, 0]
+           first, block, rounding, key, 0, rounding]
     step = 7
     _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, step, 2)
     # Bias corrections change only the weight; the moments from zero are (1 - beta) g.
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
     for stored, scales, f, u in ((m, m_scales, FP4B, c1 * g), (v, v_scales, UFP4B,
                                                               (c2 * g) * g)):
-        stochastic = rounding and f is FP4B  # S2.13: exp_avg only
+        stream = _codecs.step_key if f is FP4B else _codecs.square_step_key
         codes, want = _codecs.encode_blocks(
             f.name, u, first, block, f.scale_target, f.zero_bound,
-            _codecs.step_key(key, step) if stochastic else None)
+            stream(key, step) if rounding else None)
         assert_bitwise_equal(stored, _codecs.pack_nibbles(codes), f"{f.name} from the core")
         assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
         oracle_codes, oracle_scales = block_oracle(f.name, u, first, block)
         assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
-        if not stochastic:  # the stochastic rule's own oracle: test_stochastic_encode_*
+        if not rounding:  # the stochastic rules' own oracles: test_*stochastic_encode_*
             assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
 
 
@@ -308,6 +308,68 @@ def test_stochastic_encode_follows_s2_13():
     got = _codecs.fp4_encode_stochastic(x, r)
     want = [stochastic_oracle(a, b) for a, b in zip(x.tolist(), r.tolist())]
     assert got.tolist() == want
+
+
+def unsigned_stochastic_oracle(x: float, u: float, r: int) -> int:
+    """S2.13's unsigned rule from its text: between grid values lo <= |x| < hi, hi when
+    r + 2^22 * (|x| - lo) / (hi - lo) reaches 2^22 (below 0.25: |x| * 2^25 truncated
+    first); from 10 up S2.12's nearest; zero-free on u."""
+    a = abs(x)
+    if not a < 10:
+        return ufp4_oracle(x, u)
+    r &= 0x3FFFFF
+    if a >= 0.25:
+        grid = [0.25, 0.375, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12]
+        k = max(i for i, value in enumerate(grid) if value <= a)
+        f = int((a - grid[k]) / (grid[k + 1] - grid[k]) * 2**22)  # exact: 22 bits
+        code = 2 + k + (1 if f + r >= 2**22 else 0)
+    else:
+        code = (math.floor(a * 2**25) + r) >> 22
+    return 1 if code == 0 and u != 0 else code
+
+
+def test_unsigned_stochastic_encode_follows_s2_13():
+    gen = torch.Generator().manual_seed(31)
+    grid = torch.tensor([0, 0.125, 0.25, 0.375, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16])
+    x = torch.cat([
+        torch.rand(3000, generator=gen) * 21,
+        torch.ldexp(torch.rand(500, generator=gen), torch.randint(-40, 1, (500,), generator=gen)),
+        grid, torch.nextafter(grid, torch.tensor(30.0)), torch.nextafter(grid, -grid - 1),
+        torch.tensor([9.99999905, 10.0, 20.0, 20.0000019, 2.0**-25, 2.0**-26, math.inf,
+                      math.nan])])
+    x = torch.cat([x, -x])
+    u = torch.where(torch.arange(x.numel()) % 7 == 0, torch.tensor(1e-3), x)  # x underflowed
+    r = torch.randint(0, 2**32, x.shape, generator=gen, dtype=torch.int64)
+    r[:16] = torch.tensor([0, 0x3FFFFF] * 8)
+    got = _codecs.ufp4_encode_stochastic(x, u, r)
+    want = [unsigned_stochastic_oracle(a, b, c)
+            for a, b, c in zip(x.tolist(), u.tolist(), r.tolist())]
+    assert got.tolist() == want
+
+
+def test_unsigned_stochastic_rounding_is_unbiased():
+    """exp_avg_sq's rule: over 2^14 draws the mean decoded value of each x from 0.125 to
+    10 is x within 5 standard errors, also where a value decayed by beta2 = 0.95, which
+    rounding to nearest puts back on its code (S2.12)."""
+    values = torch.tensor([ufp4_value(c) for c in range(15)] + [math.nan])
+    x = torch.tensor([0.2, 0.3, 0.6, 1.3, 2.5, 5.0, 9.5] + [0.95 * v for v in (0.25, 1, 3, 8)])
+    draws = 2**14
+    bits = _codecs.random_bits(_codecs.square_step_key(1, 1), 0, draws * x.numel(), "cpu")
+    codes = _codecs.ufp4_encode_stochastic(x.repeat(draws), x.repeat(draws), bits)
+    decoded = values[codes.long()].view(draws, -1).double()
+    mean, spread = decoded.mean(0), decoded.std(0)
+    assert torch.all((mean - x.double()).abs() <= 5 * spread / math.sqrt(draws) + 1e-12)
+    nearest = values[_codecs.ufp4_encode(x, x).long()].double()
+    assert torch.equal(nearest[-4:], torch.tensor([0.25, 1, 3, 8], dtype=torch.float64))
+
+
+def test_square_stream_is_its_own():
+    """exp_avg_sq's key: drawn from the step's key with its own constant (S2.13), so the
+    exp_avg, exp_avg_sq and param streams of one tensor and step differ."""
+    key = _codecs.square_step_key(0x5EED, 3)
+    assert key == lowbias32(_codecs.step_key(0x5EED, 3) ^ 0x2545F491)
+    assert key not in (_codecs.step_key(0x5EED, 3), _codecs.param_step_key(0x5EED, 3))
+    assert key == _codecs.square_step_key(0x5EED, 3 + 2**32)
 
 
 def test_stochastic_rounding_is_unbiased():

@@ -236,7 +236,7 @@ def test_torch_codec_equals_the_core(name, first, n, block):
     m_scales, v_scales = torch.ones(count), torch.ones(count)
     row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), m_fmt.tag,
            m_scales.data_ptr(), v.data_ptr(), fmt.tag, v_scales.data_ptr(), 0, 0, 0,
-           first, block, 0, 0, 0]  # exp_avg and the param rounded to nearest
+           first, block, 0, 0, 0, 0]  # exp_avg, the param, exp_avg_sq to nearest
     _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
     for stored, scales, f, u in ((m, m_scales, m_fmt, c1 * g), (v, v_scales, fmt,

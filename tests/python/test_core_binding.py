@@ -46,7 +46,7 @@ def test_slot_columns_are_named_and_the_package_places_values_by_name():
         "numel", "param", "param_dtype", "grad", "grad_dtype", "exp_avg", "exp_avg_dtype",
         "exp_avg_scale", "exp_avg_sq", "exp_avg_sq_dtype", "exp_avg_sq_scale",
         "master_param", "master_dtype", "master_scale", "first_index", "scale_block",
-        "exp_avg_rounding", "rounding_key", "param_rounding")
+        "exp_avg_rounding", "rounding_key", "param_rounding", "exp_avg_sq_rounding")
     tags = {name: getattr(_C, name) for name in dir(_C) if name.startswith("DTYPE_")}
     permuted = tuple(reversed(_C.SLOT_COLUMN_NAMES))
     columns = _slots.columns_of(types.SimpleNamespace(SLOT_COLUMN_NAMES=permuted, **tags))
@@ -683,7 +683,7 @@ module = importlib.util.module_from_spec(importlib.util.spec_from_loader("_C", l
 loader.exec_module(module)
 bufs = [array.array("f", [1.0] * 16) for _ in range(4)]
 ptrs = [b.buffer_info()[0] for b in bufs]
-row = [16, ptrs[0], 1, ptrs[1], 1, ptrs[2], 1, 0, ptrs[3], 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+row = [16, ptrs[0], 1, ptrs[1], 1, ptrs[2], 1, 0, ptrs[3], 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
 if column == 11:
     row[2], row[12] = 3, 1  # bf16 param (reads half of buffer 0), fp32 master
 if column >= 0:
@@ -767,7 +767,8 @@ def test_per_block_fp8_moments_follow_s2_9(first_index, numel, block):
     m_scales, v_scales = torch.ones(count), torch.ones(count)
     row = [numel, param.data_ptr(), CODE["fp32"], g.data_ptr(), CODE["fp32"],
            m.data_ptr(), FP8_BLOCK, m_scales.data_ptr(),
-           v.data_ptr(), FP8_BLOCK, v_scales.data_ptr(), 0, 0, 0, first_index, block, 0, 0, 0]
+           v.data_ptr(), FP8_BLOCK, v_scales.data_ptr(), 0, 0, 0, first_index, block, 0, 0, 0,
+           0]
     _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 2)
     # The core's constants: 1 - beta in double, rounded to fp32 (S3.6); products in fp32.
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
@@ -787,7 +788,7 @@ def test_per_block_scale_block_is_checked():
     row = [256, param.data_ptr(), CODE["fp32"], g.data_ptr(), CODE["fp32"],
            m.data_ptr(), FP8_BLOCK, scales.data_ptr(), v.data_ptr(), CODE["fp32"], 0,
            0, 0, 0, 0, 2**33,  # wider than int32: must not wrap into a valid size
-           0, 0, 0]
+           0, 0, 0, 0]
     with pytest.raises(ValueError, match=r"scale_block -1 is not a power of two") as raised:
         _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)
     assert raised.value.tensor_index == 0
@@ -803,18 +804,24 @@ def test_per_block_scale_block_is_checked():
     (0, -1, 0, r"rounding_key -1 is out of range"),
     (0, 7, 1, r"param_rounding 1 \(stochastic\) is not allowed for a param_dtype 1 \(fp32\)"),
     (0, 7, -2**31 - 1, r"param_rounding -1 is not a rounding"),
+    ((0, 1), 7, 0, r"exp_avg_sq_rounding 1 \(stochastic\) is not allowed for an "
+                   r"exp_avg_sq_dtype 1 \(fp32\)"),
+    ((0, 3), 7, 0, r"exp_avg_sq_rounding 3 is not a rounding"),
 ])
 def test_rounding_columns_are_checked(rounding, key, param_rounding, match):
     """S2.13 and S2.14 through the binding: stochastic rounding only for an fp4-block
-    exp_avg and a bf16 param with no master, known roundings, a uint32 key; each refusal
-    names tensor 0 and writes nothing."""
+    exp_avg, a ufp4-block exp_avg_sq and a bf16 param with no master, known roundings, a
+    uint32 key; each refusal names tensor 0 and writes nothing. ``rounding``: exp_avg's,
+    or (exp_avg's, exp_avg_sq's)."""
+    rounding, square_rounding = rounding if isinstance(rounding, tuple) else (rounding, 0)
     good = Buffers(("fp32", "fp32", "fp32", "fp32", "none"), 8, 25)
     good.new_grad()
     before = [t.clone() for t in good.everything()]
     row = good.row()
     columns = list(_C.SLOT_COLUMN_NAMES)
     for name, value in (("exp_avg_rounding", rounding), ("rounding_key", key),
-                        ("param_rounding", param_rounding)):
+                        ("param_rounding", param_rounding),
+                        ("exp_avg_sq_rounding", square_rounding)):
         row[columns.index(name)] = value
     with pytest.raises(ValueError, match=match) as raised:
         _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1, 1)

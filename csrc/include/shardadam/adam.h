@@ -110,6 +110,11 @@ struct TensorSlot {
   // exp_avg's), the step and first_index + i, as exp_avg's; first_index is
   // then read even when no state is per-block scaled.
   Rounding param_rounding = Rounding::kNearest;
+  // exp_avg_sq's rounding: kStochastic only with exp_avg_sq_dtype
+  // kUFloat4E3M1Block, where rounding to nearest never lets a value decay by
+  // beta2 (0.95 * x rounds back to x at every code). Its bits come from
+  // rounding_key (a third stream), the step and first_index + i.
+  Rounding exp_avg_sq_rounding = Rounding::kNearest;
 };
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).
