@@ -65,7 +65,8 @@ const Preset kPresets[] = {
      DType::kInt16Remainder, 256},
     {"p=fp32 g=fp32 m=fp8-block v=ufp8-block", DType::kFloat32, DType::kFloat32,
      DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block, DType::kNone, 256},
-    // moment_format="block4" (S2.12), blocks of 128: two codes per byte.
+    // moment_format="block4" (S2.12), blocks of 128: two codes per byte, both
+    // rounded stochastically (S2.13).
     {"p=bf16 g=bf16 master=remainder m=fp4-block v=ufp4-block", DType::kBFloat16,
      DType::kBFloat16, DType::kFloat4E2M1Block, DType::kUFloat4E3M1Block,
      DType::kInt16Remainder, 128},
@@ -239,6 +240,12 @@ struct Case {
     slot.exp_avg_sq_dtype = preset.exp_avg_sq;
     slot.exp_avg_sq_scale = exp_avg_sq_scales.data();
     slot.scale_block = preset.scale_block;
+    // 4-bit moments round stochastically, as FusedAdam's block4 steps them (S2.13).
+    const auto rounding = [](DType t) {
+      return FormatOf(t).item_bits == 4 ? Rounding::kStochastic : Rounding::kNearest;
+    };
+    slot.exp_avg_rounding = rounding(preset.exp_avg);
+    slot.exp_avg_sq_rounding = rounding(preset.exp_avg_sq);
     slot.master_param = state.master.get();
     slot.master_dtype = preset.master;
     slot.master_scale = &master_scale;

@@ -487,16 +487,16 @@ HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, siz
 }
 
 // Stores a pair of new moment values as codes of `Codes` given 1 / scale:
-// rounded stochastically where `rounding` asks (4-bit codes only; the pair's
-// element 0 at `offset` from the rounding's index), else to nearest.
+// rounded stochastically where `rounding` asks (4-bit codes only; ha, hb: the
+// pair's PairIndexHash), else to nearest.
 template <class Codes, bool kEO>
 HWY_INLINE void StoreMomentPair(VF a, VF b, VF by, const internal::RoundingView* rounding,
-                                size_t offset, uint8_t* HWY_RESTRICT p) {
+                                VU ha, VU hb, uint8_t* HWY_RESTRICT p) {
   if constexpr (std::is_same_v<Codes, F4Codes> || std::is_same_v<Codes, UF4Codes>) {
     if (rounding != nullptr) {
-      Codes::template StoreStochastic<kEO>(
-          a, b, hn::Mul(a, by), hn::Mul(b, by), rounding->key,
-          static_cast<uint64_t>(rounding->index) + offset, p);
+      Codes::template StoreStochastic<kEO>(a, b, hn::Mul(a, by), hn::Mul(b, by),
+                                           KeyedBits(rounding->key, ha),
+                                           KeyedBits(rounding->key, hb), p);
       return;
     }
   }
@@ -532,6 +532,8 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   alignas(64) float new_m[kMaxScaleBlock];
   alignas(64) float new_v[kMaxScaleBlock];
+  // Where the random bits' flat indices start: both roundings hold the same one.
+  const internal::RoundingView* const rounded = m_rounding ? m_rounding : v_rounding;
   for (size_t b = 0; b < n; b += block) {
     const size_t j = b / block;
     const ScaledLoad<MC> load_m(m_scales[j]);
@@ -579,8 +581,13 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF m0, m1, v0, v1;
       LoadF32x2(new_m + i, m0, m1);
       LoadF32x2(new_v + i, v0, v1);
-      StoreMomentPair<MC, kEO>(m0, m1, m_by, m_rounding, b + i, CodesAt<MC>(m, b + i));
-      StoreMomentPair<VC, kEO>(v0, v1, v_by, v_rounding, b + i, CodesAt<VC>(v, b + i));
+      // Both moments' streams hash the same flat indices once.
+      VU ha = hn::Zero(DU()), hb = hn::Zero(DU());
+      if (rounded != nullptr) {
+        PairIndexHash<kEO>(static_cast<uint64_t>(rounded->index) + b + i, ha, hb);
+      }
+      StoreMomentPair<MC, kEO>(m0, m1, m_by, m_rounding, ha, hb, CodesAt<MC>(m, b + i));
+      StoreMomentPair<VC, kEO>(v0, v1, v_by, v_rounding, ha, hb, CodesAt<VC>(v, b + i));
     }
     m_scales[j] = sm;
     v_scales[j] = sv;

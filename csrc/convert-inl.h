@@ -454,12 +454,14 @@ HWY_INLINE VU MixLanes(VU x) {
   return hn::Xor(x, hn::ShiftRight<16>(x));
 }
 
-// counter_hash.h RandomBits of a pair of vectors of elements from flat index
-// `index` (the pair's element 0) in the order the pair holds them: natural
-// (a = index + lane, b = index + Lanes + lane), or even/odd (kEO: a = index +
-// 2 lane, b = a + 1). The pair does not cross a multiple of 2^32.
+// The key-independent half of counter_hash.h RandomBits (the inner Mix32 of
+// the flat index) of a pair of vectors of elements from flat index `index`
+// (the pair's element 0) in the order the pair holds them: natural (a = index
+// + lane, b = index + Lanes + lane), or even/odd (kEO: a = index + 2 lane,
+// b = a + 1). The pair does not cross a multiple of 2^32. Streams of the same
+// elements (exp_avg's and exp_avg_sq's) share it.
 template <bool kEO>
-HWY_INLINE void PairBits(uint32_t key, uint64_t index, VU& a, VU& b) {
+HWY_INLINE void PairIndexHash(uint64_t index, VU& a, VU& b) {
   const DU du;
   VU low = hn::Iota(du, 0);
   if constexpr (kEO) low = hn::ShiftLeft<1>(low);
@@ -467,9 +469,13 @@ HWY_INLINE void PairBits(uint32_t key, uint64_t index, VU& a, VU& b) {
   const VU other =
       hn::Add(low, hn::Set(du, kEO ? 1u : static_cast<uint32_t>(hn::Lanes(du))));
   const VU high = hn::Set(du, IndexHigh(index));
-  const VU k = hn::Set(du, key);
-  a = MixLanes(hn::Xor(MixLanes(hn::Xor(low, high)), k));
-  b = MixLanes(hn::Xor(MixLanes(hn::Xor(other, high)), k));
+  a = MixLanes(hn::Xor(low, high));
+  b = MixLanes(hn::Xor(other, high));
+}
+
+// RandomBits of a stream with step key `key`, from PairIndexHash's lanes.
+HWY_INLINE VU KeyedBits(uint32_t key, VU index_hash) {
+  return MixLanes(hn::Xor(index_hash, hn::Set(DU(), key)));
 }
 
 // counter_hash.h RandomBits of one vector of elements from flat index `index`
@@ -854,22 +860,18 @@ struct UF4Map {
   static VU Encode(VF x_over_s, VF x) { return F32ToUF4(x_over_s, x); }
 };
 struct F4Codes : NibbleCodes<F4Map> {
-  // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
+  // Rounded stochastically (S2.13) with the pair's random bits ra, rb.
   template <bool kEO = false>
-  static void StoreStochastic(VF /*a*/, VF /*b*/, VF a_over_s, VF b_over_s, uint32_t key,
-                              uint64_t index, uint8_t* HWY_RESTRICT p) {
-    VU ra, rb;
-    PairBits<kEO>(key, index, ra, rb);
+  static void StoreStochastic(VF /*a*/, VF /*b*/, VF a_over_s, VF b_over_s, VU ra, VU rb,
+                              uint8_t* HWY_RESTRICT p) {
     StoreNibbles<kEO>(F32ToF4Stochastic(a_over_s, ra), F32ToF4Stochastic(b_over_s, rb), p);
   }
 };
 struct UF4Codes : NibbleCodes<UF4Map> {
-  // Rounded stochastically (S2.13), the pair's element 0 at flat index `index`.
+  // Rounded stochastically (S2.13) with the pair's random bits ra, rb.
   template <bool kEO = false>
-  static void StoreStochastic(VF a, VF b, VF a_over_s, VF b_over_s, uint32_t key,
-                              uint64_t index, uint8_t* HWY_RESTRICT p) {
-    VU ra, rb;
-    PairBits<kEO>(key, index, ra, rb);
+  static void StoreStochastic(VF a, VF b, VF a_over_s, VF b_over_s, VU ra, VU rb,
+                              uint8_t* HWY_RESTRICT p) {
     StoreNibbles<kEO>(F32ToUF4Stochastic(a_over_s, a, ra),
                       F32ToUF4Stochastic(b_over_s, b, rb), p);
   }
@@ -996,8 +998,10 @@ void EncodeStochastic(const float* HWY_RESTRICT x, size_t n,
   for (size_t i = 0; i < n; i += step) {
     VF a, b;
     LoadF32x2(x + i, a, b);
-    Codes::StoreStochastic(a, b, hn::Div(a, s), hn::Div(b, s), rounding.key,
-                           static_cast<uint64_t>(rounding.index) + i, out + i / 2);
+    VU ha, hb;
+    PairIndexHash<false>(static_cast<uint64_t>(rounding.index) + i, ha, hb);
+    Codes::StoreStochastic(a, b, hn::Div(a, s), hn::Div(b, s), KeyedBits(rounding.key, ha),
+                           KeyedBits(rounding.key, hb), out + i / 2);
   }
 }
 

@@ -132,7 +132,7 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // scales, which replace the old ones in m_scales / v_scales (one per block).
 // A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
 // a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, each index that
-// of element 0.
+// of element 0 (the same index where both are given).
 using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
                               void* master, void* m, void* v, float* m_scales,
                               float* v_scales, size_t block, size_t n,

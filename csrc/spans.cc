@@ -114,22 +114,23 @@ void EncodeRun(const TensorPlan& p, int64_t e, size_t c, const Decoded& d,
     p.encode_param(d.w, c, ScaleView(), param, master);
   }
   if (p.encode_master) p.encode_master(d.w, c, p.NewScale(kStreamW, e), master, nullptr);
-  char* const m = ElementAt(p.exp_avg, p.exp_avg_bits, e);
-  if (p.encode_m_stochastic) {
-    RoundingView r = p.m_rounding;
-    r.index += e;
-    p.encode_m_stochastic(d.m, c, m_scale, r, m);
-  } else if (p.encode_m) {
-    p.encode_m(d.m, c, m_scale, m, nullptr);
-  }
-  char* const v = ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e);
-  if (p.encode_v_stochastic) {
-    RoundingView r = p.v_rounding;
-    r.index += e;
-    p.encode_v_stochastic(d.v, c, v_scale, r, v);
-  } else if (p.encode_v) {
-    p.encode_v(d.v, c, v_scale, v, nullptr);
-  }
+  // A moment: rounded stochastically where its plan asks (S2.13), else by its codec
+  // (none where the update wrote fp32 in place).
+  const auto encode_moment = [&](const float* x, const ScaleView& scale,
+                                 StochasticEncodeFn stochastic, RoundingView rounding,
+                                 EncodeFn nearest, char* buffer, int bits) {
+    char* const at = ElementAt(buffer, bits, e);
+    if (stochastic) {
+      rounding.index += e;
+      stochastic(x, c, scale, rounding, at);
+    } else if (nearest) {
+      nearest(x, c, scale, at, nullptr);
+    }
+  };
+  encode_moment(d.m, m_scale, p.encode_m_stochastic, p.m_rounding, p.encode_m, p.exp_avg,
+                p.exp_avg_bits);
+  encode_moment(d.v, v_scale, p.encode_v_stochastic, p.v_rounding, p.encode_v,
+                p.exp_avg_sq, p.exp_avg_sq_bits);
 }
 
 void RunSpan(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,

@@ -341,14 +341,13 @@ SHARDADAM_HOST_DEVICE inline void EncodeMoments(const DeviceSlot& t, const Scale
 // exp_avg and exp_avg_sq each rounded stochastically where the slot asks (S2.13).
 SHARDADAM_HOST_DEVICE inline void EncodeBlockMoments(const DeviceSlot& t, const Scales& now,
                                                       int64_t i, float m, float v, Codes& c) {
-  EncodeMoments(t, now, m, v, c);
   const uint64_t index = static_cast<uint64_t>(t.first_index + i);
-  if (t.m_stochastic) {
-    c.m = EncodeFloat4E2M1Stochastic(m / now.s[kM], RandomBits(t.m_key, index));
-  }
-  if (t.v_stochastic) {
-    c.v = EncodeUFloat4E3M1Stochastic(v, now.s[kV], RandomBits(t.v_key, index));
-  }
+  c.m = t.m_stochastic
+            ? EncodeFloat4E2M1Stochastic(m / now.s[kM], RandomBits(t.m_key, index))
+            : EncodeState(m, t.exp_avg_dtype, now.s[kM]);
+  c.v = t.v_stochastic
+            ? EncodeUFloat4E3M1Stochastic(v, now.s[kV], RandomBits(t.v_key, index))
+            : EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
 }
 
 // Local element i's codes.

@@ -608,27 +608,33 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
   }
 }
 
+// One step of a block4 tensor (fp32 params) from zero moments with rounding key
+// `key`, step `step_number` and these roundings of exp_avg and exp_avg_sq.
+BlockTensor StepBlock4(uint32_t key, int64_t step_number, Rounding m_rounding,
+                       Rounding v_rounding) {
+  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                         true, m_rounding, Rounding::kNearest, v_rounding};
+  BlockTensor t = MakeShard(c, 0, 4096 + 6, 256);
+  FillGrad(&t, 1);
+  TensorSlot slot = t.Slot();
+  slot.rounding_key = key;
+  StepParams params;
+  params.step = step_number;
+  EXPECT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
+  return t;
+}
+
 // The random bits depend on the rounding key and the step: changing either
 // changes exp_avg's codes (and only them), and rounding to nearest differs too.
 TEST(BlockStochasticTest, KeyAndStepChangeTheCodes) {
-  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
-                         true, Rounding::kStochastic};
-  const auto step = [&](uint32_t key, int64_t step_number, Rounding rounding) {
-    BlockTensor t = MakeShard(c, 0, 4096 + 6, 256);
-    FillGrad(&t, 1);
-    TensorSlot slot = t.Slot();
-    slot.rounding_key = key;
-    slot.exp_avg_rounding = rounding;
-    StepParams params;
-    params.step = step_number;
-    EXPECT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
-    return t;
+  constexpr Rounding kSR = Rounding::kStochastic, kNear = Rounding::kNearest;
+  const auto step = [](uint32_t key, int64_t step_number, Rounding rounding) {
+    return StepBlock4(key, step_number, rounding, kNear);
   };
-  const BlockTensor base = step(kRoundingKey, 7, Rounding::kStochastic);
-  EXPECT_TRUE(SameTensor(base, step(kRoundingKey, 7, Rounding::kStochastic)));
-  for (const BlockTensor& other : {step(kRoundingKey + 1, 7, Rounding::kStochastic),
-                                   step(kRoundingKey, 8, Rounding::kStochastic),
-                                   step(kRoundingKey, 7, Rounding::kNearest)}) {
+  const BlockTensor base = step(kRoundingKey, 7, kSR);
+  EXPECT_TRUE(SameTensor(base, step(kRoundingKey, 7, kSR)));
+  for (const BlockTensor& other : {step(kRoundingKey + 1, 7, kSR), step(kRoundingKey, 8, kSR),
+                                   step(kRoundingKey, 7, kNear)}) {
     EXPECT_NE(base.exp_avg, other.exp_avg);
     EXPECT_EQ(base.exp_avg_sq, other.exp_avg_sq);
     EXPECT_EQ(base.exp_avg_scales, other.exp_avg_scales);
@@ -639,21 +645,7 @@ TEST(BlockStochasticTest, KeyAndStepChangeTheCodes) {
 // (and only them), and with exp_avg rounded stochastically too, exp_avg's codes
 // are those it stores alone (the two streams draw unrelated bits).
 TEST(BlockStochasticTest, KeyAndStepChangeTheSquareCodes) {
-  const BlockConfig c = {DType::kFloat32, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
-                         true, Rounding::kNearest, Rounding::kNearest, Rounding::kStochastic};
-  const auto step = [&](uint32_t key, int64_t step_number, Rounding m_rounding,
-                        Rounding v_rounding) {
-    BlockTensor t = MakeShard(c, 0, 4096 + 6, 256);
-    FillGrad(&t, 1);
-    TensorSlot slot = t.Slot();
-    slot.rounding_key = key;
-    slot.exp_avg_rounding = m_rounding;
-    slot.exp_avg_sq_rounding = v_rounding;
-    StepParams params;
-    params.step = step_number;
-    EXPECT_EQ(AdamStep(&slot, 1, params, 2, nullptr), Status::kOk);
-    return t;
-  };
+  const auto step = StepBlock4;
   constexpr Rounding kSR = Rounding::kStochastic, kNear = Rounding::kNearest;
   const BlockTensor base = step(kRoundingKey, 7, kNear, kSR);
   EXPECT_TRUE(SameTensor(base, step(kRoundingKey, 7, kNear, kSR)));
