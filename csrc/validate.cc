@@ -175,8 +175,8 @@ bool CheckRoundingCode(int64_t i, const char* field, Rounding rounding, Error* e
 }
 
 // The states' roundings: stochastic rounding exists for a signed E2M1 exp_avg
-// and an unsigned E3M1 exp_avg_sq (S2.13), and for a bf16 param that is the weight's only copy (S2.14), whose
-// bits are keyed by first_index as a block's are.
+// and an unsigned E3M1 exp_avg_sq (S2.13), and for a bf16 param that is the
+// weight's only copy (S2.14), whose bits are keyed by first_index as a block's are.
 bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
   if (!CheckRoundingCode(i, "exp_avg_rounding", s.exp_avg_rounding, error) ||
       !CheckRoundingCode(i, "exp_avg_sq_rounding", s.exp_avg_sq_rounding, error) ||

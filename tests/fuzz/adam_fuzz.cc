@@ -251,6 +251,7 @@ void FuzzStep(FuzzedDataProvider& in) {
     };
     t.exp_avg_rounding = rounding();
     t.param_rounding = rounding();
+    t.exp_avg_sq_rounding = rounding();
     t.rounding_key = in.ConsumeIntegral<uint32_t>();
     if (in.ConsumeIntegralInRange(0, 7) == 0) t.first_index += (int64_t{1} << 32) - 128;
     const DType dtypes[5] = {t.param_dtype, t.grad_dtype, t.exp_avg_dtype,
