@@ -37,8 +37,8 @@ def table(records) -> str:
     and training cases); "state B/p": optimizer state bytes per parameter."""
     header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
               f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
-              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'extra MiB':>9} {'%state':>7} "
-              f"{'state B/p':>9}")
+              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'extra MiB':>9} "
+              f"{'%state':>7} {'state B/p':>9}")
     lines = [header, "-" * len(header)]
     case_ids = list(dict.fromkeys(r["case"] for r in records))
     for case_id in case_ids:
