@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "counter_hash.h"
 #include "hwy/highway.h"
@@ -298,6 +299,14 @@ HWY_INLINE VF UF8ToF32(VU c) {
   return hn::BitCast(df, r);
 }
 
+// An unsigned code made zero-free (S2.10, S2.12): code 0 becomes 1 where the
+// true value u is not zero (as an integer, min(|u| bits, 1) is 1 exactly then).
+HWY_INLINE VU ZeroFree(VU code, VF u) {
+  const DU du;
+  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
+  return hn::Max(code, hn::Min(u_abs, hn::Set(du, 1u)));
+}
+
 // fp32 -> unsigned E4M4 code (S2.10) of |x| = |u| / s, by F32ToF8's one
 // addition with one more mantissa bit: M = 2^(e + 19) for |x| in [2^e, 2^(e+1))
 // (e >= -6; 2^13 below), whose ulp is the E4M4 step at |x|; 16 codes per binade
@@ -310,9 +319,7 @@ HWY_INLINE VU F32ToUF8(VF x, VF u) {
   // Binades from 2^-6, M = 2^(e + 19): 16 codes per binade.
   const VU code = hn::Min(SmallFloatCode<0x3C800000u, 0x09800000u, 19>(abs),
                           hn::Set(du, 0xFFu));  // unsigned
-  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
-  return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
-                        hn::Set(du, 1u), code);
+  return ZeroFree(code, u);
 }
 
 // Signed E2M1 code (S2.12; zero-extended, the sign in bit 3) -> fp32: for
@@ -332,17 +339,19 @@ HWY_INLINE VF F4ToF32(VU c) {
                                         hn::Set(du, 0x7FC00000u), r));
 }
 
+// Lanes whose magnitude bits `abs` (below 2^31) exceed `bound`'s, as a mask of DU.
+HWY_INLINE auto AbsAbove(VU abs, int32_t bound) {
+  return hn::RebindMask(DU(), hn::Gt(hn::BitCast(DI(), abs), hn::Set(DI(), bound)));
+}
+
 // A signed E2M1 code from magnitude code `mag` of x (`bits`, `abs` its fp32 bits
 // and magnitude's): x's sign unless mag is 0 (no -0); |x| >= 7, inf and NaN give
 // the NaN code 0x8.
 HWY_INLINE VU SignedF4(VU bits, VU abs, VU mag) {
   const DU du;
-  const DI di;
   const VU sign = hn::And(hn::ShiftRight<28>(bits), hn::Set(du, 8u));
   const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
-  return hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x40DFFFFF))),  // >= 7
-      hn::Set(du, 8u), code);
+  return hn::IfThenElse(AbsAbove(abs, 0x40DFFFFF), hn::Set(du, 8u), code);  // >= 7
 }
 
 // fp32 -> signed E2M1 code (S2.12) by F32ToF8's one addition: M = 2^(e + 22)
@@ -376,12 +385,14 @@ HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const VU halves = hn::BitCast(
       du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 8388608.0f))));
   const VU small = hn::ShiftRight<22>(hn::Add(halves, r));
-  const auto at_least_one =
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x3F7FFFFF)));
-  const VU stochastic = SignedF4(bits, abs, hn::IfThenElse(at_least_one, normal, small));
-  const auto top_binade =
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x405FFFFF)));  // >= 3.5
-  return hn::IfThenElse(top_binade, F32ToF4(x), stochastic);
+  const auto at_least_one = AbsAbove(abs, 0x3F7FFFFF);
+  VU mag = hn::IfThenElse(at_least_one, normal, small);
+  // From 3.5 up F32ToF4's nearest, written out (cheaper than SmallFloatCode):
+  // 3.5 and 5 tie to the even code 6 (the value 4), above 5 is code 7 (6), and
+  // SignedF4 makes 7 and up the NaN code.
+  mag = hn::IfThenElse(AbsAbove(abs, 0x405FFFFF), hn::Set(du, 6u), mag);  // >= 3.5
+  mag = hn::Sub(mag, hn::VecFromMask(du, AbsAbove(abs, 0x40A00000)));       // > 5
+  return SignedF4(bits, abs, mag);
 }
 
 // Unsigned E3M1 code (S2.12) -> fp32: (2 + M) * 2^(E - 4) for c >= 2 is c
@@ -404,16 +415,11 @@ HWY_INLINE VF UF4ToF32(VU c) {
 // Zero-free as F32ToUF8: code 0 where u is not zero becomes code 1.
 HWY_INLINE VU F32ToUF4(VF x, VF u) {
   const DU du;
-  const DI di;
   const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
   // Binades from 2^-2, M = 2^(e + 22): 2 codes per binade.
   VU code = SmallFloatCode<0x3E800000u, 0x0B000000u, 22>(abs);
-  code = hn::IfThenElse(
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x41A00000))),  // 20
-      hn::Set(du, 0xFu), code);
-  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
-  return hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
-                        hn::Set(du, 1u), code);
+  code = hn::IfThenElse(AbsAbove(abs, 0x41A00000), hn::Set(du, 0xFu), code);  // > 20
+  return ZeroFree(code, u);
 }
 
 // F32ToUF4 rounded stochastically with 22 of the bits of `random`, as
@@ -433,15 +439,16 @@ HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
   const VU eighths = hn::BitCast(
       du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 33554432.0f))));
   const VU small = hn::ShiftRight<22>(hn::Add(eighths, r));
-  const auto at_least_quarter =
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x3E7FFFFF)));
+  const auto at_least_quarter = AbsAbove(abs, 0x3E7FFFFF);
   VU code = hn::IfThenElse(at_least_quarter, normal, small);
-  const VU u_abs = hn::And(hn::BitCast(du, u), hn::Set(du, 0x7FFFFFFFu));
-  code = hn::IfThenElse(hn::And(hn::Eq(code, hn::Zero(du)), hn::Ne(u_abs, hn::Zero(du))),
-                        hn::Set(du, 1u), code);
-  const auto top =
-      hn::RebindMask(du, hn::Gt(hn::BitCast(di, abs), hn::Set(di, 0x411FFFFF)));  // >= 10
-  return hn::IfThenElse(top, F32ToUF4(x, u), code);
+  code = ZeroFree(code, u);
+  // From 10 up F32ToUF4's nearest, written out: 10 ties to the even code 12
+  // (the value 8), above it 13 (12); 14 ties to 14 (16), as does 20; above 20,
+  // inf and NaN the NaN code 15.
+  code = hn::IfThenElse(AbsAbove(abs, 0x411FFFFF), hn::Set(du, 12u), code);  // >= 10
+  code = hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x41200000)));       // > 10
+  code = hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x415FFFFF)));       // >= 14
+  return hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x41A00000)));       // > 20
 }
 
 // counter_hash.h's Mix32 on every lane.
@@ -832,8 +839,9 @@ struct UF8Codes {
 };
 // The 4-bit ones also pair their codes in even/odd order (kEO); `Map` names
 // the decoder of codes and the encoder of (x / s, x).
-template <class Map>
+template <class MapT>
 struct NibbleCodes {
+  using Map = MapT;
   static constexpr size_t kBits = 4;
   static constexpr bool kHasEvenOdd = true;
   static constexpr float kRawFactor = 1.0f;
@@ -880,7 +888,7 @@ struct UF4Codes : NibbleCodes<UF4Map> {
 // Decodes with scale s: kRawFactor * s in one multiply, which rounds like the
 // reference's value * s whenever that product is finite (it is then exact: a
 // power-of-two factor); else the factor first (exact), then s.
-template <class Codes>
+template <class Codes, class Enable = void>
 struct ScaledLoad {
   float first, second;
   bool twice;
@@ -903,6 +911,47 @@ struct ScaledLoad {
     }
   }
 };
+
+// 4-bit codes where a vector holds 16 fp32 lanes (AVX-512) or 8 (AVX2): the
+// 16 codes' values times s are one or two vectors, built once per scale, and
+// a code loads by a permute (two and a blend on 8 lanes) instead of decoding
+// and multiplying. A lane holds Map::Decode(code) * s, the product above
+// (kRawFactor is 1): the same bits.
+#if !HWY_HAVE_SCALABLE && (HWY_MAX_BYTES == 64 || HWY_MAX_BYTES == 32)
+template <class Codes>
+struct ScaledLoad<Codes, std::enable_if_t<Codes::kBits == 4>> {
+  static constexpr size_t kTables = HWY_MAX_BYTES == 64 ? 1 : 2;
+  VF values[kTables];
+  explicit ScaledLoad(float s) {
+    const DU du;
+    for (size_t t = 0; t < kTables; ++t) {
+      const uint32_t first = static_cast<uint32_t>(t * hn::Lanes(du));
+      values[t] = hn::Mul(Codes::Map::Decode(hn::Iota(du, first)), hn::Set(DF(), s));
+    }
+  }
+  template <bool kEO = false>
+  HWY_INLINE void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) const {
+    VU ca, cb;
+    LoadNibbles<kEO>(p, ca, cb);
+    a = Lookup(ca);
+    b = Lookup(cb);
+  }
+
+ private:
+  HWY_INLINE VF Lookup(VU code) const {
+    const DF df;
+    const DI di;
+    if constexpr (kTables == 1) {
+      return hn::TableLookupLanes(values[0], hn::IndicesFromVec(df, hn::BitCast(di, code)));
+    } else {
+      const auto lane = hn::IndicesFromVec(df, hn::BitCast(di, hn::And(code, hn::Set(DU(), 7u))));
+      return hn::IfThenElse(hn::RebindMask(df, hn::Gt(hn::BitCast(di, code), hn::Set(di, 7))),
+                            hn::TableLookupLanes(values[1], lane),
+                            hn::TableLookupLanes(values[0], lane));
+    }
+  }
+};
+#endif
 
 template <class Codes>
 float* DecodeScaled(const void* src, const void* /*aux*/, size_t n,
