@@ -400,3 +400,9 @@ SCALE_BLOCK_RANGE = (128, 4096)
 def available(fmt: Format) -> bool:
     """Whether the loaded C++ core (if any) can step states of ``fmt``."""
     return fmt.name not in _UNAVAILABLE
+
+
+def unavailable() -> frozenset:
+    """The names of the formats ``available`` refuses (one object until the next
+    ``use_extension``)."""
+    return _UNAVAILABLE

@@ -15,6 +15,8 @@ scale of each fp16 / fp8 state is a local 0-dim tensor in
 
 from __future__ import annotations
 
+import inspect
+import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -23,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from . import _backend, _dtensor, _plan, _state, _validate
+from . import _backend, _dtensor, _formats, _plan, _state, _step_hooks, _validate
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 # torch.compiler.disable with dynamo imported at the first call, not at import
@@ -108,6 +110,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
+        self._settings_passed = None  # _check_settings' last passed settings
         super().__init__(params, defaults)
         if set_grad_none is not None:
             warnings.warn(
@@ -136,6 +139,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans = []
         self._param_index = {}
         self._checked = {}
+        self._settings_passed = None
 
     # ------------------------------------------------------------------ groups
 
@@ -180,13 +184,27 @@ class FusedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):
+    def _plain_step(self, closure=None, grad_scaler=None):
         """One Adam/AdamW step for every group (S3).
 
         ``grad_scaler`` is accepted and ignored (S3.8): ``GradScaler.step`` unscales the
         gradients and skips steps with non-finite gradients before calling this.
         """
         return self._step(closure)
+
+    _hooked_step = _step_hooks.profiled(_plain_step)
+
+    def step(self, *args, **kwargs):
+        # torch's profiler range and step hooks where they are in use (_step_hooks),
+        # which see the arguments as given; a subclass's own step() is wrapped by
+        # torch and runs them itself.
+        if type(self).step is FusedAdam.step and _step_hooks.needed(self):
+            return self._hooked_step(*args, **kwargs)
+        return self._plain_step(*args, **kwargs)
+
+    step.__doc__ = _plain_step.__doc__
+    step.__signature__ = inspect.signature(_plain_step)
+    step.hooked = True  # so torch.optim.Optimizer leaves it unwrapped
 
     # Dynamo cannot trace a step (raw storage pointers into the core, cached plans):
     # compiled code that calls step() breaks its graph here and runs it eagerly. (Not
@@ -198,13 +216,7 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         # (2) validate everything, (3) only then mutate (S3.1).
-        _validate.check_options(
-            amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
-            master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
-            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
-        _validate.check_moment_format(self.moment_format, self.moment_block_size,
-                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
-        _validate.check_param_rounding(self.param_rounding, self.master_weights)
+        self._check_settings()
         work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
         if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)
@@ -224,6 +236,27 @@ class FusedAdam(torch.optim.Optimizer):
                 _backend.run(item, hyper)
             group["step"] = hyper.step  # every group, even with no gradient (S2.8)
         return loss
+
+    def _check_settings(self) -> None:
+        """The settings may change between steps (S1.5): checked again when one is
+        another object than at the last check that passed (the flags by truth value;
+        the rest are immutable where valid, so the same objects pass again), or when
+        what the loaded core offers is."""
+        settings = (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
+                    self.exp_avg_dtype, self.exp_avg_sq_dtype, self.moment_format,
+                    self.moment_block_size, self.param_rounding, _formats.unavailable(),
+                    _formats.SCALE_BLOCK_RANGE)
+        passed = self._settings_passed
+        if passed is not None and all(map(operator.is_, settings, passed)):
+            return
+        _validate.check_options(
+            amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
+            master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
+            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        _validate.check_moment_format(self.moment_format, self.moment_block_size,
+                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        _validate.check_param_rounding(self.param_rounding, self.master_weights)
+        self._settings_passed = settings
 
     def _prepare_group(self, index: int, group: dict):
         """Checks one group and gathers its gradients; reads only."""

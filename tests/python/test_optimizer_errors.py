@@ -518,6 +518,15 @@ def set_attribute(key, value):
     return apply
 
 
+def capturable_in_place(opt, params):
+    """A flag object that passed a step as false and turns true in place (step()
+    checks settings again only when they change, by truth value for flags)."""
+    flag = []
+    opt.capturable = flag
+    opt.step()
+    flag.append(1)
+
+
 def swap_param(value):
     def apply(opt, params):
         opt.param_groups[1]["params"][1] = value
@@ -571,6 +580,10 @@ STEP_ERRORS = [
      facts(r"group\W*1\b", r"Invalid weight_decay value")),
     ("master_weight_dtype-bf16", True, set_attribute("master_weight_dtype", torch.bfloat16),
      RuntimeError, facts("FusedAdam", "(?i)master", "bfloat16")),
+    ("capturable-set", True, set_attribute("capturable", True), RuntimeError,
+     facts("FusedAdam", "(?i)capturable")),
+    ("capturable-turned-true-in-place", True, capturable_in_place, RuntimeError,
+     facts("FusedAdam", "(?i)capturable")),
     ("swapped-in-int64-param", True, swap_param(torch.zeros(4, dtype=torch.int64)),
      RuntimeError, facts(*at(1, 1), "int64")),
     ("swapped-in-float64-param", True,
