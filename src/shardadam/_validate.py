@@ -169,10 +169,13 @@ def _number(value) -> Optional[float]:
 
 # What step() reads from every group.
 GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
+_GROUP_KEY_SET = frozenset(GROUP_KEYS)
 
 
 def check_group_keys(group: dict, group_index: int) -> None:
     """A group edited or appended by hand may lack a key that step() reads."""
+    if group.keys() >= _GROUP_KEY_SET:  # one C-level test for the usual group
+        return
     for key in GROUP_KEYS:
         if key not in group:
             raise fail(KeyError, f"the group has no {key!r} (rule: every group holds "
@@ -182,6 +185,23 @@ def check_group_keys(group: dict, group_index: int) -> None:
 
 def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
     """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2)."""
+    lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
+    # The usual group, Python floats and ints in range, without a call per value:
+    # step() checks every group at every step.
+    if (type(lr) in _PLAIN_REALS and type(eps) in _PLAIN_REALS and type(wd) in _PLAIN_REALS
+            and type(betas) is tuple and len(betas) == 2 and type(betas[0]) in _PLAIN_REALS
+            and type(betas[1]) in _PLAIN_REALS and 0.0 <= lr < math.inf
+            and 0.0 <= eps < math.inf and 0.0 <= wd < math.inf and 0.0 <= betas[0] < 1.0
+            and 0.0 <= betas[1] < 1.0):
+        return float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd)
+    return _checked_hyper_parameters(group, group_index)
+
+
+_PLAIN_REALS = (float, int)  # not bool: type(True) is bool
+
+
+def _checked_hyper_parameters(group: dict, group_index: Optional[int]) -> tuple:
+    """hyper_parameters for any value: tensors, numpy numbers, lists; refusals."""
     def bad(rule, value):
         return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
 

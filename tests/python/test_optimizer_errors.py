@@ -448,6 +448,22 @@ def test_add_param_group_rejects_bad_hyper_parameters():
     assert extra not in opt.state
 
 
+@pytest.mark.parametrize("values", [
+    dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0),
+    dict(lr=0, betas=(0.0, 0.5), eps=0.0, weight_decay=0.1),
+    dict(lr=-0.0, betas=(0.5, 0.25), eps=3, weight_decay=2.0),
+    dict(lr=1e300, betas=(0.9, 0.95), eps=5e-324, weight_decay=10**20),
+])
+def test_usual_hyper_parameters_read_as_the_general_check_reads_them(values):
+    """step()'s shortcut for groups of Python floats and ints gives the general check's
+    floats."""
+    from shardadam import _validate
+    fast = _validate.hyper_parameters(values, 0)
+    general = _validate._checked_hyper_parameters(values, 0)
+    assert fast == general
+    assert [type(v) for v in fast] == [float] * 5
+
+
 # --------------------------------------------------------------------------------------
 # step() (S3.1 - S3.4)
 
