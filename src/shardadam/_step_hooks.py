@@ -35,8 +35,11 @@ def profiled(step):
 
 
 def needed(optimizer) -> bool:
-    """Whether a step of ``optimizer`` now needs torch's wrapper."""
-    return bool(_profiler_enabled() or _torch_optimizer._global_optimizer_pre_hooks
+    """Whether a step of ``optimizer`` now needs torch's wrapper: also while dynamo
+    traces the call, which traces that wrapper as for torch's own optimizers and
+    cannot trace ``_profiler_enabled``."""
+    return bool(torch.compiler.is_compiling() or _profiler_enabled()
+                or _torch_optimizer._global_optimizer_pre_hooks
                 or _torch_optimizer._global_optimizer_post_hooks
                 or optimizer._optimizer_step_pre_hooks
                 or optimizer._optimizer_step_post_hooks)

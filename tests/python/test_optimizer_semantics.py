@@ -370,6 +370,7 @@ def test_configuration_changed_between_steps_is_followed(change, backend):
     assert_same_optimizer_state(ref, opt, ref_params, params, change)
 
 
+@pytest.mark.filterwarnings("error:Dynamo does not know how to trace:UserWarning")
 def test_step_called_from_compiled_code_runs_eagerly(backend):
     """torch.compile around code that calls step(): dynamo cannot trace the step (raw
     pointers into the core, cached plans), so the step runs eagerly there -- also the

@@ -144,3 +144,22 @@ def test_lr_scheduler_sees_the_step():
         opt.step()
         scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+@pytest.mark.filterwarnings("error:Dynamo does not know how to trace:UserWarning")
+def test_compiled_step_runs_hooks_once():
+    """torch.compile(opt.step): dynamo traces torch's wrapper, as for torch's own
+    optimizers; the hooks still run once per step, and nothing is traced that dynamo
+    warns about."""
+    torch._dynamo.reset()
+    opt, _ = make()
+    calls = []
+    handle = opt.register_step_pre_hook(lambda *args: calls.append(args))
+    try:
+        step = torch.compile(opt.step, backend="eager", fullgraph=False)
+        step()
+        step()
+    finally:
+        handle.remove()
+    assert len(calls) == 2
+    assert opt.param_groups[0]["step"] == 2
