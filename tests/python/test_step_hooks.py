@@ -1,6 +1,7 @@
-"""step()'s optimizer step hooks and profiler range (``_step_hooks``): they behave as
-torch's own ``Optimizer.profile_hook_step`` makes them behave for ``torch.optim.AdamW``,
-and the range is entered only while a profiler records or a hook is registered."""
+"""step()'s optimizer step hooks and profiler range (SEMANTICS S3.10, ``_step_hooks``):
+they behave as torch's own ``Optimizer.profile_hook_step`` makes them behave for
+``torch.optim.AdamW``, and the range is entered only while a profiler records or a hook
+is registered."""
 
 import warnings
 
