@@ -7,8 +7,9 @@ around every call. The range is two dispatcher calls even when no profiler recor
 it: about 10 µs of the 45 µs a one-tensor ``step()`` took (docs/performance.md).
 ``FusedAdam.step`` is therefore marked as already wrapped, and calls torch's own
 wrapper (``profiled``) only when it has work: a profiler records on this thread, or
-a step hook is registered. Otherwise it steps directly. Hooks and profiles behave
-exactly as with torch's wrapper, which is what runs whenever they are in use.
+a step hook is registered (and while dynamo traces the call: SEMANTICS S3.9).
+Otherwise it steps directly. Hooks and profiles behave exactly as with torch's wrapper,
+which is what runs whenever they are in use (S3.10).
 
 Private torch APIs read here (in every torch >= 2.4), and why:
 - the ``hooked`` attribute of a class's ``step``: ``Optimizer._patch_step_function``
