@@ -14,10 +14,15 @@ TEST_SOURCES := $(shell find tests/cpp benchmarks -type f 2>/dev/null)
 # capability 8.0 only, which compiles the kernels (checked, not run: their
 # tests need a GPU) in about a quarter of the time of the shipped set, and still
 # runs on any GPU from 8.0 on (its driver compiles it at first use). A wheel or
-# a plain `cmake` build gets the shipped set (CMakeLists.txt).
+# a plain `cmake` build gets the shipped set (CMakeLists.txt); so does
+# `make test CUDA_ARCHS="80-real;90-real;90-virtual"`.
 CUDA_ARCHS ?= $(shell cap=$$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader \
 	2>/dev/null | head -n1 | tr -d ' .' | grep -xE '[0-9]+'); \
 	if [ -n "$$cap" ]; then echo $$cap-real; else echo 80-virtual; fi)
+# Both builds are redone when the value changes: it is recorded here.
+CUDA_ARCHS_RECORD := build/.cuda-archs
+$(shell mkdir -p build && { [ "$$(cat $(CUDA_ARCHS_RECORD) 2>/dev/null)" = '$(CUDA_ARCHS)' ] \
+	|| echo '$(CUDA_ARCHS)' > $(CUDA_ARCHS_RECORD); })
 
 .PHONY: setup system-deps demo test test-cpp test-python bench clean
 
@@ -53,15 +58,15 @@ $(VENV)/.deps-stamp: requirements-dev.txt requirements-megatron-core.txt | syste
 # Kept in the venv: each venv holds its own build of the extension. It links
 # Debian's shared libhwy (system-deps installs it): nothing to download or build
 # beyond our own code. A wheel links Highway statically (README, Install).
-$(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES)
+$(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES) $(CUDA_ARCHS_RECORD)
 	$(PY) -m pip install -q --no-build-isolation -C cmake.define.SHARDADAM_HWY=shared \
-	    $(CUDA_ARCHS:%=-C cmake.define.CMAKE_CUDA_ARCHITECTURES=%) -e .
+	    $(if $(CUDA_ARCHS),-C cmake.define.CMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") -e .
 	touch $@
 
-$(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) | system-deps
+$(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) $(CUDA_ARCHS_RECORD) | system-deps
 	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON \
-	    $(CUDA_ARCHS:%=-DCMAKE_CUDA_ARCHITECTURES=%) >/dev/null
-	cmake --build $(CPP_BUILD) -j2
+	    $(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") >/dev/null
+	$(CPP_NICE) cmake --build $(CPP_BUILD) -j2
 	touch $@
 
 demo: $(VENV)/.package-stamp
@@ -69,12 +74,14 @@ demo: $(VENV)/.package-stamp
 
 # The C++ and the Python side by side: pytest keeps about one core busy (its
 # ranks and the bench's timed steps wait on one another), ctest and the builds
-# take the rest. Each one's output is printed together when it ends.
+# take the rest, at a lower priority (CPP_NICE): the Python side is the longer.
+# Each one's output is printed together when it ends.
+CPP_NICE := nice -n 10
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cpp test-python
 
 test-cpp: $(CPP_BUILD)/.build-stamp
-	ctest --test-dir $(CPP_BUILD) --output-on-failure -j2
+	$(CPP_NICE) ctest --test-dir $(CPP_BUILD) --output-on-failure -j2
 
 test-python: $(VENV)/.package-stamp
 	$(PY) -m pytest -q
