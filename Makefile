@@ -66,7 +66,7 @@ $(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES) $(CUDA_ARCHS_RECORD)
 $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) $(CUDA_ARCHS_RECORD) | system-deps
 	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON \
 	    $(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") >/dev/null
-	$(CPP_NICE) cmake --build $(CPP_BUILD) -j2
+	MAKEFLAGS= $(CPP_NICE) cmake --build $(CPP_BUILD) -j2
 	touch $@
 
 demo: $(VENV)/.package-stamp

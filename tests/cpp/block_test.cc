@@ -254,25 +254,25 @@ TEST_P(BlockStepTest, MatchesReferenceOnEveryTarget) {
                 {(int64_t{1} << 32) - 300, 1000, 128}};
   // 4-bit states pack two codes per byte and need an even first index.
   const int64_t parity = HasFourBit(c.exp_avg, c.exp_avg_sq) ? ~int64_t{1} : ~int64_t{0};
-  for (int threads : {1, 2}) {
-    std::vector<BlockTensor> state;
-    for (const auto& s : shards) {
-      state.push_back(MakeShard(c, s.first_index & parity, s.numel, s.block));
-    }
-    for (int step = 1; step <= 3; ++step) {
-      StepParams params;
-      params.adam_w_mode = c.adam_w;
-      params.lr = 1e-2;
-      params.weight_decay = 0.05;
-      params.step = step;
-      // The last step without bias correction: the kernels that skip dividing by 1.
-      params.bias_correction = step < 3;
-      for (BlockTensor& t : state) FillGrad(&t, step);
-      std::vector<BlockTensor> want = state;
-      std::vector<TensorSlot> want_slots;
-      for (BlockTensor& t : want) want_slots.push_back(t.Slot());
-      ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
-      ForEachTarget([&] {
+  std::vector<BlockTensor> state;
+  for (const auto& s : shards) {
+    state.push_back(MakeShard(c, s.first_index & parity, s.numel, s.block));
+  }
+  for (int step = 1; step <= 3; ++step) {
+    StepParams params;
+    params.adam_w_mode = c.adam_w;
+    params.lr = 1e-2;
+    params.weight_decay = 0.05;
+    params.step = step;
+    // The last step without bias correction: the kernels that skip dividing by 1.
+    params.bias_correction = step < 3;
+    for (BlockTensor& t : state) FillGrad(&t, step);
+    std::vector<BlockTensor> want = state;
+    std::vector<TensorSlot> want_slots;
+    for (BlockTensor& t : want) want_slots.push_back(t.Slot());
+    ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
+    ForEachTarget([&] {
+      for (int threads : {1, 2}) {
         std::vector<BlockTensor> got = state;
         std::vector<TensorSlot> slots;
         for (BlockTensor& t : got) slots.push_back(t.Slot());
@@ -282,11 +282,12 @@ TEST_P(BlockStepTest, MatchesReferenceOnEveryTarget) {
                   Status::kOk)
             << error.message;
         for (size_t k = 0; k < got.size(); ++k) {
-          ASSERT_TRUE(SameTensor(want[k], got[k])) << "shard " << k << ", step " << step;
+          ASSERT_TRUE(SameTensor(want[k], got[k]))
+              << "shard " << k << ", step " << step << ", threads " << threads;
         }
-      });
-      state = want;
-    }
+      }
+    });
+    state = want;
   }
 }
 

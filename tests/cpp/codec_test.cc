@@ -1200,6 +1200,61 @@ TEST(SimdRemainderTest, StepWithZeroLrRestoresMasterBitwise) {
   });
 }
 
+// The comparison the bitwise tests rest on (test_util.h, which compares whole
+// bytes first): one differing element anywhere is found, the odd last code of a
+// 4-bit buffer included; a 4-bit buffer's padding nibble is not an element; any
+// NaN equals any NaN, and nothing else.
+TEST(SameElementsTest, FindsEachDifferenceAndTakesAnyNaNForAnyNaN) {
+  constexpr int64_t kNumel = 37;  // odd: a 4-bit buffer ends in half a byte
+  for (int d = 1; d < kNumDTypes; ++d) {
+    const DType dtype = static_cast<DType>(d);
+    SCOPED_TRACE(DTypeName(dtype));
+    const int bits = FormatOf(dtype).item_bits;
+    const auto set = [&](std::vector<uint8_t>* buffer, int64_t i, uint32_t code) {
+      uint8_t* bytes = buffer->data();
+      if (bits == 4) {
+        const int shift = i % 2 == 0 ? 0 : 4;
+        bytes[i / 2] = static_cast<uint8_t>((bytes[i / 2] & ~(0xF << shift)) | (code << shift));
+      } else {
+        std::memcpy(bytes + i * (bits / 8), &code, static_cast<size_t>(bits / 8));
+      }
+    };
+    // Codes 1-3 and 5-7 are finite numbers in every format.
+    std::vector<uint8_t> want(static_cast<size_t>((kNumel * bits + 7) / 8));
+    for (int64_t i = 0; i < kNumel; ++i) set(&want, i, static_cast<uint32_t>(1 + i % 3));
+    EXPECT_TRUE(SameElements(want.data(), want.data(), dtype, kNumel));
+    for (int64_t i = 0; i < kNumel; ++i) {
+      std::vector<uint8_t> got = want;
+      set(&got, i, ElementBits(want.data(), dtype, i) ^ 4u);
+      const ::testing::AssertionResult same = SameElements(want.data(), got.data(), dtype, kNumel);
+      EXPECT_FALSE(same) << "element " << i;
+      EXPECT_NE(std::string(same.message()).find("first at " + std::to_string(i) + ":"),
+                std::string::npos)
+          << same.message();
+    }
+    if (bits == 4) {
+      std::vector<uint8_t> got = want;
+      got.back() ^= 0xF0;  // the padding nibble after element 36
+      EXPECT_TRUE(SameElements(want.data(), got.data(), dtype, kNumel));
+    }
+    std::vector<uint32_t> nans;
+    if (bits == 32) {
+      nans = {0x7FC00000u, 0xFFC00001u};
+    } else {
+      for (uint32_t code = 0; code < (1u << bits); ++code) {
+        if (IsNaNElement(code, dtype)) nans.push_back(code);
+      }
+    }
+    if (nans.empty()) continue;  // no NaN (the remainder)
+    std::vector<uint8_t> nan = want;
+    set(&nan, 5, nans.front());
+    std::vector<uint8_t> other = want;
+    set(&other, 5, nans.back());
+    EXPECT_TRUE(SameElements(nan.data(), other.data(), dtype, kNumel));
+    EXPECT_FALSE(SameElements(nan.data(), want.data(), dtype, kNumel));
+  }
+}
+
 }  // namespace
 }  // namespace testing
 }  // namespace shardadam

@@ -246,7 +246,7 @@ TEST_P(MeasureSkipTest, LateMaximumIsMeasured) {
                      " spike at " + std::to_string(at));
         const std::vector<Tensor> tensors = {
             SpikedTensor(c.config, n, at, c.spike, scale, &rng)};
-        for (int threads : {1, 2}) ExpectStepMatchesReference(tensors, params, threads);
+        ExpectStepMatchesReference(tensors, params, {1, 2});
       }
     }
   }

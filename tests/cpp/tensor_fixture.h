@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <ostream>
 #include <random>
 #include <string>
@@ -359,24 +360,34 @@ inline std::vector<StepParams> Schedule(bool adam_w) {
 }
 
 // One step of `tensors` by the reference and, from the same starting state, by
-// the SIMD kernels on every target with `threads` threads: all must agree.
-// Returns the reference's result.
+// the SIMD kernels on every target with each of `thread_counts` threads: all
+// must agree. Returns the reference's result (computed once: it is scalar, the
+// larger part of the time at every size).
 inline std::vector<Tensor> ExpectStepMatchesReference(
-    const std::vector<Tensor>& tensors, const StepParams& params, int threads) {
+    const std::vector<Tensor>& tensors, const StepParams& params,
+    std::initializer_list<int> thread_counts) {
   std::vector<Tensor> want = tensors;
   std::vector<TensorSlot> want_slots = Slots(&want);
   ref::AdamStep(want_slots.data(), static_cast<int64_t>(want_slots.size()), params);
   ForEachTarget([&] {
-    std::vector<Tensor> got = tensors;
-    std::vector<TensorSlot> slots = Slots(&got);
-    Error error;
-    ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params,
-                       threads, &error),
-              Status::kOk)
-        << error.message;
-    ASSERT_TRUE(SameTensors(want, got));
+    for (int threads : thread_counts) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      std::vector<Tensor> got = tensors;
+      std::vector<TensorSlot> slots = Slots(&got);
+      Error error;
+      ASSERT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), params,
+                         threads, &error),
+                Status::kOk)
+          << error.message;
+      ASSERT_TRUE(SameTensors(want, got));
+    }
   });
   return want;
+}
+
+inline std::vector<Tensor> ExpectStepMatchesReference(
+    const std::vector<Tensor>& tensors, const StepParams& params, int threads) {
+  return ExpectStepMatchesReference(tensors, params, {threads});
 }
 
 }  // namespace testing
