@@ -361,8 +361,7 @@ inline std::vector<StepParams> Schedule(bool adam_w) {
 
 // One step of `tensors` by the reference and, from the same starting state, by
 // the SIMD kernels on every target with each of `thread_counts` threads: all
-// must agree. Returns the reference's result (computed once: it is scalar, the
-// larger part of the time at every size).
+// must agree. Returns the reference's result (computed once for all of them).
 inline std::vector<Tensor> ExpectStepMatchesReference(
     const std::vector<Tensor>& tensors, const StepParams& params,
     std::initializer_list<int> thread_counts) {

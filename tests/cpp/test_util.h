@@ -83,8 +83,9 @@ inline ::testing::AssertionResult SameElements(const void* want,
   // and for a 4-bit buffer's odd last element.
   const int bits = FormatOf(dtype).item_bits;
   const int64_t bytes = numel * bits / 8;
+  // (An empty buffer may be a null pointer, which memcmp may not be given.)
   const bool equal_bytes =
-      bits > 0 && std::memcmp(want, got, static_cast<size_t>(bytes)) == 0;
+      bits > 0 && (bytes == 0 || std::memcmp(want, got, static_cast<size_t>(bytes)) == 0);
   int64_t mismatches = 0, first = -1;
   for (int64_t i = equal_bytes ? bytes * 8 / bits : 0; i < numel; ++i) {
     const uint32_t x = ElementBits(want, dtype, i);
