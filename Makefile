@@ -63,6 +63,7 @@ $(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES) $(CUDA_ARCHS_RECORD)
 	    $(if $(CUDA_ARCHS),-C cmake.define.CMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") -e .
 	touch $@
 
+# MAKEFLAGS cleared: a Makefiles-generated tree's own make takes none of ours.
 $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) $(CUDA_ARCHS_RECORD) | system-deps
 	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON \
 	    $(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") >/dev/null
