@@ -122,14 +122,20 @@ def check_together(prepared: list, passed: dict) -> None:
     passed: only the gradient columns change while the plans stand, so an unchanged
     set of gradients is not checked again. The torch path's batches are checked for
     the same rule by ``_torch_path.check_shared_memory``."""
-    _torch_path.check_shared_memory([item.work for item in prepared if item.path is None],
-                                    passed)
-    _check_written_back(prepared)
-    calls = {}
+    torch_works, calls, count, write_back = [], {}, 0, False
     for item in prepared:
-        if item.call is not None and item.call.slots:
-            calls.setdefault(item.work.batch.device, []).append(item.call)
-    if sum(map(len, calls.values())) < 2:
+        call = item.call
+        if call is None:
+            torch_works.append(item.work)
+        elif call.slots:
+            calls.setdefault(item.work.batch.device, []).append(call)
+            count += 1
+            write_back = write_back or bool(call.write_back)
+    if torch_works:
+        _torch_path.check_shared_memory(torch_works, passed)
+    if write_back:
+        _check_written_back(prepared)
+    if count < 2:
         return  # a lone call checks itself before writing anything
     for device, same_device in calls.items():
         signature = [(call.entries, call.slots[_slots.GRAD::_slots.COLUMNS],
@@ -151,11 +157,10 @@ def _check_written_back(prepared: list) -> None:
     """The core sees a non-contiguous parameter only as its contiguous copy; the step
     writes the parameter's own memory when the copy is written back. A gradient in that
     memory is refused here, as on a step that binds (check_before_binding) and on the
-    torch path. Only steps with such a parameter pay for this."""
-    if any(item.call is not None and item.call.write_back for item in prepared):
-        _refuse_grads_in_written_memory(
-            [item.work for item in prepared if item.call is not None],
-            lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)])
+    torch path. Only steps with such a parameter run this."""
+    _refuse_grads_in_written_memory(
+        [item.work for item in prepared if item.call is not None],
+        lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)])
 
 
 def _same_signature(old, new) -> bool:

@@ -128,6 +128,7 @@ class GroupPlan:
         self.state = state
         self.scales = scales
         self.formats = formats
+        self.bound = False
         self.held = None  # set by bind(): what the plan rests on, see is_current
         self.entries = [
             Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)),
@@ -140,7 +141,7 @@ class GroupPlan:
 
     def is_current(self, group: dict, config, state, scales, formats) -> bool:
         params = group["params"]
-        return (self.held is not None and self.group is group
+        return (self.bound and self.group is group
                 and self.state is state and self.scales is scales
                 and self.formats is formats
                 and self.config == config
@@ -149,9 +150,6 @@ class GroupPlan:
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
                 and self.held.unchanged())
 
-    @property
-    def bound(self) -> bool:
-        return self.held is not None
 
     def bind(self) -> None:
         """Create or convert each parameter's state to match the configuration, then
@@ -167,6 +165,7 @@ class GroupPlan:
             entry.bind(specs, state[entry.param], scales.get(entry.param),
                        self.config.param_rounding)
         self.held = _Held(self.entries, self.config, state, scales)
+        self.bound = True
         for batch in self.batches:
             batch.backend_cache.clear()
 
@@ -214,6 +213,8 @@ class _Held:
         found = []
         for container, params, positions, names in zip(
                 (self.state, self.scales), self.params, self.positions, self.names):
+            if not params:  # no scaled state: the scales are not read
+                continue
             keys, entries = list(container), list(container.values())
             try:
                 if not all(map(operator.is_, map(keys.__getitem__, positions), params)):

@@ -1,4 +1,5 @@
-"""``step()``'s profiler range and step hooks, paid for only when they are used.
+"""What torch wraps an optimizer's ``step()`` in, paid for only where it does something:
+the profiler range and step hooks, no-grad mode, and dynamo's disable wrapper.
 
 ``torch.optim.Optimizer.__init__`` wraps a subclass's ``step`` in
 ``Optimizer.profile_hook_step``: a profiler range named
@@ -11,7 +12,15 @@ a step hook is registered (and while dynamo traces the call: SEMANTICS S3.9).
 Otherwise it steps directly. Hooks and profiles behave exactly as with torch's wrapper,
 which is what runs whenever they are in use (S3.10).
 
-Private torch APIs read here (in every torch >= 2.4), and why:
+Gradient mode is switched off for the step as ``torch.no_grad()`` does, by the C
+function that context manager ends in. Dynamo cannot trace a step (raw storage pointers
+into the core, cached plans): where dynamo evaluates frames (it traces the call, or
+runs code with its frame callback set) the step runs inside dynamo's disable wrapper,
+so compiled code breaks its graph there and runs the step eagerly; in plain eager code
+no callback is set and the wrapper is skipped. Both wrappers are Python frames that
+cost ~70 µs of a step that starts with cold caches (docs/performance.md).
+
+Private torch APIs read here (in every torch >= 2.4 unless said), and why:
 - the ``hooked`` attribute of a class's ``step``: ``Optimizer._patch_step_function``
   leaves a ``step`` that has it unwrapped;
 - ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_post_hooks``: the hooks
@@ -19,7 +28,14 @@ Private torch APIs read here (in every torch >= 2.4), and why:
 - ``Optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``: the
   optimizer's own (``register_step_pre_hook`` / ``register_step_post_hook``);
 - ``torch._C._autograd._profiler_enabled()``: whether a profiler records this thread,
-  the condition under which ``record_function`` records anything.
+  the condition under which ``record_function`` records anything;
+- ``torch._C._set_grad_enabled``: what ``torch.no_grad()`` and ``torch.set_grad_enabled``
+  call (dynamo traces it as they);
+- ``torch._disable_dynamo``: torch's own lazy form of ``torch.compiler.disable``
+  (importing dynamo costs ~1.5 s; the public one where it is gone);
+- ``torch._C._dynamo.eval_frame.set_eval_frame``: swaps dynamo's frame callback and
+  returns the one set, the call dynamo's disable wrapper starts with; where a torch
+  lacks it, every step takes the wrapper.
 """
 
 from __future__ import annotations
@@ -28,6 +44,24 @@ import torch
 from torch.optim import optimizer as _torch_optimizer
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
+is_grad_enabled = torch.is_grad_enabled
+set_grad_enabled = torch._C._set_grad_enabled
+disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+_set_eval_frame = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None),
+                          "set_eval_frame", None)
+
+
+def dynamo_frames() -> bool:
+    """Whether dynamo evaluates the frames a call makes now (its callback is set; also
+    its run-only mode, ``False``), or this torch cannot say. Not traceable: called only
+    where dynamo does not trace (``needed`` is false)."""
+    if _set_eval_frame is None:
+        return True
+    callback = _set_eval_frame(None)
+    if callback is None:
+        return False
+    _set_eval_frame(callback)
+    return True
 
 
 def profiled(step):

@@ -21,22 +21,39 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _backend, _dtensor, _formats, _plan, _state, _step_hooks, _validate
 from ._state import LAYOUT_KEY, STATE_NAMES
 
-# torch.compiler.disable with dynamo imported at the first call, not at import
-# (~1.5 s); torch.optim's own optimizers use it so. The public one where it is gone.
-_disable_dynamo = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
-
 # Settings beyond torch's defaults that travel with a pickled optimizer.
 _CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
                       "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
                       "store_param_remainders", "set_grad_none", "moment_format",
                       "moment_block_size", "param_rounding")
+
+
+class _Settings(NamedTuple):
+    """The optimizer's settings that a step depends on, as read at its start (the flags
+    by truth value)."""
+
+    capturable: bool
+    master_weights: bool
+    master_weight_dtype: object
+    exp_avg_dtype: object
+    exp_avg_sq_dtype: object
+    store_param_remainders: bool
+    moment_format: object
+    moment_block_size: object
+    param_rounding: object
+
+    def config(self) -> _state.StateConfig:
+        return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
+                                  self.master_weights, self.master_weight_dtype,
+                                  self.store_param_remainders, self.moment_format,
+                                  self.moment_block_size, self.param_rounding)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -110,7 +127,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
-        self._settings_passed = None  # _check_settings' last passed settings
+        self._settings_passed = None  # _checked_config's last passed settings
         super().__init__(params, defaults)
         if set_grad_none is not None:
             warnings.warn(
@@ -174,56 +191,72 @@ class FusedAdam(torch.optim.Optimizer):
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout)
 
+    def _settings(self) -> tuple:
+        """The settings a step depends on, read now (S1.5: they may change), in
+        ``_Settings``' order. (A plain tuple: a named one costs a Python frame.)"""
+        return (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
+                self.exp_avg_dtype, self.exp_avg_sq_dtype, bool(self.store_param_remainders),
+                self.moment_format, self.moment_block_size, self.param_rounding)
+
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
-        return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
-                                  bool(self.master_weights), self.master_weight_dtype,
-                                  self.store_param_remainders, self.moment_format,
-                                  self.moment_block_size, self.param_rounding)
+        return _Settings(*self._settings()).config()
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
     def _plain_step(self, closure=None, grad_scaler=None):
         """One Adam/AdamW step for every group (S3).
 
         ``grad_scaler`` is accepted and ignored (S3.8): ``GradScaler.step`` unscales the
         gradients and skips steps with non-finite gradients before calling this.
         """
-        return self._step(closure)
+        # torch.no_grad() as C calls, dynamo's disable wrapper only where dynamo
+        # evaluates frames (_step_hooks).
+        grad_enabled = _step_hooks.is_grad_enabled()
+        _step_hooks.set_grad_enabled(False)
+        try:
+            if _step_hooks.dynamo_frames():
+                return self._undynamic_step(closure)
+            return self._step(closure)
+        finally:
+            _step_hooks.set_grad_enabled(grad_enabled)
 
-    _hooked_step = _step_hooks.profiled(_plain_step)
+    @torch.no_grad()
+    def _traced_step(self, closure=None, grad_scaler=None):
+        # The step with hooks or a profiler, and what dynamo traces: in its disable
+        # wrapper always (dynamo cannot trace dynamo_frames), as torch's optimizers.
+        return self._undynamic_step(closure)
 
     def step(self, *args, **kwargs):
-        # torch's profiler range and step hooks where they are in use (_step_hooks),
-        # which see the arguments as given; a subclass's own step() is wrapped by
-        # torch and runs them itself.
-        if type(self).step is FusedAdam.step and _step_hooks.needed(self):
-            return self._hooked_step(*args, **kwargs)
+        # torch's profiler range and step hooks where they are in use, and while dynamo
+        # traces the call (_step_hooks); they see the arguments as given. A subclass's
+        # own step() is wrapped by torch and runs them itself.
+        if _step_hooks.needed(self):
+            if type(self).step is FusedAdam.step:
+                return self._hooked_step(*args, **kwargs)
+            return self._traced_step(*args, **kwargs)
         return self._plain_step(*args, **kwargs)
 
+    _hooked_step = _step_hooks.profiled(_traced_step)
     step.__doc__ = _plain_step.__doc__
     step.__signature__ = inspect.signature(_plain_step)
     step.hooked = True  # so torch.optim.Optimizer leaves it unwrapped
 
-    # Dynamo cannot trace a step (raw storage pointers into the core, cached plans):
-    # compiled code that calls step() breaks its graph here and runs it eagerly. (Not
-    # on step() itself: torch.compile(opt.step) then calls it without `self`.)
-    @_disable_dynamo
     def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         # (2) validate everything, (3) only then mutate (S3.1).
-        self._check_settings()
-        work = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
-        if not all(plan.bound for plan, _, _ in work):  # a parameter set is new
+        config = self._checked_config()
+        work = [self._prepare_group(i, group, config)
+                for i, group in enumerate(self.param_groups)]
+        unbound = [plan for plan, _, _ in work if not plan.bound]
+        if unbound:  # a parameter set is new
             _validate.check_disjoint_params(self.param_groups)
             _backend.check_before_binding([b for _, _, batches in work for b in batches],
                                           self.state, self._scales)
-        for plan, _, _ in work:
-            if not plan.bound:
+            for plan in unbound:
                 plan.bind()
         prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
                     for _, _, batches in work]
@@ -237,43 +270,49 @@ class FusedAdam(torch.optim.Optimizer):
             group["step"] = hyper.step  # every group, even with no gradient (S2.8)
         return loss
 
-    def _check_settings(self) -> None:
-        """The settings may change between steps (S1.5): checked again when one is
-        another object than at the last check that passed (the flags by truth value;
-        the rest are immutable where valid, so the same objects pass again), or when
-        what the loaded core offers is."""
-        settings = (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
-                    self.exp_avg_dtype, self.exp_avg_sq_dtype, self.moment_format,
-                    self.moment_block_size, self.param_rounding, _formats.unavailable(),
-                    _formats.SCALE_BLOCK_RANGE)
-        passed = self._settings_passed
-        if passed is not None and all(map(operator.is_, settings, passed)):
-            return
-        _validate.check_options(
-            amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
-            master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
-            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
-        _validate.check_moment_format(self.moment_format, self.moment_block_size,
-                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
-        _validate.check_param_rounding(self.param_rounding, self.master_weights)
-        self._settings_passed = settings
+    # The step where dynamo evaluates frames (_step_hooks). (Not step() itself:
+    # torch.compile(opt.step) then calls it without `self`.)
+    _undynamic_step = _step_hooks.disable_dynamo(_step)
 
-    def _prepare_group(self, index: int, group: dict):
+    def _checked_config(self) -> _state.StateConfig:
+        """The state configuration after checking the settings (S1.5: they may change
+        between steps). Checked again only when a setting is another object than at the
+        last check that passed (the flags by truth value; the rest are immutable where
+        valid, so the same objects pass again), or when what the loaded core offers is;
+        otherwise the configuration that check made is returned."""
+        seen = self._settings() + (_formats.unavailable(), _formats.SCALE_BLOCK_RANGE)
+        passed = self._settings_passed
+        if passed is not None and all(map(operator.is_, seen, passed[0])):
+            return passed[1]
+        settings = _Settings(*seen[:len(_Settings._fields)])
+        _validate.check_options(
+            amsgrad=False, capturable=settings.capturable,
+            master_weights=settings.master_weights,
+            master_weight_dtype=settings.master_weight_dtype,
+            exp_avg_dtype=settings.exp_avg_dtype, exp_avg_sq_dtype=settings.exp_avg_sq_dtype)
+        _validate.check_moment_format(settings.moment_format, settings.moment_block_size,
+                                      settings.exp_avg_dtype, settings.exp_avg_sq_dtype)
+        _validate.check_param_rounding(settings.param_rounding, settings.master_weights)
+        config = settings.config()
+        self._settings_passed = (seen, config)
+        return config
+
+    def _prepare_group(self, index: int, group: dict, config: _state.StateConfig):
         """Checks one group and gathers its gradients; reads only."""
         _validate.check_group_keys(group, index)
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(group, index)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
                                bool(group["bias_correction"]), step + 1)  # S3.6
-        plan = self._plan(index, group)
+        plan = self._plan(index, group, config)
         decoupled = bool(self.use_decoupled_grad)
         batches = [_plan.gather_grads(batch, decoupled, group, index)
                    for batch in plan.batches]
         return plan, hyper, batches
 
-    def _plan(self, index: int, group: dict) -> _plan.GroupPlan:
-        """The group's cached plan if still valid, else a new, not yet bound one."""
-        config = self._config()
+    def _plan(self, index: int, group: dict, config: _state.StateConfig) -> _plan.GroupPlan:
+        """The group's cached plan for ``config`` if still valid, else a new, not yet
+        bound one."""
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]

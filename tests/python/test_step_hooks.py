@@ -1,7 +1,8 @@
-"""step()'s optimizer step hooks and profiler range (SEMANTICS S3.10, ``_step_hooks``):
-they behave as torch's own ``Optimizer.profile_hook_step`` makes them behave for
-``torch.optim.AdamW``, and the range is entered only while a profiler records or a hook
-is registered."""
+"""What step() is wrapped in (``_step_hooks``): optimizer step hooks and the profiler
+range (SEMANTICS S3.10) behave as torch's own ``Optimizer.profile_hook_step`` makes them
+behave for ``torch.optim.AdamW``, and the range is entered only while a profiler records
+or a hook is registered; the step runs without autograd, and inside dynamo's disable
+wrapper wherever dynamo evaluates frames."""
 
 import warnings
 
@@ -10,7 +11,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from _optimizer_testing import assert_bitwise_equal
-from shardadam import FusedAdam
+from shardadam import FusedAdam, _step_hooks
 
 
 def make(optimizer_class=FusedAdam, seed=0):
@@ -164,3 +165,59 @@ def test_compiled_step_runs_hooks_once():
         handle.remove()
     assert len(calls) == 2
     assert opt.param_groups[0]["step"] == 2
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_step_runs_without_autograd_and_restores_the_mode(grad_mode):
+    """The step's in-place updates are invisible to autograd (a non-contiguous
+    parameter is written back with copy_, which autograd refuses on a leaf), and the
+    caller's gradient mode is restored, also after a refused step."""
+    torch.manual_seed(5)
+    param = torch.nn.Parameter(torch.randn(3, 4).t())  # non-contiguous: written back
+    param.grad = torch.randn(4, 3)
+    opt = FusedAdam([param], lr=1e-2)
+    with torch.set_grad_enabled(grad_mode):
+        before = param.detach().clone()
+        opt.step()
+        assert torch.is_grad_enabled() is grad_mode
+        assert param.grad_fn is None and param.requires_grad
+        assert not torch.equal(param.detach(), before)
+        opt.param_groups[0]["lr"] = -1.0  # refused
+        with pytest.raises(ValueError, match="learning rate"):
+            opt.step()
+        assert torch.is_grad_enabled() is grad_mode
+
+
+def test_step_takes_dynamo_disable_wrapper_where_dynamo_evaluates_frames(monkeypatch):
+    """In dynamo's run-only mode (frames evaluated by dynamo, none compiled) the step
+    runs inside dynamo's disable wrapper and dynamo's mode is restored after it; in
+    plain eager code it runs without the wrapper. The bits are the same."""
+    torch._dynamo.reset()
+    wrapped = []
+    disabled = FusedAdam._undynamic_step
+
+    def counting(self, closure):
+        wrapped.append(self)
+        return disabled(self, closure)
+
+    monkeypatch.setattr(FusedAdam, "_undynamic_step", counting)
+    modes, states = [], []
+    for run_only in (False, True):
+        opt, params = make(seed=6)
+
+        def caller():
+            modes.append(_step_hooks.dynamo_frames())
+            opt.step()
+            opt.step()
+            modes.append(_step_hooks.dynamo_frames())
+
+        (torch._dynamo.run(caller) if run_only else caller)()
+        states.append((opt, params))
+    assert modes == [False, False, True, True]
+    assert wrapped == [states[1][0]] * 2
+    assert not _step_hooks.dynamo_frames()
+    (eager, eager_params), (run_only, run_params) = states
+    for p, q in zip(eager_params, run_params):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(eager.state[p][name], run_only.state[q][name], name)

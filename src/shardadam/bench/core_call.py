@@ -24,7 +24,8 @@ class CoreCall:
     def __init__(self, optimizer: FusedAdam):
         optimizer.step()  # creates the state and the plan whose slots are reused
         (group,) = optimizer.param_groups
-        _, self.hyper, batches = optimizer._prepare_group(0, group)
+        _, self.hyper, batches = optimizer._prepare_group(0, group,
+                                                           optimizer._config())
         (item,) = [_backend.prepare(batch) for batch in batches]
         if item.call is None:
             raise RuntimeError("the C++ core does not step these tensors")
