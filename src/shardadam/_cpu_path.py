@@ -16,8 +16,7 @@ def available() -> bool:
     return _slots.extension is not None
 
 
-def prepare(work) -> _slots.Call:
-    return _slots.prepare(work)
+prepare = _slots.prepare  # the batch's slot rows, with this step's gradients
 
 
 def run(work, call, hyper) -> None:
@@ -29,4 +28,5 @@ def run(work, call, hyper) -> None:
                 torch.get_num_threads())
         except ValueError as error:
             raise _slots.refusal(error, call.entries) from None
-    call.finish()
+    if call.write_back:
+        call.finish()
