@@ -3,7 +3,7 @@
 // kernels, the scalar reference and the Python package (through the binding's
 // FORMATS) read from it. Host-device, so the CUDA kernels fold it at compile time.
 //
-// Adding a format: a DType value, one line in FormatOf's table, its element
+// Adding a format: a DType value, one line in MakeFormatTable, its element
 // codec in each backend (csrc/convert-inl.h, csrc/cuda/codecs.h, the reference)
 // and its tests; the Python registry (src/shardadam/_formats.py) declares the
 // same facts and is checked against these when the extension loads.
@@ -120,11 +120,12 @@ inline constexpr float kUFloat4FiniteBound = 20.0f;
 inline constexpr int32_t kMinScaleBlock = 128;
 inline constexpr int32_t kMaxScaleBlock = 4096;
 
-// The format of a dtype tag; for a tag no format has, a FormatInfo with no roles
-// (so validation refuses it) and name "unknown".
-SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
-  // In DType order, one line per format.
-  const FormatInfo table[kNumDTypes] = {
+// Every format's facts, one line per format, in DType order.
+struct FormatTable {
+  FormatInfo formats[kNumDTypes];
+};
+SHARDADAM_FORMAT_FN FormatTable MakeFormatTable() {
+  return {{
       {DType::kNone, "none", 0, Element::kNone, Scaling::kNone, 0, 0.0f, kRoleMaster},
       {DType::kFloat32, "fp32", 32, Element::kFloat32, Scaling::kNone, 0, 0.0f,
        kRoleValue | kRoleMoment | kRoleMaster},
@@ -144,9 +145,26 @@ SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
        0, kFloat4FiniteBound, kRoleMoment, kFloat4ZeroBound},
       {DType::kUFloat4E3M1Block, "ufp4-block", 4, Element::kUFloat4E3M1,
        Scaling::kPerBlock, 0, kUFloat4FiniteBound, kRoleExpAvgSq, 0.0f},
-  };
+  }};
+}
+#if !defined(__CUDA_ARCH__)
+// Host code reads one table in read-only data; a local table would be copied to the
+// stack (480 bytes) at every call whose tag is not a constant.
+inline constexpr FormatTable kFormatTable = MakeFormatTable();
+#endif
+
+// The format of a dtype tag; for a tag no format has, a FormatInfo with no roles
+// (so validation refuses it) and name "unknown".
+SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
+#if defined(__CUDA_ARCH__)
+  // Device code cannot index a host array at run time: the table is built where it is
+  // read, and folds away when the tag is a constant (as in every kernel's codecs).
+  const FormatTable table = MakeFormatTable();
+#else
+  const FormatTable& table = kFormatTable;
+#endif
   const int i = static_cast<int>(dtype);
-  return i >= 0 && i < kNumDTypes ? table[i] : FormatInfo{};
+  return i >= 0 && i < kNumDTypes ? table.formats[i] : FormatInfo{};
 }
 
 // Shorthands for the facts the kernels branch on.
@@ -202,7 +220,7 @@ constexpr bool TableInDTypeOrder() {
   }
   return true;
 }
-static_assert(TableInDTypeOrder(), "FormatOf's table is indexed by DType value");
+static_assert(TableInDTypeOrder(), "MakeFormatTable is indexed by DType value");
 }  // namespace internal
 
 }  // namespace shardadam
