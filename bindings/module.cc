@@ -95,7 +95,7 @@ void RunReleased(const Call& call) {
 // The format table (formats.h) for the Python registry to check itself against:
 // (tag, name, item_bits, scaling, scale_block, scale_target, roles, zero_bound)
 // per state format, roles among "moment" and "master".
-nb::tuple FormatTable() {
+nb::tuple FormatsTuple() {
   nb::list formats;
   for (int i = 0; i < kNumDTypes; ++i) {
     const FormatInfo f = FormatOf(static_cast<DType>(i));
@@ -314,7 +314,7 @@ NB_MODULE(_C, m) {
   m.attr("DTYPE_BFLOAT16") = static_cast<int>(DType::kBFloat16);
   m.attr("DTYPE_FLOAT8_E4M3") = static_cast<int>(DType::kFloat8E4M3);
   m.attr("DTYPE_INT16_REMAINDER") = static_cast<int>(DType::kInt16Remainder);
-  m.attr("FORMATS") = FormatTable();
+  m.attr("FORMATS") = FormatsTuple();
   m.attr("MIN_SCALE_BLOCK") = kMinScaleBlock;
   m.attr("MAX_SCALE_BLOCK") = kMaxScaleBlock;
   m.attr("SLOT_COLUMNS") = static_cast<int>(kSlotColumns);
