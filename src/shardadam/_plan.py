@@ -150,7 +150,6 @@ class GroupPlan:
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
                 and self.held.unchanged())
 
-
     def bind(self) -> None:
         """Create or convert each parameter's state to match the configuration, then
         remember the storage. Runs after validation: this is a mutation."""

@@ -21,7 +21,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -33,27 +33,6 @@ _CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_wei
                       "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
                       "store_param_remainders", "set_grad_none", "moment_format",
                       "moment_block_size", "param_rounding")
-
-
-class _Settings(NamedTuple):
-    """The optimizer's settings that a step depends on, as read at its start (the flags
-    by truth value)."""
-
-    capturable: bool
-    master_weights: bool
-    master_weight_dtype: object
-    exp_avg_dtype: object
-    exp_avg_sq_dtype: object
-    store_param_remainders: bool
-    moment_format: object
-    moment_block_size: object
-    param_rounding: object
-
-    def config(self) -> _state.StateConfig:
-        return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
-                                  self.master_weights, self.master_weight_dtype,
-                                  self.store_param_remainders, self.moment_format,
-                                  self.moment_block_size, self.param_rounding)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -191,16 +170,12 @@ class FusedAdam(torch.optim.Optimizer):
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout)
 
-    def _settings(self) -> tuple:
-        """The settings a step depends on, read now (S1.5: they may change), in
-        ``_Settings``' order. (A plain tuple: a named one costs a Python frame.)"""
-        return (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
-                self.exp_avg_dtype, self.exp_avg_sq_dtype, bool(self.store_param_remainders),
-                self.moment_format, self.moment_block_size, self.param_rounding)
-
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
-        return _Settings(*self._settings()).config()
+        return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
+                                  bool(self.master_weights), self.master_weight_dtype,
+                                  self.store_param_remainders, self.moment_format,
+                                  self.moment_block_size, self.param_rounding)
 
     # ------------------------------------------------------------------ step
 
@@ -280,20 +255,21 @@ class FusedAdam(torch.optim.Optimizer):
         last check that passed (the flags by truth value; the rest are immutable where
         valid, so the same objects pass again), or when what the loaded core offers is;
         otherwise the configuration that check made is returned."""
-        seen = self._settings() + (_formats.unavailable(), _formats.SCALE_BLOCK_RANGE)
+        seen = (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
+                self.exp_avg_dtype, self.exp_avg_sq_dtype, bool(self.store_param_remainders),
+                self.moment_format, self.moment_block_size, self.param_rounding,
+                _formats.unavailable(), _formats.SCALE_BLOCK_RANGE)
         passed = self._settings_passed
         if passed is not None and all(map(operator.is_, seen, passed[0])):
             return passed[1]
-        settings = _Settings(*seen[:len(_Settings._fields)])
         _validate.check_options(
-            amsgrad=False, capturable=settings.capturable,
-            master_weights=settings.master_weights,
-            master_weight_dtype=settings.master_weight_dtype,
-            exp_avg_dtype=settings.exp_avg_dtype, exp_avg_sq_dtype=settings.exp_avg_sq_dtype)
-        _validate.check_moment_format(settings.moment_format, settings.moment_block_size,
-                                      settings.exp_avg_dtype, settings.exp_avg_sq_dtype)
-        _validate.check_param_rounding(settings.param_rounding, settings.master_weights)
-        config = settings.config()
+            amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
+            master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
+            exp_avg_sq_dtype=self.exp_avg_sq_dtype)
+        _validate.check_moment_format(self.moment_format, self.moment_block_size,
+                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        _validate.check_param_rounding(self.param_rounding, self.master_weights)
+        config = self._config()
         self._settings_passed = (seen, config)
         return config
 

@@ -130,6 +130,38 @@ def test_store_param_remainders_needs_master_weights_at_construction(master_weig
     assert opt.state[params[0]]["master_param"].dtype == expected
 
 
+# Each setting that shapes the state, changed after a step, and what the next step then
+# stores: (construction keywords, attribute, new value, state name, stored dtype after).
+_CHANGED_BETWEEN_STEPS = [
+    (dict(master_weights=True, store_param_remainders=True), "store_param_remainders",
+     False, "master_param", torch.float32),
+    (dict(master_weights=True), "master_weight_dtype", torch.float16, "master_param",
+     torch.float16),
+    (dict(master_weights=True), "master_weights", False, "master_param", None),
+    (dict(), "exp_avg_dtype", torch.bfloat16, "exp_avg", torch.bfloat16),
+    (dict(), "exp_avg_sq_dtype", torch.float16, "exp_avg_sq", torch.float16),
+    (dict(), "moment_format", "block8", "exp_avg", torch.uint8),
+]
+
+
+@pytest.mark.parametrize("kwargs, name, value, state, dtype", _CHANGED_BETWEEN_STEPS,
+                         ids=[case[1] for case in _CHANGED_BETWEEN_STEPS])
+def test_setting_changed_between_steps_shapes_the_next_step(kwargs, name, value, state,
+                                                            dtype, backend):
+    """S1.5: a setting changed after steps (the configuration of the last check is
+    reused only while every setting is the same object) decides the state the next step
+    stores."""
+    params = make_params([torch.bfloat16], [(300,)], seed=2)
+    opt = fused_adam()(params, **kwargs)
+    for step in (1, 2):
+        params[0].grad = torch.full((300,), 0.5 * step, dtype=torch.bfloat16)
+        opt.step()
+        if step == 1:
+            setattr(opt, name, value)
+    stored = opt.state[params[0]].get(state)
+    assert (stored.dtype if stored is not None else None) == dtype
+
+
 def test_state_exists_from_construction_and_add_param_group(backend):
     """S1.6: optimizer.state is never empty; add_param_group creates state for the new
     parameters without touching anyone's step."""
