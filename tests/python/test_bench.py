@@ -3,11 +3,16 @@ JSON and PNG. Checks the shape of the results, never their speed (docs/benchmark
 benchmarks do not gate CI)."""
 
 import json
+import math
+import operator
+import random
 import struct
 import subprocess
 import sys
 
 import pytest
+
+from shardadam.bench import cases, contenders, timing
 
 # Every case kind with the contenders it must report (probes included).
 _FP32 = {"shardadam", "torch-fused", "torch-foreach", "deepspeed", "probe"}
@@ -161,6 +166,8 @@ def test_paired_ratios_pair_repetitions_of_one_round(tiny_run):
                 expected[other_name] = (ratios[middle] if len(ratios) % 2 else
                                         (ratios[middle - 1] + ratios[middle]) / 2)
             assert record["paired_ratio_to"].keys() == expected.keys(), (case, name)
+            # Two repetitions are too few for an interval (6 at least).
+            assert record["paired_ratio_interval_to"] == dict.fromkeys(expected), (case, name)
             for other_name, ratio in expected.items():
                 assert record["paired_ratio_to"][other_name] == pytest.approx(
                     ratio, rel=1e-12), (case, name, other_name)
@@ -238,3 +245,52 @@ def test_core_call_steps_as_step_does(preset):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         for name, value in opt.state[a].items():
             assert torch.equal(value, call.__self__.state[b][name]), name
+
+
+@pytest.mark.parametrize("n", [6, 7, 15, 16, 45])
+def test_paired_ratio_interval_covers_the_median(n):
+    """The interval holds the true median of the ratios in at least 95% of runs (and
+    not in all of them: it is no wider than its order statistics allow), checked on
+    4,000 seeded runs of lognormal ratios with median 1; the bounds are ratios of the
+    run, the lower one at most the paired ratio and the upper one at least."""
+    rng = random.Random(n)
+    # Exact coverage of the order statistics chosen: 1 - 2 P(Binomial(n, 1/2) < k),
+    # the largest k that keeps it >= 0.95.
+    k = max(j for j in range(1, n // 2 + 1)
+            if sum(math.comb(n, i) for i in range(j)) / 2 ** n <= 0.025)
+    exact = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+    hits = 0
+    for _ in range(4000):
+        this = [1.0] * n
+        other = [math.exp(rng.gauss(0.0, 0.3)) for _ in range(n)]
+        low, high = timing.paired_ratio_interval(other, this)
+        assert low in other and high in other
+        assert low <= timing.paired_ratio(other, this) <= high
+        hits += low <= 1.0 <= high
+    assert 0.95 <= exact < 1.0
+    assert abs(hits / 4000 - exact) < 4 * math.sqrt(exact * (1 - exact) / 4000)
+
+
+def test_paired_ratio_interval_needs_six_repetitions():
+    assert timing.paired_ratio_interval([1.0] * 5, [1.0] * 5) is None
+    assert timing.paired_ratio_interval([2.0, 1.0, 3.0, 6.0, 5.0, 4.0], [1.0] * 6) == (1.0, 6.0)
+
+
+@pytest.mark.parametrize("name", contenders.SHARING)
+def test_sharing_contenders_step_the_shardadam_contenders_optimizer(name):
+    """The bare call and the steps after torch's work time the shardadam contender's own
+    optimizer and tensors when given its step, and make their own without it."""
+    case = cases.find_case("large/bf16-master-bf16m", "quick", 0.0002)
+    made = []
+
+    def params():
+        made.append(cases.make_params(case))
+        return made[-1]
+
+    shardadam = contenders.make("shardadam", params, case.preset)
+    shared = contenders.make(name, params, case.preset, shardadam)
+    assert shared.__self__ is shardadam.__self__ and len(made) == 1
+    own = contenders.make(name, params, case.preset)
+    assert own.__self__ is not shardadam.__self__ and len(made) == 2
+    owned = own.__self__.param_groups[0]["params"]
+    assert len(owned) == len(made[1]) and all(map(operator.is_, owned, made[1]))

@@ -1,7 +1,9 @@
 """The optimizers timed, each behind ``make(name, params, preset) -> step callable``.
 
 Every contender runs AdamW with the same hyper-parameters on its own copy of the same
-parameters (``cases.make_params`` with one seed). ``Unavailable`` says why one cannot
+parameters (``cases.make_params`` with one seed), except those that time the
+shardadam contender's own step under other conditions (``SHARING``). ``Unavailable``
+says why one cannot
 run here (a package that is not installed, a layout it rejects); the run reports that
 reason instead of a time.
 """
@@ -69,21 +71,21 @@ def _peer(name):
 
 
 def _after(work, runtime="auto"):
-    def make(params, preset):
+    def make(params, preset, shardadam=None):
         try:
             from .training import AfterTorchWork
         except ImportError as error:  # no C++ core: nothing runs threads of its own
             raise Unavailable(f"the C++ core is not importable: {error}") from None
-        return AfterTorchWork(_shardadam(params, preset), work, runtime)
+        return AfterTorchWork(shardadam or _shardadam(params(), preset), work, runtime)
     return make
 
 
-def _core(params, preset):
+def _core(params, preset, shardadam=None):
     try:
         from .core_call import CoreCall
     except ImportError as error:
         raise Unavailable(f"the C++ core is not importable: {error}") from None
-    return CoreCall(_shardadam(params, preset).__self__)  # the same FusedAdam
+    return CoreCall((shardadam or _shardadam(params(), preset)).__self__)
 
 
 def _multipass(params, preset):
@@ -120,6 +122,18 @@ def names() -> tuple:
     return tuple(_FACTORIES)
 
 
-def make(name: str, params: list, preset):
-    """A zero-argument callable that performs one optimizer step on ``params``."""
-    return _FACTORIES[name](params, preset)
+# Contenders that time the shardadam contender's own step under other conditions (the
+# bare core call, the step after torch's work): given that step, they use its optimizer
+# and tensors, so what they measure differs from it only by those conditions. With
+# copies of their own, where the memory of each copy landed moved their ratios to it by
+# up to 9% from one process to the next (docs/benchmarking.md).
+SHARING = ("core", "after-matmul", "after-backward", "after-backward-pool")
+
+
+def make(name: str, params, preset, shardadam=None):
+    """A zero-argument callable that performs one optimizer step on the tensors
+    ``params()`` makes, or, for a contender in ``SHARING`` given the shardadam
+    contender's step (``shardadam``), on that step's optimizer."""
+    if name in SHARING:
+        return _FACTORIES[name](params, preset, shardadam)
+    return _FACTORIES[name](params(), preset)

@@ -65,7 +65,7 @@ def _rank_main(rank, port, case, reps, warmup, settle_s, queue):
         steps, errors = {}, {}
         for name, params in (("dtensor", dtensors), ("plain", plain)):
             try:
-                step = contenders.make("shardadam", params, case.preset)
+                step = contenders.make("shardadam", lambda: params, case.preset)
                 step()  # rejects unsupported parameters before anything else
                 steps[name] = step
             except Exception as error:  # noqa: BLE001 - reported, not hidden

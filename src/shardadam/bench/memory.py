@@ -92,7 +92,7 @@ def _child(args) -> dict:
         case = cases.find_case(case_id, args.mode, args.scale)
         params = cases.make_params(case)
         try:
-            step = contenders.make(args.contender, params, case.preset)
+            step = contenders.make(args.contender, lambda: params, case.preset)
         except contenders.Unavailable as error:
             results[case_id] = {"error": str(error)}
             continue

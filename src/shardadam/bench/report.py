@@ -7,7 +7,9 @@ seconds {median, min, max}, reps, elements_per_s, gb_per_s (at docs/benchmarking
 minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe
 (probe median / this median), fraction_of_kernel_bench_probe, ratio_to {contender: its
 median / this median; > 1 means this one is faster}, paired_ratio_to {contender: median
-over repetitions of its time / this one's in the same interleaved round}, samples
+over repetitions of its time / this one's in the same interleaved round},
+paired_ratio_interval_to {contender: [low, high] holding that median with 95%
+confidence, or None for fewer than 6 repetitions (``timing.paired_ratio_interval``)}, samples
 (seconds per repetition; None for kernel_bench's rows), peak_extra_bytes and
 peak_extra_fraction_of_state; optimizer_state_bytes_per_param where the contender is a
 torch optimizer (every tensor in its ``state``: moments, codes, scales, master copies).
@@ -29,15 +31,20 @@ def _fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+def _interval(bounds) -> str:
+    return "-" if bounds is None else f"{bounds[0]:.2f}-{bounds[1]:.2f}"
+
+
 def table(records) -> str:
     """One line per record, grouped by case. "/probe": fraction of the torch probe on
     the same arrays; "/cpp": of kernel_bench's C++ probe; "t/ref": this median over the
     reference contender's (shardadam; plain for the DTensor case), above 1 is slower;
     "/core": the bare core call's time over this one's, paired by repetition (the large
-    and training cases); "state B/p": optimizer state bytes per parameter."""
+    and training cases), and "(95%)" the interval that holds it with 95% confidence;
+    "state B/p": optimizer state bytes per parameter."""
     header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
               f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
-              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'extra MiB':>9} "
+              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'(95%)':>9} {'extra MiB':>9} "
               f"{'%state':>7} {'state B/p':>9}")
     lines = [header, "-" * len(header)]
     case_ids = list(dict.fromkeys(r["case"] for r in records))
@@ -64,6 +71,7 @@ def table(records) -> str:
                 f"{_fmt(r['fraction_of_kernel_bench_probe'], '5.2f'):>5} "
                 f"{_fmt(vs_ref, '6.2f'):>6} "
                 f"{_fmt(r['paired_ratio_to'].get('core'), '5.2f'):>5} "
+                f"{_interval(r['paired_ratio_interval_to'].get('core')):>9} "
                 f"{_fmt(None if extra is None else extra / _MIB, '9.2f'):>9} "
                 f"{_fmt(None if fraction is None else 100 * fraction, '7.3f'):>7} "
                 f"{_fmt(r.get('optimizer_state_bytes_per_param'), '9.3f'):>9}")

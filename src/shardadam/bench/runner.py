@@ -26,7 +26,7 @@ def _base_record(case, contender, threads, ranks=1):
             "status": "ok", "reason": None, "seconds": None, "reps": 0,
             "elements_per_s": None, "gb_per_s": None, "fraction_of_probe": None,
             "fraction_of_kernel_bench_probe": None, "ratio_to": {},
-            "paired_ratio_to": {}, "samples": None,
+            "paired_ratio_to": {}, "paired_ratio_interval_to": {}, "samples": None,
             "peak_extra_bytes": None, "peak_extra_fraction_of_state": None}
 
 
@@ -45,7 +45,8 @@ def _time_local(case, size, threads):
     for name in case.contenders:
         record = _base_record(case, name, threads)
         try:
-            steps[name] = contenders.make(name, cases.make_params(case), case.preset)
+            steps[name] = contenders.make(name, lambda: cases.make_params(case),
+                                          case.preset, steps.get("shardadam"))
         except contenders.Unavailable as error:
             record.update(status="unavailable", reason=str(error))
         records[name] = record
@@ -125,11 +126,15 @@ def _relate(records, with_probe):
         record["ratio_to"] = {name: other["seconds"]["median"] / median
                               for name, other in timed.items()
                               if name != record["contender"] and name not in PROBES}
+        paired = [name for name, other in timed.items()
+                  if name != record["contender"] and name not in PROBES
+                  and _same_repetitions(record, other)]
         record["paired_ratio_to"] = {
-            name: timing.paired_ratio(other["samples"], record["samples"])
-            for name, other in timed.items()
-            if name != record["contender"] and name not in PROBES
-            and _same_repetitions(record, other)}
+            name: timing.paired_ratio(timed[name]["samples"], record["samples"])
+            for name in paired}
+        record["paired_ratio_interval_to"] = {
+            name: timing.paired_ratio_interval(timed[name]["samples"], record["samples"])
+            for name in paired}
 
 
 def _same_repetitions(a, b):
