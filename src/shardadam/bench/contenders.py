@@ -3,9 +3,8 @@
 Every contender runs AdamW with the same hyper-parameters on its own copy of the same
 parameters (``cases.make_params`` with one seed), except those that time the
 shardadam contender's own step under other conditions (``SHARING``). ``Unavailable``
-says why one cannot
-run here (a package that is not installed, a layout it rejects); the run reports that
-reason instead of a time.
+says why one cannot run here (a package that is not installed, a layout it rejects);
+the run reports that reason instead of a time.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 kernel_bench's bare kernel runs in a process of its own at the start of a run, so its
 figures and the steps compared with them are minutes apart; on a shared machine the
 speed of the whole machine moves more than that between them (medians 25% apart in
-two runs here). ``CoreCall`` is the same C++ call, on the slots the shardadam contender's
-FusedAdam prepared for its own tensors (``contenders.SHARING``), interleaved with the
-other contenders like one of them: what ``FusedAdam.step()`` costs on top of it (its Python, torch's optimizer
-wrapper) is then a ratio from one run. It reads FusedAdam's private plan once
+two runs here). ``CoreCall`` is the same C++ call, on the slots the shardadam
+contender's FusedAdam prepared for its own tensors (``contenders.SHARING``),
+interleaved with the other contenders like one of them: what ``FusedAdam.step()``
+costs on top of it (its Python, torch's optimizer wrapper) is then a ratio from one
+run. It reads FusedAdam's private plan once
 (``_prepare_group``, ``_backend.prepare``) and runs it as ``step()`` does
 (``_backend.run``), with the hyper-parameters of the first step, the step counter
 advancing.

@@ -9,8 +9,8 @@ minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of
 median / this median; > 1 means this one is faster}, paired_ratio_to {contender: median
 over repetitions of its time / this one's in the same interleaved round},
 paired_ratio_interval_to {contender: [low, high] holding that median with 95%
-confidence, or None for fewer than 6 repetitions (``timing.paired_ratio_interval``)}, samples
-(seconds per repetition; None for kernel_bench's rows), peak_extra_bytes and
+confidence, or None for fewer than 6 repetitions (``timing.paired_ratio_interval``)},
+samples (seconds per repetition; None for kernel_bench's rows), peak_extra_bytes and
 peak_extra_fraction_of_state; optimizer_state_bytes_per_param where the contender is a
 torch optimizer (every tensor in its ``state``: moments, codes, scales, master copies).
 """
@@ -44,8 +44,8 @@ def table(records) -> str:
     "state B/p": optimizer state bytes per parameter."""
     header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
               f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
-              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'(95%)':>9} {'extra MiB':>9} "
-              f"{'%state':>7} {'state B/p':>9}")
+              f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'(95%)':>9} "
+              f"{'extra MiB':>9} {'%state':>7} {'state B/p':>9}")
     lines = [header, "-" * len(header)]
     case_ids = list(dict.fromkeys(r["case"] for r in records))
     for case_id in case_ids:

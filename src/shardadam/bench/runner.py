@@ -113,8 +113,9 @@ def time_case(case, size, threads, kernel_rows=None) -> list:
 
 def _relate(records, with_probe):
     """Fractions of each probe and ratios between contenders of one case. Only large
-    tensors (the large and lowbit cases) get probe fractions: over many small tensors the probe's own per-tensor
-    overhead, not memory, sets its time, and the fraction would mean nothing."""
+    tensors (the large and lowbit cases) get probe fractions: over many small tensors
+    the probe's own per-tensor overhead, not memory, sets its time, and the fraction
+    would mean nothing."""
     timed = {r["contender"]: r for r in records if r["seconds"]}
     for record in timed.values():
         median = record["seconds"]["median"]

@@ -66,7 +66,7 @@ def paired_ratio_interval(other: list, this: list,
     statistics (distribution-free: the count of ratios below the median is
     Binomial(n, 1/2)); None where there are too few repetitions for one. On this
     project's VMs single repetitions spread by a third, so a paired ratio of 15
-    repetitions is known to about +-5%: a ratio whose interval holds 1 is a tie."""
+    repetitions is known to about ±5%: a ratio whose interval holds 1 is a tie."""
     ratios = sorted(o / t for o, t in zip(other, this))
     n = len(ratios)
     # The largest k with P(fewer than k ratios below the median) <= (1 - confidence) / 2;

@@ -5,8 +5,8 @@ keeps its threads spinning for a while after each parallel region, so a step tha
 threads of its own then would share its cores with them. The ``training`` cases time
 the same step (one optimizer on one set of tensors, ``contenders.SHARING``) after an
 idle gap (the other cases' way), right after a matmul, and right after a small model's
-forward and backward, each untimed; and, for comparison, after
-the backward with the core's own thread pool instead of torch's OpenMP threads
+forward and backward, each untimed; and, for comparison, after the backward with the
+core's own thread pool instead of torch's OpenMP threads
 (``_C.set_thread_runtime("pool")``). kernel_bench's bare C++ kernel is the yardstick.
 """
 
