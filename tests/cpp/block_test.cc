@@ -512,6 +512,45 @@ TEST(BlockScaleRuleTest, FourBitBounds) {
   EXPECT_EQ(BlockScaleFromAbsMaxBits(1, u4.scale_target, u4.zero_bound), std::ldexp(1.0f, -126));
 }
 
+// The rule against its definition, S2.9, worked out here in double precision:
+// the smallest power of two 2^k, k in [-126, 127], with a / 2^k <= bound, for
+// every binade of every block format, mantissas at both ends, random ones, and
+// the quotient's edges around the bound in each binade.
+TEST(BlockScaleRuleTest, MatchesItsDefinitionInEveryBinade) {
+  const auto expected = [](float a, const FormatInfo& f) {
+    if (!std::isfinite(a) || a <= f.zero_bound * std::ldexp(1.0f, -126)) return 1.0f;
+    for (int k = -126; k < 127; ++k) {
+      if (static_cast<double>(a) / std::ldexp(1.0, k) <= f.scale_target) {
+        return std::ldexp(1.0f, k);
+      }
+    }
+    return std::ldexp(1.0f, 127);
+  };
+  std::mt19937 rng(7);
+  for (DType dtype : {kBlock8, kUBlock8, kBlock4, kUBlock4}) {
+    const FormatInfo f = FormatOf(dtype);
+    for (uint32_t exponent = 0; exponent <= 0xFF; ++exponent) {
+      std::vector<uint32_t> all_bits;
+      for (uint32_t mantissa : {0u, 1u, 0x400000u, 0x7FFFFFu}) {
+        all_bits.push_back(exponent << 23 | mantissa);
+      }
+      for (int r = 0; r < 16; ++r) all_bits.push_back(exponent << 23 | (rng() & 0x7FFFFFu));
+      // bound * 2^(exponent - 127) and its neighbours: the quotient's edge.
+      const float edge = std::ldexp(f.scale_target, static_cast<int>(exponent) - 127);
+      if (std::isfinite(edge) && edge > 0.0f) {
+        for (float x : {std::nextafter(edge, 0.0f), edge, std::nextafter(edge, INFINITY)}) {
+          all_bits.push_back(BitsOf(x));
+        }
+      }
+      for (uint32_t bits : all_bits) {
+        const float a = FloatOf(bits);
+        ASSERT_EQ(BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound), expected(a, f))
+            << "dtype " << static_cast<int>(dtype) << " bits 0x" << std::hex << bits;
+      }
+    }
+  }
+}
+
 // S2.12: after an odd count of 4-bit codes the last byte's high nibble is
 // padding, written 0 by the core as by the reference, also when the zero input
 // behind it updates to NaN (an infinite L2 decay times a zero weight).
