@@ -174,7 +174,7 @@ class FusedAdam(torch.optim.Optimizer):
         """The settings that shape the state, read now (S1.5: they may change)."""
         return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
                                   bool(self.master_weights), self.master_weight_dtype,
-                                  self.store_param_remainders, self.moment_format,
+                                  bool(self.store_param_remainders), self.moment_format,
                                   self.moment_block_size, self.param_rounding)
 
     # ------------------------------------------------------------------ step
@@ -245,9 +245,12 @@ class FusedAdam(torch.optim.Optimizer):
             group["step"] = hyper.step  # every group, even with no gradient (S2.8)
         return loss
 
+    def _own_step(self, closure):
+        return self._step(closure)  # a subclass's own _step, as on the plain path
+
     # The step where dynamo evaluates frames (_step_hooks). (Not step() itself:
     # torch.compile(opt.step) then calls it without `self`.)
-    _undynamic_step = _step_hooks.disable_dynamo(_step)
+    _undynamic_step = _step_hooks.disable_dynamo(_own_step)
 
     def _checked_config(self) -> _state.StateConfig:
         """The state configuration after checking the settings (S1.5: they may change

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from _optimizer_testing import assert_bitwise_equal
+from _optimizer_testing import assert_bitwise_equal, assert_unchanged, snapshot
 from shardadam import FusedAdam, _step_hooks
 
 
@@ -136,6 +136,26 @@ def test_subclass_step_runs_hooks_once():
     assert opt.param_groups[0]["step"] == 1
 
 
+def test_subclass_step_body_runs_on_every_path():
+    """A subclass overriding the step's body (_step) has it run whether the step goes
+    the plain way or through torch's hooks and dynamo's disable wrapper."""
+    class Counted(FusedAdam):
+        def _step(self, closure):
+            bodies.append(self)
+            return super()._step(closure)
+
+    bodies = []
+    opt, _ = make(Counted)
+    opt.step()
+    handle = opt.register_step_pre_hook(lambda *args: None)
+    try:
+        opt.step()
+    finally:
+        handle.remove()
+    assert bodies == [opt, opt]
+    assert opt.param_groups[0]["step"] == 2
+
+
 def test_lr_scheduler_sees_the_step():
     """torch's schedulers wrap the optimizer's step to check the call order; stepping
     the scheduler after step() gives no warning."""
@@ -182,9 +202,11 @@ def test_step_runs_without_autograd_and_restores_the_mode(grad_mode):
         assert torch.is_grad_enabled() is grad_mode
         assert param.grad_fn is None and param.requires_grad
         assert not torch.equal(param.detach(), before)
-        opt.param_groups[0]["lr"] = -1.0  # refused
+        opt.param_groups[0]["lr"] = -1.0  # refused: nothing written back either
+        refused = snapshot(opt)
         with pytest.raises(ValueError, match="learning rate"):
             opt.step()
+        assert_unchanged(opt, refused)
         assert torch.is_grad_enabled() is grad_mode
 
 
