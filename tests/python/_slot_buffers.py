@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from shardadam import _formats
 from _optimizer_testing import (TORCH_DTYPE, decode_codes, merge_remainder,
                                 quantize_like_spec)
 
@@ -196,7 +197,10 @@ def bad_slots():
          r"param"),
         ("param-none", ("fp32", "fp32", "fp32", "fp32", "none"), {2: CODE["none"]},
          r"param"),
-        ("param-unknown-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {2: 9}, r"param"),
+        ("param-unknown-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {2: 99},
+         r"param_dtype 99 \(unknown\) is not allowed for a parameter"),
+        ("param-block-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {2: _formats.UFP4_BLOCK.tag},
+         r"param_dtype \d+ \(ufp4-block\) is not allowed for a parameter"),
         ("grad-fp8", ("fp32", "fp32", "fp32", "fp32", "none"), {4: CODE["fp8"]}, r"grad"),
         ("grad-remainder-tag", ("fp32", "fp32", "fp32", "fp32", "none"), {4: CODE["rem"]},
          r"grad"),

@@ -148,10 +148,13 @@ def test_te_meanings_unchanged():
     assert opt._scales[p]["exp_avg"].shape == ()
 
 
-@pytest.mark.parametrize("attribute,value", [("moment_block_size", 100),
-                                             ("moment_format", "block3"),
-                                             ("exp_avg_dtype", torch.bfloat16)])
-def test_bad_setting_at_step_changes_nothing(attribute, value):
+@pytest.mark.parametrize("attribute,value,message", [
+    ("moment_block_size", 100, r"moment_block_size must be a power of two in \[128, 4096\]"),
+    ("moment_format", "block3", r"unknown moment_format 'block3' \(rule: moment_format in"),
+    ("exp_avg_dtype", torch.bfloat16,
+     r"exp_avg_dtype and exp_avg_sq_dtype must stay at their default"),
+])
+def test_bad_setting_at_step_changes_nothing(attribute, value, message):
     """Settings changed after construction are checked at step() before anything is
     written (S3.1)."""
     opt, params = make()
@@ -159,7 +162,7 @@ def test_bad_setting_at_step_changes_nothing(attribute, value):
     grads(params, 3)
     setattr(opt, attribute, value)
     before = snapshot(opt)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         opt.step()
     assert_unchanged(opt, before)
 

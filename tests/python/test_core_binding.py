@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from shardadam import _formats
 from _optimizer_testing import (
     FP32_TINY, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, adam_reference,
     assert_bitwise_equal, assert_close_bounded, check_scale, decode_codes, expected_scale,
@@ -263,14 +264,17 @@ def test_convert_empty():
 
 @pytest.mark.parametrize("src_fmt,dst_fmt", [("rem", "fp32"), ("fp32", "rem"),
                                              ("none", "fp32"), ("fp32", "none"),
-                                             ("fp32", 9)])
+                                             ("fp32", _formats.UFP4_BLOCK.tag), ("fp32", 99)])
 def test_convert_rejects_non_casts(src_fmt, dst_fmt):
     src = torch.randn(8)
     dst = torch.full((8,), 7, dtype=torch.int16)
     before = dst.clone()
     dst_code = dst_fmt if isinstance(dst_fmt, int) else CODE[dst_fmt]
     named = "src_dtype" if src_fmt in ("rem", "none") else "dst_dtype"
-    with pytest.raises(ValueError, match=rf"\b{named}\b.*not allowed for a conversion"):
+    shown = "ufp4-block" if dst_fmt == _formats.UFP4_BLOCK.tag else (
+        "unknown" if isinstance(dst_fmt, int) else ".*")
+    with pytest.raises(ValueError,
+                       match=rf"\b{named}\b \d+ \({shown}\) is not allowed for a conversion"):
         _C.convert(src.data_ptr(), CODE[src_fmt], dst.data_ptr(), dst_code, 8, 1.0, 1)
     assert_bitwise_equal(dst, before, "destination after a rejected convert")
 

@@ -37,10 +37,15 @@ def test_remainder_param_is_round_half_away_of_the_master():
     comparable = (low != 0x8000) & torch.isfinite(rne.float())
     assert torch.equal(param[comparable].view(torch.int16),
                        rne[comparable].view(torch.int16))
-    ties = master[low == 0x8000]
-    if ties.numel():
-        away = split_master(ties)[0].float().abs()
-        assert bool((away > ties.abs()).all())
+    # Ties, which random words almost never are: high halves even and odd, both signs,
+    # a subnormal and the largest finite (whose tie rounds away to infinity). In
+    # sign-magnitude bits, away from zero is the high half plus one.
+    highs = torch.tensor([0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x0001, 0x8001, 0x7F7F, 0xFF7F,
+                          0x4049, 0x404A], dtype=torch.int64)
+    ties = ((highs << 16) | 0x8000).to(torch.int32).view(torch.float32)
+    param, _ = split_master(ties)
+    expected = ((highs + 1) & 0xFFFF).to(torch.int32).to(torch.int16)
+    assert torch.equal(param.view(torch.int16), expected)
 
 
 def test_half_spacing_matches_neighbours():
