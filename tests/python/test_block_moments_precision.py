@@ -1,4 +1,4 @@
-"""block8 moments (S2.11) against a float64 Adam step written here, from the state
+"""block8 and block4 moments (S2.11, S2.12) against a float64 Adam step written here, from the state
 actually stored before each step. The bound of each stored moment element follows from
 its map's step: E4M3 codes (exp_avg) round to within 2^-4 of the value (3 mantissa
 bits) and below the normal range to within half a subnormal step, 2^-10 times the
@@ -6,7 +6,12 @@ block scale; unsigned E4M4 codes (exp_avg_sq) to within 2^-5 (4 mantissa bits), 
 absolute floor of one step, 2^-10 times the scale (zero-free: a value that would round
 to 0 is stored as 2^-10·s). Before rounding, the fp32 arithmetic adds a few units of
 2^-24, covered by a 2^-10 relative margin. The parameter stays fp32 and is held to
-16 fp32 units of the step and the weight."""
+16 fp32 units of the step and the weight.
+
+block4 moments are rounded stochastically (S2.13), so their bound is the map's grid
+itself: each stored value, decoded here from the spec's tables, is a grid value times
+the block scale and one of the two grid values around the float64 value (to nearest
+from the top binade up, which the same bracket holds), zero-free for exp_avg_sq."""
 
 import pytest
 import torch
@@ -83,3 +88,83 @@ def test_bounds_are_tight_enough_to_fail():
     bound = torch.maximum(rel * u.double().abs(), floor * s)
     ratio = ((got - u.double()).abs() / bound).max().item()
     assert 0.5 < ratio <= 1.0
+
+
+# S2.12's magnitudes, in units of the block scale.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E3M1 = [0.0, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0]
+
+
+def nibble_values(codes, signed):
+    """A packed block4 buffer decoded by S2.12, element i the low nibble of byte i // 2
+    when i is even; in units of the scale, float64."""
+    flat = codes.reshape(-1).to(torch.int64)
+    nibbles = torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
+    table = torch.tensor(E2M1 if signed else E3M1, dtype=torch.float64)
+    if signed:
+        assert not bool((nibbles == 0x8).any()), "NaN code"
+        values = table[nibbles & 7]
+        return torch.where(nibbles >= 8, -values, values)
+    assert not bool((nibbles == 0xF).any()), "NaN code"
+    return table[nibbles]
+
+
+def bracket(x, grid):
+    """The grid values just below and just above each magnitude x (the top one past it)."""
+    g = torch.tensor(grid, dtype=torch.float64)
+    upper = torch.searchsorted(g, x, right=False).clamp(max=len(grid) - 1)
+    lower = (torch.searchsorted(g, x, right=True) - 1).clamp(min=0)
+    return g[lower], g[upper]
+
+
+@pytest.mark.parametrize("block", [128, 256])
+def test_block4_steps_land_on_the_grid_around_the_value(block):
+    gen = torch.Generator().manual_seed(40 + block)
+    p = torch.nn.Parameter(torch.randn(8, 256, generator=gen))
+    opt = FusedAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                    moment_format="block4", moment_block_size=block)
+    b1, b2 = BETAS
+
+    def stored(name):
+        scales = opt._scales[p][name].double()
+        s = scales[torch.arange(p.numel()) // block]
+        units = nibble_values(opt.state[p][name], signed=name == "exp_avg")
+        return units * s, s
+
+    seen_between = 0
+    for step in range(1, 11):
+        g = torch.randn(p.shape, generator=gen) * torch.pow(
+            2.0, -torch.arange(8.0) * 3).view(8, 1)
+        g[torch.rand(p.shape, generator=gen) < 0.01] *= 50.0
+        g[:, :16] = 0.0  # absent entries: their moments only decay
+        p.grad = g
+        m0, v0 = stored("exp_avg")[0], stored("exp_avg_sq")[0]
+        w0, g64 = p.detach().double().reshape(-1).clone(), g.double().reshape(-1)
+        m = b1 * m0 + (1 - b1) * g64
+        v = b2 * v0 + (1 - b2) * g64 * g64
+        c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+        update = (m / c1) / ((v / c2).sqrt() + EPS)
+        w = w0 * (1 - LR * WD) - LR * update
+        opt.step()
+        for name, want, grid in (("exp_avg", m, E2M1), ("exp_avg_sq", v, E3M1)):
+            got, s = stored(name)
+            x = want.abs() / s
+            # the fp32 value the core rounds is within a few units of 2^-24 of x
+            lo = bracket(x * (1 - 2.0 ** -20), grid)[0]
+            hi = bracket(x * (1 + 2.0 ** -20), grid)[1]
+            if name == "exp_avg_sq":
+                hi = torch.where(want > 0, torch.maximum(hi, torch.full_like(hi, 0.125)), hi)
+            units = got.abs() / s
+            ok = (units >= lo) & (units <= hi) & ((got == 0) | (got.sign() == want.sign()))
+            assert bool(ok.all()), f"step {step} {name}: " \
+                f"{int((~ok).sum())} values off the grid around the float64 value"
+            if name == "exp_avg_sq":
+                assert bool((got[want > 0] > 0).all()), "a non-zero exp_avg_sq became 0"
+            seen_between += int(((units != lo) & (lo != hi)).sum())
+        err_w = (p.detach().double().reshape(-1) - w).abs()
+        bound_w = 16 * U * (w.abs() + LR * update.abs()) + 2.0 ** -149
+        assert bool((err_w <= bound_w).all()), f"step {step}: parameter off by " \
+            f"{(err_w / bound_w).max().item():.2f} of its bound"
+    # rounding up happened: the bracket was exercised on both sides
+    assert seen_between > 0
+
