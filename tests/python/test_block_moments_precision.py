@@ -1,5 +1,5 @@
-"""block8 and block4 moments (S2.11, S2.12) against a float64 Adam step written here, from the state
-actually stored before each step. The bound of each stored moment element follows from
+"""block8 and block4 moments (S2.11, S2.12) against a float64 Adam step written here,
+from the state actually stored before each step. The bound of each stored moment element follows from
 its map's step: E4M3 codes (exp_avg) round to within 2^-4 of the value (3 mantissa
 bits) and below the normal range to within half a subnormal step, 2^-10 times the
 block scale; unsigned E4M4 codes (exp_avg_sq) to within 2^-5 (4 mantissa bits), with an
