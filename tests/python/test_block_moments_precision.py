@@ -1,11 +1,11 @@
-"""block8 and block4 moments (S2.11, S2.12) against a float64 Adam step written here,
-from the state actually stored before each step. The bound of each stored moment element follows from
-its map's step: E4M3 codes (exp_avg) round to within 2^-4 of the value (3 mantissa
-bits) and below the normal range to within half a subnormal step, 2^-10 times the
-block scale; unsigned E4M4 codes (exp_avg_sq) to within 2^-5 (4 mantissa bits), with an
-absolute floor of one step, 2^-10 times the scale (zero-free: a value that would round
-to 0 is stored as 2^-10·s). Before rounding, the fp32 arithmetic adds a few units of
-2^-24, covered by a 2^-10 relative margin. The parameter stays fp32 and is held to
+"""block8 and block4 moments (S2.11, S2.12) against a float64 Adam step written here, from
+the state actually stored before each step. The bound of each stored moment element
+follows from its map's step: E4M3 codes (exp_avg) round to within 2^-4 of the value (3
+mantissa bits) and below the normal range to within half a subnormal step, 2^-10 times
+the block scale; unsigned E4M4 codes (exp_avg_sq) to within 2^-5 (4 mantissa bits), with
+an absolute floor of one step, 2^-10 times the scale (zero-free: a value that would
+round to 0 is stored as 2^-10·s). Before rounding, the fp32 arithmetic adds a few units
+of 2^-24, covered by a 2^-10 relative margin. The parameter stays fp32 and is held to
 16 fp32 units of the step and the weight.
 
 block4 moments are rounded stochastically (S2.13), so their bound is the map's grid
