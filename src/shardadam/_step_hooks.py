@@ -58,10 +58,11 @@ def dynamo_frames() -> bool:
     if _set_eval_frame is None:
         return True
     callback = _set_eval_frame(None)
-    if callback is None:
-        return False
-    _set_eval_frame(callback)
-    return True
+    try:
+        return callback is not None
+    finally:  # put back even if a signal's exception lands here
+        if callback is not None:
+            _set_eval_frame(callback)
 
 
 def profiled(step):
