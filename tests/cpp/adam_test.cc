@@ -490,6 +490,22 @@ TEST(ReferenceOracleTest, AgreesWithFloat64Adam) {
 // Errors: every rule violation returns kInvalidArgument, names the tensor and
 // the rule, and leaves every buffer and scale bitwise unchanged (S3.1, S8).
 
+// The bad values the scale-slot cases point their slots at (a refused step must
+// not have written them either), and their bits.
+float nan_scale = NAN;
+float zero_scale = 0.0f;
+float negative_scale = -1.0f;
+const uint32_t kBadScaleBits[3] = {0x7FC00000u, 0x00000000u, 0xBF800000u};
+
+void ExpectBadScalesUntouched() {
+  const float* scales[3] = {&nan_scale, &zero_scale, &negative_scale};
+  for (int i = 0; i < 3; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, scales[i], sizeof(bits));
+    EXPECT_EQ(bits, kBadScaleBits[i]) << "bad scale " << i << " was written";
+  }
+}
+
 struct ErrorCase {
   std::string name;
   int64_t tensor_index;  // expected Error::tensor_index
@@ -595,18 +611,12 @@ std::vector<ErrorCase> ErrorCases() {
             [](TensorSlot* s) { s->master_scale = nullptr; });
   // Scale slots: a scaled state's current scale must be a finite value > 0,
   // and two states may not share one slot.
-  slot_case("exp_avg_scale_nan", 1, "exp_avg_scale", [](TensorSlot* s) {
-    static float nan_scale = NAN;
-    s->exp_avg_scale = &nan_scale;
-  });
-  slot_case("exp_avg_sq_scale_zero", 1, "exp_avg_sq_scale", [](TensorSlot* s) {
-    static float zero_scale = 0.0f;
-    s->exp_avg_sq_scale = &zero_scale;
-  });
-  slot_case("master_scale_negative", 1, "master_scale", [](TensorSlot* s) {
-    static float negative_scale = -1.0f;
-    s->master_scale = &negative_scale;
-  });
+  slot_case("exp_avg_scale_nan", 1, "exp_avg_scale",
+            [](TensorSlot* s) { s->exp_avg_scale = &nan_scale; });
+  slot_case("exp_avg_sq_scale_zero", 1, "exp_avg_sq_scale",
+            [](TensorSlot* s) { s->exp_avg_sq_scale = &zero_scale; });
+  slot_case("master_scale_negative", 1, "master_scale",
+            [](TensorSlot* s) { s->master_scale = &negative_scale; });
   slot_case("scale_slots_shared", 1, "exp_avg_sq_scale",
             [](TensorSlot* s) { s->exp_avg_sq_scale = s->exp_avg_scale; });
   // Never dereferenced: rejected first (it would also half-overlap its
@@ -700,6 +710,7 @@ TEST_P(AdamErrorTest, RejectsAndWritesNothing) {
       EXPECT_EQ(slot_error.message, error.message);
     }
     ASSERT_TRUE(SameTensors(before, tensors));
+    ExpectBadScalesUntouched();
     for (size_t k = 0; k < before.size(); ++k) {
       // Bitwise, NaN payloads included: nothing may have been touched.
       ASSERT_EQ(before[k].param, tensors[k].param);
