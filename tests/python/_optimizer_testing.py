@@ -808,3 +808,63 @@ def run_precision_steps(opt, params, cfg, hyper, steps, first_step, seed, what,
         used.append(grads)
     return used
 
+
+def _power_of_two_scales(u: torch.Tensor, first: int, block: int, bound: float,
+                         zero_max: float):
+    """S2.9's block scales in float64 Python: per block (keyed from flat index `first`),
+    the smallest power of two s in [2^-126, 2^127] with max|u| / s <= bound; 1 for a
+    non-finite max or one <= zero_max. Yields (start, end, s) in u's own indices."""
+    start = 0
+    while start < u.numel():
+        end = min(u.numel(), ((first + start) // block + 1) * block - first)
+        a = u[start:end].double().abs().max().item()
+        if not math.isfinite(a) or a <= zero_max:
+            s = 1.0
+        else:
+            e = -126
+            while a > bound * 2.0 ** e:
+                e += 1
+            s = 2.0 ** e
+        yield start, end, s
+        start = end
+
+
+# S2.10's finite unsigned E4M4 values, increasing with the code (0 .. 0xFE).
+UFP8_VALUES = torch.tensor([m * 2.0 ** -10 if c >> 4 == 0 else (16 + m) * 2.0 ** ((c >> 4) - 11)
+                            for c in range(255) for m in [c & 15]], dtype=torch.float64)
+
+
+def ufp8_codes(x: torch.Tensor) -> torch.Tensor:
+    """S2.10's encode of |x| (fp32) by search over every finite code: the nearest, ties
+    to the even code; beyond 488, inf and NaN 0xFF; a non-zero x never code 0."""
+    a = x.double().abs().reshape(-1, 1)
+    distance = (UFP8_VALUES.view(1, -1) - a).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values
+    odd = (torch.arange(255) & 1).bool().view(1, -1)
+    # the even code where two tie, else the only one
+    code = torch.where(nearest & ~odd, 0, 1).argmin(dim=1)
+    code = torch.where(nearest.sum(dim=1) == 1, nearest.to(torch.int64).argmax(dim=1), code)
+    code = torch.where((code == 0) & (a.view(-1) > 0), 1, code)
+    code = torch.where(a.view(-1) <= 488.0, code, 0xFF)  # NaN compares false too
+    return code.to(torch.uint8)
+
+
+def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
+    """S2.10 in float64 Python, block by block: S2.9's scales with bound 488, 1 only for
+    a zero or non-finite max, and the searched codes of u / s."""
+    codes, scales = [], []
+    for start, end, s in _power_of_two_scales(u, first, block, 488.0, 0.0):
+        codes.append(ufp8_codes(u[start:end] / s))  # fp32 division by a power of two
+        scales.append(s)
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
+    """S2.9 in float64 Python, block by block (scale: the smallest power of two in
+    [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max or one <= 2^-136),
+    codes by torch's E4M3 cast."""
+    codes, scales = [], []
+    for start, end, s in _power_of_two_scales(u, first, block, 464.0, 2.0 ** -136):
+        codes.append((u[start:end] / s).to(torch.float8_e4m3fn).view(torch.uint8))
+        scales.append(s)
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)

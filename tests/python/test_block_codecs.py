@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from _optimizer_testing import assert_bitwise_equal, have_core
+from _optimizer_testing import (
+    assert_bitwise_equal, fp8_block_oracle, have_core, ufp8_block_oracle, ufp8_codes)
 from shardadam import _codecs, _formats
 
 FP8B, UFP8B = _formats.FP8_BLOCK, _formats.UFP8_BLOCK
@@ -33,49 +34,6 @@ def ufp8_oracle(x: float) -> int:
         return 0xFF
     best = min(range(255), key=lambda c: (abs(UFP8_VALUES[c] - a), c & 1))
     return 1 if best == 0 and a > 0 else best
-
-
-def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
-    """S2.9 in float64 Python, block by block (scale: the smallest power of two in
-    [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max or one <= 2^-136)."""
-    codes, scales, start = [], [], 0
-    while start < u.numel():
-        end = min(u.numel(), ((first + start) // block + 1) * block - first)
-        part = u[start:end]
-        a = part.double().abs().max().item()
-        if not math.isfinite(a) or a <= 2.0 ** -136:
-            s = 1.0
-        else:
-            e = -126
-            while a > 464.0 * 2.0 ** e:
-                e += 1
-            s = 2.0 ** e
-        codes.append((part / s).to(torch.float8_e4m3fn).view(torch.uint8))
-        scales.append(s)
-        start = end
-    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
-
-
-def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
-    """S2.10's scale (S2.9's with bound 488, 1 only for a zero or non-finite max) and
-    the exhaustive-search codes."""
-    codes, scales, start = [], [], 0
-    while start < u.numel():
-        end = min(u.numel(), ((first + start) // block + 1) * block - first)
-        part = u[start:end]
-        a = part.double().abs().max().item()
-        if not math.isfinite(a) or a == 0:
-            s = 1.0
-        else:
-            e = -126
-            while a > 488.0 * 2.0 ** e:
-                e += 1
-            s = 2.0 ** e
-        x = (part / s).tolist()  # fp32 division by a power of two, as the core's
-        codes.append(torch.tensor([ufp8_oracle(v) for v in x], dtype=torch.uint8))
-        scales.append(s)
-        start = end
-    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
 
 
 def spread_values(n: int, seed: int) -> torch.Tensor:
@@ -125,6 +83,19 @@ def test_ufp8_code_map_edges():
     assert_bitwise_equal(got, want, "ufp8 codes of edge values")
     assert got[0] == 0 and got[2] == 1 and got[4] == 1 and got[13] == 0xFE
     assert got[-1] == 0xFF and got[-2] == 0xFF and got[16] == 0xFF
+
+
+def test_vectorised_ufp8_oracle_is_the_exhaustive_one():
+    """The block oracle's vectorised search (shared with the distributed jobs) gives
+    the scalar search's code for every code's value, midpoints, the ties and their
+    neighbours, and spread values."""
+    values = [ufp8_value(c) for c in range(255)]
+    mids = [(a + b) / 2 for a, b in zip(values, values[1:])]
+    edges = [488.0, 488.0001, 480.0, 1e30, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30]
+    x = torch.tensor(values + mids + edges, dtype=torch.float32)
+    x = torch.cat([x, torch.nextafter(x, torch.tensor(0.0)), -x, spread_values(4000, 3)])
+    want = torch.tensor([ufp8_oracle(v) for v in x.tolist()], dtype=torch.uint8)
+    assert_bitwise_equal(ufp8_codes(x), want, "vectorised E4M4 codes")
 
 
 def test_ufp8_decode_is_the_rule():

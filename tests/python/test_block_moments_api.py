@@ -10,7 +10,7 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
-    have_core, snapshot)
+    fp8_block_oracle, have_core, snapshot)
 from shardadam import FusedAdam, _codecs, _formats
 
 # Partial blocks, tiny, empty; for block4 also rows that cannot be packed (1-D, odd).
@@ -251,8 +251,6 @@ def test_other_layouts_convert_to_block8_and_back():
     """A checkpoint of another layout loads into block8 (its values re-encoded by S2.9),
     and a block8 one into fp32 moments (its decoded values, exactly); the expected
     codes and values are worked out here."""
-    from test_block_codecs import fp8_block_oracle
-
     plain, params = make(moment_format=None, exp_avg_dtype=torch.bfloat16)
     run(plain, params, 1, 3)
     opt, _ = make(seed=0)

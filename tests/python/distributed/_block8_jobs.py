@@ -19,6 +19,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import _dist_cases
 from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
+from _optimizer_testing import fp8_block_oracle
 
 BLOCK = 128
 SHAPES = {"0.weight": (6, 2 * BLOCK), "1.weight": (12, BLOCK)}  # whole blocks per row
@@ -137,11 +138,9 @@ def block8_mesh_rule(ctx, case):
     """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
     step from zero moments: under Shard(0) the blocks are keyed to the global flat index
     (f = row offset x row length), under Shard(1) and Replicate to the local one (f = 0);
-    the stored codes and scales are exactly the torch codec's at that f, and
-    get_unscaled_state decodes them at the same f."""
+    the stored codes and scales are exactly S2.9's at that f, worked out in the test,
+    and get_unscaled_state decodes them at the same f."""
     from torch.distributed.tensor import Replicate, Shard
-
-    from shardadam import _codecs, _formats
 
     shape, rows = (9, 96), 9 // ctx.world_size
     layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
@@ -156,16 +155,16 @@ def block8_mesh_rule(ctx, case):
     p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
     opt.step()
     local_g = p.grad.to_local()
-    fmt = _formats.FP8_BLOCK
 
     def check():
+        # S2.9 worked out in the test: blocks keyed from f, float64 scales, torch's E4M3.
         want = torch.tensor(1 - 0.9) * local_g  # the core's fp32 constant times g (S3.6)
-        codes, scales = _codecs.encode_blocks(fmt.name, want, first, BLOCK,
-                                              fmt.scale_target, fmt.zero_bound)
+        codes, scales = fp8_block_oracle(want.reshape(-1), first, BLOCK)
         got = opt.state[p]["exp_avg"].to_local()
         assert_bitwise(got.reshape(-1), codes, f"{case.detail}: exp_avg codes at f={first}")
         assert_bitwise(opt._scales[p]["exp_avg"], scales, f"{case.detail}: scales")
-        decoded = _codecs.decode_blocks(fmt.name, codes, scales, first, BLOCK)
+        blocks = (first + torch.arange(codes.numel())) // BLOCK - first // BLOCK
+        decoded = codes.view(torch.float8_e4m3fn).float() * scales[blocks]
         assert_bitwise(opt.get_unscaled_state(p, "exp_avg").reshape(-1), decoded,
                        f"{case.detail}: get_unscaled_state")
 
