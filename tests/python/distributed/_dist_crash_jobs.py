@@ -89,6 +89,25 @@ def _save(model, opt, path, storage_writer=None):
              storage_writer=storage_writer)
 
 
+def _check_round_trip(saved, loaded):
+    """S5.6 for the save/load round trip itself: parameters, remainders, the bf16
+    exp_avg_sq and the steps bitwise; the fp8 exp_avg, re-encoded with a re-derived
+    scale, within half an E4M3 step of the saved values (2^-4 of a normal value, 2^-10
+    of the new scale below)."""
+    assert loaded["steps"] == saved["steps"], f"steps {loaded['steps']} != {saved['steps']}"
+    for name in saved["params"]:
+        assert_bitwise(loaded["params"][name], saved["params"][name], f"{name} param")
+        for key, value in saved["raw"][name].items():
+            if key not in ("exp_avg", "scale:exp_avg"):
+                assert_bitwise(loaded["raw"][name][key], value, f"{name} {key} reloaded")
+        was = saved["state"][name]["exp_avg"].double()
+        now = loaded["state"][name]["exp_avg"].double()
+        scale = loaded["raw"][name]["scale:exp_avg"].double()
+        bound = torch.maximum(was.abs() * 2.0 ** -4, scale * 2.0 ** -10)
+        assert bool(((now - was).abs() <= bound).all()), \
+            f"{name} exp_avg moved by more than half an E4M3 step when reloaded"
+
+
 def _ref_file(ctx, what):
     return os.path.join(ctx.params["dir"], "ref", f"rank{ctx.rank}-{what}.pt")
 
@@ -162,7 +181,9 @@ def save_then_crash(ctx):
         state["digests"] = _digests(path_a)
         # The uninterrupted run the resumed one must equal: the same save/load round
         # trip, without a crash anywhere (fp8 state is re-encoded on load, S5.6).
+        saved = _snapshot(model, opt)
         _load(model, opt, path_a)
+        _check_round_trip(saved, _snapshot(model, opt))
         os.makedirs(os.path.join(root, "ref"), exist_ok=True)
         torch.save(_snapshot(model, opt), _ref_file(ctx, "loaded"))
         for step in range(STEPS_BEFORE_A + 1, STEPS_BEFORE_A + STEPS_AFTER_A + 1):
