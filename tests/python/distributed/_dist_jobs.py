@@ -691,12 +691,13 @@ DCP_STEPS_BEFORE, DCP_STEPS_AFTER = 2, 2
 
 def _dcp_specs(world_size):
     """Same global shapes at every world size (what is saved at N is loaded at M); uneven
-    and empty shards at 3 and 4; at 4 some parameters live on a 2x2 mesh."""
+    and empty shards at 3 and 4; at 4 the matrices live on a 2x2 mesh, cut along both
+    dimensions, so no rank's elements at 4 are a rank's at 2 (a 4 -> 2 load regroups)."""
     two_d = world_size == 4
     return [ParamSpec("vec7", (7,), ("S0",)),
-            ParamSpec("mat5x3", (5, 3), ("R", "S0") if two_d else ("S0",),
+            ParamSpec("mat5x3", (5, 3), ("S0", "S1") if two_d else ("S0",),
                       mesh_shape=(2, 2) if two_d else None),
-            ParamSpec("mat3x5", (3, 5), ("S1", "R") if two_d else ("S1",),
+            ParamSpec("mat3x5", (3, 5), ("S1", "S0") if two_d else ("S1",),
                       mesh_shape=(2, 2) if two_d else None),
             ParamSpec("rep4x3", (4, 3), ("R",)),
             ParamSpec("vec1", (1,), ("S0",), group=1),
