@@ -37,27 +37,42 @@ def per_element_scale(opt, p, name):
     return scales[index].double().view(p.shape)
 
 
+def grad_rows(shape, gen):
+    """Rows of very different magnitudes, and rare large entries."""
+    g = torch.randn(shape, generator=gen) * torch.pow(2.0, -torch.arange(8.0) * 3).view(8, 1)
+    g[torch.rand(shape, generator=gen) < 0.01] *= 50.0
+    return g
+
+
+def adam64(m0, v0, w0, g, step):
+    """One AdamW step in float64 from the stored state: m, v, the update and w."""
+    b1, b2 = BETAS
+    m = b1 * m0 + (1 - b1) * g
+    v = b2 * v0 + (1 - b2) * g * g
+    c1, c2 = 1 - b1 ** step, 1 - b2 ** step
+    update = (m / c1) / ((v / c2).sqrt() + EPS)
+    return m, v, update, w0 * (1 - LR * WD) - LR * update
+
+
+def assert_param_within(p, w, update, step):
+    """The fp32 parameter within 16 fp32 units of the weight and the step."""
+    err_w = (p.detach().double().reshape(w.shape) - w).abs()
+    bound_w = 16 * U * (w.abs() + LR * update.abs()) + 2.0 ** -149
+    assert bool((err_w <= bound_w).all()), f"step {step}: parameter off by " \
+        f"{(err_w / bound_w).max().item():.2f} of its bound"
+
+
 @pytest.mark.parametrize("block", [128, 256])
 def test_block8_steps_stay_within_each_maps_rounding(block):
     gen = torch.Generator().manual_seed(block)
     p = torch.nn.Parameter(torch.randn(8, 256, generator=gen))
     opt = FusedAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                     moment_format="block8", moment_block_size=block)
-    b1, b2 = BETAS
     for step in range(1, 11):
-        # rows of very different magnitudes, and rare large entries
-        g = torch.randn(p.shape, generator=gen) * torch.pow(
-            2.0, -torch.arange(8.0) * 3).view(8, 1)
-        g[torch.rand(p.shape, generator=gen) < 0.01] *= 50.0
-        p.grad = g
+        p.grad = g = grad_rows(p.shape, gen)
         m0, _ = decoded(opt, p, "exp_avg")
         v0, _ = decoded(opt, p, "exp_avg_sq")
-        w0, g64 = p.detach().double().clone(), g.double()
-        m = b1 * m0 + (1 - b1) * g64
-        v = b2 * v0 + (1 - b2) * g64 * g64
-        c1, c2 = 1 - b1 ** step, 1 - b2 ** step
-        update = (m / c1) / ((v / c2).sqrt() + EPS)
-        w = w0 * (1 - LR * WD) - LR * update
+        m, v, update, w = adam64(m0, v0, p.detach().double().clone(), g.double(), step)
         opt.step()
         for name, want in (("exp_avg", m), ("exp_avg_sq", v)):
             got, fmt = decoded(opt, p, name)
@@ -69,10 +84,7 @@ def test_block8_steps_stay_within_each_maps_rounding(block):
             assert worst <= 1.0, f"step {step} {name} ({fmt.name}): error {worst:.3f} of bound"
             if fmt.name == "ufp8-block":
                 assert bool((got[want > 0] > 0).all()), "a non-zero exp_avg_sq became 0"
-        err_w = (p.detach().double() - w).abs()
-        bound_w = 16 * U * (w.abs() + LR * update.abs()) + 2.0 ** -149
-        assert bool((err_w <= bound_w).all()), f"step {step}: parameter off by " \
-            f"{(err_w / bound_w).max().item():.2f} of its bound"
+        assert_param_within(p, w, update, step)
 
 
 def test_bounds_are_tight_enough_to_fail():
@@ -123,7 +135,6 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
     p = torch.nn.Parameter(torch.randn(8, 256, generator=gen))
     opt = FusedAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                     moment_format="block4", moment_block_size=block)
-    b1, b2 = BETAS
 
     def stored(name):
         scales = opt._scales[p][name].double()
@@ -133,18 +144,12 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
 
     seen_between = 0
     for step in range(1, 11):
-        g = torch.randn(p.shape, generator=gen) * torch.pow(
-            2.0, -torch.arange(8.0) * 3).view(8, 1)
-        g[torch.rand(p.shape, generator=gen) < 0.01] *= 50.0
+        g = grad_rows(p.shape, gen)
         g[:, :16] = 0.0  # absent entries: their moments only decay
         p.grad = g
         m0, v0 = stored("exp_avg")[0], stored("exp_avg_sq")[0]
-        w0, g64 = p.detach().double().reshape(-1).clone(), g.double().reshape(-1)
-        m = b1 * m0 + (1 - b1) * g64
-        v = b2 * v0 + (1 - b2) * g64 * g64
-        c1, c2 = 1 - b1 ** step, 1 - b2 ** step
-        update = (m / c1) / ((v / c2).sqrt() + EPS)
-        w = w0 * (1 - LR * WD) - LR * update
+        m, v, update, w = adam64(m0, v0, p.detach().double().reshape(-1).clone(),
+                                 g.double().reshape(-1), step)
         opt.step()
         for name, want, grid in (("exp_avg", m, E2M1), ("exp_avg_sq", v, E3M1)):
             got, s = stored(name)
@@ -161,10 +166,7 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
             if name == "exp_avg_sq":
                 assert bool((got[want > 0] > 0).all()), "a non-zero exp_avg_sq became 0"
             seen_between += int(((units != lo) & (lo != hi)).sum())
-        err_w = (p.detach().double().reshape(-1) - w).abs()
-        bound_w = 16 * U * (w.abs() + LR * update.abs()) + 2.0 ** -149
-        assert bool((err_w <= bound_w).all()), f"step {step}: parameter off by " \
-            f"{(err_w / bound_w).max().item():.2f} of its bound"
+        assert_param_within(p, w, update, step)
     # rounding up happened: the bracket was exercised on both sides
     assert seen_between > 0
 
