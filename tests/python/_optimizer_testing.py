@@ -849,6 +849,20 @@ def ufp8_codes(x: torch.Tensor) -> torch.Tensor:
     return code.to(torch.uint8)
 
 
+def block8_decode(codes, scales, first, block, unsigned):
+    """Block8 codes decoded here (S2.9, S2.10): E4M3 through torch's float8_e4m3fn,
+    unsigned E4M4 by UFP8_VALUES (0xFF: NaN), times each element's block scale, blocks
+    keyed from flat index `first`; float32, shaped like the codes."""
+    flat = codes.reshape(-1)
+    if unsigned:
+        table = torch.cat([UFP8_VALUES, torch.tensor([math.nan], dtype=torch.float64)])
+        units = table[flat.to(torch.int64)]
+    else:
+        units = flat.view(torch.float8_e4m3fn).double()
+    blocks = (first + torch.arange(flat.numel())) // block - first // block
+    return (units * scales.double()[blocks]).float().view(codes.shape)
+
+
 def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
     """S2.10 in float64 Python, block by block: S2.9's scales with bound 488, 1 only for
     a zero or non-finite max, and the searched codes of u / s."""

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    assert_bitwise_equal, fp8_block_oracle, have_core, ufp8_block_oracle, ufp8_codes)
+    UFP8_VALUES as UFP8_TABLE, assert_bitwise_equal, fp8_block_oracle, have_core,
+    ufp8_block_oracle, ufp8_codes)
 from shardadam import _codecs, _formats
 
 FP8B, UFP8B = _formats.FP8_BLOCK, _formats.UFP8_BLOCK
@@ -90,6 +91,7 @@ def test_vectorised_ufp8_oracle_is_the_exhaustive_one():
     the scalar search's code for every code's value, midpoints, the ties and their
     neighbours, and spread values."""
     values = [ufp8_value(c) for c in range(255)]
+    assert UFP8_TABLE.tolist() == values  # the shared table is the rule's too
     mids = [(a + b) / 2 for a, b in zip(values, values[1:])]
     edges = [488.0, 488.0001, 480.0, 1e30, math.inf, -math.inf, math.nan, 0.0, -0.0, 1e-30]
     x = torch.tensor(values + mids + edges, dtype=torch.float32)

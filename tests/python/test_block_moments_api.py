@@ -10,7 +10,7 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
-    fp8_block_oracle, have_core, snapshot)
+    block8_decode, fp8_block_oracle, have_core, snapshot)
 from shardadam import FusedAdam, _codecs, _formats
 
 # Partial blocks, tiny, empty; for block4 also rows that cannot be packed (1-D, odd).
@@ -231,22 +231,6 @@ def test_save_load_continue_is_the_uninterrupted_run(option, family):
                                 f"{option}: resumed vs uninterrupted")
 
 
-def block8_values(codes, scales, unsigned, block=256):
-    """Block8 codes decoded here (S2.9, S2.10), blocks keyed from flat index 0: E4M3
-    through torch's float8_e4m3fn, unsigned E4M4 by its definition, times each
-    element's block scale; float32, shaped like the codes."""
-    flat = codes.reshape(-1)
-    if unsigned:
-        c = flat.to(torch.int64)
-        e, m = c >> 4, (c & 15).double()
-        units = torch.where(e == 0, m * 2.0 ** -10, (16 + m) * torch.pow(2.0, e - 11.0))
-        units[c == 0xFF] = float("nan")
-    else:
-        units = flat.view(torch.float8_e4m3fn).double()
-    s = scales.double()[torch.arange(flat.numel()) // block]
-    return (units * s).float().view(codes.shape)
-
-
 def test_other_layouts_convert_to_block8_and_back():
     """A checkpoint of another layout loads into block8 (its values re-encoded by S2.9),
     and a block8 one into fp32 moments (its decoded values, exactly); the expected
@@ -264,7 +248,7 @@ def test_other_layouts_convert_to_block8_and_back():
     fp32.load_state_dict(opt.state_dict())
     q = fp32.param_groups[0]["params"][0]
     for name, unsigned in (("exp_avg", False), ("exp_avg_sq", True)):
-        decoded = block8_values(opt.state[p][name], opt._scales[p][name], unsigned)
+        decoded = block8_decode(opt.state[p][name], opt._scales[p][name], 0, 256, unsigned)
         assert_bitwise_equal(fp32.state[q][name], decoded, f"decoded {name}")
 
 
@@ -317,8 +301,8 @@ def test_te_state_methods_round_trip():
             codes = opt.state[p][name].clone()
             scales = opt._scales[p][name].clone()
             value = opt.get_unscaled_state(p, name)
-            assert_bitwise_equal(value, block8_values(codes, scales, name == "exp_avg_sq"),
-                                 f"{name} decoded")
+            assert_bitwise_equal(value, block8_decode(codes, scales, 0, 256,
+                                                      name == "exp_avg_sq"), f"{name} decoded")
             opt.set_scaled_state(p, name, value)
             assert_bitwise_equal(opt.state[p][name], codes, f"{name} codes")
             assert_bitwise_equal(opt._scales[p][name], scales, f"{name} scales")

@@ -16,6 +16,7 @@ from the top binade up, which the same bracket holds), zero-free for exp_avg_sq.
 import pytest
 import torch
 
+from _optimizer_testing import block8_decode
 from shardadam import FusedAdam, _codecs, _formats
 
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.01
@@ -26,15 +27,16 @@ BOUNDS = {"fp8-block": (2.0 ** -4, 2.0 ** -10), "ufp8-block": (2.0 ** -5, 2.0 **
 
 
 def decoded(opt, p, name):
+    """The stored block8 moment, decoded in the test, and its format."""
     fmt = opt._formats[p][name]
-    return fmt.decode(opt.state[p][name], opt._scales[p][name]).double(), fmt
+    values = block8_decode(opt.state[p][name], opt._scales[p][name], 0, fmt.scale_block,
+                           unsigned=fmt.name == "ufp8-block")
+    return values.double(), fmt
 
 
 def per_element_scale(opt, p, name):
-    scales = opt._scales[p][name]
-    fmt = opt._formats[p][name]
-    index = _codecs._block_of_each(p.numel(), 0, fmt.scale_block, p.device)
-    return scales[index].double().view(p.shape)
+    block = opt._formats[p][name].scale_block
+    return opt._scales[p][name].double()[torch.arange(p.numel()) // block].view(p.shape)
 
 
 def grad_rows(shape, gen):

@@ -19,7 +19,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import _dist_cases
 from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
-from _optimizer_testing import fp8_block_oracle
+from _optimizer_testing import block8_decode, fp8_block_oracle
 
 BLOCK = 128
 SHAPES = {"0.weight": (6, 2 * BLOCK), "1.weight": (12, BLOCK)}  # whole blocks per row
@@ -163,8 +163,7 @@ def block8_mesh_rule(ctx, case):
         got = opt.state[p]["exp_avg"].to_local()
         assert_bitwise(got.reshape(-1), codes, f"{case.detail}: exp_avg codes at f={first}")
         assert_bitwise(opt._scales[p]["exp_avg"], scales, f"{case.detail}: scales")
-        blocks = (first + torch.arange(codes.numel())) // BLOCK - first // BLOCK
-        decoded = codes.view(torch.float8_e4m3fn).float() * scales[blocks]
+        decoded = block8_decode(codes, scales, first, BLOCK, unsigned=False)
         assert_bitwise(opt.get_unscaled_state(p, "exp_avg").reshape(-1), decoded,
                        f"{case.detail}: get_unscaled_state")
 
