@@ -271,8 +271,7 @@ def test_convert_rejects_non_casts(src_fmt, dst_fmt):
     before = dst.clone()
     dst_code = dst_fmt if isinstance(dst_fmt, int) else CODE[dst_fmt]
     named = "src_dtype" if src_fmt in ("rem", "none") else "dst_dtype"
-    shown = "ufp4-block" if dst_fmt == _formats.UFP4_BLOCK.tag else (
-        "unknown" if isinstance(dst_fmt, int) else ".*")
+    shown = {_formats.UFP4_BLOCK.tag: "ufp4-block", 99: "unknown"}.get(dst_fmt, ".*")
     with pytest.raises(ValueError,
                        match=rf"\b{named}\b \d+ \({shown}\) is not allowed for a conversion"):
         _C.convert(src.data_ptr(), CODE[src_fmt], dst.data_ptr(), dst_code, 8, 1.0, 1)

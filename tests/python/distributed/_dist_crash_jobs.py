@@ -183,9 +183,10 @@ def save_then_crash(ctx):
         # trip, without a crash anywhere (fp8 state is re-encoded on load, S5.6).
         saved = _snapshot(model, opt)
         _load(model, opt, path_a)
-        _check_round_trip(saved, _snapshot(model, opt))
+        loaded = _snapshot(model, opt)
+        _check_round_trip(saved, loaded)
         os.makedirs(os.path.join(root, "ref"), exist_ok=True)
-        torch.save(_snapshot(model, opt), _ref_file(ctx, "loaded"))
+        torch.save(loaded, _ref_file(ctx, "loaded"))
         for step in range(STEPS_BEFORE_A + 1, STEPS_BEFORE_A + STEPS_AFTER_A + 1):
             _train_step(ctx, model, opt, step)
             torch.save(_snapshot(model, opt), _ref_file(ctx, f"step{step}"))
