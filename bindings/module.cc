@@ -215,10 +215,12 @@ void CheckStepSlotsFromList(const std::vector<int64_t>& slots,
 void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool adam_w_mode,
                           bool bias_correction, int64_t step, int64_t workspace,
-                          int64_t workspace_bytes, int64_t stream, int device) {
+                          int64_t workspace_bytes, int64_t stream, int device,
+                          int64_t lr_in_device_memory) {
   const std::vector<TensorSlot> tensors = SlotsFromList("adam_step_cuda", slots);
-  const StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
-                                       bias_correction, step);
+  StepParams params = MakeParams(lr, beta1, beta2, eps, weight_decay, adam_w_mode,
+                                 bias_correction, step);
+  params.lr_in_device_memory = Pointer<const double>(lr_in_device_memory);
   RunReleased([&](Error* error) {
     return AdamStepCuda(tensors.data(), static_cast<int64_t>(tensors.size()), params,
                         Pointer<void>(workspace), workspace_bytes, Pointer<void>(stream),
@@ -345,10 +347,12 @@ NB_MODULE(_C, m) {
         nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
         nb::arg("adam_w_mode"), nb::arg("bias_correction"), nb::arg("step"),
         nb::arg("workspace"), nb::arg("workspace_bytes"), nb::arg("stream"),
-        nb::arg("device") = -1,
+        nb::arg("device") = -1, nb::arg("lr_in_device_memory") = 0,
         "adam_step for tensors in CUDA device `device`'s memory (-1: the current "
         "device), enqueued on `stream` (a cudaStream_t as int) without waiting. "
-        "`workspace` points to "
+        "`lr_in_device_memory`, where not 0, points to an fp64 in device memory that "
+        "the kernels read as lr when they run (`lr` is then not used; its value is not "
+        "checked). `workspace` points to "
         "cuda_workspace_bytes(n) bytes of device scratch. Raises ValueError (nothing "
         "enqueued) on bad input, RuntimeError if the CUDA runtime refuses a launch.");
   m.def("cuda_workspace_bytes", &CudaWorkspaceBytes, nb::arg("count"),

@@ -43,9 +43,22 @@ struct StepConstants {
   bool adam_w_mode;
 };
 
+// 1 - beta1^t: the divisor of lr in step_size (1 without bias correction).
+inline double BiasCorrection1(const StepParams& p) {
+  return p.bias_correction ? 1.0 - std::pow(p.beta1, static_cast<double>(p.step)) : 1.0;
+}
+
+// The two constants that depend on lr. The CUDA kernels that read lr from device
+// memory (StepParams::lr_in_device_memory) call this too: plain double operations
+// (the CUDA build passes --fmad=false), so the device rounds as the host does.
+SHARDADAM_HOST_DEVICE inline void SetLrTerms(StepConstants& k, double lr, double c1,
+                                             double weight_decay) {
+  k.decay = static_cast<float>(1.0 - lr * weight_decay);
+  k.step_size = static_cast<float>(lr / c1);
+}
+
 inline StepConstants MakeStepConstants(const StepParams& p) {
   const double t = static_cast<double>(p.step);
-  const double c1 = p.bias_correction ? 1.0 - std::pow(p.beta1, t) : 1.0;
   const double c2 = p.bias_correction ? 1.0 - std::pow(p.beta2, t) : 1.0;
   StepConstants k;
   k.beta1 = static_cast<float>(p.beta1);
@@ -53,8 +66,7 @@ inline StepConstants MakeStepConstants(const StepParams& p) {
   k.beta2 = static_cast<float>(p.beta2);
   k.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
   k.weight_decay = static_cast<float>(p.weight_decay);
-  k.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
-  k.step_size = static_cast<float>(p.lr / c1);
+  SetLrTerms(k, p.lr, BiasCorrection1(p), p.weight_decay);
   k.bias_correction2_sqrt = static_cast<float>(std::sqrt(c2));
   k.eps = static_cast<float>(p.eps);
   k.adam_w_mode = p.adam_w_mode;

@@ -7,6 +7,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdarg>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -53,6 +54,24 @@ bool CheckHyper(const char* name, double value, Error* error) {
   }
   if (value < 0.0) {
     return Fail(error, -1, Format("%s %.9g is negative; expected >= 0", name, value));
+  }
+  return true;
+}
+
+// lr's value where the host holds it; a device-memory lr (read when the kernels run,
+// so never here) only where the call's buffers are in device memory.
+bool CheckLr(const StepParams& params, ScaleValues values, Error* error) {
+  const double* on_device = params.lr_in_device_memory;
+  if (on_device == nullptr) return CheckHyper("lr", params.lr, error);
+  if (values == ScaleValues::kCheck) {
+    return Fail(error, -1,
+                "lr_in_device_memory is set, but this call steps host memory (rule: "
+                "only the CUDA backend reads lr from device memory)");
+  }
+  if (reinterpret_cast<uintptr_t>(on_device) % alignof(double) != 0) {
+    return Fail(error, -1,
+                Format("lr_in_device_memory %p is not aligned to 8 bytes (rule: it "
+                       "points to an fp64)", static_cast<const void*>(on_device)));
   }
   return true;
 }
@@ -452,7 +471,7 @@ bool CheckSlots(const TensorSlot* slots, int64_t count, ScaleValues values,
 bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                   Error* error, ScaleValues scale_values) {
   if (!CheckSlotList(slots, count, error)) return false;
-  if (!CheckHyper("lr", params.lr, error) || !CheckBeta("beta1", params.beta1, error) ||
+  if (!CheckLr(params, scale_values, error) || !CheckBeta("beta1", params.beta1, error) ||
       !CheckBeta("beta2", params.beta2, error) || !CheckHyper("eps", params.eps, error) ||
       !CheckHyper("weight_decay", params.weight_decay, error)) {
     return false;

@@ -39,6 +39,20 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinBlocksPerSm = 4;
 constexpr int kMaxSlots = 32;     // tensors per launch (argument block < 4 KiB)
 
+// Where a call's lr is read from device memory (StepParams::lr_in_device_memory),
+// each thread sets lr's two step constants from it as MakeStepConstants does on the
+// host (SetLrTerms: the same double arithmetic, so the same bits); the host's
+// constants hold the rest.
+struct DeviceLr {
+  const double* value;  // null: the host's lr is in the constants already
+  double bias_correction1, weight_decay;
+};
+
+__device__ __forceinline__ StepConstants WithDeviceLr(StepConstants c, const DeviceLr& lr) {
+  if (lr.value != nullptr) SetLrTerms(c, *lr.value, lr.bias_correction1, lr.weight_decay);
+  return c;
+}
+
 // One launch's tensors, all of one layout. Block b works on slot s where
 // first_block[s] <= b < first_block[s + 1], chunk b - first_block[s] of it.
 struct Launch {
@@ -49,6 +63,7 @@ struct Launch {
   bool any_scaled;
   bool blocks;  // every tensor has per-block scales (BlockKernel), or none has
   int layout;   // index in CompiledLayouts, or kAnyLayout
+  DeviceLr lr;
 };
 static_assert(sizeof(Launch) + sizeof(StepConstants) < 4000,
               "kernel arguments must fit the portable 4 KiB limit");
@@ -103,7 +118,8 @@ __device__ __forceinline__ BlockWork WorkOfBlock(const Launch& launch) {
 // Pass 1: the new state's absmax per scaled state, nothing stored.
 template <bool kAdamW, class L>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    MeasureKernel(const Launch launch, const StepConstants c) {
+    MeasureKernel(const Launch launch, const StepConstants host_constants) {
+  const StepConstants c = WithDeviceLr(host_constants, launch.lr);
   const BlockWork w = WorkOfBlock<L>(launch);
   // An unscaled tensor sharing the launch has nothing to measure (whole block).
   if (!HasScaledState(w.t)) return;
@@ -121,7 +137,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 // Pass 2: the update, stored with the scales measured by pass 1.
 template <bool kAdamW, class L>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    StoreKernel(const Launch launch, const StepConstants c) {
+    StoreKernel(const Launch launch, const StepConstants host_constants) {
+  const StepConstants c = WithDeviceLr(host_constants, launch.lr);
   const BlockWork w = WorkOfBlock<L>(launch);
   const Scales now = NewScales(w.t, launch.absmax + 3 * w.s);
   UpdateRange<kAdamW, L>(w.t, ReadScales(w.t), c, w.begin, w.end, threadIdx.x, kThreads,
@@ -158,7 +175,8 @@ __device__ __forceinline__ void GroupMax(uint32_t& a, uint32_t& b, int lanes,
 // to kMaxPerLane new moments of each kind until its block's scales are known.
 template <bool kAdamW, class L>
 __global__ void __launch_bounds__(kThreads, 2)
-    BlockKernel(const Launch launch, const StepConstants c) {
+    BlockKernel(const Launch launch, const StepConstants host_constants) {
+  const StepConstants c = WithDeviceLr(host_constants, launch.lr);
   const int64_t block = blockIdx.x;
   const int s = SlotOfBlock(launch, block);
   DeviceSlot t = launch.slots[s];
@@ -367,6 +385,7 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
   if (zeroed != cudaSuccess) return DeviceFail(error, "cudaMemsetAsync of the workspace", zeroed);
 
   Launch launch{};
+  launch.lr = {params.lr_in_device_memory, BiasCorrection1(params), params.weight_decay};
   launch.count = 0;
   int64_t first = 0;  // index of the launch's first tensor
   for (int64_t i = 0; i <= count; ++i) {

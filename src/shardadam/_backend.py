@@ -26,7 +26,7 @@ _mode = "auto"
 class Hyper(NamedTuple):
     """One group's step: validated hyper-parameters and the step being taken."""
 
-    lr: float
+    lr: object  # a float, or a CUDA tensor that only the CUDA kernels read (S1.2)
     beta1: float
     beta2: float
     eps: float
@@ -62,6 +62,12 @@ def path_of(batch):
               and _cuda_path.steps_formats(batch)):
             return _cuda_path
     return None
+
+
+def reads_lr_on_device(batches) -> bool:
+    """Whether every batch steps in the CUDA kernels, which read an lr held in a CUDA
+    tensor where it is (the CPU core and the torch path need its value on the host)."""
+    return all(path_of(batch) is _cuda_path for batch in batches)
 
 
 class Prepared(NamedTuple):

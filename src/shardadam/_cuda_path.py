@@ -75,12 +75,21 @@ def run(work, call, hyper) -> None:
         if call.slots:
             workspace = torch.empty(core.cuda_workspace_bytes(call.count),
                                     dtype=torch.uint8, device=device)
+            lr, lr_fp64, lr_address = hyper.lr, None, 0
+            if isinstance(lr, torch.Tensor):
+                # Copied on the stream and read by the kernels when they run (S1.2):
+                # nothing waits. A copy even where lr is already fp64 here, so that
+                # its memory is this stream's: held until the kernels are queued, and
+                # once freed, it goes only to work queued behind them.
+                lr_fp64 = lr.detach().to(device=device, dtype=torch.float64, copy=True)
+                lr, lr_address = 0.0, lr_fp64.data_ptr()
             try:
                 core.adam_step_cuda(
-                    call.slots, hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+                    call.slots, lr, hyper.beta1, hyper.beta2, hyper.eps,
                     hyper.weight_decay, hyper.adam_w_mode, hyper.bias_correction,
                     hyper.step, workspace.data_ptr(), workspace.numel(),
-                    torch.cuda.current_stream(device).cuda_stream, workspace.device.index)
+                    torch.cuda.current_stream(device).cuda_stream, workspace.device.index,
+                    lr_address)
             except ValueError as error:
                 raise _slots.refusal(error, call.entries) from None
         call.finish()

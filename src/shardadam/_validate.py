@@ -183,8 +183,12 @@ def check_group_keys(group: dict, group_index: int) -> None:
                        "from the defaults)", group=group_index)
 
 
-def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
-    """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2)."""
+def hyper_parameters(group: dict, group_index: Optional[int] = None,
+                     lr_on_device: bool = False) -> tuple:
+    """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2).
+    With ``lr_on_device``, an lr held in a one-element floating CUDA tensor (a plain
+    one, not a DTensor) comes back as that tensor, checked for its shape and dtype only:
+    reading its value would wait for the device."""
     lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
     # The usual group, Python floats and ints in range, without a call per value:
     # step() checks every group at every step.
@@ -194,21 +198,31 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None) -> tuple:
             and 0.0 <= eps < math.inf and 0.0 <= wd < math.inf and 0.0 <= betas[0] < 1.0
             and 0.0 <= betas[1] < 1.0):
         return float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd)
-    return _checked_hyper_parameters(group, group_index)
+    return _checked_hyper_parameters(group, group_index, lr_on_device)
 
 
 _PLAIN_REALS = (float, int)  # not bool: type(True) is bool
 
 
-def _checked_hyper_parameters(group: dict, group_index: Optional[int]) -> tuple:
+def device_lr(value) -> bool:
+    """Whether ``value`` is an lr the CUDA kernels can read where it is: a one-element
+    floating tensor in CUDA memory."""
+    return (type(value) is torch.Tensor and value.is_cuda and value.numel() == 1
+            and value.is_floating_point())
+
+
+def _checked_hyper_parameters(group: dict, group_index: Optional[int],
+                              lr_on_device: bool = False) -> tuple:
     """hyper_parameters for any value: tensors, numpy numbers, lists; refusals."""
     def bad(rule, value):
         return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
 
-    lr = _number(group["lr"])
-    if lr is None or not math.isfinite(lr) or lr < 0.0:
-        raise bad("Invalid learning rate (rule: a real number, finite and >= 0)",
-                  group["lr"])
+    lr = group["lr"]
+    if not (lr_on_device and device_lr(lr)):
+        lr = _number(lr)
+        if lr is None or not math.isfinite(lr) or lr < 0.0:
+            raise bad("Invalid learning rate (rule: a real number, finite and >= 0)",
+                      group["lr"])
     eps = _number(group["eps"])
     if eps is None or not math.isfinite(eps) or eps < 0.0:
         raise bad("Invalid epsilon value (rule: a real number, finite and >= 0)",

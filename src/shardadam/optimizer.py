@@ -279,11 +279,18 @@ class FusedAdam(torch.optim.Optimizer):
     def _prepare_group(self, index: int, group: dict, config: _state.StateConfig):
         """Checks one group and gathers its gradients; reads only."""
         _validate.check_group_keys(group, index)
-        lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(group, index)
+        lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(
+            group, index, lr_on_device=True)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
+        plan = self._plan(index, group, config)
+        if isinstance(lr, torch.Tensor) and not (plan.bound and
+                                                 _backend.reads_lr_on_device(plan.batches)):
+            # A batch that steps elsewhere needs lr's value: read and checked here,
+            # before anything is written (this waits for the device, S1.2). So does
+            # a plan not yet bound, whose batches cannot tell their path yet.
+            lr = _validate.hyper_parameters(group, index)[0]
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
                                bool(group["bias_correction"]), step + 1)  # S3.6
-        plan = self._plan(index, group, config)
         decoupled = bool(self.use_decoupled_grad)
         batches = [_plan.gather_grads(batch, decoupled, group, index)
                    for batch in plan.batches]

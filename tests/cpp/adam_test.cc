@@ -650,6 +650,10 @@ std::vector<ErrorCase> ErrorCases() {
   // Hyper-parameters (tensor index -1).
   param_case("negative_lr", "lr", [](StepParams* p) { p->lr = -1e-3; });
   param_case("nan_lr", "lr", [](StepParams* p) { p->lr = NAN; });
+  // Only the CUDA backend reads lr from device memory (never dereferenced here).
+  static const double device_lr = 1e-3;
+  param_case("lr_in_device_memory_on_the_cpu", "lr_in_device_memory",
+             [](StepParams* p) { p->lr_in_device_memory = &device_lr; });
   param_case("negative_eps", "eps", [](StepParams* p) { p->eps = -1e-8; });
   param_case("negative_weight_decay", "weight_decay",
              [](StepParams* p) { p->weight_decay = -0.1; });

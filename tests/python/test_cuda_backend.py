@@ -545,6 +545,100 @@ def test_block8_step_never_waits_for_the_device(cuda_path_only):
     torch.cuda.synchronize()
 
 
+# S1.2: an lr in a CUDA tensor. Per step, as a scheduler on the device sets it (0 is a
+# real step, S3.8).
+LR_VALUES = (3e-3, 1.7e-3, 0.0, 2.2e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("lr_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("option", ["fp8", "fp16-master", "block8", "block4"])
+def test_lr_in_a_cuda_tensor_is_read_on_the_device(option, lr_dtype, cuda_path_only):
+    """Every kernel kind reads it there (fp8 moments: the store kernel; an fp16 master:
+    the measuring kernel too, its scale follows the new weights; block8 / block4: the
+    per-block kernel): the CPU core's bits for the same values given as floats, and no
+    step after the first (which builds the plan and reads lr and the block scales on the
+    host) waits: torch's sync debug mode raises on any sync, and the last step returns
+    while the stream is busy."""
+    busy_stream_supported()
+    cfg = OPTIMIZER_PRESETS[5 if option == "fp16-master" else 4]
+    kwargs, decoupled = cfg.optimizer_kwargs(), cfg.decoupled
+    if option.startswith("block"):
+        kwargs = dict(BLOCK8_OPTIONS["bf16-remainder"][1], moment_format=option)
+        decoupled = False
+    device_lr = torch.tensor(LR_VALUES[0], dtype=lr_dtype, device=DEVICE)
+    runs = {}
+    for device, lr in ((DEVICE, device_lr), ("cpu", float(device_lr))):
+        params = optimizer_params(cfg, device)
+        runs[device] = (fused_adam()(params, **{**HYPER.optimizer_kwargs(), "lr": lr},
+                                     **kwargs), params)
+    (opt_gpu, params_gpu), (opt_cpu, params_cpu) = runs[DEVICE], runs["cpu"]
+    previous = torch.cuda.get_sync_debug_mode()
+    for step, value in enumerate(LR_VALUES, 1):
+        grads = (block8_grads(params_cpu, step) if option.startswith("block")
+                 else step_grads(cfg, params_cpu, step))
+        attach_grads(params_cpu, grads, decoupled)
+        attach_grads(params_gpu, on_device(grads, DEVICE), decoupled)
+        opt_cpu.param_groups[0]["lr"] = float(torch.tensor(value, dtype=lr_dtype))
+        opt_cpu.step()
+        torch.cuda.synchronize()
+        if step > 1:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            device_lr.fill_(value)
+            if step == len(LR_VALUES):
+                torch.cuda._sleep(BUSY_CYCLES)
+            opt_gpu.step()
+            still_busy = not torch.cuda.current_stream(DEVICE).query()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize()
+        assert opt_gpu.param_groups[0]["lr"] is device_lr
+        assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu,
+                                f"{option}, {lr_dtype} lr: after step {step}")
+    assert still_busy, "optimizer.step() returned only after the device was idle"
+
+
+@needs_gpu
+def test_lr_in_a_cuda_tensor_beside_cpu_parameters_is_read_and_checked():
+    """A group that also steps CPU parameters needs lr's value on the host: read there
+    (a sync) and checked like any lr, so a negative one is refused before anything is
+    written; a CUDA lr of several elements is refused without reading it."""
+    params = [torch.nn.Parameter(torch.randn(33, 5)),
+              torch.nn.Parameter(torch.randn(40, device=DEVICE))]
+    device_lr = torch.tensor(2e-3, device=DEVICE)
+    runs = []
+    for lr in (device_lr, float(device_lr)):
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        runs.append((fused_adam()(copies, **{**HYPER.optimizer_kwargs(), "lr": lr}), copies))
+    (opt_t, params_t), (opt_f, params_f) = runs
+    for step in (1, 2):
+        grads = [torch.randn_like(p) for p in params]
+        attach_grads(params_t, grads, False)
+        attach_grads(params_f, [g.clone() for g in grads], False)
+        opt_t.step()
+        opt_f.step()
+    torch.cuda.synchronize()
+    for i, (p, q) in enumerate(zip(params_t, params_f)):
+        assert_bitwise_equal(p.detach().cpu(), q.detach().cpu(), f"mixed devices: param {i}")
+        tensor_lr, float_lr = state_tensors(opt_t, p), state_tensors(opt_f, q)
+        assert sorted(tensor_lr) == sorted(float_lr)
+        for key in float_lr:
+            assert_bitwise_equal(tensor_lr[key].cpu(), float_lr[key].cpu(),
+                                 f"mixed devices: param {i} {key}")
+    before = [p.detach().clone() for p in params_t]
+    states = [{k: v.clone() for k, v in state_tensors(opt_t, p).items()} for p in params_t]
+    for bad in (torch.tensor(-1e-3, device=DEVICE), torch.full((2,), 1e-3, device=DEVICE)):
+        opt_t.param_groups[0]["lr"] = bad
+        with pytest.raises(ValueError, match="Invalid learning rate"):
+            opt_t.step()
+        for i, p in enumerate(params_t):
+            assert_bitwise_equal(p.detach(), before[i], f"param {i} after a refused step")
+            for key, value in state_tensors(opt_t, p).items():
+                assert_bitwise_equal(value, states[i][key], f"param {i} {key}")
+        assert opt_t.param_groups[0]["step"] == 2
+
+
 @needs_gpu
 def test_use_backend_torch_keeps_cuda_tensors_off_the_extension(monkeypatch):
     def refuse(*args, **kwargs):
@@ -700,8 +794,15 @@ def _host_cases():
     cases.append(("workspace-too-small", fp32,
                   {"workspace_bytes": _C.cuda_workspace_bytes(1) - 1}, "ValueError",
                   [r"workspace"]))
+    cases.append(("lr-in-device-memory-misaligned", fp32,
+                  {"lr_in_device_memory": _FAKE + 4}, "ValueError",
+                  [r"lr_in_device_memory.*not aligned to 8 bytes"]))
     # Valid input gets past validation and is refused by the runtime: no device.
     cases.append(("valid-without-a-device", fp32, {}, "RuntimeError", [r"."]))
+    # With lr in device memory, the host lr is not used, so not checked.
+    cases.append(("lr-in-device-memory-with-a-bad-host-lr", fp32,
+                  {"lr": float("nan"), "lr_in_device_memory": _FAKE}, "RuntimeError",
+                  [r"."]))
     return cases
 
 

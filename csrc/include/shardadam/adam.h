@@ -129,6 +129,11 @@ struct StepParams {
   bool adam_w_mode = true;      // false: L2 penalty added to the gradient
   bool bias_correction = true;  // false: both corrections are 1
   int64_t step = 1;             // the step being taken, counted from 1
+  // AdamStepCuda only: where non-null, lr is read from this fp64 in device memory
+  // when the kernels run (the `lr` above is then not used), so a learning rate held
+  // in a GPU tensor never waits for the device; its value is not validated. 8-byte
+  // aligned. The CPU core refuses it.
+  const double* lr_in_device_memory = nullptr;
 };
 
 // The result of every call that can refuse its input.

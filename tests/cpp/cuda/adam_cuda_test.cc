@@ -277,8 +277,10 @@ struct DeviceShard {
 
 // Steps `shards` and `tensors` (per-tensor states) in one AdamStepCuda call on a
 // non-default stream and on the CPU core through BlockSchedule, and compares
-// every buffer and scale after each step.
-void ExpectBlocksMatchCpu(std::vector<Shard> shards, std::vector<Tensor> tensors, bool adam_w) {
+// every buffer and scale after each step. lr_on_device: the CUDA call reads lr
+// from device memory (StepParams::lr_in_device_memory), its host lr NaN.
+void ExpectBlocksMatchCpu(std::vector<Shard> shards, std::vector<Tensor> tensors, bool adam_w,
+                          bool lr_on_device = false) {
   std::mt19937 rng(21);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
@@ -311,7 +313,15 @@ void ExpectBlocksMatchCpu(std::vector<Shard> shards, std::vector<Tensor> tensors
         << error.message;
     const int64_t count = static_cast<int64_t>(slots.size());
     DeviceBuffer workspace(static_cast<size_t>(CudaWorkspaceBytes(count)));
-    ASSERT_EQ(AdamStepCuda(slots.data(), count, params, workspace.data(),
+    StepParams cuda_params = params;
+    DeviceBuffer lr(sizeof(double));
+    if (lr_on_device) {
+      ASSERT_EQ(cudaMemcpy(lr.data(), &params.lr, sizeof(double), cudaMemcpyHostToDevice),
+                cudaSuccess);
+      cuda_params.lr = NAN;  // not used
+      cuda_params.lr_in_device_memory = static_cast<const double*>(lr.data());
+    }
+    ASSERT_EQ(AdamStepCuda(slots.data(), count, cuda_params, workspace.data(),
                            CudaWorkspaceBytes(count), stream, /*device=*/0, &error),
               Status::kOk)
         << error.message;
@@ -371,6 +381,29 @@ TEST(CudaBlockStepTest, BlockAndPerTensorStatesInOneCallMatchCpuCore) {
     if (c.adam_w) tensors.push_back(MakeTensor(c, 1 + rng() % 20000, &rng));
   }
   ExpectBlocksMatchCpu(shards, tensors, true);
+}
+
+// S1.2: an lr in device memory, read by every kind of kernel (per-block, per-tensor
+// measure and store, unscaled), gives the bits of the same lr passed by value.
+TEST(CudaBlockStepTest, LrInDeviceMemoryMatchesLrByValue) {
+  if (!HaveDevice()) GTEST_SKIP() << "no CUDA device the kernels run on";
+  for (bool adam_w : {true, false}) {
+    SCOPED_TRACE(adam_w ? "adamw" : "l2");
+    std::vector<Shard> shards;
+    int k = 0;
+    for (const BlockConfig& config : BlockConfigs()) {
+      if (config.adam_w != adam_w) continue;
+      const ShardShape shape = ShardShapesFor(config)[k++ % ShardShapes().size()];
+      shards.emplace_back(config, shape.first_index, shape.numel, shape.block);
+    }
+    std::mt19937 rng(14);
+    std::vector<Tensor> tensors;
+    for (const Config& c : RepresentativeConfigs()) {
+      if (c.adam_w == adam_w) tensors.push_back(MakeTensor(c, 1 + rng() % 20000, &rng));
+    }
+    ExpectBlocksMatchCpu(shards, tensors, adam_w, /*lr_on_device=*/true);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 // S2.14 in one call: shards of block moments and per-tensor tensors whose bf16
@@ -543,6 +576,30 @@ TEST(CudaValidationTest, MisalignedBuffersAreRejected) {
                          sizeof(workspace) - 1, nullptr, -1, &error),
             Status::kInvalidArgument);
   EXPECT_NE(error.message.find("4-byte aligned"), std::string::npos) << error.message;
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
+}
+
+// An lr in device memory is never read on the host: only its alignment is checked,
+// and the host lr beside it (NaN here) is not.
+TEST(CudaValidationTest, LrInDeviceMemoryIsCheckedForAlignmentOnly) {
+  float buffers[4][8] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  alignas(8) static const double lr[2] = {};  // stands in for device memory
+  StepParams params;
+  params.lr = NAN;
+  params.lr_in_device_memory =
+      reinterpret_cast<const double*>(reinterpret_cast<const char*>(lr) + 4);
+  Error error;
+  EXPECT_EQ(AdamStepCuda(&s, 1, params, nullptr, 0, nullptr, -1, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("lr_in_device_memory"), std::string::npos) << error.message;
+  EXPECT_NE(error.message.find("not aligned to 8 bytes"), std::string::npos) << error.message;
+  params.lr_in_device_memory = lr;  // past the lr checks: the missing workspace is next
+  EXPECT_EQ(AdamStepCuda(&s, 1, params, nullptr, 0, nullptr, -1, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("workspace"), std::string::npos) << error.message;
   for (int k = 0; k < 4; ++k) {
     for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
   }
