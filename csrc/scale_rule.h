@@ -50,15 +50,16 @@ SHARDADAM_HOST_DEVICE inline float ScaleFromAbsMaxBits(uint32_t bits, float targ
 SHARDADAM_HOST_DEVICE inline float BlockScaleFromAbsMaxBits(uint32_t bits, float bound,
                                                             float zero_bound) {
   if (bits >= 0x7F800000u) return 1.0f;
-  const float a = FloatOf(bits);
-  if (a <= zero_bound * FloatOf(1u << 23)) return 1.0f;  // 2^-126: exact product
-  const int exponent_a = static_cast<int>(bits >> 23) - 127;
-  const int exponent_bound = static_cast<int>((BitsOf(bound) >> 23) & 0xFFu) - 127;
-  // Below the answer by at most two binades (the significands' ratio is in
-  // (1/2, 2)); dividing by a power of two is exact, so the compare is too.
-  int e = exponent_a - exponent_bound - 1;
+  if (FloatOf(bits) <= zero_bound * FloatOf(1u << 23)) return 1.0f;  // 2^-126: exact
+  // a / 2^e <= bound is a <= bound * 2^e, both exact for e >= -126 (bound is at
+  // least 1). The fp32 bits of bound * 2^e are bound's plus e << 23 (read past
+  // FLT_MAX as if the exponent field were wider), and non-negative floats order as
+  // their bits, so the smallest such e is ceil((bits(a) - bits(bound)) / 2^23):
+  // integer work, where a search by division would wait on its divisions.
+  const int32_t diff = static_cast<int32_t>(bits) - static_cast<int32_t>(BitsOf(bound));
+  int32_t e = diff >= 0 ? (diff + 0x7FFFFF) / 0x800000 : -(-diff / 0x800000);
   if (e < -126) e = -126;
-  while (e < 127 && a / FloatOf(static_cast<uint32_t>(e + 127) << 23) > bound) ++e;
+  if (e > 127) e = 127;
   return FloatOf(static_cast<uint32_t>(e + 127) << 23);
 }
 
