@@ -572,9 +572,9 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v))), kV.scale_target,
         kV.zero_bound);
     // x / s as the block path divides, without a division: a new scale is a
-    // power of two in [2^-126, 2^120] (S2.9: 2^121 would need a block maximum
-    // above FLT_MAX), so 1 / s is exact and normal, and x * (1 / s) is the
-    // same correctly rounded quotient.
+    // power of two in [2^-126, 2^126] (S2.9: the smallest bound, fp4-block's
+    // just below 7, puts FLT_MAX's block at 2^126), so 1 / s is exact and
+    // normal, and x * (1 / s) is the same correctly rounded quotient.
     const VF m_by = hn::Set(df, 1.0f / sm);
     const VF v_by = hn::Set(df, 1.0f / sv);
     for (size_t i = 0; i < block; i += step) {

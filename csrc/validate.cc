@@ -238,7 +238,7 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   if (s.numel < 0) {
     return Fail(error, i, Format("numel %" PRId64 " is negative; expected >= 0", s.numel));
   }
-  // Element sizes are at most 4 bytes; keep byte counts representable.
+  // Element sizes are at most 4 bytes: byte counts stay below INT64_MAX / 2.
   if (s.numel > INT64_MAX / 8) {
     return Fail(error, i, Format("numel %" PRId64 " is too large", s.numel));
   }

@@ -127,7 +127,7 @@ def check_together(prepared: list, passed: dict) -> None:
     updated. ``passed`` (the optimizer's, per device) remembers the last lists that
     passed: only the gradient columns change while the plans stand, so an unchanged
     set of gradients is not checked again. The torch path's batches are checked for
-    the same rule by ``_torch_path.check_shared_memory``."""
+    the same rules by ``_torch_path.check_shared_memory`` and ``check_scales``."""
     torch_works, calls, count, write_back = [], {}, 0, False
     for item in prepared:
         call = item.call
@@ -139,6 +139,7 @@ def check_together(prepared: list, passed: dict) -> None:
             write_back = write_back or bool(call.write_back)
     if torch_works:
         _torch_path.check_shared_memory(torch_works, passed)
+        _torch_path.check_scales(torch_works)
     if write_back:
         _check_written_back(prepared)
     if count < 2:

@@ -313,7 +313,9 @@ def by_label(label: str) -> Format:
     name, _, block = label.partition(":")
     if not block:
         return _BY_NAME[name]
-    if not block.isdigit() or int(block) <= 0 or _BY_NAME[name].scale != "block":
+    low, high = SCALE_BLOCK_RANGE
+    if (not block.isdigit() or not low <= int(block) <= high or int(block) & (int(block) - 1)
+            or _BY_NAME[name].scale != "block"):
         raise KeyError(label)
     return _blocked(name, int(block))
 

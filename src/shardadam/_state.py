@@ -404,12 +404,27 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
                          f"shape is {tuple(param.shape)}"
                          + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed
                             else ""))
-            else:
-                error = _block_scale_error(local, spec, scales, formats)
         if error is not None:
-            return (f"state {spec.name!r} {error}; call initialize_state(param) to "
-                    f"recreate it")
+            return _to_recreate(spec, error)
+    return undecodable_error(specs, entry, scales, formats)
+
+
+def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],
+                      formats: Optional[dict]) -> Optional[str]:
+    """A sentence if a state of ``entry`` cannot be read as values: per-block codes whose
+    scales (in ``scales``) are missing or unusable (consistency_error's last rule)."""
+    for spec in specs:
+        stored = entry.get(spec.name)
+        if stored is None:
+            continue
+        error = _block_scale_error(_dtensor.to_local(stored), spec, scales, formats)
+        if error is not None:
+            return _to_recreate(spec, error)
     return None
+
+
+def _to_recreate(spec: StateSpec, error: str) -> str:
+    return f"state {spec.name!r} {error}; call initialize_state(param) to recreate it"
 
 
 def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],

@@ -137,6 +137,32 @@ def check_shared_memory(works: list, passed: dict) -> None:
     passed["torch"] = signature
 
 
+def check_scales(works: list) -> None:
+    """The CPU core's rule on the scales a step reads, for this step's torch-path
+    batches in host memory: each finite and > 0. A plan checked its scales when it was
+    built; one changed in place since is refused here, before anything is written, in
+    the core's words. Scales in device memory are not read on the host (the CUDA
+    kernels do not check them either)."""
+    for work in works:
+        if work.batch.device.type != "cpu":
+            continue
+        for entry, grad in zip(work.batch.entries, work.grads):
+            if grad is None or entry.numel == 0:
+                continue
+            for name in ("exp_avg_scale", "exp_avg_sq_scale", "master_scale"):
+                scale = getattr(entry, name)
+                if scale is None or scale.numel() == 0:
+                    continue
+                bad = ~(torch.isfinite(scale) & (scale > 0)).view(-1)
+                if bool(bad.any()):
+                    j = int(bad.nonzero()[0, 0])
+                    which = name if scale.numel() == 1 else f"{name}[{j}]"
+                    raise ValueError(
+                        f"{_validate.CLASS_NAME}: {entry.place}: {which} "
+                        f"{scale.view(-1)[j].item():.9g} is not a valid scale; expected a "
+                        f"finite value > 0")
+
+
 def step(work, hyper) -> None:
     active = [(entry, grad) for entry, grad in zip(work.batch.entries, work.grads)
               if grad is not None and entry.numel > 0]

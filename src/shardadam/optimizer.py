@@ -131,7 +131,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._scales = dict(state.get("_scales") or {})
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
-        _state.migrate_scales(self.state, self._scales)
+        if "_scales" not in state:  # an older pickle kept them beside their states
+            _state.migrate_scales(self.state, self._scales)
         self._plans = []
         self._param_index = {}
         self._checked = {}
@@ -141,6 +142,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
+        config = self._checked_config()  # before torch adds the group
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
             if not isinstance(params, set):  # torch rejects sets itself
@@ -157,7 +159,6 @@ class FusedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("step", 0)
-        config = self._config()
         group[LAYOUT_KEY] = config.record()
         for param in group["params"]:
             local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
@@ -355,7 +356,8 @@ class FusedAdam(torch.optim.Optimizer):
         g, i = self._locate(param)
         where = _validate.where(g, i, _validate.param_name(self.param_groups[g], i))
         local = _dtensor.to_local(param)
-        specs = {s.name: s for s in self._config().specs_of(local, _dtensor.layout_of(param))}
+        specs = {s.name: s
+                 for s in self._checked_config().specs_of(local, _dtensor.layout_of(param))}
         if state_name not in specs:
             raise KeyError(f"{where}: unknown state name {state_name!r}; this parameter's "
                            f"states are {sorted(specs)}")
@@ -372,7 +374,7 @@ class FusedAdam(torch.optim.Optimizer):
         error = _validate.param_error(param)
         if error is not None:
             raise RuntimeError(f"{where}: {error}")
-        config = self._config()
+        config = self._checked_config()
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         implied = config.uses_remainders(local.dtype)
         if store_param_remainders is not None and bool(store_param_remainders) != implied:
@@ -398,6 +400,7 @@ class FusedAdam(torch.optim.Optimizer):
         entry = self.state.get(param)
         if entry is None or state_name not in entry:
             raise KeyError(f"{where}: no state {state_name!r} yet")
+        self._check_decodable(param, (spec,), entry)
         formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
         fmt = _state.stored_format(stored, formats, state_name)
@@ -405,6 +408,16 @@ class FusedAdam(torch.optim.Optimizer):
             return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
         return _state.read_value(entry, self._scales.get(param), formats, state_name,
                                  spec.first_index)
+
+    def _check_decodable(self, param, specs, entry) -> None:
+        """Refuses to read per-block codes whose scales are missing or unusable, as
+        step() refuses to step them (S2.11): their values would be wrong."""
+        error = _state.undecodable_error(specs, entry, self._scales.get(param),
+                                         self._formats.get(param))
+        if error is not None:
+            g, i = self._locate(param)
+            raise _validate.fail(RuntimeError, error, group=g, param=i,
+                                 name=_validate.param_name(self.param_groups[g], i))
 
     @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
@@ -444,7 +457,7 @@ class FusedAdam(torch.optim.Optimizer):
         records the state layout under ``state_layout`` (S5.4)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        config = self._config()
+        config = self._checked_config()
         record = config.record()
         param_groups, packed_state, start = [], {}, 0
         for group in self.param_groups:
@@ -468,8 +481,10 @@ class FusedAdam(torch.optim.Optimizer):
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param) or {}
         scales, formats = self._scales.get(param), self._formats.get(param)
+        specs = config.specs_of(local, layout)
+        self._check_decodable(param, specs, entry)
         exported = {}
-        for spec in config.specs_of(local, layout):
+        for spec in specs:
             if spec.name in entry:
                 value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
@@ -502,7 +517,7 @@ class FusedAdam(torch.optim.Optimizer):
             _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
                                layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
-        record = self._config().record()
+        record = self._checked_config().record()
         self.param_groups = [dict(group, **saved, params=group["params"],
                                   **{LAYOUT_KEY: record})
                              for group, saved in zip(self.param_groups, saved_groups)]
@@ -538,7 +553,7 @@ class FusedAdam(torch.optim.Optimizer):
             merged = dict(group, **saved)
             _validate.check_group_keys(merged, g)
             _validate.hyper_parameters(merged, g)
-        config = self._config()
+        config = self._checked_config()
         saved_state = state_dict["state"]
         prepared = []
         for g, group in enumerate(self.param_groups):

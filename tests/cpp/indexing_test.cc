@@ -171,6 +171,31 @@ TEST(HugeValidationTest, ConvertRangesAreSixtyFourBit) {
                                          1.0f, &error));
 }
 
+// Byte counts and offsets are exact up to the largest accepted numel at every element
+// size (numel * bits would overflow from 2^58 fp32 elements), so fp32 buffers of 2^59 + 1
+// elements (2^61 + 4 bytes) starting at 0xF000... are refused as running past the
+// address space, not taken for a few bytes.
+TEST(HugeValidationTest, ByteCountsOfTheLargestBuffersAreExact) {
+  const int64_t n = INT64_MAX / 8;
+  EXPECT_EQ(BufferBytes(DType::kFloat32, n), 4 * n);
+  EXPECT_EQ(BufferBytes(DType::kBFloat16, n), 2 * n);
+  EXPECT_EQ(BufferBytes(DType::kFloat8E4M3, n), n);
+  EXPECT_EQ(BufferBytes(DType::kFloat4E2M1Block, n), n / 2 + 1);
+  EXPECT_EQ(BufferBytes(DType::kFloat4E2M1Block, 7), 4);
+  EXPECT_EQ(ByteOffset(DType::kFloat32, n - 1), 4 * (n - 1));
+  EXPECT_EQ(ByteOffset(DType::kFloat4E2M1Block, n - 1), (n - 1) / 2);
+  TensorSlot slot = HugeSlot(0xF000000000000000ull);
+  slot.numel = (int64_t{1} << 59) + 1;
+  Error error;
+  EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 1, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("param ["), std::string::npos) << error.message;
+  EXPECT_NE(error.message.find("address space"), std::string::npos) << error.message;
+  EXPECT_FALSE(internal::ValidateConvert(At(0xF000000000000000ull), DType::kFloat32,
+                                         At(kBase), DType::kFloat8E4M3, slot.numel, 1.0f,
+                                         &error));
+  EXPECT_NE(error.message.find("address space"), std::string::npos) << error.message;
+}
+
 // A range that would wrap past the top of the address space (where overlap
 // arithmetic wraps too) is refused, naming the buffer; one ending just below
 // the top is an ordinary range.

@@ -5,6 +5,8 @@ touched), every parameter / master option, the C++ core against the torch path, 
 checkpoints: state_dict -> load gives back the same codes and scales, and a resumed run
 continues bitwise like the one that never stopped."""
 
+import re
+
 import pytest
 import torch
 
@@ -167,6 +169,39 @@ def test_bad_setting_at_step_changes_nothing(attribute, value, message):
     assert_unchanged(opt, before)
 
 
+# Every method that creates, converts or exports state, called as a user would.
+STATE_METHODS = {
+    "state_dict": lambda opt, params, sd: opt.state_dict(),
+    "load_state_dict": lambda opt, params, sd: opt.load_state_dict(sd),
+    "add_param_group": lambda opt, params, sd: opt.add_param_group(
+        {"params": [torch.nn.Parameter(torch.randn(300))]}),
+    "initialize_state": lambda opt, params, sd: opt.initialize_state(params[0]),
+    "get_unscaled_state": lambda opt, params, sd: opt.get_unscaled_state(params[0],
+                                                                         "exp_avg"),
+    "set_scaled_state": lambda opt, params, sd: opt.set_scaled_state(
+        params[0], "exp_avg", torch.zeros(6, 300)),
+}
+
+
+@pytest.mark.parametrize("method", list(STATE_METHODS))
+@pytest.mark.parametrize("attribute,value,message", [
+    ("moment_block_size", 3, r"moment_block_size must be a power of two in \[128, 4096\]"),
+    ("moment_block_size", 8192, r"moment_block_size must be a power of two"),
+    ("moment_format", "block3", r"unknown moment_format 'block3' \(rule: moment_format in"),
+])
+def test_bad_setting_is_refused_by_every_state_method(method, attribute, value, message):
+    """A setting changed after construction is checked by every method that would
+    shape state by it, as by step(), before anything changes (S1.5, S2.11)."""
+    opt, params = make()
+    run(opt, params, 1, 2)
+    sd = opt.state_dict()
+    setattr(opt, attribute, value)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        STATE_METHODS[method](opt, params, sd)
+    assert_unchanged(opt, before)
+
+
 def test_bad_load_changes_nothing():
     opt, params = make()
     run(opt, params, 1, 2)
@@ -286,9 +321,41 @@ def test_codes_without_usable_scales_are_refused(damage):
         scales["exp_avg"][1] = value
     grads(params, 3)
     before = snapshot(opt)
-    with pytest.raises(RuntimeError, match=r"state 'exp_avg' holds fp8-block:256 codes"):
-        opt.step()
-    assert_unchanged(opt, before)
+    # Nor are they read: exported, they would be wrong values in a valid-looking
+    # checkpoint.
+    for refused in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(p, "exp_avg")):
+        with pytest.raises(RuntimeError, match=r"group 0, param 0: state 'exp_avg' holds "
+                                               r"fp8-block:256 codes"):
+            refused()
+        assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -0.5])
+@pytest.mark.parametrize("family", ["block8", "fp8"])
+def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, backend):
+    """A scale the optimizer holds, changed in place after a step (its plan stands):
+    the CPU core checks every scale it reads, and the torch path does the same, in the
+    same words, before anything is written (S2.11)."""
+    if backend == "auto" and not have_core():
+        pytest.skip("C++ extension not built")
+    kwargs = (dict(moment_format="block8") if family == "block8" else
+              dict(moment_format=None, exp_avg_dtype=torch.uint8,
+                   exp_avg_sq_dtype=torch.uint8))
+    with backend_context(backend):
+        opt, params = make(**kwargs)
+        run(opt, params, 1, 2)
+        p = params[1]
+        scale = opt._scales[p]["exp_avg_sq"]
+        which = "exp_avg_sq_scale[2]" if family == "block8" else "exp_avg_sq_scale"
+        scale.view(-1)[2 if family == "block8" else 0] = value
+        grads(params, 3)
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=(
+                rf"group 0, param 1: {re.escape(which)} {value:.9g} is not a valid scale; "
+                rf"expected a finite value > 0")):
+            opt.step()
+        assert_unchanged(opt, before)
 
 
 def test_te_state_methods_round_trip():
@@ -324,6 +391,29 @@ def test_pickled_optimizer_continues_bitwise():
     assert_same_optimizer_state(opt, copy_opt, params, copy_params, "pickled")
 
 
+def test_pickled_optimizer_keeps_its_scales_beside_a_loaded_extra_key():
+    """A loaded state may keep a key of its own (S5.5), even one named like a scale;
+    pickling the optimizer keeps it as that key and leaves the scales alone (only a
+    pickle from before the optimizer kept its scales apart moves such keys)."""
+    import pickle
+
+    source, source_params = make()
+    run(source, source_params, 1, 2)
+    sd = source.state_dict()
+    sd["state"][0]["exp_avg_scale"] = torch.full((8,), 0.5)
+    opt, params = make()
+    opt.load_state_dict(sd)
+    copy_opt = pickle.loads(pickle.dumps(opt))
+    copy_params = [p for group in copy_opt.param_groups for p in group["params"]]
+    assert_bitwise_equal(copy_opt._scales[copy_params[0]]["exp_avg"],
+                         opt._scales[params[0]]["exp_avg"], "scales after pickling")
+    assert_bitwise_equal(copy_opt.state[copy_params[0]]["exp_avg_scale"],
+                         torch.full((8,), 0.5), "the extra key")
+    assert_bitwise_equal(copy_opt.get_unscaled_state(copy_params[0], "exp_avg"),
+                         source.get_unscaled_state(source_params[0], "exp_avg"),
+                         "exp_avg after pickling")
+
+
 def test_recorded_layouts_read_back():
     """A recorded block8 layout reads back as block8 at its block size; a mismatched
     or block-less one is no layout."""
@@ -337,6 +427,11 @@ def test_recorded_layouts_read_back():
                 "exp_avg=fp8-block exp_avg_sq=ufp8-block master=none",
                 "exp_avg=ufp8-block:256 exp_avg_sq=ufp8-block:256 master=none",
                 "exp_avg=fp8-block:0 exp_avg_sq=ufp8-block:0 master=none",
+                # block sizes the optimizer cannot be set to (S2.11)
+                "exp_avg=fp8-block:3 exp_avg_sq=ufp8-block:3 master=none",
+                "exp_avg=fp8-block:64 exp_avg_sq=ufp8-block:64 master=none",
+                "exp_avg=fp8-block:8192 exp_avg_sq=ufp8-block:8192 master=none",
+                "exp_avg=fp8-block:384 exp_avg_sq=ufp8-block:384 master=none",
                 "exp_avg=fp8-block:512 exp_avg_sq=fp8-block:512 master=none"):
         with pytest.raises(ValueError, match="is not a state layout"):
             StateConfig.from_record(bad)

@@ -47,7 +47,8 @@ enum class Rounding : int32_t {
 //   (formats.h), aligned at least to the element size (as an array of that
 //   element type is; a 4-bit format: a byte array of codes). A slot with
 //   numel == 0 is an empty tensor: its data pointers may be null; the scale slots
-//   of its scaled states are still checked and written.
+//   of its per-tensor scaled states are still checked and written (a per-block
+//   state has no block then, so no scale to read or write).
 // - param, exp_avg, exp_avg_sq, master_param and the used scale slots are read
 //   and written in place; grad is only read. The dtype tags say how each buffer
 //   is encoded (formats.h: DType). Which tags a buffer accepts is FormatOf(tag)'s
@@ -93,8 +94,9 @@ struct TensorSlot {
   // scale slot holds ScaleCount(...) fp32 values, the first for the block of
   // element 0. Blocks are keyed to the whole parameter, so shards that start and
   // end on block boundaries store the same codes and scales however the
-  // parameter is sharded. Ignored when no state is per-block scaled. With a
-  // 4-bit state, first_index is even (block boundaries fall between bytes).
+  // parameter is sharded. Ignored when no state is per-block scaled (and no
+  // param is rounded stochastically). In [0, INT64_MAX / 8 - numel]; with a
+  // 4-bit state, even (block boundaries fall between bytes).
   int64_t first_index = 0;
   int32_t scale_block = 0;
   // exp_avg's rounding: kStochastic only with exp_avg_dtype kFloat4E2M1Block,

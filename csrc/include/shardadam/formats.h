@@ -168,14 +168,18 @@ SHARDADAM_FORMAT_FN FormatInfo FormatOf(DType dtype) {
 }
 
 // Shorthands for the facts the kernels branch on.
-// Bytes a buffer of `n` elements of `dtype` takes (a 4-bit one rounds up).
+// Bytes a buffer of `n` elements of `dtype` takes (a 4-bit one rounds up). Whole
+// bytes of eight elements first: exact for every n the core accepts (up to
+// INT64_MAX / 8), where n * item_bits would overflow from 2^58 fp32 elements.
 SHARDADAM_FORMAT_FN int64_t BufferBytes(DType dtype, int64_t n) {
-  return (n * FormatOf(dtype).item_bits + 7) / 8;
+  const int64_t bits = FormatOf(dtype).item_bits;
+  return n / 8 * bits + (n % 8 * bits + 7) / 8;
 }
 // Byte offset of element `e` in a buffer of `dtype`; for 4-bit formats `e` is
 // even (the core splits such buffers only at even elements).
 SHARDADAM_FORMAT_FN int64_t ByteOffset(DType dtype, int64_t e) {
-  return e * FormatOf(dtype).item_bits / 8;
+  const int64_t bits = FormatOf(dtype).item_bits;
+  return e / 8 * bits + e % 8 * bits / 8;
 }
 // A state of this format carries scales (and a scale slot).
 SHARDADAM_FORMAT_FN bool IsScaled(DType dtype) {
