@@ -8,9 +8,12 @@ into a fresh model at 3 ranks, two more steps; the gathered parameters, codes an
 scales are bitwise those of one process stepping the full tensors four times without
 stopping (the mesh rule: blocks keyed to the global flat index never cross a shard
 boundary of whole rows, so the shards store what the whole tensor stores).
+``block4_uneven_rows``: block4 on a cut that is not torch's chunks (f = 0), whose
+random bits are keyed to the local index (S2.11, S2.13).
 """
 
 import os
+from copy import deepcopy
 
 import torch
 import torch.distributed as dist
@@ -170,5 +173,83 @@ def block8_mesh_rule(ctx, case):
     symmetric(check)
 
 
+def block4_uneven_rows(ctx, case):
+    """S2.11 / S2.13 on an f = 0 layout: a (10, 128) weight cut 6/4 over 2 ranks as
+    Megatron FSDP cuts rows (not torch's 5/5 chunks, so both ranks key at f = 0), block4.
+    Each rank's codes, scales and parameters are every step bitwise those of a plain
+    FusedAdam over its local rows (keyed locally); rank 0, whose rows start at 0, stores
+    what the whole tensor stored in one process stores, rank 1 does not (its random bits
+    are keyed to local indices); a state_dict saved after two steps and loaded into a
+    fresh optimizer over the same cut continues bitwise like the run that never stopped."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape, cut = (10, BLOCK), (6, 4)
+    start = sum(cut[:ctx.rank])
+    rows = slice(start, start + cut[ctx.rank])
+    kwargs = dict(HYPER, moment_format="block4")
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+
+    def sharded():
+        local = full[rows].clone()
+        return nn.Parameter(DTensor.from_local(local, ctx.mesh(), [Shard(0)], shape=full.shape,
+                                               stride=full.stride(), run_check=False))
+
+    def step(opts, params, k):
+        """Step k's gradient (full, the same on every rank), to each parameter's rows."""
+        g = full_grad(shape, seed_of("block4-uneven", k), torch.float32)
+        for opt, p in zip(opts, params):
+            if isinstance(p, DTensor):
+                p.grad = DTensor.from_local(g[rows].clone(), ctx.mesh(), [Shard(0)],
+                                            shape=g.shape, stride=g.stride(), run_check=False)
+            else:
+                p.grad = g.clone() if p.shape == g.shape else g[rows].clone()
+            opt.step()
+
+    def stored(opt, p):
+        def local(t):
+            return (t.to_local() if isinstance(t, DTensor) else t).detach().reshape(-1)
+
+        out = {"param": local(p)}
+        for name in ("exp_avg", "exp_avg_sq"):
+            out[name] = local(opt.state[p][name])
+            out[name + "_scale"] = opt._scales[p][name]
+        return out
+
+    p = sharded()
+    opt = fused_adam()([p], **kwargs)
+    local = nn.Parameter(full[rows].clone())
+    local_opt = fused_adam()([local], **kwargs)
+    whole = nn.Parameter(full.clone())
+    whole_opt = fused_adam()([whole], **kwargs)
+    row_bytes = BLOCK // 2  # two 4-bit codes a byte
+    saved = None
+    for k in (1, 2, 3, 4):
+        step((opt, local_opt, whole_opt), (p, local, whole), k)
+        mine, ref, all_rows = stored(opt, p), stored(local_opt, local), stored(whole_opt, whole)
+
+        def check():
+            for key in mine:
+                assert_bitwise(mine[key], ref[key], f"step {k}: {key} against the local rows")
+            codes = all_rows["exp_avg"][start * row_bytes:(start + cut[ctx.rank]) * row_bytes]
+            same = torch.equal(mine["exp_avg"], codes)
+            assert same == (ctx.rank == 0), \
+                f"step {k}: rank {ctx.rank}'s exp_avg codes equal to the whole tensor's: {same}"
+
+        symmetric(check)
+        if k == 2:
+            saved = deepcopy(opt.state_dict())
+            resumed_p = sharded()
+            with torch.no_grad():
+                resumed_p.to_local().copy_(p.to_local())
+            resumed = fused_adam()([resumed_p], **kwargs)
+            resumed.load_state_dict(saved)
+        if k > 2:
+            step((resumed,), (resumed_p,), k)
+            again = stored(resumed, resumed_p)
+            symmetric(lambda: [assert_bitwise(again[key], mine[key],
+                                              f"step {k} after the resume: {key}")
+                               for key in mine])
+
+
 KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume,
-         "block8_mesh_rule": block8_mesh_rule}
+         "block8_mesh_rule": block8_mesh_rule, "block4_uneven_rows": block4_uneven_rows}

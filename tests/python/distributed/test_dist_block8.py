@@ -3,7 +3,8 @@ resumed at 3, and bitwise the run that never stopped, codes and scales included 
 that are whole blocks: the stored state does not depend on the sharding). Under
 ``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the local index):
 saved at 2, resumed at 2 and 3, bitwise the uninterrupted run where the mesh rule
-promises it (``_megatron_block8_jobs``)."""
+promises it (``_megatron_block8_jobs``). block4 on rows cut off torch's chunks: keyed to
+the local index, resumed bitwise at the same cut."""
 
 import pytest
 
@@ -22,6 +23,11 @@ def test_block8_resume_at_another_world_size_equals_uninterrupted_run(case, dist
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("block8_mesh_rule"), ids=str)
 def test_block8_mesh_rule(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("block4_uneven_rows"), ids=str)
+def test_block4_on_rows_cut_off_torch_chunks(case, dist_jobs):
     dist_jobs.check(case)
 
 
