@@ -22,6 +22,9 @@ Private torch APIs, used here only:
   returns under ``torch.no_grad()`` and what ``device_mesh`` / ``placements`` /
   ``shape`` read, without a Python call per parameter per step (attribute reads on a
   DTensor cost several times more than on a plain tensor).
+* ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: the shape
+  and global offset of torch's chunk at this rank's coordinate, which keys per-block
+  scales of FSDP2's shards (S2.11) without communication.
 """
 
 from __future__ import annotations
@@ -210,10 +213,14 @@ class Layout:
         return packed
 
     def _first_index(self, shape: tuple) -> int:
-        if (len(self.shape) == 0 or getattr(self.mesh, "_shard_order", None) is not None
-                or not all(p.is_shard(0) for p in self.placements)):
-            return 0
+        # Shard itself: a _StridedShard (FSDP2 beside tensor parallelism) compares equal
+        # to Shard(0) but holds rows that are not one run of the parameter.
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if (len(self.shape) == 0 or getattr(self.mesh, "_shard_order", None) is not None
+                or not all(type(p) is Shard and p.dim == 0 for p in self.placements)):
+            return 0
 
         chunk, offset = compute_local_shape_and_global_offset(
             self.shape, self.mesh, self.placements)

@@ -140,16 +140,26 @@ def block8_dcp_resume(ctx, case):
 def block8_mesh_rule(ctx, case):
     """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
     step from zero moments: under Shard(0) the blocks are keyed to the global flat index
-    (f = row offset x row length), under Shard(1) and Replicate to the local one (f = 0);
+    (f = row offset x row length), under Shard(1), Replicate and _StridedShard(0) to the
+    local one (f = 0);
     the stored codes and scales are exactly S2.9's at that f, worked out in the test,
     and get_unscaled_state decodes them at the same f."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     shape, rows = (9, 96), 9 // ctx.world_size
     layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
-               "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0)}
+               "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0),
+               # FSDP2 beside tensor parallelism on a 2 x 2 mesh, 10 rows: the dp
+               # placement equals Shard(0), but a rank's rows are not torch's chunk's
+               # run (rank 1 holds rows 6, 7 where the chunk offset says 5)
+               "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0)}
     placements, first = layouts[case.detail]
     mesh = ctx.mesh()
+    if case.detail == "_StridedShard(0)":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, mesh = (10, 96), init_device_mesh("cpu", (2, 2))
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
     opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format="block8",

@@ -146,6 +146,8 @@ def _build():
     for layout in ("Shard(0)", "Shard(1)", "Replicate"):
         cases.append(Case(f"W=3-block8-mesh-rule-{layout}", 3, "block8_mesh_rule",
                           "p=fp32-m=block8", layout))
+    cases.append(Case("W=4-block8-mesh-rule-_StridedShard(0)-2x2", 4, "block8_mesh_rule",
+                      "p=fp32-m=block8", "_StridedShard(0)"))
     cases.append(Case("W=2-block4-rows-cut-6-4-keyed-locally-resume-bitwise", 2,
                       "block4_uneven_rows", "p=fp32-m=block4"))
     for api in DCP_APIS:
