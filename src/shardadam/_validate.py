@@ -204,7 +204,7 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None,
 _PLAIN_REALS = (float, int)  # not bool: type(True) is bool
 
 
-def device_lr(value) -> bool:
+def is_device_lr(value) -> bool:
     """Whether ``value`` is an lr the CUDA kernels can read where it is: a one-element
     floating tensor in CUDA memory."""
     return (type(value) is torch.Tensor and value.is_cuda and value.numel() == 1
@@ -218,7 +218,7 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
         return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
 
     lr = group["lr"]
-    if not (lr_on_device and device_lr(lr)):
+    if not (lr_on_device and is_device_lr(lr)):
         lr = _number(lr)
         if lr is None or not math.isfinite(lr) or lr < 0.0:
             raise bad("Invalid learning rate (rule: a real number, finite and >= 0)",

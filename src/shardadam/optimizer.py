@@ -517,7 +517,7 @@ class FusedAdam(torch.optim.Optimizer):
             _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
                                layout)
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
-        record = self._checked_config().record()
+        record = self._config().record()  # as _prepare_load checked it
         self.param_groups = [dict(group, **saved, params=group["params"],
                                   **{LAYOUT_KEY: record})
                              for group, saved in zip(self.param_groups, saved_groups)]
