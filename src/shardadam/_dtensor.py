@@ -25,6 +25,11 @@ Private torch APIs, used here only:
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: the shape
   and global offset of torch's chunk at this rank's coordinate, which keys per-block
   scales of FSDP2's shards (S2.11) without communication.
+
+One attribute of another package is read: ``megatron_fsdp_slice``, which Megatron FSDP
+sets on each parameter it hands the optimizer (the flat range of the whole parameter that
+this rank's shard holds, gathered when it built the shards). It keys the per-block
+scales of its uneven shards (S2.11), and is checked against the local shape first.
 """
 
 from __future__ import annotations
@@ -171,21 +176,25 @@ class Layout:
         self.spec = param._spec  # gradients built from the same spec skip the compares
         self._specs = {}  # local dtype -> DTensorSpec shared by the states of that dtype
         self._first = {}  # local shape -> first_index
+        self._megatron_slice = getattr(param, "megatron_fsdp_slice", None)  # see above
         self._packed = None  # the layout of packed states (``of``)
 
     def first_index(self, local: torch.Tensor) -> int:
         """The flat index in the whole parameter of ``local``'s first element, which
-        keys per-block scales (S2.11). Known without communication only for placements
-        that are all Shard(0) with the local tensor being torch's chunk (FSDP2's rows):
-        then torch's global row offset times the row length. Any other layout
-        (Replicate or Shard(d > 0) anywhere, Megatron FSDP's shard order, a local shape
-        other than torch's chunk's) keys blocks to the local tensor's own flat index:
-        0. The shape is all this rank sees: a run of rows with the shape of torch's
-        chunk here but another offset (Megatron FSDP, now and then) gets torch's."""
+        keys per-block scales (S2.11). Known without communication in two cases: a
+        Megatron FSDP parameter whose ``megatron_fsdp_slice`` is ``local``'s run of
+        whole rows (its start), and placements that are all Shard(0) with the local
+        tensor being torch's chunk (FSDP2's rows: torch's global row offset times the
+        row length). Any other layout (Replicate or Shard(d > 0) anywhere, a shard
+        order, a local shape other than torch's chunk's, no such slice) keys blocks to
+        the local tensor's own flat index: 0."""
         shape = tuple(local.shape)
         first = self._first.get(shape)
         if first is None:
-            first = self._first[shape] = self._first_index(shape)
+            first = self._slice_first(shape)
+            if first is None:
+                first = self._chunk_first(shape)
+            self._first[shape] = first
         return first
 
     def packable(self, local: torch.Tensor) -> bool:
@@ -209,10 +218,33 @@ class Layout:
             packed.shape = torch.Size(fmt.storage_shape(self.shape))
             packed.stride = torch.empty(packed.shape, device="meta").stride()
             packed.spec, packed._specs, packed._first = None, {}, {}
+            packed._megatron_slice = None
             packed._packed = packed
         return packed
 
-    def _first_index(self, shape: tuple) -> int:
+    def _row_length(self) -> int:
+        row = 1
+        for size in self.shape[1:]:
+            row *= size
+        return row
+
+    def _slice_first(self, shape: tuple) -> Optional[int]:
+        """The start of Megatron FSDP's slice where it is exactly ``shape``'s run of whole
+        rows of the parameter, else None."""
+        held = self._megatron_slice
+        if not (isinstance(held, slice) and held.step is None and len(self.shape) > 0
+                and type(held.start) is int and type(held.stop) is int
+                and shape[1:] == tuple(self.shape[1:])):
+            return None
+        row, rows = self._row_length(), shape[0] if shape else 0
+        if (held.stop - held.start != rows * row or held.start < 0
+                or held.stop > self.shape[0] * row or (row and held.start % row)):
+            return None
+        return held.start
+
+    def _chunk_first(self, shape: tuple) -> int:
+        """The start of torch's chunk at this rank's coordinate where ``shape`` is its
+        shape under placements that are all Shard(0), else 0."""
         # Shard itself: a _StridedShard (FSDP2 beside tensor parallelism) compares equal
         # to Shard(0) but holds rows that are not one run of the parameter.
         from torch.distributed.tensor import Shard
@@ -226,10 +258,7 @@ class Layout:
             self.shape, self.mesh, self.placements)
         if tuple(chunk) != shape or len(offset) == 0:
             return 0
-        row = 1
-        for size in self.shape[1:]:
-            row *= size
-        return int(offset[0]) * row
+        return int(offset[0]) * self._row_length()
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (local shape, on its own device) as a DTensor of this layout, with

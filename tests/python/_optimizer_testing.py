@@ -882,3 +882,95 @@ def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
         codes.append((u[start:end] / s).to(torch.float8_e4m3fn).view(torch.uint8))
         scales.append(s)
     return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+# S2.12's 4-bit maps, written from the rule's text.
+
+def fp4_value(code: int) -> float:
+    """S2.12's signed E2M1 by its fields: magnitude E = 0 is M/2, else (2+M)·2^(E-2);
+    bit 3 the sign; 0x8 (where -0 would be) is NaN."""
+    if code == 0x8:
+        return math.nan
+    e, m = (code >> 1) & 3, code & 1
+    mag = m * 0.5 if e == 0 else (2 + m) * 2.0 ** (e - 2)
+    return -mag if code & 8 else mag
+
+
+def ufp4_value(code: int) -> float:
+    """S2.12's unsigned E3M1: E = 0 is M/8, else (2+M)·2^(E-4); 0xF is NaN."""
+    if code == 0xF:
+        return math.nan
+    e, m = code >> 1, code & 1
+    return m * 0.125 if e == 0 else (2 + m) * 2.0 ** (e - 4)
+
+
+def nearest(values: dict, a: float) -> int:
+    """The code whose value is nearest to ``a``, ties to the even code (the last code
+    at or beyond its value: float64 differences of huge ``a`` would all tie)."""
+    last = max(values)
+    if a >= values[last]:
+        return last
+    return min(values, key=lambda c: (abs(values[c] - a), c & 1))
+
+
+FP4_MAGNITUDES = {c: fp4_value(c) for c in range(8)}
+# Magnitude code 8 stands for 8, where rounding to even sends 7 and above: NaN.
+FP4_ROUNDING = {**FP4_MAGNITUDES, 8: 8.0}
+UFP4_VALUES = {c: ufp4_value(c) for c in range(15)}
+# Code 15 would be 24: rounding there (above 20) is NaN.
+UFP4_ROUNDING = {**UFP4_VALUES, 15: 24.0}
+
+
+def fp4_oracle(x: float) -> int:
+    if math.isnan(x) or math.isinf(x):
+        return 0x8
+    mag = nearest(FP4_ROUNDING, abs(x))
+    if mag == 8:
+        return 0x8
+    return mag | 8 if mag and math.copysign(1.0, x) < 0 else mag
+
+
+def ufp4_oracle(x: float, u: float) -> int:
+    if math.isnan(x) or math.isinf(x):
+        return 0xF
+    code = nearest(UFP4_ROUNDING, abs(x))
+    return 1 if code == 0 and u != 0 else code
+
+
+def block4_oracle(name: str, u: torch.Tensor, first: int, block: int):
+    """S2.12 block by block: the smallest power of two s in [2^-126, 2^127] with
+    max|u| / s below the map's bound (fp4: < 7; ufp4: <= 20); 1 for a non-finite max,
+    and for fp4 one <= 0.25 · 2^-126 (all codes 0 at every scale); codes of u / s."""
+    codes, scales, start = [], [], 0
+    while start < u.numel():
+        end = min(u.numel(), ((first + start) // block + 1) * block - first)
+        part = u[start:end]
+        a = part.double().abs().max().item()
+        fits = (lambda q: q < 7.0) if name == "fp4-block" else (lambda q: q <= 20.0)
+        zero = 0.25 * 2.0 ** -126 if name == "fp4-block" else 0.0
+        if not math.isfinite(a) or a <= zero:
+            s = 1.0
+        else:
+            e = -126
+            while not fits(a / 2.0 ** e):
+                e += 1
+            s = 2.0 ** e
+        x = (part / s).tolist()  # fp32 division by a power of two, as the core's
+        if name == "fp4-block":
+            row = [fp4_oracle(v) for v in x]
+        else:
+            row = [ufp4_oracle(v, w) for v, w in zip(x, part.tolist())]
+        codes.append(torch.tensor(row, dtype=torch.uint8))
+        scales.append(s)
+        start = end
+    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
+
+
+def fp4_block_oracle(u: torch.Tensor, first: int, block: int):
+    """``block4_oracle`` of S2.12's signed map, in the block8 oracles' signature."""
+    return block4_oracle("fp4-block", u, first, block)
+
+
+def ufp4_block_oracle(u: torch.Tensor, first: int, block: int):
+    """``block4_oracle`` of S2.12's unsigned map, in the block8 oracles' signature."""
+    return block4_oracle("ufp4-block", u, first, block)

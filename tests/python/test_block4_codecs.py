@@ -1,6 +1,6 @@
 """The torch codecs of the per-block 4-bit formats (S2.12 fp4-block, ufp4-block): each
-map's encode against an exhaustive nearest-value oracle written here from the rule's
-text, the block scale, the nibble packing, the round trip of every code and of random
+map's encode against an exhaustive nearest-value oracle written from the rule's text
+(``_optimizer_testing``), the block scale, the nibble packing, the round trip of every code and of random
 blocks, and the C++ core's own step stored bitwise as the codec stores it."""
 
 import math
@@ -8,90 +8,12 @@ import math
 import pytest
 import torch
 
-from _optimizer_testing import assert_bitwise_equal, have_core
+from _optimizer_testing import (
+    FP4_ROUNDING, UFP4_ROUNDING, assert_bitwise_equal, block4_oracle, fp4_oracle, fp4_value,
+    have_core, ufp4_oracle, ufp4_value)
 from shardadam import _codecs, _formats
 
 FP4B, UFP4B = _formats.FP4_BLOCK, _formats.UFP4_BLOCK
-
-
-def fp4_value(code: int) -> float:
-    """S2.12's signed E2M1 by its fields: magnitude E = 0 is M/2, else (2+M)·2^(E-2);
-    bit 3 the sign; 0x8 (where -0 would be) is NaN."""
-    if code == 0x8:
-        return math.nan
-    e, m = (code >> 1) & 3, code & 1
-    mag = m * 0.5 if e == 0 else (2 + m) * 2.0 ** (e - 2)
-    return -mag if code & 8 else mag
-
-
-def ufp4_value(code: int) -> float:
-    """S2.12's unsigned E3M1: E = 0 is M/8, else (2+M)·2^(E-4); 0xF is NaN."""
-    if code == 0xF:
-        return math.nan
-    e, m = code >> 1, code & 1
-    return m * 0.125 if e == 0 else (2 + m) * 2.0 ** (e - 4)
-
-
-def nearest(values: dict, a: float) -> int:
-    """The code whose value is nearest to ``a``, ties to the even code (the last code
-    at or beyond its value: float64 differences of huge ``a`` would all tie)."""
-    last = max(values)
-    if a >= values[last]:
-        return last
-    return min(values, key=lambda c: (abs(values[c] - a), c & 1))
-
-
-FP4_MAGNITUDES = {c: fp4_value(c) for c in range(8)}
-# Magnitude code 8 stands for 8, where rounding to even sends 7 and above: NaN.
-FP4_ROUNDING = {**FP4_MAGNITUDES, 8: 8.0}
-UFP4_VALUES = {c: ufp4_value(c) for c in range(15)}
-# Code 15 would be 24: rounding there (above 20) is NaN.
-UFP4_ROUNDING = {**UFP4_VALUES, 15: 24.0}
-
-
-def fp4_oracle(x: float) -> int:
-    if math.isnan(x) or math.isinf(x):
-        return 0x8
-    mag = nearest(FP4_ROUNDING, abs(x))
-    if mag == 8:
-        return 0x8
-    return mag | 8 if mag and math.copysign(1.0, x) < 0 else mag
-
-
-def ufp4_oracle(x: float, u: float) -> int:
-    if math.isnan(x) or math.isinf(x):
-        return 0xF
-    code = nearest(UFP4_ROUNDING, abs(x))
-    return 1 if code == 0 and u != 0 else code
-
-
-def block_oracle(name: str, u: torch.Tensor, first: int, block: int):
-    """S2.12 block by block: the smallest power of two s in [2^-126, 2^127] with
-    max|u| / s below the map's bound (fp4: < 7; ufp4: <= 20); 1 for a non-finite max,
-    and for fp4 one <= 0.25 · 2^-126 (all codes 0 at every scale); codes of u / s."""
-    codes, scales, start = [], [], 0
-    while start < u.numel():
-        end = min(u.numel(), ((first + start) // block + 1) * block - first)
-        part = u[start:end]
-        a = part.double().abs().max().item()
-        fits = (lambda q: q < 7.0) if name == "fp4-block" else (lambda q: q <= 20.0)
-        zero = 0.25 * 2.0 ** -126 if name == "fp4-block" else 0.0
-        if not math.isfinite(a) or a <= zero:
-            s = 1.0
-        else:
-            e = -126
-            while not fits(a / 2.0 ** e):
-                e += 1
-            s = 2.0 ** e
-        x = (part / s).tolist()  # fp32 division by a power of two, as the core's
-        if name == "fp4-block":
-            row = [fp4_oracle(v) for v in x]
-        else:
-            row = [ufp4_oracle(v, w) for v, w in zip(x, part.tolist())]
-        codes.append(torch.tensor(row, dtype=torch.uint8))
-        scales.append(s)
-        start = end
-    return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
 
 
 def spread_values(n: int, seed: int, square: bool) -> torch.Tensor:
@@ -112,7 +34,7 @@ def test_encode_follows_s2_12(fmt, first, n, block):
     u = spread_values(n, first + n, square=fmt is UFP4B)
     codes, scales = _codecs.encode_blocks(fmt.name, u, first, block, fmt.scale_target,
                                           fmt.zero_bound)
-    want_codes, want_scales = block_oracle(fmt.name, u, first, block)
+    want_codes, want_scales = block4_oracle(fmt.name, u, first, block)
     assert_bitwise_equal(codes, want_codes, f"{fmt.name} codes")
     assert_bitwise_equal(scales, want_scales, f"{fmt.name} scales")
 
@@ -244,7 +166,7 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
             stream(key, step) if rounding else None)
         assert_bitwise_equal(stored, _codecs.pack_nibbles(codes), f"{f.name} from the core")
         assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
-        oracle_codes, oracle_scales = block_oracle(f.name, u, first, block)
+        oracle_codes, oracle_scales = block4_oracle(f.name, u, first, block)
         assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
         if not rounding:  # the stochastic rules' own oracles: test_*stochastic_encode_*
             assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
@@ -279,7 +201,7 @@ def test_generator_follows_s2_13():
 def stochastic_oracle(x: float, r: int) -> int:
     """S2.13's rule from its text, in float64 and Python integers: between grid values
     lo <= |x| < hi, hi when r + 2^22 * (|x| - lo) / (hi - lo) reaches 2^22 (below 1:
-    |x| * 2^23 truncated first); from 3.5 up S2.12's nearest (this file's oracle)."""
+    |x| * 2^23 truncated first); from 3.5 up S2.12's nearest (``fp4_oracle``)."""
     a = abs(x)
     if not a < 3.5:
         return fp4_oracle(x)

@@ -141,19 +141,26 @@ def block8_mesh_rule(ctx, case):
     """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
     step from zero moments: under Shard(0) the blocks are keyed to the global flat index
     (f = row offset x row length), under Shard(1), Replicate and _StridedShard(0) to the
-    local one (f = 0);
+    local one (f = 0); rows cut 5/3/1 (not torch's 3/3/3 chunks) marked with Megatron
+    FSDP's ``megatron_fsdp_slice`` at their true offset, and the same rows marked with a
+    slice that is not their run (keyed as if unmarked: rank 1's (3, 96) rows have the shape
+    of torch's chunk there, so torch's offset; the others 0);
     the stored codes and scales are exactly S2.9's at that f, worked out in the test,
     and get_unscaled_state decodes them at the same f."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     shape, rows = (9, 96), 9 // ctx.world_size
+    # The 5/3/1 cut of the rows-5-3-1 layouts (at world size 3): this rank's rows.
+    cut = slice(*((0, 5), (5, 8), (8, 9))[ctx.rank]) if ctx.world_size == 3 else None
     layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
                "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0),
                # FSDP2 beside tensor parallelism on a 2 x 2 mesh, 10 rows: the dp
                # placement equals Shard(0), but a rank's rows are not torch's chunk's
                # run (rank 1 holds rows 6, 7 where the chunk offset says 5)
-               "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0)}
+               "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0),
+               "rows-5-3-1+megatron_fsdp_slice": ([Shard(0)], cut and cut.start * 96),
+               "rows-5-3-1+slice-off-the-rows": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank])}
     placements, first = layouts[case.detail]
     mesh = ctx.mesh()
     if case.detail == "_StridedShard(0)":
@@ -161,11 +168,23 @@ def block8_mesh_rule(ctx, case):
 
         shape, mesh = (10, 96), init_device_mesh("cpu", (2, 2))
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+    g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
+    if case.detail.startswith("rows-5-3-1"):
+        def sharded(t):
+            return DTensor.from_local(t[cut].clone(), mesh, placements, shape=t.shape,
+                                      stride=t.stride(), run_check=False)
+
+        p = nn.Parameter(sharded(full))
+        # The flat range Megatron FSDP marks a parameter with, or one half a row off.
+        off = 0 if case.detail.endswith("megatron_fsdp_slice") else 48
+        p.megatron_fsdp_slice = slice(cut.start * 96 + off, cut.stop * 96 + off)
+        p_grad = sharded(g)
+    else:
+        p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
+        p_grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
     opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format="block8",
                        moment_block_size=BLOCK)
-    g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
-    p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+    p.grad = p_grad
     opt.step()
     local_g = p.grad.to_local()
 

@@ -133,17 +133,19 @@ def _build():
         cases.append(Case(save, 2, "block8_dcp_save", preset, job="block8-save"))
         cases.append(Case(f"W=3-fsdp2-block8-dcp-2to3-{preset}-equals-uninterrupted", 3,
                           "block8_dcp_resume", preset, needs=(save,)))
-    # block8 under megatron_fsdp.fully_shard (_megatron_block8_jobs.SHAPES): saved at 2
-    # beside the other fully_shard saves, resumed in fresh ranks at 2 and at 3.
-    for shapes in ("rows=whole-blocks", "rows=partial-blocks"):
-        save = f"W=2-megatron-fully_shard-block8-{shapes}-train-and-save"
-        cases.append(Case(save, 2, "megatron_block8_save", "p=fp32-m=block8", shapes,
-                          job="megatron-save"))
-        for w in (2, 3):
-            cases.append(Case(f"W={w}-megatron-fully_shard-block8-{shapes}-dcp-2to{w}", w,
-                              "megatron_block8_resume", "p=fp32-m=block8", shapes,
-                              needs=(save,)))
-    for layout in ("Shard(0)", "Shard(1)", "Replicate"):
+    # block8 and block4 under megatron_fsdp.fully_shard (_megatron_block_jobs.SHAPES):
+    # saved at 2 beside the other fully_shard saves, resumed in fresh ranks at 2 and at 3.
+    for fmt in ("block8", "block4"):
+        for shapes in ("rows=whole-blocks", "rows=partial-blocks"):
+            save = f"W=2-megatron-fully_shard-{fmt}-{shapes}-train-and-save"
+            cases.append(Case(save, 2, "megatron_block_save", f"p=fp32-m={fmt}", shapes,
+                              job="megatron-save"))
+            for w in (2, 3):
+                cases.append(Case(f"W={w}-megatron-fully_shard-{fmt}-{shapes}-dcp-2to{w}", w,
+                                  "megatron_block_resume", f"p=fp32-m={fmt}", shapes,
+                                  needs=(save,)))
+    for layout in ("Shard(0)", "Shard(1)", "Replicate", "rows-5-3-1+megatron_fsdp_slice",
+                   "rows-5-3-1+slice-off-the-rows"):
         cases.append(Case(f"W=3-block8-mesh-rule-{layout}", 3, "block8_mesh_rule",
                           "p=fp32-m=block8", layout))
     cases.append(Case("W=4-block8-mesh-rule-_StridedShard(0)-2x2", 4, "block8_mesh_rule",

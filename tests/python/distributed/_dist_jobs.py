@@ -901,12 +901,12 @@ KINDS = {
 
 def _add_megatron_kinds():
     import _block8_jobs
-    import _megatron_block8_jobs
+    import _megatron_block_jobs
     import _megatron_jobs  # imports this module: registered after KINDS exists
 
     KINDS.update(_megatron_jobs.KINDS)
     KINDS.update(_block8_jobs.KINDS)
-    KINDS.update(_megatron_block8_jobs.KINDS)
+    KINDS.update(_megatron_block_jobs.KINDS)
 
 
 _add_megatron_kinds()

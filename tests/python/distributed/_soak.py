@@ -309,7 +309,10 @@ class _Supervisor:
         """External kills land ``fraction`` of a median step into step ``kill['step']``
         of the chosen rank (into start-up and loading when that is the first step)."""
         if kill["step"] == start + 1:
-            return elapsed > kill["fraction"] * 4.0  # start-up takes a few seconds
+            # Into start-up and loading (a few seconds), and at the latest once the first
+            # step is recorded: where start-up is quick, a timer alone let an attempt run
+            # past its kill window and the last attempt too few saves to be judged.
+            return elapsed > kill["fraction"] * 4.0 or tail.last_step is not None
         if tail.last_step is None or tail.last_step < kill["step"] - 1:
             return False
         if tail.reached is None:

@@ -1,10 +1,10 @@
-"""block8 moments (S2.11) under FSDP2 on a CPU gloo mesh: saved with DCP at world size 2,
-resumed at 3, and bitwise the run that never stopped, codes and scales included (rows
-that are whole blocks: the stored state does not depend on the sharding). Under
-``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the local index):
-saved at 2, resumed at 2 and 3, bitwise the uninterrupted run where the mesh rule
-promises it (``_megatron_block8_jobs``). block4 on rows cut off torch's chunks: keyed to
-the local index, resumed bitwise at the same cut."""
+"""block8 and block4 moments (S2.11, S2.12) under FSDP2 on a CPU gloo mesh: saved with DCP
+at world size 2, resumed at 3, and bitwise the run that never stopped, codes and scales
+included (rows that are whole blocks: the stored state does not depend on the sharding).
+Under ``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the global index
+Megatron marks them with): saved at 2, resumed at 2 and 3, bitwise the uninterrupted run
+where the mesh rule promises it (``_megatron_block_jobs``). block4 on uneven rows that
+declare no offset: keyed to the local index, resumed bitwise at the same cut."""
 
 import pytest
 
@@ -31,11 +31,11 @@ def test_block4_on_rows_cut_off_torch_chunks(case, dist_jobs):
     dist_jobs.check(case)
 
 
-@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block8_save"), ids=str)
-def test_block8_megatron_fully_shard_trains_and_saves(case, dist_jobs):
+@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block_save"), ids=str)
+def test_block_moments_megatron_fully_shard_trains_and_saves(case, dist_jobs):
     dist_jobs.check(case)
 
 
-@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block8_resume"), ids=str)
-def test_block8_megatron_fully_shard_resume_equals_uninterrupted_run(case, dist_jobs):
+@pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block_resume"), ids=str)
+def test_block_moments_megatron_fully_shard_resume_equals_uninterrupted_run(case, dist_jobs):
     dist_jobs.check(case)

@@ -1,38 +1,39 @@
-"""block8 moments (S2.11) under ``megatron_fsdp.fully_shard`` itself (``_megatron_cpu``,
-``_megatron_jobs._RealRun``), saved with DCP at world size 2 and resumed at 2 and 3, as
-run on every rank (dispatched from ``_dist_jobs.KINDS``).
+"""Per-block moments (S2.11, S2.12) under ``megatron_fsdp.fully_shard`` itself
+(``_megatron_cpu``, ``_megatron_jobs._RealRun``), block8 and block4, saved with DCP at
+world size 2 and resumed at 2 and 3, as run on every rank (dispatched from
+``_dist_jobs.KINDS``).
 
 What S2.11's mesh rule promises here. Megatron FSDP hands the optimizer runs of whole
-rows as ``[Shard(0)]`` DTensors on a 1-D mesh without ``_shard_order``, uneven. A rank
-holding rows ``[o, o + n)`` of a parameter with rows of ``L`` elements keys its blocks at
-``f`` (``mesh_rule_first``): torch's global row offset × L where its local shape is
-torch's chunk's at its coordinate, else 0. Its blocks then cover the global flat elements
-``o·L + [max(0, k·B - f mod B), min(n·L, (k+1)·B - f mod B))``; call such a set a block's
-*extent*. Everything below follows from S2.9 (each block is encoded from its own
-elements alone; encoding a decoded block is the identity) and from Adam being
-elementwise:
+rows as ``[Shard(0)]`` DTensors on a 1-D mesh, uneven, each parameter marked with the flat
+range of the whole parameter its shard holds (``megatron_fsdp_slice``). A rank holding
+rows ``[o, o + n)`` of a parameter with rows of ``L`` elements keys its blocks, and
+block4's random bits (S2.13), at its true offset ``f = o·L`` (worked out here by
+Megatron's own collective, ``_megatron_jobs._row_offset``). Its blocks then cover the
+global flat elements ``o·L + [max(0, k·B - f mod B), min(n·L, (k+1)·B - f mod B))``: the
+whole tensor's blocks, cut by the shard's ends; call such a set a block's *extent*.
+Everything below follows from S2.9 (each block is encoded from its own elements alone;
+encoding a decoded block is the identity), from S2.13 (an element's bits depend on its
+global index, the step and the parameter) and from Adam being elementwise:
 
-* ``rows=whole-blocks`` (rows of 256 and 128 elements, B = 128): ``o·L`` and ``f`` are
-  multiples of B at every world size, so every extent is a block of the whole tensor: the
-  stored codes and scales are those of one process stepping the full tensors, and a
-  checkpoint continues bitwise at the same and at another world size.
-* ``rows=partial-blocks`` (rows of 96 and 10 elements, 1-D biases): at the same world size
-  the extents are the same, so resuming is bitwise. At another one some extents differ
-  (blocks regrouped by the new cut); loading re-encodes the saved true values, so each
-  block loaded is exactly S2.9/S2.10's encode of the saved values over its extent (for an
-  extent the saved run had: its saved codes and scale), and afterwards every element of
-  an extent present in both layouts continues bitwise as the run that never stopped
-  (its block never mixes with a regrouped one). The regrouped blocks get no such
-  promise (S2.11: one rounding at the load, then their own rounding history); the test
-  checks nothing more of them than the per-rank reference below. These shapes also
-  hold ranks whose ``f`` is not a multiple of B: at 2, rank 1 holds row 2 of the 3-row
-  ``2.weight``, torch's chunk there (f = 192); at 3, rank 1 holds that row too, where
-  torch's chunk is row 1 of the same shape (f = 96, S2.11: decided by the local shape).
+* ``rows=whole-blocks`` (rows of 256 and 128 elements, B = 128): every extent is a block
+  of the whole tensor: the stored codes and scales are those of one process stepping the
+  full tensors, and a checkpoint continues bitwise at the same and at another world size.
+* ``rows=partial-blocks`` (rows of 96 and 10 elements, 1-D biases): shard ends cut
+  blocks. At the same world size the extents are the same, so resuming is bitwise. At
+  another one some extents differ (blocks cut elsewhere); loading re-encodes the saved
+  true values, so each block loaded is exactly S2.9/S2.10/S2.12's encode of the saved
+  values over its extent (for an extent the saved run had: its saved codes and scale),
+  and afterwards every element of an extent present in both layouts continues bitwise as
+  the run that never stopped. The blocks cut elsewhere get no such promise (S2.11: one
+  rounding at the load, then their own rounding history); the test checks nothing more
+  of them than the per-rank reference below.
 
 Throughout, each rank's codes, scales and parameters after every step are bitwise those
 of a plain FusedAdam over copies of its local shards fed its local gradients, each shard
-preceded by ``f mod B`` zeros (a plain tensor keys blocks at 0; zeros change no block's
-largest magnitude and stay zero).
+preceded by ``o`` rows of zeros (a plain tensor keys blocks and bits at 0; zeros change
+no block's largest magnitude and stay zero). block4 stores S2.12's pair for parameters
+of two or more dimensions with an even last one, block8's pair for the others (here the
+1-D biases).
 """
 
 import math
@@ -46,49 +47,53 @@ from _dist_helpers import (
     OPT_DEFAULTS, assert_bitwise, full_grad, fused_adam, raw_state, seed_of, set_raw_state,
     symmetric)
 from _megatron_jobs import STEPS_AFTER, STEPS_BEFORE, _RealRun, _real_train_and_check
-from _optimizer_testing import fp8_block_oracle, ufp8_block_oracle
+from _optimizer_testing import (
+    fp4_block_oracle, fp8_block_oracle, ufp4_block_oracle, ufp8_block_oracle)
 
 BLOCK = 128
 STATES = ("exp_avg", "exp_avg_sq")
-# S2.9 / S2.10's encode of true values, block by block (S2.9's scales in float64).
-ORACLES = {"exp_avg": fp8_block_oracle, "exp_avg_sq": ufp8_block_oracle}
+# S2.9 / S2.10 / S2.12's encode of true values, block by block, written in the tests.
+ORACLES = {"fp8-block": fp8_block_oracle, "ufp8-block": ufp8_block_oracle,
+           "fp4-block": fp4_block_oracle, "ufp4-block": ufp4_block_oracle}
 # (in, out, bias) per nn.Linear. Real fully_shard cuts the weights' rows at W=2 | W=3 into
-# 64/64 | 43/43/42 and 2/1 | 1/1/1 (whole blocks); 6/4 | 4/4/2, 53/43 | 36/36/24 and
-# 2/1 | 2/1/0, each bias whole on one rank (partial blocks).
-SHAPES = {"rows=whole-blocks": ((256, 128, False), (128, 3, False)),
+# 64/64 | 43/43/42 and 6/4 | 4/4/2 (whole blocks; 6/4 is not torch's 5/5 chunk); 6/4 |
+# 4/4/2, 53/43 | 36/36/24 and 2/1 | 2/1/0 (partial blocks); each bias whole on one rank.
+SHAPES = {"rows=whole-blocks": ((256, 128, False), (128, 10, True)),
           "rows=partial-blocks": ((96, 10, True), (10, 96, True), (96, 3, True))}
-KWARGS = dict(moment_format="block8", moment_block_size=BLOCK)
 SAVED_AT = 2
+
+
+def _moment_format(case):
+    """``moment_format`` of a case: its preset's ``m=``."""
+    return case.preset.split("m=")[-1]
+
+
+def _kwargs(fmt):
+    return dict(moment_format=fmt, moment_block_size=BLOCK)
+
+
+def _state_formats(fmt, shape):
+    """S2.11's formats of each moment of a parameter of global ``shape``: block4's 4-bit
+    pair where its states pack by rows (two or more dimensions, an even last one),
+    else block8's pair."""
+    if fmt == "block4" and len(shape) >= 2 and shape[-1] % 2 == 0:
+        return {"exp_avg": "fp4-block", "exp_avg_sq": "ufp4-block"}
+    return {"exp_avg": "fp8-block", "exp_avg_sq": "ufp8-block"}
 
 
 def _grad(name, shape, step):
     # Magnitudes spread over decades: blocks get different scales, some small values
-    # reach the bottom of E4M3's range.
-    return full_grad(shape, seed_of("megatron-block8-grad", name, step), torch.float32)
+    # reach the bottom of each map's range.
+    return full_grad(shape, seed_of("megatron-block-grad", name, step), torch.float32)
 
 
 def _run(ctx, case, seed):
-    return _RealRun(ctx, None, seed, layers=SHAPES[case.detail], opt_kwargs=KWARGS,
-                    grad=_grad)
+    return _RealRun(ctx, None, seed, layers=SHAPES[case.detail],
+                    opt_kwargs=_kwargs(_moment_format(case)), grad=_grad)
 
 
 def _row_length(shape):
     return math.prod(shape[1:]) if len(shape) > 1 else 1
-
-
-def mesh_rule_first(p):
-    """S2.11's ``f`` of this rank's shard of a Megatron FSDP parameter (``[Shard(0)]``, no
-    ``_shard_order``): torch's global row offset × row length where the local tensor has
-    the shape of torch's chunk at this rank's coordinate, else 0."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    assert tuple(p.placements) == (Shard(0),), p.placements
-    assert getattr(p.device_mesh, "_shard_order", None) is None
-    chunk, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
-                                                          p.placements)
-    same = tuple(chunk) == tuple(p._local_tensor.shape)
-    return offset[0] * _row_length(p.shape) if same else 0
 
 
 def _extents(f, n):
@@ -101,17 +106,33 @@ def _extents(f, n):
 # ------------------------------------------------------------------ snapshots and blocks
 
 
+def _element_codes(stored, fmt):
+    """One code per element of stored codes: 4-bit codes unpacked, the low nibble first
+    (S2.12)."""
+    flat = stored.reshape(-1)
+    if fmt in ("fp4-block", "ufp4-block"):
+        return torch.stack([flat & 0xF, flat >> 4], dim=1).reshape(-1)
+    return flat.clone()
+
+
 def _snapshot(run):
     """``run.gather()`` (full parameters, decoded moments, group steps) plus every rank's
-    stored codes and scales with the rows they cover: ``raw[name] = [(row offset, rows, f,
-    {state: flat codes, "scale:" + state: scales}) per rank]``."""
+    stored codes (one per element) and scales with the rows they cover: ``raw[name] =
+    [(row offset, rows, f, {state: codes, "scale:" + state: scales}) per rank]``, and
+    each parameter's formats (``_state_formats``)."""
     out = run.gather()
+    fmt = run.opt_kwargs["moment_format"]
+    out["formats"] = {name: _state_formats(fmt, p.shape)
+                      for name, p in zip(run.names, run.params)}
     mine = {}
     for name, p, offset in zip(run.names, run.params, run.offsets):
-        raw = {k: v.reshape(-1).clone() for k, v in raw_state(run.opt, p).items()}
+        raw = raw_state(run.opt, p)
         assert sorted(raw) == sorted(STATES + tuple("scale:" + s for s in STATES)), \
             f"{name}: stored state {sorted(raw)}"
-        mine[name] = (offset, p._local_tensor.shape[0], mesh_rule_first(p), raw)
+        raw = {k: v.clone() if k.startswith("scale:") else
+               _element_codes(v, out["formats"][name][k]) for k, v in raw.items()}
+        first = offset * _row_length(p.shape)  # the true offset: Megatron's collective
+        mine[name] = (offset, p._local_tensor.shape[0], first, raw)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
     out["raw"] = {name: [part[name] for part in per_rank] for name in run.names}
@@ -140,7 +161,7 @@ def _blocks(snapshot, name):
 
 def _check_loaded(loaded, saved):
     """Right after the load: parameters and steps as saved; each block exactly S2.9 /
-    S2.10's encode of the saved true values over its extent, and a block whose extent
+    S2.10 / S2.12's encode of the saved true values over its extent, and a block whose extent
     the saved run had holds its saved codes and scale. Returns the extents kept and
     regrouped per parameter."""
     assert loaded["steps"] == saved["steps"], f"steps {loaded['steps']} != {saved['steps']}"
@@ -154,7 +175,7 @@ def _check_loaded(loaded, saved):
             for state in STATES:
                 values = saved[f"{name}.{state}"].reshape(-1)[lo:hi]
                 # worked out in the test, not by the codec the load itself runs
-                want = ORACLES[state](values, 0, BLOCK)
+                want = ORACLES[saved["formats"][name][state]](values, 0, BLOCK)
                 what = f"{name} {state} block [{lo}, {hi}) loaded"
                 assert_bitwise(stored[state][0], want[0], f"{what}: codes (re-encoded)")
                 assert_bitwise(stored[state][1], want[1], f"{what}: scale (re-encoded)")
@@ -191,30 +212,34 @@ def _check_kept(final, uninterrupted, kept):
 
 
 class _LocalReference:
-    """A plain FusedAdam over copies of this rank's local shards, flattened, each preceded
-    by ``f mod B`` zeros (parameter, gradient and moments), so that its blocks (keyed at 0)
-    are the run's (keyed at f); it starts from the run's stored state (codes, scales,
-    step) and is fed this rank's rows of each gradient."""
+    """A plain FusedAdam over copies of this rank's local shards, each preceded by ``o``
+    rows of zeros (parameter, gradient and moments; a shard's ``o`` is its first global
+    row), so that its blocks and random bits (keyed at 0) are the run's (keyed at
+    ``f = o·L``); it starts from the run's stored state (codes, scales, step) and is fed
+    this rank's rows of each gradient."""
 
     def __init__(self, run):
         from torch import nn
 
         self.run = run
-        self.leads = [mesh_rule_first(p) % BLOCK if p._local_tensor.numel() else 0
-                      for p in run.params]
+        # Leading zero rows, and the leading blocks they fill; none for an empty shard.
+        self.leads = [offset if p._local_tensor.numel() else 0
+                      for p, offset in zip(run.params, run.offsets)]
+        self.lead_blocks = [lead * _row_length(p.shape) // BLOCK
+                            for p, lead in zip(run.params, self.leads)]
         self.params = [nn.Parameter(self._padded(p._local_tensor.detach(), lead))
                        for p, lead in zip(run.params, self.leads)]
-        self.opt = fused_adam()(self.params, **OPT_DEFAULTS, **KWARGS)
-        for p, q, lead in zip(run.params, self.params, self.leads):
-            raw = raw_state(run.opt, p)
-            set_raw_state(self.opt, q, {k: v if k.startswith("scale:") else
-                                        self._padded(v, lead) for k, v in raw.items()})
+        self.opt = fused_adam()(self.params, **OPT_DEFAULTS, **run.opt_kwargs)
+        for p, q, lead, blocks in zip(run.params, self.params, self.leads, self.lead_blocks):
+            # All-zero blocks have scale 1 (S2.9, S2.10, S2.12), zero values code 0.
+            set_raw_state(self.opt, q, {
+                k: torch.cat([v.new_ones(blocks), v]) if k.startswith("scale:") else
+                self._padded(v, lead) for k, v in raw_state(run.opt, p).items()})
         self.opt.param_groups[0]["step"] = run.opt.param_groups[0]["step"]
 
     @staticmethod
     def _padded(local, lead):
-        flat = local.reshape(-1)
-        return torch.cat([flat.new_zeros(lead), flat])
+        return torch.cat([local.new_zeros((lead,) + tuple(local.shape[1:])), local])
 
     def step(self, step):
         for name, p, q, lead, offset in zip(self.run.names, self.run.params, self.params,
@@ -227,15 +252,14 @@ class _LocalReference:
 
     def check(self, what):
         def same():
-            for name, p, q, lead in zip(self.run.names, self.run.params, self.params,
-                                        self.leads):
-                assert_bitwise(p._local_tensor.detach().reshape(-1), q.detach()[lead:],
-                               f"{what}: {name}")
+            for name, p, q, lead, blocks in zip(self.run.names, self.run.params, self.params,
+                                                self.leads, self.lead_blocks):
+                assert_bitwise(p._local_tensor.detach(), q.detach()[lead:], f"{what}: {name}")
                 mine, ref = raw_state(self.run.opt, p), raw_state(self.opt, q)
                 assert sorted(mine) == sorted(ref), f"{what}: {name} keys {sorted(mine)}"
                 for key in ref:
-                    want = ref[key] if key.startswith("scale:") else ref[key][lead:]
-                    assert_bitwise(mine[key].reshape(-1), want, f"{what}: {name} {key}")
+                    want = ref[key][blocks:] if key.startswith("scale:") else ref[key][lead:]
+                    assert_bitwise(mine[key], want, f"{what}: {name} {key}")
             assert self.run.opt.param_groups[0]["step"] == self.opt.param_groups[0]["step"]
 
         symmetric(same)
@@ -253,12 +277,13 @@ def _train_against_local(run, steps):
 
 
 def _checkpoint(ctx, case):
-    return _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "megatron-block8",
-                                      case.detail, SAVED_AT)
+    return _dist_cases.checkpoint_dir(ctx.params["shared_dir"],
+                                      f"megatron-{_moment_format(case)}", case.detail,
+                                      SAVED_AT)
 
 
-def megatron_block8_save(ctx, case):
-    """fully_shard at world size 2, block8 moments: two steps (whole-block rows: each
+def megatron_block_save(ctx, case):
+    """fully_shard at world size 2, the case's block moments: two steps (whole-block rows: each
     bitwise the full-tensor run of one process), DCP save, two more steps (the
     uninterrupted run the resumes are compared with); every step also against the
     local-shard reference."""
@@ -291,7 +316,7 @@ def megatron_block8_save(ctx, case):
     dist.barrier()
 
 
-def megatron_block8_resume(ctx, case):
+def megatron_block_resume(ctx, case):
     """fully_shard at this world size from another initialisation, DCP load of the
     world-size-2 checkpoint, two steps: see the module docstring for what must hold."""
     import torch.distributed.checkpoint as dcp
@@ -325,9 +350,9 @@ def megatron_block8_resume(ctx, case):
     _check_kept(final, gathered["final"], kept)
     if not n_regrouped:  # every element kept: the whole run is the uninterrupted one
         for key, value in gathered["final"].items():
-            if key not in ("raw", "shapes", "steps"):
+            if key not in ("raw", "shapes", "steps", "formats"):
                 assert_bitwise(final[key], value, f"{key}, against the uninterrupted run")
 
 
-KINDS = {"megatron_block8_save": megatron_block8_save,
-         "megatron_block8_resume": megatron_block8_resume}
+KINDS = {"megatron_block_save": megatron_block_save,
+         "megatron_block_resume": megatron_block_resume}
