@@ -30,6 +30,10 @@ constexpr int kMaxSlots = 3;
 // Small tensors keep each run fast; 300 is above every target's vector pair,
 // so the whole-pair body and the staged tail are both exercised.
 constexpr int kMaxNumel = 300;
+// Now and then a large one: work items are whole chunks of 16384 elements, and
+// a second thread wakes from 65536 elements of work (work_items.cc), so these
+// split into several items, a shared gradient or three slots on two threads.
+constexpr int64_t kMaxLargeNumel = 70000;
 
 [[noreturn]] void Die(const char* what) {
   std::fprintf(stderr, "adam_fuzz: %s\n", what);
@@ -171,6 +175,13 @@ TensorSlot Bind(const SlotSpec& s, Arena& arena) {
 
 int PickThreads(FuzzedDataProvider& in) { return in.ConsumeIntegralInRange(1, 4); }
 
+int64_t PickNumel(FuzzedDataProvider& in) {
+  if (in.ConsumeIntegralInRange(0, 15) == 0) {
+    return in.ConsumeIntegralInRange<int64_t>(kMaxNumel, kMaxLargeNumel);
+  }
+  return in.ConsumeIntegralInRange<int64_t>(-1, kMaxNumel);
+}
+
 // Pins the kernels to one of the targets this CPU runs, picked by the input.
 void PickTarget(FuzzedDataProvider& in) {
   static const std::vector<int64_t> targets = internal::CompiledTargets();
@@ -224,7 +235,7 @@ void FuzzStep(FuzzedDataProvider& in) {
     // Gradients alone may be shared between tensors; make that case likely.
     const bool share_grad = i > 0 && in.ConsumeIntegralInRange(0, 3) == 0;
     t.numel = share_grad ? specs[0].slot.numel
-                         : in.ConsumeIntegralInRange<int64_t>(-1, kMaxNumel);
+                         : PickNumel(in);
     t.param_dtype = PickDType(in, {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
     t.grad_dtype = share_grad
                        ? specs[0].slot.grad_dtype
@@ -393,7 +404,7 @@ void FuzzConvert(FuzzedDataProvider& in) {
                                               DType::kFloat16, DType::kFloat8E4M3};
   const DType src_dtype = PickDType(in, casts);
   const DType dst_dtype = PickDType(in, casts);
-  const int64_t numel = in.ConsumeIntegralInRange<int64_t>(-1, kMaxNumel);
+  const int64_t numel = PickNumel(in);
   const float scale = PickScale(in);
   const int threads = PickThreads(in);
   const size_t n = numel > 0 ? static_cast<size_t>(numel) : 0;
