@@ -161,9 +161,9 @@ def _blocks(snapshot, name):
 
 def _check_loaded(loaded, saved):
     """Right after the load: parameters and steps as saved; each block exactly S2.9 /
-    S2.10 / S2.12's encode of the saved true values over its extent, and a block whose extent
-    the saved run had holds its saved codes and scale. Returns the extents kept and
-    regrouped per parameter."""
+    S2.10 / S2.12's encode of the saved true values over its extent, and a block whose
+    extent the saved run had holds its saved codes and scale. Returns the extents kept
+    and regrouped per parameter."""
     assert loaded["steps"] == saved["steps"], f"steps {loaded['steps']} != {saved['steps']}"
     kept, regrouped = {}, {}
     for name in saved["raw"]:
@@ -283,8 +283,8 @@ def _checkpoint(ctx, case):
 
 
 def megatron_block_save(ctx, case):
-    """fully_shard at world size 2, the case's block moments: two steps (whole-block rows: each
-    bitwise the full-tensor run of one process), DCP save, two more steps (the
+    """fully_shard at world size 2, the case's block moments: two steps (whole-block
+    rows: each bitwise the full-tensor run of one process), DCP save, two more steps (the
     uninterrupted run the resumes are compared with); every step also against the
     local-shard reference."""
     import torch.distributed.checkpoint as dcp
