@@ -26,10 +26,12 @@ Private torch APIs, used here only:
   and global offset of torch's chunk at this rank's coordinate, which keys per-block
   scales of FSDP2's shards (S2.11) without communication.
 
-One attribute of another package is read: ``megatron_fsdp_slice``, which Megatron FSDP
-sets on each parameter it hands the optimizer (the flat range of the whole parameter that
-this rank's shard holds, gathered when it built the shards). It keys the per-block
-scales of its uneven shards (S2.11), and is checked against the local shape first.
+Two attributes of another package are read: ``megatron_fsdp_slice`` and ``orig_param``,
+which Megatron FSDP sets on each parameter it hands the optimizer (the flat range of the
+module's tensor ``orig_param`` that this rank's shard holds, gathered when it built the
+shards). Where ``orig_param`` is the whole parameter (no tensor parallelism split it) the
+slice keys the per-block scales of its uneven shards (S2.11), once checked against the
+local shape.
 """
 
 from __future__ import annotations
@@ -134,6 +136,19 @@ def describe(tensor) -> str:
             f"{tuple(tensor.placements)} and global shape {list(tensor.shape)}")
 
 
+def _megatron_slice(param) -> Optional[slice]:
+    """Megatron FSDP's ``megatron_fsdp_slice`` of ``param`` (see the module docstring)
+    where the tensor it counts elements of, ``orig_param``, has the parameter's global
+    shape; None elsewhere. Under tensor parallelism that tensor is the rank's part of the
+    parameter, and the slice does not locate the shard in the whole."""
+    held = getattr(param, "megatron_fsdp_slice", None)
+    orig = getattr(param, "orig_param", None)
+    if (held is None or not isinstance(orig, torch.Tensor)
+            or tuple(to_local(orig).shape) != tuple(param.shape)):
+        return None
+    return held
+
+
 class _Plain:
     """The layout of a plain-tensor parameter: wrapping is the identity."""
 
@@ -176,7 +191,7 @@ class Layout:
         self.spec = param._spec  # gradients built from the same spec skip the compares
         self._specs = {}  # local dtype -> DTensorSpec shared by the states of that dtype
         self._first = {}  # local shape -> first_index
-        self._megatron_slice = getattr(param, "megatron_fsdp_slice", None)  # see above
+        self._megatron_slice = _megatron_slice(param)
         self._packed = None  # the layout of packed states (``of``)
 
     def first_index(self, local: torch.Tensor) -> int:

@@ -142,9 +142,11 @@ def block8_mesh_rule(ctx, case):
     step from zero moments: under Shard(0) the blocks are keyed to the global flat index
     (f = row offset x row length), under Shard(1), Replicate and _StridedShard(0) to the
     local one (f = 0); rows cut 5/3/1 (not torch's 3/3/3 chunks) marked with Megatron
-    FSDP's ``megatron_fsdp_slice`` at their true offset, and the same rows marked with a
-    slice that is not their run (keyed as if unmarked: rank 1's (3, 96) rows have the shape
-    of torch's chunk there, so torch's offset; the others 0);
+    FSDP's ``megatron_fsdp_slice`` of the whole parameter (``orig_param``) at their true
+    offset, and the same rows marked with a slice that is not their run, or with one of a
+    tensor-parallel part (an ``orig_param`` of half the rows), both keyed as if unmarked
+    (rank 1's (3, 96) rows have the shape of torch's chunk there, so torch's offset; the
+    others 0);
     the stored codes and scales are exactly S2.9's at that f, worked out in the test,
     and get_unscaled_state decodes them at the same f."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -160,7 +162,8 @@ def block8_mesh_rule(ctx, case):
                # run (rank 1 holds rows 6, 7 where the chunk offset says 5)
                "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0),
                "rows-5-3-1+megatron_fsdp_slice": ([Shard(0)], cut and cut.start * 96),
-               "rows-5-3-1+slice-off-the-rows": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank])}
+               "rows-5-3-1+slice-off-the-rows": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank]),
+               "rows-5-3-1+slice-of-a-tp-part": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank])}
     placements, first = layouts[case.detail]
     mesh = ctx.mesh()
     if case.detail == "_StridedShard(0)":
@@ -175,9 +178,11 @@ def block8_mesh_rule(ctx, case):
                                       stride=t.stride(), run_check=False)
 
         p = nn.Parameter(sharded(full))
-        # The flat range Megatron FSDP marks a parameter with, or one half a row off.
-        off = 0 if case.detail.endswith("megatron_fsdp_slice") else 48
+        # The flat range of orig_param Megatron FSDP marks a parameter with, one half a
+        # row off, or one whose orig_param is a tensor-parallel part of the parameter.
+        off = 48 if case.detail.endswith("slice-off-the-rows") else 0
         p.megatron_fsdp_slice = slice(cut.start * 96 + off, cut.stop * 96 + off)
+        p.orig_param = full[:5] if case.detail.endswith("tp-part") else full
         p_grad = sharded(g)
     else:
         p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))

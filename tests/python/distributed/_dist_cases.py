@@ -145,7 +145,7 @@ def _build():
                                   "megatron_block_resume", f"p=fp32-m={fmt}", shapes,
                                   needs=(save,)))
     for layout in ("Shard(0)", "Shard(1)", "Replicate", "rows-5-3-1+megatron_fsdp_slice",
-                   "rows-5-3-1+slice-off-the-rows"):
+                   "rows-5-3-1+slice-off-the-rows", "rows-5-3-1+slice-of-a-tp-part"):
         cases.append(Case(f"W=3-block8-mesh-rule-{layout}", 3, "block8_mesh_rule",
                           "p=fp32-m=block8", layout))
     cases.append(Case("W=4-block8-mesh-rule-_StridedShard(0)-2x2", 4, "block8_mesh_rule",
