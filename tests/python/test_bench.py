@@ -299,3 +299,25 @@ def test_sharing_contenders_step_the_shardadam_contenders_optimizer(name):
     assert own.__self__ is not shardadam.__self__ and len(made) == 2
     owned = own.__self__.param_groups[0]["params"]
     assert len(owned) == len(made[1]) and all(map(operator.is_, owned, made[1]))
+
+
+def test_gpu_benchmark_script_runs_on_the_cpu(tmp_path):
+    """benchmarks/cuda_bench.py, which only the GPU check runs for its figures, runs its
+    three parts on the CPU (--device cpu --quick): each of the bench's presets and of the
+    low-bit cases' in the kernel part, the transformer part beside torch's AdamW, no
+    error. A script broken here would cost a GPU session its benchmark."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cuda_bench.py")
+    path = tmp_path / "cuda_bench.json"
+    done = subprocess.run([sys.executable, script, "--device", "cpu", "--quick", "--json",
+                           str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    with open(path) as f:
+        report = json.load(f)
+    assert report["errors"] == [], report["errors"]
+    assert set(report["parts"]) == {"copy", "kernel", "model"}, sorted(report["parts"])
+    timed = {row["preset"] for row in report["parts"]["kernel"]["rows"]}
+    wanted = set(cases.PRESETS) | {preset.name for preset, _ in cases.LOWBIT_CASES}
+    assert wanted <= timed, sorted(wanted - timed)
+    assert all(row["median_s"] > 0 for row in report["parts"]["kernel"]["rows"])
