@@ -10,6 +10,8 @@ too, in the formats the extension has CUDA codecs for (``steps_formats``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _slots
@@ -82,7 +84,8 @@ def run(work, call, hyper) -> None:
                 # its memory is this stream's: held until the kernels are queued, and
                 # once freed, it goes only to work queued behind them.
                 lr_fp64 = lr.detach().to(device=device, dtype=torch.float64, copy=True)
-                lr, lr_address = 0.0, lr_fp64.data_ptr()
+                # The host value is then unused and unchecked: NaN, so a use shows.
+                lr, lr_address = math.nan, lr_fp64.data_ptr()
             try:
                 core.adam_step_cuda(
                     call.slots, lr, hyper.beta1, hyper.beta2, hyper.eps,

@@ -206,9 +206,9 @@ _PLAIN_REALS = (float, int)  # not bool: type(True) is bool
 
 def is_device_lr(value) -> bool:
     """Whether ``value`` is an lr the CUDA kernels can read where it is: a one-element
-    floating tensor in CUDA memory."""
-    return (type(value) is torch.Tensor and value.is_cuda and value.numel() == 1
-            and value.is_floating_point())
+    floating dense tensor in CUDA memory (a sparse one has no storage to point at)."""
+    return (type(value) is torch.Tensor and value.is_cuda and value.layout == torch.strided
+            and value.numel() == 1 and value.is_floating_point())
 
 
 def _checked_hyper_parameters(group: dict, group_index: Optional[int],

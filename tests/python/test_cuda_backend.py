@@ -640,6 +640,25 @@ def test_lr_in_a_cuda_tensor_beside_cpu_parameters_is_read_and_checked():
 
 
 @needs_gpu
+def test_a_sparse_cuda_lr_is_read_on_the_host():
+    """A one-element sparse CUDA lr has no storage the kernels could read: it is read on
+    the host at every step (a sync), with the float lr's bits, never passed by address
+    (which raised mid-step, after other batches had stepped)."""
+    sparse = torch.sparse_coo_tensor([[0]], [2e-3], (1,), device=DEVICE)
+    runs = []
+    for lr in (sparse, 2e-3):
+        params = [torch.nn.Parameter(torch.full((37,), 0.5, device=DEVICE))]
+        runs.append((fused_adam()(params, **{**HYPER.optimizer_kwargs(), "lr": lr}), params))
+    for step in (1, 2, 3):
+        grad = torch.randn(37, device=DEVICE)
+        for opt, params in runs:
+            params[0].grad = grad.clone()
+            opt.step()
+    (_, got), (_, want) = runs
+    assert_bitwise_equal(got[0].detach().cpu(), want[0].detach().cpu(), "sparse lr")
+
+
+@needs_gpu
 def test_use_backend_torch_keeps_cuda_tensors_off_the_extension(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("use_backend('torch') reached the CUDA backend")

@@ -36,7 +36,10 @@ int64_t CudaWorkspaceBytes(int64_t count);
 // and a workspace that is null, too small or not 4-byte
 // aligned (tensor_index -1). Not checkable on the host, so the caller's duty:
 // that the pointers are device memory of `device` and the scale slots hold
-// finite values > 0. The caller owns slots, buffers, scale slots and workspace:
+// finite values > 0; and StepParams::lr_in_device_memory, where set, points to an
+// fp64 in device memory of `device`, which no buffer of the call overlaps and which
+// stays unwritten until the call's work on `stream` completes (every kernel reads
+// it). The caller owns slots, buffers, scale slots and workspace:
 // the slot array is read before the call returns, the rest is used by work on
 // `stream` until it completes, and must not be touched by other work meanwhile.
 // After kDeviceError (Error::message names the runtime call and its error) the
