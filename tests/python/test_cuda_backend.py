@@ -559,7 +559,8 @@ def test_lr_in_a_cuda_tensor_is_read_on_the_device(option, lr_dtype, cuda_path_o
     per-block kernel): the CPU core's bits for the same values given as floats, and no
     step after the first (which builds the plan and reads lr and the block scales on the
     host) waits: torch's sync debug mode raises on any sync, and the last step returns
-    while the stream is busy."""
+    while the stream is busy. Set in place at every step, and at step 3 replaced by a new
+    tensor, as a scheduler may do either."""
     busy_stream_supported()
     cfg = OPTIMIZER_PRESETS[5 if option == "fp16-master" else 4]
     kwargs, decoupled = cfg.optimizer_kwargs(), cfg.decoupled
@@ -581,6 +582,9 @@ def test_lr_in_a_cuda_tensor_is_read_on_the_device(option, lr_dtype, cuda_path_o
         attach_grads(params_gpu, on_device(grads, DEVICE), decoupled)
         opt_cpu.param_groups[0]["lr"] = float(torch.tensor(value, dtype=lr_dtype))
         opt_cpu.step()
+        if step == 3:
+            device_lr = torch.tensor(value, dtype=lr_dtype, device=DEVICE)
+            opt_gpu.param_groups[0]["lr"] = device_lr
         torch.cuda.synchronize()
         if step > 1:
             torch.cuda.set_sync_debug_mode("error")
