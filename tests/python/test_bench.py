@@ -29,9 +29,10 @@ _TIMED_FIELDS = ("elements_per_s", "gb_per_s")
 # The large presets' step right after torch's work (bench/training.py).
 _TRAINING = {"shardadam", "after-matmul", "after-backward", "after-backward-pool", "probe",
              "core"}
-_LOWBIT = {"bf16-remainder-block8": {"shardadam", "torchao-adamw8bit", "torchao-adamwfp8",
-                                      "bnb-adamw8bit", "probe"},
-           "bf16-remainder-block4": {"shardadam", "torchao-adamw4bit", "probe"}}
+_LOWBIT = {"bf16-remainder-block8": {"shardadam", "shardadam-sr", "torchao-adamw8bit",
+                                      "torchao-adamwfp8", "bnb-adamw8bit", "probe"},
+           "bf16-remainder-block4": {"shardadam", "shardadam-sr", "torchao-adamw4bit",
+                                      "probe"}}
 # A contender may be missing from this machine (DeepSpeed, the low-bit optimizers of
 # other packages) or reject a layout (DTensor support): then it says so instead of
 # timing.
@@ -180,8 +181,9 @@ def test_paired_ratios_pair_repetitions_of_one_round(tiny_run):
 def test_optimizer_state_bytes_follow_the_layout(tiny_run):
     """Counted from each optimizer's own state: shardadam's block8 beside remainders
     holds 2 (remainder) + 1 + 1 (codes) + 2 * 4 / 256 (a scale per 256 elements of each
-    moment) bytes per parameter, block4 2 + 0.5 + 0.5 + 2 * 4 / 128; torch's fp32 AdamW
-    8 (two fp32 moments)."""
+    moment) bytes per parameter, block4 2 + 0.5 + 0.5 + 2 * 4 / 128, each without the
+    remainder where the params are rounded stochastically; torch's fp32 AdamW 8 (two
+    fp32 moments)."""
     _, data, _ = tiny_run
     held = {(r["case"], r["contender"]): r.get("optimizer_state_bytes_per_param")
             for r in data["results"] if r["status"] == "ok"}
@@ -189,6 +191,10 @@ def test_optimizer_state_bytes_follow_the_layout(tiny_run):
         2 + 1 + 1 + 2 * 4 / 256)
     assert held[("lowbit/bf16-remainder-block4", "shardadam")] == pytest.approx(
         2 + 0.5 + 0.5 + 2 * 4 / 128)
+    assert held[("lowbit/bf16-remainder-block8", "shardadam-sr")] == pytest.approx(
+        1 + 1 + 2 * 4 / 256)
+    assert held[("lowbit/bf16-remainder-block4", "shardadam-sr")] == pytest.approx(
+        0.5 + 0.5 + 2 * 4 / 128)
     assert held[("large/fp32", "torch-fused")] == pytest.approx(8, abs=0.01)
 
 

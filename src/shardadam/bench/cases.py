@@ -117,9 +117,10 @@ PRESETS = {p.name: p for p in (
 # with those of its width.
 LOWBIT_CASES = (
     (Preset("bf16-remainder-block8", torch.bfloat16, torch.uint8, "remainder", "block8"),
-     ("shardadam", "torchao-adamw8bit", "torchao-adamwfp8", "bnb-adamw8bit")),
+     ("shardadam", "shardadam-sr", "torchao-adamw8bit", "torchao-adamwfp8",
+      "bnb-adamw8bit")),
     (Preset("bf16-remainder-block4", torch.bfloat16, torch.uint8, "remainder", "block4"),
-     ("shardadam", "torchao-adamw4bit")),
+     ("shardadam", "shardadam-sr", "torchao-adamw4bit")),
 )
 
 # Sizes per mode before --scale. Large: not a power of two (buffers spaced by large

@@ -21,6 +21,8 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
 DESCRIPTIONS = {
     "shardadam": "shardadam.FusedAdam (C++ core)",
+    "shardadam-sr": "shardadam.FusedAdam, the same moments, bf16 params rounded "
+                    "stochastically with no master (the peers' state)",
     "torch-fused": "torch.optim.AdamW(fused=True)",
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "deepspeed": "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)",
@@ -40,6 +42,16 @@ def _shardadam(params, preset):
     from shardadam import FusedAdam
 
     return FusedAdam(params, **HYPER, adam_w_mode=True, **preset.fused_adam_kwargs()).step
+
+
+def _shardadam_sr(params, preset):
+    # The low-bit peers keep bf16 params and their moments only: the same state.
+    if preset.moment_format is None or preset.param_dtype is not torch.bfloat16:
+        raise Unavailable("for per-block moments beside bf16 params only")
+    from shardadam import FusedAdam
+
+    return FusedAdam(params, **HYPER, adam_w_mode=True, moment_format=preset.moment_format,
+                     param_rounding="stochastic").step
 
 
 def _torch_adamw(params, preset, **flags):
@@ -95,6 +107,7 @@ def _multipass(params, preset):
 
 _FACTORIES = {
     "shardadam": _shardadam,
+    "shardadam-sr": _shardadam_sr,
     "torch-fused": lambda params, preset: _torch_adamw(params, preset, fused=True),
     "torch-foreach": lambda params, preset: _torch_adamw(params, preset, foreach=True),
     "deepspeed": _deepspeed,
