@@ -143,7 +143,9 @@ def _megatron_slice(param) -> Optional[slice]:
     parameter, and the slice does not locate the shard in the whole."""
     held = getattr(param, "megatron_fsdp_slice", None)
     orig = getattr(param, "orig_param", None)
-    if (held is None or not isinstance(orig, torch.Tensor)
+    if (not isinstance(held, slice) or held.step is not None
+            or type(held.start) is not int or type(held.stop) is not int
+            or not isinstance(orig, torch.Tensor)
             or tuple(to_local(orig).shape) != tuple(param.shape)):
         return None
     return held
@@ -247,12 +249,11 @@ class Layout:
         """The start of Megatron FSDP's slice where it is exactly ``shape``'s run of whole
         rows of the parameter, else None."""
         held = self._megatron_slice
-        if not (isinstance(held, slice) and held.step is None and len(self.shape) > 0
-                and type(held.start) is int and type(held.stop) is int
-                and shape[1:] == tuple(self.shape[1:])):
+        if (held is None or len(self.shape) == 0 or len(shape) != len(self.shape)
+                or shape[1:] != tuple(self.shape[1:])):
             return None
-        row, rows = self._row_length(), shape[0] if shape else 0
-        if (held.stop - held.start != rows * row or held.start < 0
+        row = self._row_length()
+        if (held.stop - held.start != shape[0] * row or held.start < 0
                 or held.stop > self.shape[0] * row or (row and held.start % row)):
             return None
         return held.start

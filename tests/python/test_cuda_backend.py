@@ -650,7 +650,8 @@ def test_a_sparse_cuda_lr_is_read_on_the_host():
     (which raised mid-step, after other batches had stepped)."""
     sparse = torch.sparse_coo_tensor([[0]], [2e-3], (1,), device=DEVICE)
     runs = []
-    for lr in (sparse, 2e-3):
+    # The float: the fp32 value the tensor holds, as the host reads it.
+    for lr in (sparse, float(torch.tensor(2e-3))):
         params = [torch.nn.Parameter(torch.full((37,), 0.5, device=DEVICE))]
         runs.append((fused_adam()(params, **{**HYPER.optimizer_kwargs(), "lr": lr}), params))
     for step in (1, 2, 3):

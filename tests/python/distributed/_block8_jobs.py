@@ -153,8 +153,11 @@ def block8_mesh_rule(ctx, case):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     shape, rows = (9, 96), 9 // ctx.world_size
-    # The 5/3/1 cut of the rows-5-3-1 layouts (at world size 3): this rank's rows.
-    cut = slice(*((0, 5), (5, 8), (8, 9))[ctx.rank]) if ctx.world_size == 3 else None
+    # The rows-5-3-1 layouts (world size 3): this rank's rows, and the f of rows keyed as
+    # if unmarked (rank 1's (3, 96) rows have the shape of torch's chunk there).
+    cut, unmarked = None, None
+    if ctx.world_size == 3:
+        cut, unmarked = slice(*((0, 5), (5, 8), (8, 9))[ctx.rank]), (0, 3 * 96, 0)[ctx.rank]
     layouts = {"Shard(0)": ([Shard(0)], ctx.rank * rows * 96),
                "Shard(1)": ([Shard(1)], 0), "Replicate": ([Replicate()], 0),
                # FSDP2 beside tensor parallelism on a 2 x 2 mesh, 10 rows: the dp
@@ -162,8 +165,8 @@ def block8_mesh_rule(ctx, case):
                # run (rank 1 holds rows 6, 7 where the chunk offset says 5)
                "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0),
                "rows-5-3-1+megatron_fsdp_slice": ([Shard(0)], cut and cut.start * 96),
-               "rows-5-3-1+slice-off-the-rows": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank]),
-               "rows-5-3-1+slice-of-a-tp-part": ([Shard(0)], cut and (0, 3 * 96, 0)[ctx.rank])}
+               "rows-5-3-1+slice-off-the-rows": ([Shard(0)], unmarked),
+               "rows-5-3-1+slice-of-a-tp-part": ([Shard(0)], unmarked)}
     placements, first = layouts[case.detail]
     mesh = ctx.mesh()
     if case.detail == "_StridedShard(0)":
