@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check, one command from the repository root of a CUDA machine (no internet
-# needed): build shardadam with its CUDA backend, run the CUDA tests (pytest, then the
-# C++ CUDA tests, among them the per-block scaled moments' kernel against the CPU core,
-# and the CPU core's adam_test, codec_test, measure_skip_test and block_test on the
-# host's SIMD targets), the GPU benchmark, then the CPU kernel benchmark on 1, 2, 4, 8
-# and 16 threads (a GPU host has more cores than the other machines here). Everything
-# lands in $OUT (default build/gpu-check): summary.txt, pytest.xml, cuda_bench.json,
-# kernel_bench.json and logs.tar.gz (env.txt and one log per stage), five files.
+# needed): build shardadam with its CUDA backend, run the CUDA tests (pytest: the CUDA
+# backend and FSDP2's CPU offload under a CUDA mesh; then the C++ CUDA tests, among
+# them the per-block scaled moments' kernel against the CPU core and the fp8
+# instructions against the integer rule, and the CPU core's adam_test, codec_test,
+# measure_skip_test and block_test on the host's SIMD targets), the GPU benchmark, an
+# Nsight Compute profile of the fp8 and bf16 moments' kernels, then the CPU kernel
+# benchmark on 1, 2, 4, 8 and 16 threads (a GPU host has more cores than the other
+# machines here). Everything lands in $OUT (default build/gpu-check): summary.txt,
+# pytest.xml, cuda_bench.json, kernel_bench.json and logs.tar.gz (env.txt and one log
+# per stage), five files.
 # Stays within GPU_CHECK_BUDGET_S seconds (default 560): each stage is cut short so
 # the later ones keep their share. Exits 1 if any stage failed (a benchmark target
 # that is missed is reported, not a failure).
@@ -210,17 +213,19 @@ if info["cuda_devices"] == 0:
 ' || finish
 
 # ---------------------------------------------------------------------------- tests
-stage pytest 220 200 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-  --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py
-# The tests an open issue names, by name: a skip counts as a pass above.
+# test_cpu_offload.py's CPU-mesh cases run in CI; here its CUDA-mesh ones.
+stage pytest 240 220 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$OUT/pytest.xml" -k "not under_a_cpu_mesh" tests/python/test_cuda_backend.py \
+  tests/python/test_cpu_offload.py
+# The tests open issues name, by name: a skip counts as a pass above.
 if [[ -f $OUT/pytest.xml ]]; then
   record named "$("$PYTHON" - "$OUT/pytest.xml" <<'EOF'
 import collections, sys, xml.etree.ElementTree as ET
-outcomes = collections.Counter()
-for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
-    if "lr_in_a_cuda_tensor" in case.get("name", ""):
-        outcomes[next((child.tag for child in case), "passed")] += 1
-print(f"test_lr_in_a_cuda_tensor_*: {dict(outcomes) or 'NONE ran'}")
+cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+for pattern in ("lr_in_a_cuda_tensor", "cpu_offload_under_a_cuda_mesh"):
+    outcomes = collections.Counter(next((child.tag for child in case), "passed")
+                                   for case in cases if pattern in case.get("name", ""))
+    print(f"test_*{pattern}*: {dict(outcomes) or 'NONE ran'}", end="; ")
 EOF
 )"
 fi
@@ -252,14 +257,40 @@ stage cpp 150 180 15 -- bash -c '
     echo "== $target ($binary)"
     "$binary" --gtest_brief=1 || rc=1
   done
-  binary=$(find "$2" -type f -name adam_cuda_test -perm -u+x | head -n1)
-  "$binary" --gtest_filter="*LrInDeviceMemory*" | grep -E "^\[ +(OK|FAILED|SKIPPED) +\]" \
-    || rc=1
+  for named in "adam_cuda_test *LrInDeviceMemory*" "fp8_instructions_test *"; do
+    binary=$(find "$2" -type f -name "${named%% *}" -perm -u+x | head -n1)
+    "$binary" --gtest_filter="${named#* }" | grep -E "^\[ +(OK|FAILED|SKIPPED) +\]" || rc=1
+  done
   exit $rc
 ' cpp "$ROOT" "$BUILD_DIR" "$GTEST_DIR" "${CPP_TESTS[@]}"
 
 # ---------------------------------------------------------------------------- bench
-stage bench 200 100 40 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
+stage bench 200 170 45 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
+
+# Where per-tensor fp8 moments spend their time, beside bf16 moments: Nsight Compute's
+# speed of light, compute, instruction and warp-stall sections for the second step's
+# measuring and update kernels (64M elements), in profile.log.
+if command -v ncu >/dev/null; then
+  stage profile 90 110 0 -- ncu --clock-control none --kernel-name-base function \
+    --kernel-name regex:"MeasureKernel|StoreKernel" --launch-skip 3 --launch-count 3 \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis "$PYTHON" -c '
+import torch
+from shardadam import FusedAdam
+optimizers = []
+for moments in (torch.uint8, torch.bfloat16):  # fp8: two kernels a step; bf16: one
+    p = torch.nn.Parameter(torch.randn(64 << 20, device="cuda", dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    optimizers.append(FusedAdam([p], lr=1e-3, master_weights=True,
+                                exp_avg_dtype=moments, exp_avg_sq_dtype=moments))
+for _ in range(2):
+    for opt in optimizers:
+        opt.step()
+torch.cuda.synchronize()
+'
+else
+  record profile "SKIPPED: no ncu on this machine"
+fi
 
 # The CPU core on this host's cores: bf16 params + int16 remainders with bf16, block8
 # and block4 moments, 7M elements; each thread count's table in cpu_tables.log, its

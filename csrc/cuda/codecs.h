@@ -2,7 +2,11 @@
 // of fp32 only (no rounding-mode or intrinsic dependence). Host-device code: the
 // C++ tests compile this header for the CPU and check it against the scalar
 // reference on every bf16/fp16/fp8 pattern, so what runs on the GPU is verified
-// even where no GPU is.
+// even where no GPU is. The one exception: on GPUs with fp8 conversion
+// instructions (compute capability 8.9 on) the fp8 codec uses them, with the
+// integer rule's results where they differ (non-finite and out-of-range values);
+// the GPU test checks them against the integer rule on every fp32 pattern and
+// every code.
 #ifndef SHARDADAM_CUDA_CODECS_H_
 #define SHARDADAM_CUDA_CODECS_H_
 
@@ -65,7 +69,7 @@ SHARDADAM_HOST_DEVICE inline float DecodeF16(uint16_t h) {
 
 // fp32 -> fp8 E4M3 "fn" as torch.float8_e4m3fn: round to nearest even; above
 // 464 (the tie between 448 and the NaN code), infinity and NaN give NaN.
-SHARDADAM_HOST_DEVICE inline uint8_t EncodeF8(float f) {
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeF8Integer(float f) {
   const uint32_t bits = BitsOf(f);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t abs = bits & 0x7FFFFFFFu;
@@ -84,7 +88,7 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeF8(float f) {
   return static_cast<uint8_t>(sign | RoundShift(abs - (120u << 23), 20));
 }
 
-SHARDADAM_HOST_DEVICE inline float DecodeF8(uint8_t q) {
+SHARDADAM_HOST_DEVICE inline float DecodeF8Integer(uint8_t q) {
   const uint32_t sign = static_cast<uint32_t>(q & 0x80u) << 24;
   const uint32_t exponent = (q >> 3) & 0xFu;
   const uint32_t mantissa = q & 0x7u;
@@ -94,6 +98,41 @@ SHARDADAM_HOST_DEVICE inline float DecodeF8(uint8_t q) {
     return FloatOf(sign | BitsOf(magnitude));
   }
   return FloatOf(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+// The fp8 codec the kernels use: the instructions where the GPU has them (one
+// instead of about fifteen integer operations to encode, ten to decode; fp8
+// moments are bound by the codec's arithmetic), else the integer rule. The
+// instructions round to nearest even as the rule does; the rule's NaN (above 464,
+// infinities and NaN) replaces their saturation, and a NaN code decodes to the
+// rule's quiet NaN rather than theirs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define SHARDADAM_FP8_INSTRUCTIONS 1
+#endif
+
+SHARDADAM_HOST_DEVICE inline uint8_t EncodeF8(float f) {
+#if defined(SHARDADAM_FP8_INSTRUCTIONS)
+  const uint32_t bits = BitsOf(f);
+  if ((bits & 0x7FFFFFFFu) > 0x43E80000u) return static_cast<uint8_t>(((bits >> 24) & 0x80u) | 0x7Fu);
+  uint16_t pair;  // low byte: f's code
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(f));
+  return static_cast<uint8_t>(pair);
+#else
+  return EncodeF8Integer(f);
+#endif
+}
+
+SHARDADAM_HOST_DEVICE inline float DecodeF8(uint8_t q) {
+#if defined(SHARDADAM_FP8_INSTRUCTIONS)
+  if ((q & 0x7Fu) == 0x7Fu) return FloatOf((static_cast<uint32_t>(q & 0x80u) << 24) | 0x7FC00000u);
+  uint32_t halves;  // low half: q's value in fp16 (exact)
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<uint16_t>(q)));
+  float value;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(static_cast<uint16_t>(halves)));
+  return value;
+#else
+  return DecodeF8Integer(q);
+#endif
 }
 
 // S2.5: an fp32 master as a bf16 param (high half, plus one when the low half

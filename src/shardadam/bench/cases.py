@@ -31,25 +31,35 @@ class Preset:
     """One state layout. ``master`` is None, ``"fp32"`` or ``"remainder"`` (int16);
     ``moment_format`` FusedAdam's keyword (per-block moments, stored as 8- or 4-bit
     codes plus one fp32 scale per 256 or 128 elements, left out of the byte counts:
-    1.6% and 3.1%)."""
+    1.6% and 3.1%); ``exp_avg_sq_dtype`` where it differs from ``moment_dtype``
+    (``exp_avg``'s)."""
 
     name: str
     param_dtype: torch.dtype
     moment_dtype: torch.dtype
     master: Optional[str]
     moment_format: Optional[str] = None
+    exp_avg_sq_dtype: Optional[torch.dtype] = None
+
+    @property
+    def _second_dtype(self) -> torch.dtype:
+        return self.exp_avg_sq_dtype or self.moment_dtype
 
     def _moment_names(self) -> tuple:
         if self.moment_format is not None:
             return _MOMENT_FORMATS[self.moment_format][:2]
-        return (_NAME[self.moment_dtype],) * 2
+        return _NAME[self.moment_dtype], _NAME[self._second_dtype]
+
+    def _moment_sizes(self) -> tuple:
+        """Bytes of one element of each moment (scales left out)."""
+        if self.moment_format is not None:
+            return (_MOMENT_FORMATS[self.moment_format][2],) * 2
+        return _SIZE[self.moment_dtype], _SIZE[self._second_dtype]
 
     @property
     def moment_size(self) -> float:
-        """Bytes of one element of one moment (scales left out)."""
-        if self.moment_format is not None:
-            return _MOMENT_FORMATS[self.moment_format][2]
-        return _SIZE[self.moment_dtype]
+        """Bytes of one element of one moment, on average (scales left out)."""
+        return sum(self._moment_sizes()) / 2
 
     @property
     def label(self) -> str:
@@ -98,7 +108,7 @@ class Preset:
             kwargs = {"moment_format": self.moment_format}
         else:
             kwargs = {"exp_avg_dtype": self.moment_dtype,
-                      "exp_avg_sq_dtype": self.moment_dtype}
+                      "exp_avg_sq_dtype": self._second_dtype}
         if self.master is not None:
             kwargs.update(master_weights=True, master_weight_dtype=torch.float32,
                           store_param_remainders=self.master == "remainder")
