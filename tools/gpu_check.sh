@@ -213,15 +213,18 @@ if info["cuda_devices"] == 0:
 ' || finish
 
 # ---------------------------------------------------------------------------- tests
-# test_cpu_offload.py's CPU-mesh cases run in CI; here its CUDA-mesh ones.
-stage pytest 240 220 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-  --junitxml="$OUT/pytest.xml" -k "not under_a_cpu_mesh" tests/python/test_cuda_backend.py \
-  tests/python/test_cpu_offload.py
+stage pytest 220 250 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py
+# FSDP2's CPU offload under a CUDA mesh (its CPU-mesh cases run in CI), apart: ranks
+# that hang on a collective must not cost the results above.
+stage offload 90 230 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
+  --junitxml="$WORK/offload.xml" -k "under_a_cuda_mesh" tests/python/test_cpu_offload.py
 # The tests open issues name, by name: a skip counts as a pass above.
 if [[ -f $OUT/pytest.xml ]]; then
-  record named "$("$PYTHON" - "$OUT/pytest.xml" <<'EOF'
-import collections, sys, xml.etree.ElementTree as ET
-cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
+  record named "$("$PYTHON" - "$OUT/pytest.xml" "$WORK/offload.xml" <<'EOF'
+import collections, os, sys, xml.etree.ElementTree as ET
+cases = [case for path in sys.argv[1:] if os.path.exists(path)
+         for case in ET.parse(path).getroot().iter("testcase")]
 for pattern in ("lr_in_a_cuda_tensor", "cpu_offload_under_a_cuda_mesh"):
     outcomes = collections.Counter(next((child.tag for child in case), "passed")
                                    for case in cases if pattern in case.get("name", ""))
@@ -265,13 +268,13 @@ stage cpp 150 180 15 -- bash -c '
 ' cpp "$ROOT" "$BUILD_DIR" "$GTEST_DIR" "${CPP_TESTS[@]}"
 
 # ---------------------------------------------------------------------------- bench
-stage bench 200 170 45 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
+stage bench 200 60 45 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
 
 # Where per-tensor fp8 moments spend their time, beside bf16 moments: Nsight Compute's
 # speed of light, compute, instruction and warp-stall sections for the second step's
 # measuring and update kernels (64M elements), in profile.log.
 if command -v ncu >/dev/null; then
-  stage profile 90 110 0 -- ncu --clock-control none --kernel-name-base function \
+  stage profile 90 20 0 -- ncu --clock-control none --kernel-name-base function \
     --kernel-name regex:"MeasureKernel|StoreKernel" --launch-skip 3 --launch-count 3 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis "$PYTHON" -c '
