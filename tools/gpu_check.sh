@@ -23,6 +23,8 @@
 #                          e.g. 90-real, which builds fastest)
 #   GPU_CHECK_BUDGET_S     total seconds (560)
 #   GPU_CHECK_FORCE_DEPS=1 use .deps/ even where the machine has its own copies
+#   GPU_CHECK_QUICK=1      the GPU tests, the benchmark and the profile only (a rerun
+#                          after a kernel change: about half the time)
 #   GPU_CHECK_NO_GPU_OK=1  carry on without a GPU (tries the script itself: the GPU
 #                          tests then skip and the benchmark fails)
 set -uo pipefail
@@ -33,6 +35,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
+QUICK=${GPU_CHECK_QUICK:-0}
 START=$SECONDS
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/shardadam-gpu-check.XXXXXX")  # build tree, install
 SITE=$WORK/site
@@ -245,7 +248,7 @@ for source in tests/cpp/*cuda*_test.cc tests/cpp/*cuda*_test.cu tests/cpp/cuda/*
   name=$(basename "$source")
   CPP_TESTS+=("${name%.*}")
 done
-CPP_TESTS+=(adam_test codec_test measure_skip_test block_test)
+[[ $QUICK == 1 ]] || CPP_TESTS+=(adam_test codec_test measure_skip_test block_test)
 # Reuses the wheel's build tree (the core is built already), adding the tests and
 # kernel_bench; the tests an open issue names are shown last, by name.
 # shellcheck disable=SC2016  # expanded by the inner shell
@@ -270,22 +273,24 @@ stage cpp 150 180 15 -- bash -c '
 # ---------------------------------------------------------------------------- bench
 stage bench 200 60 45 -- "$PYTHON" benchmarks/cuda_bench.py --json "$OUT/cuda_bench.json"
 
-# Where per-tensor fp8 moments spend their time, beside bf16 moments: Nsight Compute's
-# speed of light, compute, instruction and warp-stall sections for the second step's
-# measuring and update kernels (64M elements), in profile.log.
+# Where per-tensor fp8 moments and block8 moments spend their time, beside bf16
+# moments: Nsight Compute's speed of light, compute, instruction and warp-stall
+# sections for the second step's kernels (64M elements), in profile.log.
 if command -v ncu >/dev/null; then
   stage profile 90 20 0 -- ncu --clock-control none --kernel-name-base function \
-    --kernel-name regex:"MeasureKernel|StoreKernel" --launch-skip 3 --launch-count 3 \
+    --kernel-name regex:"MeasureKernel|StoreKernel|BlockKernel" --launch-skip 4 --launch-count 4 \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis "$PYTHON" -c '
 import torch
 from shardadam import FusedAdam
 optimizers = []
-for moments in (torch.uint8, torch.bfloat16):  # fp8: two kernels a step; bf16: one
+# fp8: two kernels a step; bf16 and block8 (beside remainders): one each.
+for moments in (dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+                dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+                dict(moment_format="block8", store_param_remainders=True)):
     p = torch.nn.Parameter(torch.randn(64 << 20, device="cuda", dtype=torch.bfloat16))
     p.grad = torch.randn_like(p)
-    optimizers.append(FusedAdam([p], lr=1e-3, master_weights=True,
-                                exp_avg_dtype=moments, exp_avg_sq_dtype=moments))
+    optimizers.append(FusedAdam([p], lr=1e-3, master_weights=True, **moments))
 for _ in range(2):
     for opt in optimizers:
         opt.step()
@@ -295,6 +300,7 @@ else
   record profile "SKIPPED: no ncu on this machine"
 fi
 
+[[ $QUICK == 1 ]] && finish
 # The CPU core on this host's cores: bf16 params + int16 remainders with bf16, block8
 # and block4 moments, 7M elements; each thread count's table in cpu_tables.log, its
 # rows in the output, the JSONs merged into one file.

@@ -148,13 +148,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 }
 
 // The maxima of a and b over the lanes of this thread's group (`lanes`, whole
-// warps, aligned in the block). Every thread of the block must call it.
+// warps, aligned in the block). Every thread of the block must call it where a
+// group spans warps (its barriers); a group of one warp needs none.
 __device__ __forceinline__ void GroupMax(uint32_t& a, uint32_t& b, int lanes,
                                          uint32_t (*shared)[kWarps]) {
   for (int offset = 16; offset > 0; offset /= 2) {
     a = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, offset));
     b = max(b, __shfl_xor_sync(0xFFFFFFFFu, b, offset));
   }
+  if (lanes == 32) return;
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 == 0) {
     shared[0][warp] = a;
@@ -196,7 +198,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (j >= range.end) continue;
     const Scales now = NewBlockScales(t, mine.best);
     StoreBlockLane(t, j, lane, now, mine);
-    // Every lane of the group read the old scales before GroupMax's barrier.
+    // Every lane of the group read the old scales before GroupMax's barrier (in a
+    // one-warp group: before its shuffles, which take values those reads gave).
     if (lane == 0) WriteBlockScales(t, j, now);
   }
 }

@@ -27,12 +27,18 @@ static_assert(kBlockChunk % kMaxScaleBlock == 0, "a chunk holds whole scale bloc
 // Elements one lane keeps in registers: the largest block over the lanes.
 constexpr int kMaxPerLane = kMaxScaleBlock / kThreads;
 static_assert(kMaxPerLane * kThreads == kMaxScaleBlock && kMaxPerLane % 2 == 0, "pairs");
-static_assert(kMinScaleBlock / 2 % 32 == 0, "a scale block's group is whole warps");
+static_assert(kMinScaleBlock / 32 % 2 == 0, "a warp's lanes take whole pairs");
+// Elements a lane loads before it stores any: as far as the compiler knows a store
+// may alias the next load, so loads issued element by element would each wait for
+// the store before them (the kernel is bound by memory latency).
+constexpr int kBlockBatch = 4;
+static_assert(kMaxPerLane % kBlockBatch == 0 && kBlockBatch % 2 == 0, "whole batches of pairs");
 
-// Lanes that share one scale block: all of the CUDA block's, or one per pair of
-// its elements when it is smaller (then the CUDA block steps several at once).
+// Lanes that share one scale block: one warp up to 32 * kMaxPerLane elements (its
+// absmax needs no barrier), else as many whole warps as keep kMaxPerLane elements
+// each (then the group spans warps); the CUDA block steps kThreads / lanes at once.
 SHARDADAM_HOST_DEVICE inline int LanesPerScaleBlock(int32_t scale_block) {
-  return scale_block / 2 < kThreads ? scale_block / 2 : kThreads;
+  return scale_block / kMaxPerLane > 32 ? scale_block / kMaxPerLane : 32;
 }
 
 // Scale blocks that elements [0, numel) of `t` touch (formats.h ScaleCount).
@@ -100,18 +106,30 @@ SHARDADAM_HOST_DEVICE inline void UpdateBlockLane(const DeviceSlot& t, const Ste
   out.best[0] = 0;
   out.best[1] = 0;
 #pragma unroll
-  for (int k = 0; k < kMaxPerLane; ++k) {
-    const int64_t i = BlockElement(t, j, lane, k);
-    if (k >= per_lane || i < 0 || i >= t.numel) continue;
-    Inputs e = LoadInputs(t, old, i);
-    Update<kAdamW>(c, e);
-    Codes codes{};
-    EncodeWeight(t, old, i, e.w, codes);  // old.s[kW] is 1: no scaled master here
-    WriteWeightCodes(t, i, codes);
-    out.m[k] = e.m;
-    out.v[k] = e.v;
-    out.best[0] = out.best[0] > AbsBits(e.m) ? out.best[0] : AbsBits(e.m);
-    out.best[1] = out.best[1] > AbsBits(e.v) ? out.best[1] : AbsBits(e.v);
+  for (int first = 0; first < kMaxPerLane; first += kBlockBatch) {
+    if (first >= per_lane) break;
+    Inputs e[kBlockBatch];
+    bool inside[kBlockBatch];
+#pragma unroll
+    for (int b = 0; b < kBlockBatch; ++b) {
+      const int64_t i = BlockElement(t, j, lane, first + b);
+      inside[b] = i >= 0 && i < t.numel;
+      if (inside[b]) e[b] = LoadInputs(t, old, i);
+    }
+#pragma unroll
+    for (int b = 0; b < kBlockBatch; ++b) {
+      if (!inside[b]) continue;
+      const int k = first + b;
+      const int64_t i = BlockElement(t, j, lane, k);
+      Update<kAdamW>(c, e[b]);
+      Codes codes{};
+      EncodeWeight(t, old, i, e[b].w, codes);  // old.s[kW] is 1: no scaled master here
+      WriteWeightCodes(t, i, codes);
+      out.m[k] = e[b].m;
+      out.v[k] = e[b].v;
+      out.best[0] = out.best[0] > AbsBits(e[b].m) ? out.best[0] : AbsBits(e[b].m);
+      out.best[1] = out.best[1] > AbsBits(e[b].v) ? out.best[1] : AbsBits(e[b].v);
+    }
   }
 }
 

@@ -10,8 +10,9 @@ Each case runs real processes (one per rank) and checks, at every step:
 * every state is a DTensor on the parameter's mesh and placements with a CPU local
   tensor (scales: CPU tensors);
 * under a CUDA mesh, ``step()`` does no device work at all: nothing that synchronises
-  (``torch.cuda.set_sync_debug_mode("error")``) and no kernel, copy or memset (the
-  profiler's CUDA activity records none);
+  (``torch.cuda.set_sync_debug_mode("error")``), no wait for the GPU (a stream kept
+  busy is still busy after it), no device allocation, and under the profiler no
+  kernel, copy or memset and no CUDA runtime or driver call;
 
 then a DCP save and load (``get_state_dict`` / ``set_state_dict``) into a fresh model
 and optimizer restores parameters, states, scales and the step count bitwise, and both
@@ -24,6 +25,7 @@ DCP's), and two where there are two. Without a GPU, the same checks run under a 
 
 import contextlib
 import os
+import re
 import traceback
 from unittest import mock
 
@@ -76,35 +78,49 @@ def _model(device_type, mesh, dtype, seed):
 
 
 def _backward(model, device_type, dtype, gen):
+    # FSDP2 waits for its gradients' copies to the CPU before backward() returns.
     x = torch.randn(8, 32, generator=gen).to(device=device_type, dtype=dtype)
     model(x).float().square().mean().backward()
-    if device_type == "cuda":
-        # Everything FSDP2 queued is done before the test copies the gradients and
-        # watches the step.
-        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
-def _only_the_cpu_core(device_type):
-    """The step runs in the C++ CPU core, and under a CUDA mesh does no device work."""
+def _only_the_cpu_core(device_type, profiled=False):
+    """The step runs in the C++ CPU core; under a CUDA mesh it does no device work.
+    Unprofiled (the step's plain path): nothing that synchronises through torch (sync
+    debug mode "error"), no wait for the GPU (a stream kept busy is still busy after
+    it) and no device allocation. Profiled (its hooked path, which profilers take): no
+    kernel, copy or memset, and no CUDA runtime or driver call inside the step."""
     from shardadam import _torch_path
 
     refuse = AssertionError("a CPU-offloaded shard took the torch path, not the C++ core")
     with mock.patch.object(_torch_path, "prepare", side_effect=refuse):
         if device_type != "cuda":
             yield
-            return
-        from torch.profiler import ProfilerActivity, profile
+        elif profiled:
+            from torch.profiler import ProfilerActivity, profile, record_function
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with record_function("step under test"):
+                    yield
+            events = prof.events()
+            window = next(e for e in events if e.name == "step under test").time_range
+            device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert not device, f"step() did device work: {device[:10]}"
+            calls = [e.name for e in events
+                     if re.match(r"cu(da)?[A-Z]", e.name)
+                     and window.start <= e.time_range.start <= window.end]
+            assert not calls, f"step() called CUDA: {calls[:10]}"
+        else:
+            torch.cuda._sleep(200_000_000)  # about 0.1 s of work queued on the stream
+            allocations = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
             torch.cuda.set_sync_debug_mode("error")
             try:
                 yield
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-    work = [event.name for event in prof.events()
-            if event.device_type == torch.autograd.DeviceType.CUDA]
-    assert not work, f"step() did device work: {work[:10]}"
+            assert not torch.cuda.current_stream().query(), "step() waited for the GPU"
+            assert torch.cuda.memory_stats().get("allocation.all.allocated", 0) == allocations, \
+                "step() allocated device memory"
 
 
 def _check_layout(model, opt, mesh):
@@ -208,10 +224,10 @@ def _check(rank, device_type, mesh, workdir, preset):
     _assert_same(_raw(fresh, loaded), saved, f"rank {rank}: loaded from DCP")
     _check_layout(fresh, loaded, mesh)
 
-    # Both take the next step alike, from the same input.
+    # Both take the next step alike, from the same input, watched by the profiler.
     for m, o in ((model, opt), (fresh, loaded)):
         _backward(m, device_type, dtype, torch.Generator().manual_seed(200 + rank))
-        with _only_the_cpu_core(device_type):
+        with _only_the_cpu_core(device_type, profiled=True):
             o.step()
     _assert_same(_raw(fresh, loaded), _raw(model, opt), f"rank {rank}: step after the load")
 
