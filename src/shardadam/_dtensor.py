@@ -25,6 +25,10 @@ Private torch APIs, used here only:
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``: the shape
   and global offset of torch's chunk at this rank's coordinate, which keys per-block
   scales of FSDP2's shards (S2.11) without communication.
+* ``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP2 gives
+  a dimension that tensor parallelism splits too. Up to torch 2.10 it derives from
+  ``Shard`` (so ``is_shard()`` says it splits); from 2.11 it does not, and is recognised
+  by its type.
 
 Two attributes of another package are read: ``megatron_fsdp_slice`` and ``orig_param``,
 which Megatron FSDP sets on each parameter it hands the optimizer (the flat range of the
@@ -220,7 +224,7 @@ class Layout:
         (the packed states are then sharded exactly like the parameter's rows)."""
         last = len(self.shape) - 1
         return (last >= 1 and self.shape[-1] % 2 == 0 and local.dim() == last + 1
-                and not any(p.is_shard(last) or p.is_shard(-1) for p in self.placements))
+                and not any(_splits(p, last) or _splits(p, -1) for p in self.placements))
 
     def of(self, fmt) -> "Layout":
         """The layout of a state stored in ``fmt``: this one, or for packed 4-bit codes
@@ -261,8 +265,9 @@ class Layout:
     def _chunk_first(self, shape: tuple) -> int:
         """The start of torch's chunk at this rank's coordinate where ``shape`` is its
         shape under placements that are all Shard(0), else 0."""
-        # Shard itself: a _StridedShard (FSDP2 beside tensor parallelism) compares equal
-        # to Shard(0) but holds rows that are not one run of the parameter.
+        # Shard itself: a _StridedShard (FSDP2 beside tensor parallelism), which up to
+        # torch 2.10 compares equal to Shard(0), holds rows that are not one run of the
+        # parameter.
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -383,11 +388,21 @@ def _local_grads_each(layouts: list, grads: list) -> Optional[list]:
 # ---------------------------------------------------------------------------
 # Checks (S1.4, S3.3, S5.3, S5.5).
 
+def _splits(placement, dim=None) -> bool:
+    """Whether ``placement`` splits dimension ``dim`` (any, for None) of the tensor:
+    ``Shard``, and ``_StridedShard``, which torch 2.11 no longer derives from it."""
+    if placement.is_shard(dim):
+        return True
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard) and (dim is None or placement.dim == dim)
+
+
 def param_layout_error(param: torch.Tensor) -> Optional[str]:
     """Why a DTensor parameter's placements cannot be stepped locally, or None."""
     if not is_dtensor(param):
         return None
-    bad = [p for p in param.placements if not (p.is_shard() or p.is_replicate())]
+    bad = [p for p in param.placements if not (_splits(p) or p.is_replicate())]
     if bad:
         return (f"DTensor parameters must have Shard(d) or Replicate placements (rule S1.4: "
                 f"a Partial parameter still needs a reduction, which the optimizer does "

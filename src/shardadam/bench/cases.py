@@ -58,8 +58,8 @@ class Preset:
 
     @property
     def moment_size(self) -> float:
-        """Bytes of one element of one moment, on average (scales left out)."""
-        return sum(self._moment_sizes()) / 2
+        """Bytes of one element of ``exp_avg`` (scales left out)."""
+        return self._moment_sizes()[0]
 
     @property
     def label(self) -> str:
@@ -82,11 +82,11 @@ class Preset:
     @property
     def minimum_bytes(self) -> float:
         """docs/benchmarking.md: bytes per element the step must read and write."""
-        p, m, w = _SIZE[self.param_dtype], self.moment_size, self._master_size()
+        p, m, w = _SIZE[self.param_dtype], sum(self._moment_sizes()), self._master_size()
         # The weight read is the master, else the param; a remainder completes the param.
         weight_read = p if self.master in (None, "remainder") else 0
-        reads = p + weight_read + w + 2 * m
-        writes = p + w + 2 * m
+        reads = p + weight_read + w + m
+        writes = p + w + m
         return reads + writes
 
     @property
@@ -99,7 +99,7 @@ class Preset:
     @property
     def state_bytes_per_element(self) -> float:
         """Resident bytes: param, grad, both moments and the master."""
-        return (2 * _SIZE[self.param_dtype] + 2 * self.moment_size
+        return (2 * _SIZE[self.param_dtype] + sum(self._moment_sizes())
                 + self._master_size())
 
     def fused_adam_kwargs(self) -> dict:
