@@ -5,7 +5,7 @@
 # them the per-block scaled moments' kernel against the CPU core and the fp8
 # instructions against the integer rule, and the CPU core's adam_test, codec_test,
 # measure_skip_test and block_test on the host's SIMD targets), the GPU benchmark, an
-# Nsight Compute profile of the fp8 and bf16 moments' kernels, then the CPU kernel
+# Nsight Compute profile of the fp8, bf16 and block8 moments' kernels, then the CPU kernel
 # benchmark on 1, 2, 4, 8 and 16 threads (a GPU host has more cores than the other
 # machines here). Everything lands in $OUT (default build/gpu-check): summary.txt,
 # pytest.xml, cuda_bench.json, kernel_bench.json and logs.tar.gz (env.txt and one log
@@ -25,6 +25,8 @@
 #   GPU_CHECK_FORCE_DEPS=1 use .deps/ even where the machine has its own copies
 #   GPU_CHECK_QUICK=1      the GPU tests, the benchmark and the profile only (a rerun
 #                          after a kernel change: about half the time)
+#   GPU_CHECK_SKIP="a b"   stages left out by name (e.g. "offload cpp profile": the
+#                          build, test_cuda_backend.py and the benchmark, 2 minutes)
 #   GPU_CHECK_NO_GPU_OK=1  carry on without a GPU (tries the script itself: the GPU
 #                          tests then skip and the benchmark fails)
 set -uo pipefail
@@ -53,6 +55,10 @@ record() {
 stage() {
   local name=$1 cap=$2 reserve=$3 show=$4
   shift 5
+  if [[ " ${GPU_CHECK_SKIP:-} " == *" $name "* ]]; then
+    record "$name" "left out (GPU_CHECK_SKIP)"
+    return 0
+  fi
   local limit=$((BUDGET - (SECONDS - START) - reserve))
   ((limit > cap)) && limit=$cap
   if ((limit < 10)); then

@@ -32,7 +32,9 @@ static_assert(kMinScaleBlock / 32 % 2 == 0, "a warp's lanes take whole pairs");
 // may alias the next load, so loads issued element by element would each wait for
 // the store before them (the kernel is bound by memory latency).
 constexpr int kBlockBatch = 4;
-static_assert(kMaxPerLane % kBlockBatch == 0 && kBlockBatch % 2 == 0, "whole batches of pairs");
+// A lane's elements (a power of two, kMinScaleBlock / 32 at least) are whole batches.
+static_assert(kMinScaleBlock / 32 % kBlockBatch == 0 && kBlockBatch % 2 == 0,
+              "whole batches of pairs");
 
 // Lanes that share one scale block: one warp up to 32 * kMaxPerLane elements (its
 // absmax needs no barrier), else as many whole warps as keep kMaxPerLane elements

@@ -101,8 +101,8 @@ SHARDADAM_HOST_DEVICE inline float DecodeF8Integer(uint8_t q) {
 }
 
 // The fp8 codec the kernels use: the instructions where the GPU has them (one
-// instead of about fifteen integer operations to encode, ten to decode; fp8
-// moments are bound by the codec's arithmetic), else the integer rule. The
+// instead of about fifteen integer operations to encode, ten to decode: fp8
+// moments are bound by instruction issue), else the integer rule. The
 // instructions round to nearest even as the rule does; the rule's NaN (above 464,
 // infinities and NaN) replaces their saturation, and a NaN code decodes to the
 // rule's quiet NaN rather than theirs.
