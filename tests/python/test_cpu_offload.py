@@ -123,12 +123,17 @@ def _only_the_cpu_core(device_type, profiled=False):
                 "step() allocated device memory"
 
 
+def _local(value):
+    """A state's local tensor (scales are plain tensors)."""
+    return value._local_tensor if hasattr(value, "_local_tensor") else value
+
+
 def _check_layout(model, opt, mesh):
     for name, p in model.named_parameters():
         assert p.device_mesh == mesh and p._local_tensor.device.type == "cpu", \
             f"{name}: expected a CPU shard on {mesh}"
         for sname, value in state_tensors(opt, p).items():
-            local = value._local_tensor if hasattr(value, "_local_tensor") else value
+            local = _local(value)
             assert local.device.type == "cpu", f"{name}.{sname} is on {local.device}"
             if sname in ("exp_avg", "exp_avg_sq", "master_param"):
                 assert value.device_mesh == mesh and value.placements == p.placements, \
@@ -141,7 +146,7 @@ def _raw(model, opt):
     for name, p in model.named_parameters():
         out[name] = p._local_tensor.detach().clone()
         for sname, value in state_tensors(opt, p).items():
-            local = value._local_tensor if hasattr(value, "_local_tensor") else value
+            local = _local(value)
             out[f"{name}.{sname}"] = local.detach().clone()
     return out
 
@@ -203,7 +208,7 @@ def _check(rank, device_type, mesh, workdir, preset):
             mine, theirs = state_tensors(opt, p), state_tensors(ref, r)
             assert sorted(mine) == sorted(theirs), f"{what}: {sorted(mine)}"
             for sname, value in mine.items():
-                local = value._local_tensor if hasattr(value, "_local_tensor") else value
+                local = _local(value)
                 assert_bitwise_equal(local, theirs[sname], f"{what}.{sname}")
         _check_layout(model, opt, mesh)
         opt.zero_grad()
