@@ -43,6 +43,7 @@ struct Preset {
   const char* name;
   DType param, grad, exp_avg, exp_avg_sq, master;
   int32_t scale_block = 0;  // per-block scaled moments: elements per scale
+  Rounding param_rounding = Rounding::kNearest;  // a bf16 param with no master
 };
 
 // The presets the project's targets are stated for.
@@ -70,6 +71,14 @@ const Preset kPresets[] = {
     {"p=bf16 g=bf16 master=remainder m=fp4-block v=ufp4-block", DType::kBFloat16,
      DType::kBFloat16, DType::kFloat4E2M1Block, DType::kUFloat4E3M1Block,
      DType::kInt16Remainder, 128},
+    // The smallest states: bf16 params with no master, rounded stochastically
+    // (S2.14), beside block8 and block4.
+    {"p=bf16-sr g=bf16 m=fp8-block v=ufp8-block", DType::kBFloat16, DType::kBFloat16,
+     DType::kFloat8E4M3Block, DType::kUFloat8E4M4Block, DType::kNone, 256,
+     Rounding::kStochastic},
+    {"p=bf16-sr g=bf16 m=fp4-block v=ufp4-block", DType::kBFloat16, DType::kBFloat16,
+     DType::kFloat4E2M1Block, DType::kUFloat4E3M1Block, DType::kNone, 128,
+     Rounding::kStochastic},
 };
 
 size_t Bits(DType t) { return t == DType::kNone ? 0 : static_cast<size_t>(FormatOf(t).item_bits); }
@@ -249,6 +258,7 @@ struct Case {
     slot.master_param = state.master.get();
     slot.master_dtype = preset.master;
     slot.master_scale = &master_scale;
+    slot.param_rounding = preset.param_rounding;
     StepParams params;
     params.lr = 1e-4;
     params.weight_decay = 0.01;
@@ -288,10 +298,11 @@ struct Case {
     }
   }
 
-  // Remainder with 4-bit moments: per pair of elements (ranges start on even
-  // elements), a u32 of the two bf16 params, of their remainders, of their grads,
-  // and one byte of each moment.
-  void ProbeRemainderNibbles(size_t begin, size_t end) {
+  // bf16 params (+ remainders) with 4-bit moments: per pair of elements (ranges
+  // start on even elements), a u32 of the two bf16 params, of their remainders,
+  // of their grads, and one byte of each moment.
+  template <bool kRemainder>
+  void ProbeNibbles(size_t begin, size_t end) {
     using u32 = uint32_t;
     const u32* g = As<const u32>(probe.grad);
     u32 *p = As<u32>(probe.param), *r = As<u32>(probe.master);
@@ -299,7 +310,7 @@ struct Case {
     for (size_t j = begin / 2; j < end / 2; ++j) {
       const u32 x = g[j];
       p[j] += x;
-      r[j] ^= x;
+      if (kRemainder) r[j] ^= x;
       m[j] = static_cast<uint8_t>(m[j] + x);
       v[j] = static_cast<uint8_t>(v[j] + (x >> 16));
     }
@@ -311,7 +322,11 @@ struct Case {
     using u32 = uint32_t;
     const bool fp8 = Bits(preset.exp_avg) == 8;
     if (preset.master == DType::kInt16Remainder && Bits(preset.exp_avg) == 4) {
-      ProbeRemainderNibbles(begin, end);
+      ProbeNibbles<true>(begin, end);
+    } else if (preset.param == DType::kBFloat16 && Bits(preset.exp_avg) == 4) {
+      ProbeNibbles<false>(begin, end);
+    } else if (preset.param == DType::kBFloat16 && preset.master == DType::kNone && fp8) {
+      ProbeTyped<u16, u16, u8, u8, u16>(begin, end);
     } else if (preset.param == DType::kFloat32 && fp8) {
       ProbeTyped<u32, u32, u8, u8, u32>(begin, end);
     } else if (preset.param == DType::kFloat32) {

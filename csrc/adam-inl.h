@@ -182,6 +182,11 @@ constexpr DType kBF16 = DType::kBFloat16;
 constexpr DType kF16 = DType::kFloat16;
 constexpr DType kF8 = DType::kFloat8E4M3;
 
+// A bf16 param with no master (block layouts only).
+constexpr bool IsBF16Param(Weight w) {
+  return w == Weight::kParamBF16 || w == Weight::kParamBF16Stochastic;
+}
+
 template <class L>
 inline constexpr bool kEvenOdd = L::kGrad == kBF16 && L::kWeight == Weight::kRemainder &&
                                  L::kExpAvg == kBF16 && L::kExpAvgSq == kBF16;
@@ -204,6 +209,12 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
     LoadF32x2(static_cast<const float*>(param) + i, a, b);
   } else if constexpr (kWeight == Weight::kMasterF32) {
     LoadF32x2(static_cast<const float*>(master) + i, a, b);
+  } else if constexpr (IsBF16Param(kWeight)) {
+    if constexpr (kEO) {
+      LoadBF16EvenOdd(static_cast<const uint16_t*>(param) + i, a, b);
+    } else {
+      LoadBF16x2(static_cast<const uint16_t*>(param) + i, a, b);
+    }
   } else if constexpr (kEO) {
     LoadRemainderEvenOdd(static_cast<const uint16_t*>(param) + i,
                          static_cast<const int16_t*>(master) + i, a, b);
@@ -214,14 +225,22 @@ HWY_INLINE void LoadWx2(const void* param, const void* master, size_t i, VF& a, 
 }
 
 // The param is rounded from the updated fp32 w, as in the block path.
-// kNoNaN: a and b hold no NaN (see FusedStore).
+// kNoNaN: a and b hold no NaN (see FusedStore). Not a stochastically rounded
+// param, whose bits the caller draws (FusedBlockSpan).
 template <Weight kWeight, bool kEO, bool kNoNaN>
 HWY_INLINE void StoreWx2(VF a, VF b, void* param, void* master, size_t i) {
+  static_assert(kWeight != Weight::kParamBF16Stochastic, "needs its random bits");
   if constexpr (kWeight == Weight::kParamF32) {
     StoreF32x2(a, b, static_cast<float*>(param) + i);
   } else if constexpr (kWeight == Weight::kMasterF32) {
     StoreBF16x2(a, b, static_cast<uint16_t*>(param) + i);
     StoreF32x2(a, b, static_cast<float*>(master) + i);
+  } else if constexpr (kWeight == Weight::kParamBF16) {
+    if constexpr (kEO) {
+      StoreBF16EvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i);
+    } else {
+      StoreBF16x2<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i);
+    }
   } else if constexpr (kEO) {
     StoreRemainderEvenOdd<kNoNaN>(a, b, static_cast<uint16_t*>(param) + i,
                                   static_cast<uint16_t*>(master) + i);
@@ -475,11 +494,22 @@ HWY_INLINE void LoadBlockPair(const void* grad, const void* param, const void* m
   load_v.template Load<kEO>(CodesAt<VC>(v, e), p.v0, p.v1);
 }
 
-// Stores the pair's weight, keeps its new moments in L1 and folds their magnitudes.
+// Stores the pair's weight (a stochastically rounded one with the bits of
+// `param_rounding`, whose flat index is element 0's), keeps its new moments in
+// L1 and folds their magnitudes.
 template <class L, bool kEO>
 HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, size_t e,
-                              float* new_m, float* new_v, VI& acc_m, VI& acc_v) {
-  StoreWx2<L::kWeight, kEO, false>(p.w0, p.w1, param, master, e);
+                              const internal::RoundingView* param_rounding, float* new_m,
+                              float* new_v, VI& acc_m, VI& acc_v) {
+  if constexpr (L::kWeight == Weight::kParamBF16Stochastic) {
+    VU ha, hb;
+    PairIndexHash<kEO>(static_cast<uint64_t>(param_rounding->index) + e, ha, hb);
+    StoreBF16StochasticPair<kEO>(p.w0, p.w1, KeyedBits(param_rounding->key, ha),
+                                 KeyedBits(param_rounding->key, hb),
+                                 static_cast<uint16_t*>(param) + e);
+  } else {
+    StoreWx2<L::kWeight, kEO, false>(p.w0, p.w1, param, master, e);
+  }
   StoreF32x2(p.m0, p.m1, new_m);
   StoreF32x2(p.v0, p.v1, new_v);
   acc_m = hn::Max(acc_m, hn::Max(AbsBits(p.m0), AbsBits(p.m1)));
@@ -516,12 +546,14 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
                                              float* m_scales, float* v_scales,
                                              size_t block, size_t n,
                                              const internal::RoundingView* m_rounding,
-                                             const internal::RoundingView* v_rounding) {
+                                             const internal::RoundingView* v_rounding,
+                                             const internal::RoundingView* param_rounding) {
   using MC = typename BlockCodesOf<L::kExpAvg>::T;
   using VC = typename BlockCodesOf<L::kExpAvgSq>::T;
   // Pairs in even/odd order where every stream has it (the moments' L1 copies
-  // keep that order too): bf16 gradients and bf16 params + remainders.
-  constexpr bool kEO = L::kGrad == kBF16 && L::kWeight == Weight::kRemainder &&
+  // keep that order too): bf16 gradients and bf16 params (+ remainders).
+  constexpr bool kEO = L::kGrad == kBF16 &&
+                       (L::kWeight == Weight::kRemainder || IsBF16Param(L::kWeight)) &&
                        MC::kHasEvenOdd && VC::kHasEvenOdd;
   constexpr FormatInfo kM = FormatOf(L::kExpAvg);
   constexpr FormatInfo kV = FormatOf(L::kExpAvgSq);
@@ -557,14 +589,16 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1, e1);
       AdamWeight(ops, c, cur.w0, cur.m0, d0);
       AdamWeight(ops, c, cur.w1, cur.m1, d1);
-      KeepBlockPair<L, kEO>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
+      KeepBlockPair<L, kEO>(cur, param, master, b + i, param_rounding, new_m + i, new_v + i,
+                            acc_m, acc_v);
       CopyPair(next, cur);
       d0 = e0;
       d1 = e1;
     }
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
-    KeepBlockPair<L, kEO>(cur, param, master, b + i, new_m + i, new_v + i, acc_m, acc_v);
+    KeepBlockPair<L, kEO>(cur, param, master, b + i, param_rounding, new_m + i, new_v + i,
+                            acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
         kM.zero_bound);

@@ -70,6 +70,8 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
   m_rounding.index += e;
   RoundingView v_rounding = p.v_rounding;
   v_rounding.index += e;
+  RoundingView param_rounding = p.param_rounding;
+  param_rounding.index += e;
   const auto at = [e](auto* buffer, int bits) {
     return buffer == nullptr ? nullptr : ElementAt(buffer, bits, e);
   };
@@ -80,7 +82,8 @@ int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepCo
                                 p.scale_slot[kStreamM] + j, p.scale_slot[kStreamV] + j,
                                 static_cast<size_t>(p.block), static_cast<size_t>(n),
                                 p.encode_m_stochastic ? &m_rounding : nullptr,
-                                p.encode_v_stochastic ? &v_rounding : nullptr);
+                                p.encode_v_stochastic ? &v_rounding : nullptr,
+                                p.encode_param_stochastic ? &param_rounding : nullptr);
   return e + n;
 }
 

@@ -500,15 +500,20 @@ HWY_INLINE VU VectorBits(uint32_t key, uint64_t index) {
   return MixLanes(hn::Xor(MixLanes(hn::Xor(low, high)), hn::Set(du, key)));
 }
 
-// fp32 -> bf16 bits (low half of each lane) rounded stochastically with the
-// high 16 bits of `random`, as bf16_stochastic.h EncodeBF16Stochastic (S2.14);
-// a NaN as F32ToBF16's.
-HWY_INLINE VU F32ToBF16Stochastic(VF x, VU random) {
+// fp32 -> bf16 bits in the HIGH half of each lane (the low half is not
+// specified) rounded stochastically with the high 16 bits of `random`, as
+// bf16_stochastic.h EncodeBF16Stochastic (S2.14); a NaN as F32ToBF16's.
+HWY_INLINE VU F32ToBF16StochasticHigh(VF x, VU random) {
   const DU du;
   const VU bits = hn::BitCast(du, x);
   const VU rounded = hn::Add(bits, hn::ShiftRight<16>(random));
-  return hn::ShiftRight<16>(hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
-                                           hn::Or(bits, hn::Set(du, 0x00400000u)), rounded));
+  return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(x)),
+                        hn::Or(bits, hn::Set(du, 0x00400000u)), rounded);
+}
+
+// The same in the low half of each lane.
+HWY_INLINE VU F32ToBF16Stochastic(VF x, VU random) {
+  return hn::ShiftRight<16>(F32ToBF16StochasticHigh(x, random));
 }
 
 HWY_INLINE VI AbsBits(VF x) {
@@ -734,6 +739,17 @@ HWY_INLINE void LoadBF16EvenOdd(const uint16_t* HWY_RESTRICT p, VF& even, VF& od
 template <bool kNoNaN = false>
 HWY_INLINE void StoreBF16EvenOdd(VF even, VF odd, uint16_t* HWY_RESTRICT p) {
   StoreHighHalvesEvenOdd(F32ToBF16High<kNoNaN>(even), F32ToBF16High<kNoNaN>(odd), p);
+}
+
+// A pair rounded to bf16 stochastically (S2.14) with its random bits ra, rb,
+// stored in the pair's order: natural, or even/odd (kEO).
+template <bool kEO>
+HWY_INLINE void StoreBF16StochasticPair(VF a, VF b, VU ra, VU rb, uint16_t* HWY_RESTRICT p) {
+  if constexpr (kEO) {
+    StoreHighHalvesEvenOdd(F32ToBF16StochasticHigh(a, ra), F32ToBF16StochasticHigh(b, rb), p);
+  } else {
+    StoreNarrowU16(F32ToBF16Stochastic(a, ra), F32ToBF16Stochastic(b, rb), p);
+  }
 }
 
 // LoadRemainderx2 / StoreRemainderx2 in even/odd order.

@@ -19,6 +19,10 @@ enum class Weight : int {
   kParamF32,   // fp32 param, no master
   kMasterF32,  // bf16 param + fp32 master
   kRemainder,  // bf16 param + int16 remainder
+  // bf16 param, no master (block layouts only): rounded to nearest, or
+  // stochastically (S2.14).
+  kParamBF16,
+  kParamBF16Stochastic,
 };
 
 template <DType G, Weight W, DType M, DType V>
@@ -70,7 +74,7 @@ inline constexpr int kNumFusedLayouts = static_cast<int>(std::tuple_size_v<Fused
 
 // The layouts with per-block scaled moments (S2.9, S2.10, S2.12) that have a
 // fused block kernel (adam-inl.h FusedBlockSpan): FusedAdam's block8 and block4
-// moments beside every fused weight and gradient. Others take block_spans.cc's
+// moments beside every weight kind and gradient. Others take block_spans.cc's
 // fp32 blocks.
 constexpr DType kF8Block = DType::kFloat8E4M3Block;
 constexpr DType kUF8Block = DType::kUFloat8E4M4Block;
@@ -84,17 +88,25 @@ using FusedBlockLayouts = std::tuple<
     FusedLayout<kBF16, Weight::kParamF32, kF8Block, kUF8Block>,
     FusedLayout<kBF16, Weight::kMasterF32, kF8Block, kUF8Block>,
     FusedLayout<kBF16, Weight::kRemainder, kF8Block, kUF8Block>,
+    FusedLayout<kF32, Weight::kParamBF16, kF8Block, kUF8Block>,
+    FusedLayout<kF32, Weight::kParamBF16Stochastic, kF8Block, kUF8Block>,
+    FusedLayout<kBF16, Weight::kParamBF16, kF8Block, kUF8Block>,
+    FusedLayout<kBF16, Weight::kParamBF16Stochastic, kF8Block, kUF8Block>,
     FusedLayout<kF32, Weight::kParamF32, kF4Block, kUF4Block>,
     FusedLayout<kF32, Weight::kMasterF32, kF4Block, kUF4Block>,
     FusedLayout<kF32, Weight::kRemainder, kF4Block, kUF4Block>,
     FusedLayout<kBF16, Weight::kParamF32, kF4Block, kUF4Block>,
     FusedLayout<kBF16, Weight::kMasterF32, kF4Block, kUF4Block>,
-    FusedLayout<kBF16, Weight::kRemainder, kF4Block, kUF4Block>>;
+    FusedLayout<kBF16, Weight::kRemainder, kF4Block, kUF4Block>,
+    FusedLayout<kF32, Weight::kParamBF16, kF4Block, kUF4Block>,
+    FusedLayout<kF32, Weight::kParamBF16Stochastic, kF4Block, kUF4Block>,
+    FusedLayout<kBF16, Weight::kParamBF16, kF4Block, kUF4Block>,
+    FusedLayout<kBF16, Weight::kParamBF16Stochastic, kF4Block, kUF4Block>>;
 
 inline constexpr int kNumFusedBlockLayouts =
     static_cast<int>(std::tuple_size_v<FusedBlockLayouts>);
 
-inline constexpr int kFusedWeights = 3;
+inline constexpr int kFusedWeights = 5;
 
 // A lookup key of every (grad, weight, exp_avg, exp_avg_sq), tags in range.
 constexpr int FusedLayoutKey(DType g, Weight w, DType m, DType v) {

@@ -131,13 +131,15 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // moments kept in L1 while their absmax is taken, then encoded with the new
 // scales, which replace the old ones in m_scales / v_scales (one per block).
 // A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
-// a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, each index that
-// of element 0 (the same index where both are given).
+// a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, and
+// `param_rounding` (the kParamBF16Stochastic layouts' only, never null there)
+// the param, each index that of element 0 (the same index in all three).
 using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
                               void* master, void* m, void* v, float* m_scales,
                               float* v_scales, size_t block, size_t n,
                               const RoundingView* m_rounding,
-                              const RoundingView* v_rounding);
+                              const RoundingView* v_rounding,
+                              const RoundingView* param_rounding);
 
 struct FusedTable {
   // [adam_w_mode][unit bias_correction2_sqrt][FusedLayouts index]

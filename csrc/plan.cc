@@ -18,6 +18,9 @@ bool FusedWeightOf(const TensorSlot& s, Weight& weight) {
   } else if (s.param_dtype == DType::kBFloat16 &&
              s.master_dtype == DType::kInt16Remainder) {
     weight = Weight::kRemainder;
+  } else if (s.param_dtype == DType::kBFloat16 && s.master_dtype == DType::kNone) {
+    weight = s.param_rounding == Rounding::kStochastic ? Weight::kParamBF16Stochastic
+                                                      : Weight::kParamBF16;
   } else {
     return false;
   }

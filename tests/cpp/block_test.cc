@@ -239,6 +239,15 @@ std::vector<BlockConfig> Configs() {
                        adam_w, kSR, kSR, kSR});
     configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock4,
                        adam_w, kNear, kNear, kSR});
+    // A bf16 param with no master rounded to nearest beside block8 and block4
+    // (bf16 gradients: natural order, and even/odd for block4), and rounded
+    // stochastically beside block4 with fp32 gradients (natural order).
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock8, kUBlock8,
+                       adam_w});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock4, kUBlock4,
+                       adam_w, kSR, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
+                       adam_w, kSR, kSR, kSR});
   }
   return configs;
 }

@@ -24,9 +24,11 @@ TensorSlot SlotOf(DType grad, Weight weight, DType exp_avg, DType exp_avg_sq,
   s.numel = 0;  // MakePlan reads no element
   s.grad_dtype = grad;
   s.param_dtype = weight == Weight::kParamF32 ? DType::kFloat32 : DType::kBFloat16;
-  s.master_dtype = weight == Weight::kParamF32    ? DType::kNone
-                   : weight == Weight::kMasterF32 ? DType::kFloat32
-                                                  : DType::kInt16Remainder;
+  s.master_dtype = weight == Weight::kMasterF32   ? DType::kFloat32
+                   : weight == Weight::kRemainder ? DType::kInt16Remainder
+                                                  : DType::kNone;
+  s.param_rounding = weight == Weight::kParamBF16Stochastic ? Rounding::kStochastic
+                                                            : Rounding::kNearest;
   s.exp_avg_dtype = exp_avg;
   s.exp_avg_sq_dtype = exp_avg_sq;
   s.exp_avg_scale = scale;
@@ -89,6 +91,10 @@ TEST(PlanTest, LayoutsNotListedTakeTheBlockPath) {
       SlotOf(DType::kBFloat16, Weight::kMasterF32, DType::kBFloat16, DType::kFloat8E4M3,
              &scale),
       SlotOf(DType::kFloat32, Weight::kParamF32, DType::kFloat32, DType::kBFloat16, &scale),
+      // A bf16 param with no master has fused kernels beside block moments only.
+      SlotOf(DType::kBFloat16, Weight::kParamBF16, DType::kBFloat16, DType::kBFloat16, &scale),
+      SlotOf(DType::kBFloat16, Weight::kParamBF16Stochastic, DType::kBFloat16,
+             DType::kBFloat16, &scale),
   };
   for (const TensorSlot& s : unlisted) EXPECT_EQ(internal::MakePlan(kt, s).fused, -1);
   TensorSlot fp16_param =
