@@ -307,21 +307,26 @@ else
 fi
 
 [[ $QUICK == 1 ]] && finish
-# The CPU core on this host's cores: bf16 params + int16 remainders with bf16, block8
-# and block4 moments, 7M elements; each thread count's table in cpu_tables.log, its
-# rows in the output, the JSONs merged into one file.
+# The CPU core on this host's cores: every bf16-gradient preset of kernel_bench
+# (bf16 params with a master, remainders or none; bf16, fp8, block8 and block4
+# moments), 7M elements at 1 to 16 threads, and the block presets at 56M on 16
+# threads (less of each thread's time in starting); each table in cpu_tables.log,
+# the per-block rows in the output, the JSONs merged into one file.
 # shellcheck disable=SC2016  # expanded by the inner shell
-stage cpu_threads 120 0 20 -- bash -c '
+stage cpu_threads 120 0 30 -- bash -c '
   set -eo pipefail
   binary=$(find "$1" -type f -name kernel_bench -perm -u+x | head -n1)
-  for threads in 1 2 4 8 16; do
-    "$binary" --numel 7000000 --reps 7 --threads "$threads" --preset remainder \
-      --json "$2/kb$threads.json" | tee -a "$5" \
-      | grep -E "^p=bf16 g=bf16 master=remainder" | sed "s/^/t=$threads /"
-  done
+  run() {  # NAME NUMEL THREADS PRESET
+    "$binary" --numel "$2" --reps 7 --threads "$3" --preset "$4" --json "$WORK_DIR/kb$1.json" \
+      | tee -a "$LOG" | grep -E -- "-block" | sed "s/^/$1 /"
+  }
+  WORK_DIR=$2 LOG=$5
+  for threads in 1 2 4 8 16; do run "t$threads" 7000000 "$threads" "g=bf16"; done
+  run t16-56M 56000000 16 "-block"
   "$3" - "$2" "$4" <<"PY"
 import json, sys
-runs = {t: json.load(open(f"{sys.argv[1]}/kb{t}.json")) for t in (1, 2, 4, 8, 16)}
+names = [f"t{t}" for t in (1, 2, 4, 8, 16)] + ["t16-56M"]
+runs = {n: json.load(open(f"{sys.argv[1]}/kb{n}.json")) for n in names}
 json.dump(runs, open(sys.argv[2], "w"), indent=1)
 PY
 ' cpu_threads "$BUILD_DIR" "$WORK" "$PYTHON" "$OUT/kernel_bench.json" "$OUT/cpu_tables.log"
