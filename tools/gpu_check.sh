@@ -7,9 +7,9 @@
 # measure_skip_test and block_test on the host's SIMD targets), the GPU benchmark, an
 # Nsight Compute profile of the fp8, bf16 and block8 moments' kernels, then the CPU kernel
 # benchmark on 1, 2, 4, 8 and 16 threads (a GPU host has more cores than the other
-# machines here). Everything lands in $OUT (default build/gpu-check): summary.txt,
-# pytest.xml, cuda_bench.json, kernel_bench.json and logs.tar.gz (env.txt and one log
-# per stage), five files.
+# machines here; the block presets at 56M elements too). Everything lands in $OUT
+# (default build/gpu-check): summary.txt, pytest.xml, cuda_bench.json, kernel_bench.json
+# and logs.tar.gz (env.txt and one log per stage), five files.
 # Stays within GPU_CHECK_BUDGET_S seconds (default 560): each stage is cut short so
 # the later ones keep their share. Exits 1 if any stage failed (a benchmark target
 # that is missed is reported, not a failure).
@@ -101,6 +101,8 @@ finish() {
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  host: $(uname -srm)"
   grep -m1 PRETTY_NAME /etc/os-release 2>/dev/null
+  # The CPU behind the thread sweep's figures, and how many cores it has.
+  echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
   nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader \
     2>&1 || echo "nvidia-smi: not available"
   echo "nvcc: $(nvcc --version 2>&1 | grep -m1 release || echo missing)"
