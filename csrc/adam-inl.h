@@ -598,7 +598,7 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
     KeepBlockPair<L, kEO>(cur, param, master, b + i, param_rounding, new_m + i, new_v + i,
-                            acc_m, acc_v);
+                          acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
         kM.zero_bound);
