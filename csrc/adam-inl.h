@@ -495,15 +495,22 @@ HWY_INLINE void LoadBlockPair(const void* grad, const void* param, const void* m
 }
 
 // Stores the pair's weight (a stochastically rounded one with the bits of
-// `param_rounding`, whose flat index is element 0's), keeps its new moments in
-// L1 and folds their magnitudes.
-template <class L, bool kEO>
+// `param_rounding`, whose flat index is element 0's; kKeepHash: the pair's
+// PairIndexHash is kept at `index_hash` for the moments' codes), keeps its new
+// moments in L1 and folds their magnitudes.
+template <class L, bool kEO, bool kKeepHash>
 HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, size_t e,
-                              const internal::RoundingView* param_rounding, float* new_m,
-                              float* new_v, VI& acc_m, VI& acc_v) {
+                              const internal::RoundingView* param_rounding,
+                              uint32_t* index_hash, float* new_m, float* new_v, VI& acc_m,
+                              VI& acc_v) {
   if constexpr (L::kWeight == Weight::kParamBF16Stochastic) {
+    const DU du;
     VU ha, hb;
     PairIndexHash<kEO>(static_cast<uint64_t>(param_rounding->index) + e, ha, hb);
+    if constexpr (kKeepHash) {
+      hn::Store(ha, du, index_hash);
+      hn::Store(hb, du, index_hash + hn::Lanes(du));
+    }
     StoreBF16StochasticPair<kEO>(p.w0, p.w1, KeyedBits(param_rounding->key, ha),
                                  KeyedBits(param_rounding->key, hb),
                                  static_cast<uint16_t*>(param) + e);
@@ -564,6 +571,11 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   alignas(64) float new_m[kMaxScaleBlock];
   alignas(64) float new_v[kMaxScaleBlock];
+  // A stochastically rounded param's PairIndexHash, kept for 4-bit moments'
+  // random bits (the same flat indices; 8-bit codes round to nearest).
+  constexpr bool kKeepHash = L::kWeight == Weight::kParamBF16Stochastic &&
+                             (MC::kBits == 4 || VC::kBits == 4);
+  alignas(64) uint32_t index_hash[kKeepHash ? kMaxScaleBlock : 1];
   // Where the random bits' flat indices start: both roundings hold the same one.
   const internal::RoundingView* const rounded = m_rounding ? m_rounding : v_rounding;
   for (size_t b = 0; b < n; b += block) {
@@ -589,16 +601,18 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       AdamMoments<kAdamW>(ops, c, next.g1, next.w1, next.m1, next.v1, e1);
       AdamWeight(ops, c, cur.w0, cur.m0, d0);
       AdamWeight(ops, c, cur.w1, cur.m1, d1);
-      KeepBlockPair<L, kEO>(cur, param, master, b + i, param_rounding, new_m + i, new_v + i,
-                            acc_m, acc_v);
+      KeepBlockPair<L, kEO, kKeepHash>(cur, param, master, b + i, param_rounding,
+                                       index_hash + (kKeepHash ? i : 0), new_m + i, new_v + i,
+                                       acc_m, acc_v);
       CopyPair(next, cur);
       d0 = e0;
       d1 = e1;
     }
     AdamWeight(ops, c, cur.w0, cur.m0, d0);
     AdamWeight(ops, c, cur.w1, cur.m1, d1);
-    KeepBlockPair<L, kEO>(cur, param, master, b + i, param_rounding, new_m + i, new_v + i,
-                          acc_m, acc_v);
+    KeepBlockPair<L, kEO, kKeepHash>(cur, param, master, b + i, param_rounding,
+                                     index_hash + (kKeepHash ? i : 0), new_m + i, new_v + i,
+                                     acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
         kM.zero_bound);
@@ -615,9 +629,13 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       VF m0, m1, v0, v1;
       LoadF32x2(new_m + i, m0, m1);
       LoadF32x2(new_v + i, v0, v1);
-      // Both moments' streams hash the same flat indices once.
+      // Both moments' streams hash the same flat indices once (or reuse the
+      // hash a stochastically rounded param drew in the update loop).
       VU ha = hn::Zero(DU()), hb = hn::Zero(DU());
-      if (rounded != nullptr) {
+      if constexpr (kKeepHash) {
+        ha = hn::Load(DU(), index_hash + i);
+        hb = hn::Load(DU(), index_hash + i + hn::Lanes(DU()));
+      } else if (rounded != nullptr) {
         PairIndexHash<kEO>(static_cast<uint64_t>(rounded->index) + b + i, ha, hb);
       }
       StoreMomentPair<MC, kEO>(m0, m1, m_by, m_rounding, ha, hb, CodesAt<MC>(m, b + i));
