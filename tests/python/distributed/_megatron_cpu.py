@@ -1,5 +1,6 @@
 """``megatron_fsdp.fully_shard`` (0.6.1) on CPU ranks with gloo: the four lines that stop it
-and the smallest change that gets past each, applied only inside ``megatron_on_cpu()``.
+and the smallest change that gets past each, and one overlap that is unsafe without CUDA
+streams (5), applied only inside ``megatron_on_cpu()``.
 
 Nothing here changes what reaches the optimizer (parameters, gradients, the optimizer
 life cycle, the checkpoint hooks); it replaces CUDA-only plumbing around them:
@@ -17,6 +18,15 @@ life cycle, the checkpoint hooks); it replaces CUDA-only plumbing around them:
    ``gradient_reduce_div_fusion`` defaults to True and ``fully_shard`` has no argument
    for it; with the flag off Megatron takes its own other branch (pgb:4751: scale, then
    SUM), which gloo has.
+
+5. ``param_and_grad_buffer.py:4561`` starts its parameter all-gathers asynchronously
+   (``_coalescing_manager(..., async_ops=True)``; ``fully_shard`` forces the overlap on
+   with ``zero_dp_strategy=3``) and frees a bucket's memory by resizing its storage to 0
+   (``_free_storage``) in the order its streams give, which (3) turns into nothing; gloo
+   meanwhile runs the all-gather on its own threads, copying into views of the bucket.
+   Every coalesced collective is made synchronous instead (``async_ops=False``: waited on
+   as the block exits, as its gradient reductions already are), so no gloo thread
+   touches Megatron's memory while Megatron runs.
 
 Two more are arguments, not CPU matters: a 1-D mesh fails in ``utils.py:681`` (no
 sub-mesh named None), so the mesh is (dp, tp) with tp of size 1 and ``tp_dim="tp"``;
@@ -73,6 +83,7 @@ def megatron_on_cpu():
     import megatron_fsdp.uneven_dtensor as ud
 
     validate, preprocess = ud.validate_uneven_dtensor, pgb.gradient_reduce_preprocessing
+    coalescing = pgb._coalescing_manager
 
     def validate_on_cpu(dtensor):  # (2)
         with _patched(torch.Tensor, "cuda", lambda self, *args, **kwargs: self):
@@ -82,6 +93,9 @@ def megatron_on_cpu():
         ddp_config.gradient_reduce_div_fusion = False
         return preprocess(grad_data, scaling_factor, ddp_config)
 
+    def coalescing_synchronously(group=None, device=None, async_ops=False):  # (5)
+        return coalescing(group, device, async_ops=False)
+
     current = _Stream()
     with contextlib.ExitStack() as stack:
         for owner, name, value in (
@@ -90,6 +104,7 @@ def megatron_on_cpu():
                 (torch.cuda, "Stream", _Stream),  # (3)
                 (torch.cuda, "current_stream", lambda *args, **kwargs: current),
                 (torch.cuda, "stream", lambda stream=None: contextlib.nullcontext()),
-                (pgb, "gradient_reduce_preprocessing", reduce_without_premul_sum)):
+                (pgb, "gradient_reduce_preprocessing", reduce_without_premul_sum),
+                (pgb, "_coalescing_manager", coalescing_synchronously)):
             stack.enter_context(_patched(owner, name, value))
         yield
