@@ -122,6 +122,18 @@ HWY_INLINE void StoreNarrowU16(VU a, VU b, uint16_t* HWY_RESTRICT p) {
 #endif
 }
 
+// Stores the low byte of every lane of `a` (values in [0, 0xFF]) to Lanes
+// consecutive bytes: one narrowing move on AVX-512 (Highway 1.0.3's DemoteTo
+// packs twice and permutes).
+HWY_INLINE void StoreLowBytes(VU a, uint8_t* HWY_RESTRICT p) {
+#if defined(SHARDADAM_PACK_AVX3)
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(a.raw));
+#else
+  const DU8 d8;
+  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), a)), d8, p);
+#endif
+}
+
 // Stores the low byte of every lane of `a` then `b` (values in [0, 0xFF]) to
 // 2 * Lanes consecutive bytes.
 HWY_INLINE void StoreNarrowU8(VU a, VU b, uint8_t* HWY_RESTRICT p) {
@@ -133,12 +145,8 @@ HWY_INLINE void StoreNarrowU8(VU a, VU b, uint8_t* HWY_RESTRICT p) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, order)));
 #elif defined(SHARDADAM_PACK_AVX3)
-  const __m512i words = _mm512_packus_epi32(a.raw, b.raw);
-  const __m512i bytes = _mm512_packus_epi16(words, words);
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 4, 8, 12,
-                                          1, 5, 9, 13);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, bytes)));
+  StoreLowBytes(a, p);
+  StoreLowBytes(b, p + hn::Lanes(DU()));
 #elif defined(SHARDADAM_PACK_SSE4)
   const __m128i words = _mm_packus_epi32(a.raw, b.raw);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
@@ -339,9 +347,37 @@ HWY_INLINE VF F4ToF32(VU c) {
                                         hn::Set(du, 0x7FC00000u), r));
 }
 
+// trunc(x) as int32 where the caller uses only lanes in [0, 2^31) (the others
+// are unspecified). x86's conversion gives 0x80000000 out of range, which
+// Highway's ConvertTo fixes up with four more instructions per vector; the
+// bare instruction is enough here.
+HWY_INLINE VI TruncateInRange(VF x) {
+#if defined(SHARDADAM_PACK_AVX3)
+  return VI{_mm512_cvttps_epi32(x.raw)};
+#elif defined(SHARDADAM_PACK_AVX2)
+  return VI{_mm256_cvttps_epi32(x.raw)};
+#elif defined(SHARDADAM_PACK_SSE4)
+  return VI{_mm_cvttps_epi32(x.raw)};
+#else
+  return hn::ConvertTo(DI(), x);
+#endif
+}
+
 // Lanes whose magnitude bits `abs` (below 2^31) exceed `bound`'s, as a mask of DU.
 HWY_INLINE auto AbsAbove(VU abs, int32_t bound) {
   return hn::RebindMask(DU(), hn::Gt(hn::BitCast(DI(), abs), hn::Set(DI(), bound)));
+}
+
+// v + 1 in the lanes of `mask`: masked arithmetic on AVX-512 (one instruction
+// after the compare, where a mask turned into a vector costs two), elsewhere
+// v minus the mask as a vector (all ones: -1), one instruction either way.
+template <class M>
+HWY_INLINE VU IncrementWhere(M mask, VU v) {
+#if defined(SHARDADAM_PACK_AVX3)
+  return hn::IfThenElse(mask, hn::Add(v, hn::Set(DU(), 1u)), v);
+#else
+  return hn::Sub(v, hn::VecFromMask(DU(), mask));
+#endif
 }
 
 // A signed E2M1 code from magnitude code `mag` of x (`bits`, `abs` its fp32 bits
@@ -374,24 +410,21 @@ HWY_INLINE VU F32ToF4(VF x) {
 HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const DF df;
   const DU du;
-  const DI di;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
-  const VU r = hn::And(random, hn::Set(du, 0x3FFFFFu));
-  const VU normal = hn::Add(  // at most 6 below 3.5
-      hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3F800000u)), r)),
-      hn::Set(du, 2u));
-  // Under 2^23 below 1: the conversion truncates, as the reference's cast.
-  const VU halves = hn::BitCast(
-      du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 8388608.0f))));
-  const VU small = hn::ShiftRight<22>(hn::Add(halves, r));
-  const auto at_least_one = AbsAbove(abs, 0x3F7FFFFF);
-  VU mag = hn::IfThenElse(at_least_one, normal, small);
+  // Steps of 2^22 from 0: the bits above 1.0 plus code 2's two steps (at most
+  // code 6 below 3.5); below 1, |x| * 2^23 truncated (under 2^23, so the
+  // conversion truncates exactly as the reference's cast).
+  const VU normal = hn::Sub(abs, hn::Set(du, 0x3F000000u));
+  const VU halves =
+      hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 8388608.0f))));
+  const VU steps = hn::IfThenElse(AbsAbove(abs, 0x3F7FFFFF), normal, halves);  // >= 1
+  VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, hn::Set(du, 0x3FFFFFu))));
   // From 3.5 up F32ToF4's nearest, written out (cheaper than SmallFloatCode):
   // 3.5 and 5 tie to the even code 6 (the value 4), above 5 is code 7 (6), and
   // SignedF4 makes 7 and up the NaN code.
   mag = hn::IfThenElse(AbsAbove(abs, 0x405FFFFF), hn::Set(du, 6u), mag);  // >= 3.5
-  mag = hn::Sub(mag, hn::VecFromMask(du, AbsAbove(abs, 0x40A00000)));       // > 5
+  mag = IncrementWhere(AbsAbove(abs, 0x40A00000), mag);  // > 5
   return SignedF4(bits, abs, mag);
 }
 
@@ -429,44 +462,49 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
 HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
   const DF df;
   const DU du;
-  const DI di;
   const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
-  const VU r = hn::And(random, hn::Set(du, 0x3FFFFFu));
-  const VU normal = hn::Add(  // at most 13 below 10
-      hn::ShiftRight<22>(hn::Add(hn::Sub(abs, hn::Set(du, 0x3E800000u)), r)),
-      hn::Set(du, 2u));
-  // Under 2^23 below 0.25: the conversion truncates, as the reference's cast.
-  const VU eighths = hn::BitCast(
-      du, hn::ConvertTo(di, hn::Mul(hn::BitCast(df, abs), hn::Set(df, 33554432.0f))));
-  const VU small = hn::ShiftRight<22>(hn::Add(eighths, r));
-  const auto at_least_quarter = AbsAbove(abs, 0x3E7FFFFF);
-  VU code = hn::IfThenElse(at_least_quarter, normal, small);
+  // As F32ToF4Stochastic's steps, from 0.25 (at most code 13 below 10); below
+  // 0.25, |x| * 2^25 truncated.
+  const VU normal = hn::Sub(abs, hn::Set(du, 0x3E000000u));
+  const VU eighths =
+      hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), hn::Set(df, 33554432.0f))));
+  const VU steps = hn::IfThenElse(AbsAbove(abs, 0x3E7FFFFF), normal, eighths);  // >= 0.25
+  VU code = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, hn::Set(du, 0x3FFFFFu))));
   code = ZeroFree(code, u);
   // From 10 up F32ToUF4's nearest, written out: 10 ties to the even code 12
   // (the value 8), above it 13 (12); 14 ties to 14 (16), as does 20; above 20,
   // inf and NaN the NaN code 15.
   code = hn::IfThenElse(AbsAbove(abs, 0x411FFFFF), hn::Set(du, 12u), code);  // >= 10
-  code = hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x41200000)));       // > 10
-  code = hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x415FFFFF)));       // >= 14
-  return hn::Sub(code, hn::VecFromMask(du, AbsAbove(abs, 0x41A00000)));       // > 20
+  code = IncrementWhere(AbsAbove(abs, 0x41200000), code);  // > 10
+  code = IncrementWhere(AbsAbove(abs, 0x415FFFFF), code);  // >= 14
+  return IncrementWhere(AbsAbove(abs, 0x41A00000), code);  // > 20
 }
 
-// counter_hash.h's Mix32 on every lane.
-HWY_INLINE VU MixLanes(VU x) {
+// counter_hash.h's Mix32 on every lane, in two parts: MixOpen stops before the
+// final x ^= x >> 16 and MixClose starts after the first one. That shift is
+// its own inverse on 32 bits (applied twice, x >> 32 is 0), and it is linear
+// over XOR, so Mix32(Mix32(i) ^ k) = MixClose(MixOpen(i) ^ k ^ (k >> 16)):
+// RandomBits' two hashes meet without those two steps.
+HWY_INLINE VU XorShift16(VU x) { return hn::Xor(x, hn::ShiftRight<16>(x)); }
+HWY_INLINE VU MixOpen(VU x) {
   const DU du;
-  x = hn::Xor(x, hn::ShiftRight<16>(x));
+  x = hn::Mul(XorShift16(x), hn::Set(du, 0x7FEB352Du));
+  x = hn::Xor(x, hn::ShiftRight<15>(x));
+  return hn::Mul(x, hn::Set(du, 0x846CA68Bu));
+}
+HWY_INLINE VU MixClose(VU x) {
+  const DU du;
   x = hn::Mul(x, hn::Set(du, 0x7FEB352Du));
   x = hn::Xor(x, hn::ShiftRight<15>(x));
-  x = hn::Mul(x, hn::Set(du, 0x846CA68Bu));
-  return hn::Xor(x, hn::ShiftRight<16>(x));
+  return XorShift16(hn::Mul(x, hn::Set(du, 0x846CA68Bu)));
 }
 
 // The key-independent half of counter_hash.h RandomBits (the inner Mix32 of
-// the flat index) of a pair of vectors of elements from flat index `index`
-// (the pair's element 0) in the order the pair holds them: natural (a = index
-// + lane, b = index + Lanes + lane), or even/odd (kEO: a = index + 2 lane,
-// b = a + 1). The pair does not cross a multiple of 2^32. Streams of the same
-// elements (exp_avg's and exp_avg_sq's) share it.
+// the flat index, opened: MixOpen) of a pair of vectors of elements from flat
+// index `index` (the pair's element 0) in the order the pair holds them:
+// natural (a = index + lane, b = index + Lanes + lane), or even/odd (kEO: a =
+// index + 2 lane, b = a + 1). The pair does not cross a multiple of 2^32.
+// Streams of the same elements (exp_avg's, exp_avg_sq's, the param's) share it.
 template <bool kEO>
 HWY_INLINE void PairIndexHash(uint64_t index, VU& a, VU& b) {
   const DU du;
@@ -476,13 +514,13 @@ HWY_INLINE void PairIndexHash(uint64_t index, VU& a, VU& b) {
   const VU other =
       hn::Add(low, hn::Set(du, kEO ? 1u : static_cast<uint32_t>(hn::Lanes(du))));
   const VU high = hn::Set(du, IndexHigh(index));
-  a = MixLanes(hn::Xor(low, high));
-  b = MixLanes(hn::Xor(other, high));
+  a = MixOpen(hn::Xor(low, high));
+  b = MixOpen(hn::Xor(other, high));
 }
 
 // RandomBits of a stream with step key `key`, from PairIndexHash's lanes.
 HWY_INLINE VU KeyedBits(uint32_t key, VU index_hash) {
-  return MixLanes(hn::Xor(index_hash, hn::Set(DU(), key)));
+  return MixClose(hn::Xor(index_hash, hn::Set(DU(), key ^ (key >> 16))));
 }
 
 // counter_hash.h RandomBits of one vector of elements from flat index `index`
@@ -497,7 +535,7 @@ HWY_INLINE VU VectorBits(uint32_t key, uint64_t index) {
       // Clamped: FirstN's count must fit a lane.
       hn::FirstN(du, static_cast<size_t>(HWY_MIN(before_wrap, uint64_t{hn::Lanes(du)}))),
       hn::Set(du, IndexHigh(index)), hn::Set(du, IndexHigh(index + before_wrap)));
-  return MixLanes(hn::Xor(MixLanes(hn::Xor(low, high)), hn::Set(du, key)));
+  return MixClose(hn::Xor(MixOpen(hn::Xor(low, high)), hn::Set(du, key ^ (key >> 16))));
 }
 
 // fp32 -> bf16 bits in the HIGH half of each lane (the low half is not
@@ -647,8 +685,7 @@ HWY_INLINE void LoadNibbles(const uint8_t* HWY_RESTRICT p, VU& a, VU& b) {
 template <bool kEO>
 HWY_INLINE void StoreNibbles(VU a, VU b, uint8_t* HWY_RESTRICT p) {
   if constexpr (kEO) {
-    const DU8 d8;
-    hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), hn::Or(a, hn::ShiftLeft<4>(b)))), d8, p);
+    StoreLowBytes(hn::Or(a, hn::ShiftLeft<4>(b)), p);
   } else {
     const DU16 d16;
     alignas(64) uint8_t bytes[HWY_MAX_BYTES];
