@@ -535,7 +535,7 @@ HWY_INLINE VU VectorBits(uint32_t key, uint64_t index) {
       // Clamped: FirstN's count must fit a lane.
       hn::FirstN(du, static_cast<size_t>(HWY_MIN(before_wrap, uint64_t{hn::Lanes(du)}))),
       hn::Set(du, IndexHigh(index)), hn::Set(du, IndexHigh(index + before_wrap)));
-  return MixClose(hn::Xor(MixOpen(hn::Xor(low, high)), hn::Set(du, key ^ (key >> 16))));
+  return KeyedBits(key, MixOpen(hn::Xor(low, high)));
 }
 
 // fp32 -> bf16 bits in the HIGH half of each lane (the low half is not
