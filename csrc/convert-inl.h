@@ -611,10 +611,10 @@ HWY_INLINE void StoreF16x2(VF a, VF b, uint16_t* HWY_RESTRICT p) {
 #endif
 }
 
-// E4M3 codes -> fp32 values divided by kF8RawFactor (exact). Multiplying by
-// kF8RawFactor * s gives float(q) * s with the same single rounding as the
-// reference's float(q) * s whenever kF8RawFactor * s is finite (it is then
-// exact: a power-of-two factor).
+// E4M3 (and unsigned E4M4, LoadUF8x2Raw) codes -> fp32 values divided by
+// kF8RawFactor (exact). Multiplying by kF8RawFactor * s gives float(q) * s with
+// the same single rounding as the reference's float(q) * s whenever
+// kF8RawFactor * s is finite (it is then exact: a power-of-two factor).
 #if defined(SHARDADAM_HARDWARE_F16)
 inline constexpr float kF8RawFactor = internal::kE4M3OverF16;
 #else
@@ -648,9 +648,25 @@ HWY_INLINE void StoreF8x2(VF a, VF b, uint8_t* HWY_RESTRICT p) {
   StoreNarrowU8(F32ToF8(a), F32ToF8(b), p);
 }
 
-HWY_INLINE void LoadUF8x2(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+// Unsigned E4M4 codes -> fp32 values divided by kF8RawFactor (exact), as
+// LoadF8x2Raw: every E4M4 value is an fp16 value times 2^8 with the code shifted
+// into place (E4M4's subnormals land on fp16's), and the NaN code 0xFF becomes
+// the fp16 NaN that widens to UF8ToF32's 0x7FC00000.
+HWY_INLINE void LoadUF8x2Raw(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
+#if defined(SHARDADAM_HARDWARE_F16)
+  const DF df;
+  const hn::Repartition<uint16_t, DF> dw;
+  const hn::Half<decltype(dw)> dwh;
+  const hn::Rebind<uint8_t, decltype(dw)> db;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  auto y = hn::ShiftLeft<6>(hn::PromoteTo(dw, hn::LoadU(db, p)));
+  y = hn::IfThenElse(hn::Eq(y, hn::Set(dw, 0x3FC0)), hn::Set(dw, 0x7E00), y);  // 0xFF << 6
+  a = hn::PromoteTo(df, hn::BitCast(dh, hn::LowerHalf(dwh, y)));
+  b = hn::PromoteTo(df, hn::BitCast(dh, hn::UpperHalf(dwh, y)));
+#else
   a = UF8ToF32(LoadWideU8(p));
   b = UF8ToF32(LoadWideU8(p + hn::Lanes(DF())));
+#endif
 }
 
 // Stores the codes of a / s and b / s (S2.10), given those quotients.
@@ -882,9 +898,9 @@ struct F8Codes {
 struct UF8Codes {
   static constexpr size_t kBits = 8;
   static constexpr bool kHasEvenOdd = false;
-  static constexpr float kRawFactor = 1.0f;
+  static constexpr float kRawFactor = kF8RawFactor;
   template <bool kEO = false>
-  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF8x2(p, a, b); }
+  static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF8x2Raw(p, a, b); }
   template <bool kEO = false>
   static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
     StoreUF8x2(a, b, a_over_s, b_over_s, p);
