@@ -27,7 +27,8 @@
 // uses for all of its streams. Everything works on pairs of vectors: narrowing packs two
 // vectors at once where the target has pack instructions (one pack + one lane
 // fix-up per 16 bf16 on AVX2) instead of Highway's one-vector DemoteTo, which
-// pays that fix-up per 8 lanes; fp8 decodes through the fp16 converter.
+// pays that fix-up per 8 lanes; 8-bit float codes (E4M3, and block8's unsigned E4M4)
+// decode through the fp16 converter.
 
 #if defined(SHARDADAM_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef SHARDADAM_CONVERT_INL_H_
