@@ -82,6 +82,7 @@ using DI = hn::RebindToSigned<DF>;
 using DU16 = hn::Rebind<uint16_t, DF>;  // as many u16 lanes as fp32 lanes
 using DI16 = hn::Rebind<int16_t, DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;
+using DU16Pairs = hn::Repartition<uint16_t, DF>;  // 2 * Lanes u16 lanes
 using VF = hn::Vec<DF>;
 using VU = hn::Vec<DU>;
 using VI = hn::Vec<DI>;
@@ -145,16 +146,12 @@ HWY_INLINE void StoreNarrowU8(VU a, VU b, uint8_t* HWY_RESTRICT p) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(bytes, order)));
-#elif defined(SHARDADAM_PACK_AVX3)
-  StoreLowBytes(a, p);
-  StoreLowBytes(b, p + hn::Lanes(DU()));
 #elif defined(SHARDADAM_PACK_SSE4)
   const __m128i words = _mm_packus_epi32(a.raw, b.raw);
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(words, words));
 #else
-  const DU8 d8;
-  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), a)), d8, p);
-  hn::StoreU(hn::DemoteTo(d8, hn::BitCast(DI(), b)), d8, p + hn::Lanes(d8));
+  StoreLowBytes(a, p);
+  StoreLowBytes(b, p + hn::Lanes(DU()));
 #endif
 }
 
@@ -622,23 +619,34 @@ inline constexpr float kF8RawFactor = internal::kE4M3OverF16;
 inline constexpr float kF8RawFactor = 1.0f;
 #endif
 
+#if defined(SHARDADAM_HARDWARE_F16)
+// 2 * Lanes bytes from p, each zero-extended to a u16 lane.
+HWY_INLINE hn::Vec<DU16Pairs> LoadWideBytes(const uint8_t* HWY_RESTRICT p) {
+  return hn::PromoteTo(DU16Pairs(), hn::LoadU(hn::Rebind<uint8_t, DU16Pairs>(), p));
+}
+
+// fp16 bits in the u16 lanes of y -> the pair's fp32 values (a: the lower half).
+HWY_INLINE void WidenF16Pair(hn::Vec<DU16Pairs> y, VF& a, VF& b) {
+  const DF df;
+  const hn::Half<DU16Pairs> dwh;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  a = hn::PromoteTo(df, hn::BitCast(dh, hn::LowerHalf(dwh, y)));
+  b = hn::PromoteTo(df, hn::BitCast(dh, hn::UpperHalf(dwh, y)));
+}
+#endif
+
 HWY_INLINE void LoadF8x2Raw(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
 #if defined(SHARDADAM_HARDWARE_F16)
   // Every E4M3 value is an fp16 value times 2^8 with the code shifted into
   // place (E4M3 subnormals land on fp16 subnormals), so the fp16 converter
   // does the decoding; only the sign bit and the NaN code need moving.
-  const DF df;
-  const hn::Repartition<uint16_t, DF> dw;  // 2 * Lanes u16
-  const hn::Half<decltype(dw)> dwh;
-  const hn::Rebind<uint8_t, decltype(dw)> db;
-  const hn::Rebind<hwy::float16_t, DF> dh;
+  const DU16Pairs dw;
   const auto k4000 = hn::Set(dw, 0x4000);
-  auto y = hn::ShiftLeft<7>(hn::PromoteTo(dw, hn::LoadU(db, p)));
+  auto y = hn::ShiftLeft<7>(LoadWideBytes(p));
   y = hn::Add(y, hn::And(y, k4000));  // sign: bit 14 -> bit 15
   // Code 0x7F (fp16 0x3F80) -> fp16 NaN 0x7F80, which widens to 0x7FF00000.
   y = hn::Add(y, hn::And(hn::Add(y, hn::Set(dw, 0x0080)), k4000));
-  a = hn::PromoteTo(df, hn::BitCast(dh, hn::LowerHalf(dwh, y)));
-  b = hn::PromoteTo(df, hn::BitCast(dh, hn::UpperHalf(dwh, y)));
+  WidenF16Pair(y, a, b);
 #else
   a = F8ToF32(LoadWideU8(p));
   b = F8ToF32(LoadWideU8(p + hn::Lanes(DF())));
@@ -655,15 +663,10 @@ HWY_INLINE void StoreF8x2(VF a, VF b, uint8_t* HWY_RESTRICT p) {
 // the fp16 NaN that widens to UF8ToF32's 0x7FC00000.
 HWY_INLINE void LoadUF8x2Raw(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
 #if defined(SHARDADAM_HARDWARE_F16)
-  const DF df;
-  const hn::Repartition<uint16_t, DF> dw;
-  const hn::Half<decltype(dw)> dwh;
-  const hn::Rebind<uint8_t, decltype(dw)> db;
-  const hn::Rebind<hwy::float16_t, DF> dh;
-  auto y = hn::ShiftLeft<6>(hn::PromoteTo(dw, hn::LoadU(db, p)));
+  const DU16Pairs dw;
+  auto y = hn::ShiftLeft<6>(LoadWideBytes(p));
   y = hn::IfThenElse(hn::Eq(y, hn::Set(dw, 0x3FC0)), hn::Set(dw, 0x7E00), y);  // 0xFF << 6
-  a = hn::PromoteTo(df, hn::BitCast(dh, hn::LowerHalf(dwh, y)));
-  b = hn::PromoteTo(df, hn::BitCast(dh, hn::UpperHalf(dwh, y)));
+  WidenF16Pair(y, a, b);
 #else
   a = UF8ToF32(LoadWideU8(p));
   b = UF8ToF32(LoadWideU8(p + hn::Lanes(DF())));
@@ -768,8 +771,6 @@ HWY_INLINE void StoreRemainderx2(VF a, VF b, uint16_t* HWY_RESTRICT param,
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the even/odd codecs assume little-endian lanes"
 #endif
-
-using DU16Pairs = hn::Repartition<uint16_t, DF>;  // 2 * Lanes u16 lanes
 
 HWY_INLINE VU LoadU16Pairs(const void* HWY_RESTRICT p) {
   return hn::LoadU(DU(), static_cast<const uint32_t*>(p));
