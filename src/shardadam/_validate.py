@@ -102,9 +102,12 @@ def check_param_rounding(param_rounding, master_weights) -> None:
 
 
 def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
-                        exp_avg_sq_dtype) -> None:
+                        exp_avg_sq_dtype, master_weights=False,
+                        master_weight_dtype=None) -> None:
     """S2.11: ``moment_format`` names a pair of per-block moment formats and replaces
-    the moments' dtypes; ``moment_block_size`` is its elements per scale."""
+    the moments' dtypes; ``moment_block_size`` is its elements per scale. Its master
+    is unscaled: an fp16 master's per-tensor scale needs a measuring pass over the
+    whole tensor, which the one-pass block kernels do not make."""
     families = sorted(_formats.MOMENT_FAMILIES)
     if moment_format is None:
         if moment_block_size is not None:
@@ -122,6 +125,12 @@ def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
                          f"storage, so exp_avg_dtype and exp_avg_sq_dtype must stay at "
                          f"their default torch.float32 (got exp_avg_dtype="
                          f"{shown(exp_avg_dtype)}, exp_avg_sq_dtype={shown(exp_avg_sq_dtype)})")
+    if master_weights and master_weight_dtype is _formats.FP16.argument:
+        raise ValueError(f"FusedAdam: moment_format={moment_format!r} steps in one pass "
+                         f"per block, but master_weight_dtype=torch.float16 is scaled per "
+                         f"tensor and needs a second pass (rule S2.11: moment_format "
+                         f"takes master_weight_dtype=torch.float32 or "
+                         f"store_param_remainders=True)")
     low, high = _formats.SCALE_BLOCK_RANGE
     block = moment_block_size
     if block is not None and (not isinstance(block, int) or isinstance(block, bool)
@@ -337,8 +346,13 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
 
 def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str) -> None:
     """A loaded state value holds true values in a floating dtype, or int16 remainder
-    codes (S5.4: exported values are told apart by dtype) beside a bf16 parameter."""
+    codes (S5.4: exported values are told apart by dtype) of a bf16 parameter's
+    ``master_param``: a moment never holds them."""
     codes = _formats.REMAINDER
+    if value.dtype == codes.value_dtype and spec.name != "master_param":
+        raise RuntimeError(f"{where_}: state {spec.name!r} must hold floating point "
+                           f"values, got torch.int16 (rule S5.4: only 'master_param' "
+                           f"holds int16 remainder codes)")
     if value.dtype == codes.value_dtype and param_dtype != codes.pairs_with:
         raise RuntimeError(f"{where_}: an int16 remainder {spec.name!r} needs a bf16 "
                            f"parameter, this one is {param_dtype}")

@@ -78,7 +78,7 @@ class FusedAdam(torch.optim.Optimizer):
             master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
             exp_avg_sq_dtype=exp_avg_sq_dtype)
         _validate.check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
-                                      exp_avg_sq_dtype)
+                                      exp_avg_sq_dtype, master_weights, master_weight_dtype)
         _validate.check_param_rounding(param_rounding, master_weights)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas,
                     "eps": eps, "weight_decay": weight_decay}
@@ -143,6 +143,7 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
+        planned = []  # every new entry is planned (and checked) before anything changes
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
             if not isinstance(params, set):  # torch rejects sets itself
@@ -156,16 +157,28 @@ class FusedAdam(torch.optim.Optimizer):
                          else param_group)
                 _validate.check_params(tensors, index, named)
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
+                planned = [self._planned_entry(param, config, index, i, named)
+                           for i, param in enumerate(tensors)]
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("step", 0)
         group[LAYOUT_KEY] = config.record()
-        for param in group["params"]:
-            local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-            writes = _state.plan_entry(config.specs_of(local, layout), self.state.get(param),
-                                       self._scales.get(param), self._formats.get(param),
-                                       local, layout)
+        for param, writes, local, layout in planned:
             self._apply(param, writes, local, layout)
+
+    def _planned_entry(self, param, config, group: int, index: int, named: dict):
+        """What add_param_group writes for ``param``; state it already has (a parameter
+        moved between groups) must be readable: per-block codes need their scales."""
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
+        specs = config.specs_of(local, layout)
+        entry, scales, formats = (self.state.get(param), self._scales.get(param),
+                                  self._formats.get(param))
+        error = _state.undecodable_error(specs, entry, scales, formats) if entry else None
+        if error is not None:
+            raise _validate.fail(RuntimeError, error, group=group, param=index,
+                                 name=_validate.param_name(named, index))
+        writes = _state.plan_entry(specs, entry, scales, formats, local, layout)
+        return param, writes, local, layout
 
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
@@ -271,7 +284,8 @@ class FusedAdam(torch.optim.Optimizer):
             master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
             exp_avg_sq_dtype=self.exp_avg_sq_dtype)
         _validate.check_moment_format(self.moment_format, self.moment_block_size,
-                                      self.exp_avg_dtype, self.exp_avg_sq_dtype)
+                                      self.exp_avg_dtype, self.exp_avg_sq_dtype,
+                                      self.master_weights, self.master_weight_dtype)
         _validate.check_param_rounding(self.param_rounding, self.master_weights)
         config = self._config()
         self._settings_passed = (seen, config)
@@ -461,13 +475,15 @@ class FusedAdam(torch.optim.Optimizer):
         record = config.record()
         param_groups, packed_state, start = [], {}, 0
         for group in self.param_groups:
-            group[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
             packed = {k: v for k, v in group.items() if k != "params"}
+            packed[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
             packed["params"] = list(range(start, start + len(group["params"])))
             param_groups.append(packed)
             for index, param in zip(packed["params"], group["params"]):
                 packed_state[index] = self._exported_state(param, config)
             start += len(group["params"])
+        for group in self.param_groups:  # once every state was exported (S3.1)
+            group[LAYOUT_KEY] = record
         state_dict = {"state": packed_state, "param_groups": param_groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    FP4_ROUNDING, UFP4_ROUNDING, assert_bitwise_equal, block4_oracle, fp4_oracle, fp4_value,
-    have_core, ufp4_oracle, ufp4_value)
+    FP4_ROUNDING, UFP4_ROUNDING, assert_bitwise_equal, backend_context, block4_oracle,
+    fp4_oracle, fp4_value, have_core, ufp4_oracle, ufp4_value)
 from shardadam import _codecs, _formats
 
 FP4B, UFP4B = _formats.FP4_BLOCK, _formats.UFP4_BLOCK
@@ -187,9 +187,12 @@ def test_generator_follows_s2_13():
     """The torch generator against Python integers, at indices on both sides of 2^32,
     and the values the C++ tests pin (codec_test.cc CounterHashIsPinned)."""
     assert _codecs.mix32(1) == lowbias32(1) == 0x688990C0
-    assert _codecs.mix32(0xDEADBEEF) == 0xE628C683
+    assert _codecs.mix32(0xDEADBEEF) == lowbias32(0xDEADBEEF) == 0xE628C683
     key = _codecs.step_key(0x5EED, 3)
-    assert key == 0xCD4470E2 == _codecs.step_key(0x5EED, 3 + 2**32)
+    assert key == lowbias32(lowbias32(0x5EED) ^ 3) == 0xCD4470E2
+    assert key == _codecs.step_key(0x5EED, 3 + 2**32)
+    # S2.14's stream of the same tensor and step
+    assert _codecs.param_step_key(0x5EED, 3) == lowbias32(key ^ 0x5851F42D)
     for first in (0, 2**32 - 5, (5 << 32) + 17):
         got = _codecs.random_bits(key, first, 10, "cpu").tolist()
         want = [lowbias32(lowbias32((i & 0xFFFFFFFF) ^ lowbias32(i >> 32)) ^ key)
@@ -308,3 +311,43 @@ def test_stochastic_rounding_is_unbiased():
     nearest_mean = torch.tensor([fp4_value(c) for c in range(16)])[
         nearest_codes.long()].view(draws, -1).double().mean(0)
     assert torch.any((nearest_mean - x.double()).abs() > 5 * spread / math.sqrt(draws))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fused_adam_keys_each_parameter_by_its_group_and_position(backend):
+    """FusedAdam's rounding_key is (group index · 0x9E3779B9 + the parameter's index in
+    its group) mod 2^32 and its step the group's (S2.13), computed here from the text:
+    a step from zero moments stores the codes of (1 - beta1) g and (1 - beta2) g^2
+    rounded with exactly those keys."""
+    from shardadam import FusedAdam
+
+    if backend == "auto" and not have_core():
+        pytest.skip("C++ extension is not built")
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(4, 256, generator=gen)) for _ in range(5)]
+    groups = [dict(params=params[:2]), dict(params=params[2:])]
+    with backend_context(backend):
+        opt = FusedAdam(groups, lr=1e-3, betas=(0.9, 0.95), moment_format="block4")
+        opt.param_groups[1]["step"] = 2**32 + 6  # the key takes the step modulo 2^32
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.95)
+    for g, group in enumerate(opt.param_groups):
+        step = group["step"] & 0xFFFFFFFF
+        assert step == (1 if g == 0 else 7)
+        for i, p in enumerate(group["params"]):
+            key = (g * 0x9E3779B9 + i) & 0xFFFFFFFF
+            grad = p.grad.reshape(-1)
+            for name, stream, u in (("exp_avg", _codecs.step_key, c1 * grad),
+                                    ("exp_avg_sq", _codecs.square_step_key,
+                                     (c2 * grad) * grad)):
+                f = opt._formats[p][name]
+                codes, scales = _codecs.encode_blocks(f.name, u, 0, f.scale_block,
+                                                      f.scale_target, f.zero_bound,
+                                                      stream(key, step))
+                assert_bitwise_equal(opt.state[p][name].reshape(-1),
+                                     _codecs.pack_nibbles(codes),
+                                     f"group {g} param {i} {name} codes")
+                assert_bitwise_equal(opt._scales[p][name], scales,
+                                     f"group {g} param {i} {name} scales")

@@ -12,8 +12,9 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
-    block8_decode, fp8_block_oracle, have_core, snapshot)
-from shardadam import FusedAdam, _codecs, _formats
+    block4_oracle, block8_decode, fp4_value, fp8_block_oracle, have_core, snapshot,
+    ufp4_value)
+from shardadam import FusedAdam, _formats
 
 # Partial blocks, tiny, empty; for block4 also rows that cannot be packed (1-D, odd).
 SHAPES = [(6, 300), (1000,), (3,), (0,), (2, 128), (5, 7), (4, 0)]
@@ -35,6 +36,11 @@ def make(option="fp32", seed=0, shapes=SHAPES, **kwargs):
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
     kwargs = {"moment_format": "block8", **extra, **kwargs}
     return FusedAdam(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, **kwargs), params
+
+
+def blocks_touched(first: int, n: int, block: int) -> int:
+    """S2.11's scale count, from its text: (f + n - 1) // B - f // B + 1, 0 when n = 0."""
+    return 0 if n == 0 else (first + n - 1) // block - first // block + 1
 
 
 def grads(params, step, seed=0):
@@ -66,7 +72,7 @@ def test_defaults_and_layout():
             stored, scale = opt.state[p][name], opt._scales[p][name]
             assert stored.dtype == torch.uint8 and stored.shape == p.shape
             assert scale.dtype == torch.float32
-            assert scale.shape == (_codecs.block_count(0, p.numel(), 256),)
+            assert scale.shape == (blocks_touched(0, p.numel(), 256),)
     layout = opt.state_dict()["param_groups"][0]["state_layout"]
     assert layout == f"exp_avg=fp8-block:256 exp_avg_sq={sq.label} master=none"
 
@@ -86,7 +92,7 @@ def test_block4_packs_rows_and_falls_back_to_block8():
             stored, scale = opt.state[p][name], opt._scales[p][name]
             shape = (*p.shape[:-1], p.shape[-1] // 2) if packable else tuple(p.shape)
             assert stored.dtype == torch.uint8 and tuple(stored.shape) == shape
-            assert scale.shape == (_codecs.block_count(0, p.numel(), 128),)
+            assert scale.shape == (blocks_touched(0, p.numel(), 128),)
     layout = opt.state_dict()["param_groups"][0]["state_layout"]
     assert layout == "exp_avg=fp4-block:128 exp_avg_sq=ufp4-block:128 master=none"
     run(opt, params, 1, 2)
@@ -117,6 +123,10 @@ def test_bad_block_size_is_refused(block):
     (dict(moment_format="block8", exp_avg_sq_dtype=torch.uint8),
      "exp_avg_dtype and exp_avg_sq_dtype"),
     (dict(moment_format=None, moment_block_size=256), "needs a moment_format"),
+    (dict(moment_format="block8", master_weights=True, master_weight_dtype=torch.float16),
+     r"master_weight_dtype=torch.float16 is scaled per tensor .* \(rule S2.11"),
+    (dict(moment_format="block4", master_weights=True, master_weight_dtype=torch.float16),
+     r"moment_format='block4' steps in one pass per block"),
 ])
 def test_bad_keywords_are_refused(kwargs, match):
     params = [torch.nn.Parameter(torch.randn(4))]
@@ -155,11 +165,13 @@ def test_te_meanings_unchanged():
     ("moment_format", "block3", r"unknown moment_format 'block3' \(rule: moment_format in"),
     ("exp_avg_dtype", torch.bfloat16,
      r"exp_avg_dtype and exp_avg_sq_dtype must stay at their default"),
+    ("master_weight_dtype", torch.float16,
+     r"master_weight_dtype=torch.float16 is scaled per tensor"),
 ])
 def test_bad_setting_at_step_changes_nothing(attribute, value, message):
     """Settings changed after construction are checked at step() before anything is
-    written (S3.1)."""
-    opt, params = make()
+    written (S3.1); an fp16 master beside block moments on bf16 parameters too."""
+    opt, params = make("bf16-master", moment_format="block8")
     run(opt, params, 1, 2)
     grads(params, 3)
     setattr(opt, attribute, value)
@@ -300,34 +312,48 @@ def test_non_finite_gradient_gives_a_unit_scale_in_its_block_only():
     assert all(s != 1.0 for i, s in enumerate(scales.tolist()) if i != 2)
 
 
+@pytest.mark.parametrize("family,name", [("block8", "exp_avg"), ("block8", "exp_avg_sq"),
+                                         ("block4", "exp_avg"), ("block4", "exp_avg_sq")])
 @pytest.mark.parametrize("damage", ["missing", "nan", "inf", "zero", "short", "fp16"])
-def test_codes_without_usable_scales_are_refused(damage):
+def test_codes_without_usable_scales_are_refused(damage, family, name):
     """Per-block codes whose scales are missing, non-finite, not positive or of the
     wrong shape or dtype cannot be decoded: step() refuses them, naming the state and
-    the rule, and changes nothing."""
-    opt, params = make()
+    the rule, and changes nothing; so does every method that would read them."""
+    opt, params = make(moment_format=family)
     run(opt, params, 1, 2)
     p = params[0]
+    label = opt._formats[p][name].label
     scales = opt._scales[p]
     if damage == "missing":
-        del scales["exp_avg"]
+        del scales[name]
     elif damage == "short":
-        scales["exp_avg"] = scales["exp_avg"][:-1].clone()
+        scales[name] = scales[name][:-1].clone()
     elif damage == "fp16":
-        scales["exp_avg"] = scales["exp_avg"].half()
+        scales[name] = scales[name].half()
     else:
         value = {"nan": float("nan"), "inf": float("inf"), "zero": 0.0}[damage]
-        scales["exp_avg"] = scales["exp_avg"].clone()
-        scales["exp_avg"][1] = value
+        scales[name] = scales[name].clone()
+        scales[name][1] = value
     grads(params, 3)
+    message = rf"group 0, param 0: state '{name}' holds {re.escape(label)} codes"
     before = snapshot(opt)
     # Nor are they read: exported, they would be wrong values in a valid-looking
-    # checkpoint.
-    for refused in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(p, "exp_avg")):
-        with pytest.raises(RuntimeError, match=r"group 0, param 0: state 'exp_avg' holds "
-                                               r"fp8-block:256 codes"):
+    # checkpoint. state_dict() after a settings change leaves the groups' recorded
+    # layout as it was.
+    opt.moment_block_size = 512
+    for refused in (opt.state_dict, lambda: opt.get_unscaled_state(p, name)):
+        with pytest.raises(RuntimeError, match=message):
             refused()
-        assert_unchanged(opt, before)
+    opt.moment_block_size = None
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert_unchanged(opt, before)
+    # A parameter that left its group and is added again keeps its state, read back.
+    opt.param_groups.pop()
+    before = snapshot(opt, params)
+    with pytest.raises(RuntimeError, match=message):
+        opt.add_param_group({"params": params})
+    assert_unchanged(opt, before)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -356,6 +382,33 @@ def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, back
                 rf"expected a finite value > 0")):
             opt.step()
         assert_unchanged(opt, before)
+
+
+def test_other_layouts_load_into_block4_rounded_to_nearest():
+    """A checkpoint of another layout loads into block4 re-encoded to nearest (S2.12;
+    S2.13 rounds only a step's new moments stochastically): codes and scales are those
+    of the test's own oracle, packed here. Exported again, block4's state holds the
+    values S2.12's tables give its codes, decoded here."""
+    plain, params = make(moment_format=None, exp_avg_dtype=torch.bfloat16)
+    run(plain, params, 1, 3)
+    opt, _ = make(moment_format="block4")
+    opt.load_state_dict(plain.state_dict())
+    p = opt.param_groups[0]["params"][0]  # 6 x 300: packed by rows, blocks of 128
+    fp32, _ = make(moment_format=None)
+    fp32.load_state_dict(opt.state_dict())
+    q = fp32.param_groups[0]["params"][0]
+    for name, fmt, value in (("exp_avg", "fp4-block", fp4_value),
+                             ("exp_avg_sq", "ufp4-block", ufp4_value)):
+        assert opt._formats[p][name].label == f"{fmt}:128"
+        want = plain.state[params[0]][name].float().reshape(-1)  # bf16, fp32: exact
+        codes, scales = block4_oracle(fmt, want, 0, 128)
+        packed = codes[0::2] | (codes[1::2] << 4)  # element 2i in the low nibble
+        assert_bitwise_equal(opt.state[p][name].reshape(-1), packed, f"{name} codes")
+        assert_bitwise_equal(opt._scales[p][name], scales, f"{name} scales")
+        table = torch.tensor([value(c) for c in range(16)], dtype=torch.float64)
+        decoded = table[codes.long()] * scales.double().repeat_interleave(128)[:codes.numel()]
+        assert_bitwise_equal(fp32.state[q][name].reshape(-1), decoded.float(),
+                             f"{name} exported")
 
 
 def test_te_state_methods_round_trip():

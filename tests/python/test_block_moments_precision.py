@@ -13,6 +13,8 @@ itself: each stored value, decoded here from the spec's tables, is a grid value 
 the block scale and one of the two grid values around the float64 value (to nearest
 from the top binade up, which the same bracket holds), zero-free for exp_avg_sq."""
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,36 @@ def decoded(opt, p, name):
     values = block8_decode(opt.state[p][name], opt._scales[p][name], 0, fmt.scale_block,
                            unsigned=fmt.name == "ufp8-block")
     return values.double(), fmt
+
+
+# S2.9, S2.10, S2.12: the largest magnitude over the scale each map stores
+TARGETS = {"fp8-block": 464.0, "ufp8-block": 488.0,
+           "fp4-block": float.fromhex("0x1.bffffep+2"), "ufp4-block": 20.0}
+
+
+def assert_scales_are_the_rules(opt, p, name, want, step):
+    """Each stored block scale is S2.9's search on the float64 moments: the smallest
+    power of two s in [2^-126, 2^127] with max|u| / s <= the map's target. The core
+    searches on its fp32 moments, a few units of 2^-24 away, so where max|u| sits that
+    close to a boundary either neighbour is its answer. The bounds below take the
+    stored scale only once it has passed this."""
+    fmt = opt._formats[p][name]
+    target = TARGETS[fmt.name]
+    absmax = want.abs().reshape(-1, fmt.scale_block).amax(dim=1).tolist()
+    stored = opt._scales[p][name].tolist()
+    assert len(stored) == len(absmax)
+    for b, (a, s) in enumerate(zip(absmax, stored)):
+        assert a > 2.0 ** -100, "a block of zeros: S2.9's special case, not exercised here"
+        allowed = set()
+        for x in (a * (1 - 2.0 ** -20), a * (1 + 2.0 ** -20)):
+            e = min(max(math.ceil(math.log2(x / target)), -126), 127)
+            while e > -126 and x / 2.0 ** (e - 1) <= target:
+                e -= 1
+            while x / 2.0 ** e > target:
+                e += 1
+            allowed.add(2.0 ** e)
+        assert s in allowed, f"step {step} {name} block {b}: scale {s}, the rule gives " \
+                             f"{sorted(allowed)} for max {a}"
 
 
 def per_element_scale(opt, p, name):
@@ -77,6 +109,7 @@ def test_block8_steps_stay_within_each_maps_rounding(block):
         m, v, update, w = adam64(m0, v0, p.detach().double().clone(), g.double(), step)
         opt.step()
         for name, want in (("exp_avg", m), ("exp_avg_sq", v)):
+            assert_scales_are_the_rules(opt, p, name, want, step)
             got, fmt = decoded(opt, p, name)
             rel, floor = BOUNDS[fmt.name]
             bound = (torch.maximum(rel * want.abs(), floor * per_element_scale(opt, p, name))
@@ -144,7 +177,9 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
         units = nibble_values(opt.state[p][name], signed=name == "exp_avg")
         return units * s, s
 
-    seen_between = 0
+    # per moment: values stored at the grid value above / at the farther of the two
+    seen_up = {"exp_avg": 0, "exp_avg_sq": 0}
+    seen_far = {"exp_avg": 0, "exp_avg_sq": 0}
     for step in range(1, 11):
         g = grad_rows(p.shape, gen)
         g[:, :16] = 0.0  # absent entries: their moments only decay
@@ -154,6 +189,7 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
                                  g.double().reshape(-1), step)
         opt.step()
         for name, want, grid in (("exp_avg", m, E2M1), ("exp_avg_sq", v, E3M1)):
+            assert_scales_are_the_rules(opt, p, name, want, step)
             got, s = stored(name)
             x = want.abs() / s
             # the fp32 value the core rounds is within a few units of 2^-24 of x
@@ -167,8 +203,15 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
                 f"{int((~ok).sum())} values off the grid around the float64 value"
             if name == "exp_avg_sq":
                 assert bool((got[want > 0] > 0).all()), "a non-zero exp_avg_sq became 0"
-            seen_between += int(((units != lo) & (lo != hi)).sum())
+            between = lo != hi
+            seen_up[name] += int(((units != lo) & between).sum())
+            # Stochastic, not nearest (S2.13): some values went to the farther grid
+            # value by a clear margin (below the top binade, which rounds to nearest).
+            other = torch.where(units == lo, hi, lo)
+            farther = (units - x).abs() - (other - x).abs() > 2.0 ** -10 * hi
+            seen_far[name] += int((farther & between).sum())
         assert_param_within(p, w, update, step)
-    # rounding up happened: the bracket was exercised on both sides
-    assert seen_between > 0
+    # the bracket was exercised on both sides, and not by nearest rounding
+    assert min(seen_up.values()) > 0, seen_up
+    assert min(seen_far.values()) > 0, seen_far
 

@@ -840,6 +840,16 @@ LOAD_ERRORS = [
     ("master-cast-to-int16", lambda sd: sd["state"][1].__setitem__(
         "master_param", sd["state"][1]["master_param"].round().to(torch.int16)),
      RuntimeError, facts(*at(0, 1), "int16", "store_param_remainders", "rule S6.4")),
+    # S5.4: exported values are told apart by dtype; codes are never exported
+    ("int16-moment-of-bf16-param", lambda sd: sd["state"][1].__setitem__(
+        "exp_avg", torch.zeros(5, dtype=torch.int16)),
+     RuntimeError, facts(*at(0, 1), "'exp_avg' must hold floating point", "rule S5.4")),
+    ("int16-moment-of-fp32-param", lambda sd: sd["state"][2].__setitem__(
+        "exp_avg_sq", torch.zeros(6, dtype=torch.int16)),
+     RuntimeError, facts(*at(1, 0), "'exp_avg_sq' must hold floating point", "rule S5.4")),
+    ("uint8-codes", lambda sd: sd["state"][0].__setitem__(
+        "exp_avg", torch.zeros(4, 3, dtype=torch.uint8)),
+     RuntimeError, facts(*at(0, 0), "'exp_avg' must hold floating point", "uint8")),
     ("recorded-remainders-not-codes", lambda sd: sd["param_groups"][0].__setitem__(
         "state_layout", "exp_avg=fp8 exp_avg_sq=fp16 master=remainder"),
      RuntimeError, facts(*at(0, 1), "not int16 codes", "rule S6.4")),

@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 
 import _dist_cases
 from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
-from _optimizer_testing import block8_decode, fp8_block_oracle
+from _optimizer_testing import block8_decode, fp8_block_oracle, ufp8_block_oracle
 
 BLOCK = 128
 SHAPES = {"0.weight": (6, 2 * BLOCK), "1.weight": (12, BLOCK)}  # whole blocks per row
@@ -147,8 +147,10 @@ def block8_mesh_rule(ctx, case):
     tensor-parallel part (an ``orig_param`` of half the rows), both keyed as if unmarked
     (rank 1's (3, 96) rows have the shape of torch's chunk there, so torch's offset; the
     others 0);
-    the stored codes and scales are exactly S2.9's at that f, worked out in the test,
-    and get_unscaled_state decodes them at the same f."""
+    the stored codes and scales of both moments are exactly S2.9's and S2.10's at that
+    f, worked out in the test, and get_unscaled_state decodes them at the same f. A
+    detail ending in "+block4" asks block4 of a layout that cannot pack its rows
+    (Shard on the last dimension): it holds block8's formats (S2.11, S2.12)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -167,15 +169,18 @@ def block8_mesh_rule(ctx, case):
                "rows-5-3-1+megatron_fsdp_slice": ([Shard(0)], cut and cut.start * 96),
                "rows-5-3-1+slice-off-the-rows": ([Shard(0)], unmarked),
                "rows-5-3-1+slice-of-a-tp-part": ([Shard(0)], unmarked)}
-    placements, first = layouts[case.detail]
+    detail, family = case.detail, "block8"
+    if detail.endswith("+block4"):
+        detail, family = detail[:-len("+block4")], "block4"
+    placements, first = layouts[detail]
     mesh = ctx.mesh()
-    if case.detail == "_StridedShard(0)":
+    if detail == "_StridedShard(0)":
         from torch.distributed.device_mesh import init_device_mesh
 
         shape, mesh = (10, 96), init_device_mesh("cpu", (2, 2))
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
-    if case.detail.startswith("rows-5-3-1"):
+    if detail.startswith("rows-5-3-1"):
         def sharded(t):
             return DTensor.from_local(t[cut].clone(), mesh, placements, shape=t.shape,
                                       stride=t.stride(), run_check=False)
@@ -183,29 +188,34 @@ def block8_mesh_rule(ctx, case):
         p = nn.Parameter(sharded(full))
         # The flat range of orig_param Megatron FSDP marks a parameter with, one half a
         # row off, or one whose orig_param is a tensor-parallel part of the parameter.
-        off = 48 if case.detail.endswith("slice-off-the-rows") else 0
+        off = 48 if detail.endswith("slice-off-the-rows") else 0
         p.megatron_fsdp_slice = slice(cut.start * 96 + off, cut.stop * 96 + off)
-        p.orig_param = full[:5] if case.detail.endswith("tp-part") else full
+        p.orig_param = full[:5] if detail.endswith("tp-part") else full
         p_grad = sharded(g)
     else:
         p = nn.Parameter(distribute_tensor(full, mesh, placements, src_data_rank=None))
         p_grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
-    opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format="block8",
+    opt = fused_adam()([p], lr=1e-3, betas=(0.9, 0.95), moment_format=family,
                        moment_block_size=BLOCK)
     p.grad = p_grad
     opt.step()
     local_g = p.grad.to_local()
 
     def check():
-        # S2.9 worked out in the test: blocks keyed from f, float64 scales, torch's E4M3.
-        want = torch.tensor(1 - 0.9) * local_g  # the core's fp32 constant times g (S3.6)
-        codes, scales = fp8_block_oracle(want.reshape(-1), first, BLOCK)
-        got = opt.state[p]["exp_avg"].to_local()
-        assert_bitwise(got.reshape(-1), codes, f"{case.detail}: exp_avg codes at f={first}")
-        assert_bitwise(opt._scales[p]["exp_avg"], scales, f"{case.detail}: scales")
-        decoded = block8_decode(codes, scales, first, BLOCK, unsigned=False)
-        assert_bitwise(opt.get_unscaled_state(p, "exp_avg").reshape(-1), decoded,
-                       f"{case.detail}: get_unscaled_state")
+        # S2.9 / S2.10 worked out in the test: blocks keyed from f, float64 scales; the
+        # moments from zero are the core's fp32 constants times g (S3.6).
+        for name, want, oracle, fmt in (
+                ("exp_avg", torch.tensor(1 - 0.9) * local_g, fp8_block_oracle, "fp8-block"),
+                ("exp_avg_sq", (torch.tensor(1 - 0.95) * local_g) * local_g,
+                 ufp8_block_oracle, "ufp8-block")):
+            assert opt._formats[p][name].name == fmt, (case.detail, name)
+            codes, scales = oracle(want.reshape(-1), first, BLOCK)
+            got = opt.state[p][name].to_local()
+            assert_bitwise(got.reshape(-1), codes, f"{case.detail}: {name} codes at f={first}")
+            assert_bitwise(opt._scales[p][name], scales, f"{case.detail}: {name} scales")
+            decoded = block8_decode(codes, scales, first, BLOCK, unsigned=name == "exp_avg_sq")
+            assert_bitwise(opt.get_unscaled_state(p, name).reshape(-1), decoded,
+                           f"{case.detail}: {name} get_unscaled_state")
 
     symmetric(check)
 
