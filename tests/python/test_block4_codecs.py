@@ -70,6 +70,8 @@ def test_decode_is_the_rule():
         assert torch.equal(torch.isnan(got), torch.isnan(want)), name
         ok = ~torch.isnan(want)
         assert_bitwise_equal(got[ok], want[ok], f"{name} values")
+        # the NaN code decodes to the quiet NaN 0x7FC00000 (S2.12)
+        assert got[~ok].view(torch.int32).tolist() == [0x7FC00000], name
 
 
 def test_nibbles_pack_low_first():

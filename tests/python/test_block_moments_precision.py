@@ -5,8 +5,9 @@ mantissa bits) and below the normal range to within half a subnormal step, 2^-10
 the block scale; unsigned E4M4 codes (exp_avg_sq) to within 2^-5 (4 mantissa bits), with
 an absolute floor of one step, 2^-10 times the scale (zero-free: a value that would
 round to 0 is stored as 2^-10·s). Before rounding, the fp32 arithmetic adds a few units
-of 2^-24, covered by a 2^-10 relative margin. The parameter stays fp32 and is held to
-16 fp32 units of the step and the weight.
+of 2^-24, covered by a 2^-10 relative margin. The fp32 weight (an fp32 parameter, or a
+bf16 parameter's fp32 master, of which the parameter is the nearest bf16) is held to 16
+fp32 units of the step and the weight, in AdamW and in L2 mode.
 
 block4 moments are rounded stochastically (S2.13), so their bound is the map's grid
 itself: each stored value, decoded here from the spec's tables, is a grid value times
@@ -78,36 +79,56 @@ def grad_rows(shape, gen):
     return g
 
 
-def adam64(m0, v0, w0, g, step):
-    """One AdamW step in float64 from the stored state: m, v, the update and w."""
+def adam64(m0, v0, w0, g, step, adamw=True):
+    """One Adam step in float64 from the stored state: m, v, the update and w. AdamW
+    decays the weight; L2 mode (adam_w_mode=False) adds WD · w to the gradient."""
     b1, b2 = BETAS
+    if not adamw:
+        g = g + WD * w0
     m = b1 * m0 + (1 - b1) * g
     v = b2 * v0 + (1 - b2) * g * g
     c1, c2 = 1 - b1 ** step, 1 - b2 ** step
     update = (m / c1) / ((v / c2).sqrt() + EPS)
-    return m, v, update, w0 * (1 - LR * WD) - LR * update
+    decayed = w0 * (1 - LR * WD) if adamw else w0
+    return m, v, update, decayed - LR * update
 
 
 def assert_param_within(p, w, update, step):
-    """The fp32 parameter within 16 fp32 units of the weight and the step."""
+    """The fp32 weight within 16 fp32 units of the weight and the step."""
     err_w = (p.detach().double().reshape(w.shape) - w).abs()
     bound_w = 16 * U * (w.abs() + LR * update.abs()) + 2.0 ** -149
     assert bool((err_w <= bound_w).all()), f"step {step}: parameter off by " \
         f"{(err_w / bound_w).max().item():.2f} of its bound"
 
 
+def weight(opt, p):
+    """The fp32 weight: the parameter itself, or its fp32 master."""
+    return opt.state[p]["master_param"] if p.dtype == torch.bfloat16 else p.detach()
+
+
+@pytest.mark.parametrize("params", ["fp32", "bf16-master"])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize("block", [128, 256])
-def test_block8_steps_stay_within_each_maps_rounding(block):
+def test_block8_steps_stay_within_each_maps_rounding(block, adamw, params):
+    """Also in L2 mode, and beside a bf16 parameter with an fp32 master (the weight is
+    the master; the parameter is the master rounded to nearest bf16, S3.6)."""
     gen = torch.Generator().manual_seed(block)
-    p = torch.nn.Parameter(torch.randn(8, 256, generator=gen))
-    opt = FusedAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                    moment_format="block8", moment_block_size=block)
+    bf16 = params == "bf16-master"
+    p = torch.nn.Parameter(torch.randn(8, 256, generator=gen).to(
+        torch.bfloat16 if bf16 else torch.float32))
+    opt = FusedAdam([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=adamw,
+                    master_weights=bf16, moment_format="block8", moment_block_size=block)
     for step in range(1, 11):
-        p.grad = g = grad_rows(p.shape, gen)
+        g = grad_rows(p.shape, gen).to(p.dtype)
+        p.grad = g
         m0, _ = decoded(opt, p, "exp_avg")
         v0, _ = decoded(opt, p, "exp_avg_sq")
-        m, v, update, w = adam64(m0, v0, p.detach().double().clone(), g.double(), step)
+        w0 = weight(opt, p).double().clone()
+        m, v, update, w = adam64(m0, v0, w0, g.double(), step, adamw)
         opt.step()
+        if bf16:
+            assert_param_within(weight(opt, p), w, update, step)
+            assert torch.equal(p.detach(), weight(opt, p).bfloat16()), "param vs master"
         for name, want in (("exp_avg", m), ("exp_avg_sq", v)):
             assert_scales_are_the_rules(opt, p, name, want, step)
             got, fmt = decoded(opt, p, name)
@@ -119,7 +140,8 @@ def test_block8_steps_stay_within_each_maps_rounding(block):
             assert worst <= 1.0, f"step {step} {name} ({fmt.name}): error {worst:.3f} of bound"
             if fmt.name == "ufp8-block":
                 assert bool((got[want > 0] > 0).all()), "a non-zero exp_avg_sq became 0"
-        assert_param_within(p, w, update, step)
+        if not bf16:
+            assert_param_within(p, w, update, step)
 
 
 def test_bounds_are_tight_enough_to_fail():

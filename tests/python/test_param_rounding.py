@@ -192,6 +192,23 @@ def test_fp16_parameter_is_refused_with_nothing_changed():
     assert_unchanged(opt, before)
 
 
+def test_torch_rule_is_the_texts_on_random_bits():
+    """S2.14's rule written here on Python integers, against ``bf16_encode_stochastic``
+    for random values (every binade, both signs, bf16 values, inf, NaNs with payloads)
+    and random bits: a NaN stores (b >> 16) | 0x40, anything else (b + (R >> 16)) >> 16."""
+    gen = torch.Generator().manual_seed(14)
+    bits = torch.randint(0, 2**32, (20000,), generator=gen, dtype=torch.int64)
+    bits[:8] = torch.tensor([0x7F800000, 0xFF800000, 0x7FC00000, 0xFF800001, 0x7F800100,
+                             0x3F800000, 0x00000000, 0x80000000])
+    x = bits.to(torch.int32).view(torch.float32)  # wraps to the same 32 bits
+    r = torch.randint(0, 2**32, bits.shape, generator=gen, dtype=torch.int64)
+    got = _codecs.bf16_encode_stochastic(x, r).view(torch.int16).to(torch.int64) & 0xFFFF
+    want = [((b >> 16) | 0x40) if (b & 0x7F800000) == 0x7F800000 and b & 0x7FFFFF
+            else ((b + (k >> 16)) >> 16) & 0xFFFF
+            for b, k in zip(bits.tolist(), r.tolist())]
+    assert got.tolist() == want
+
+
 def test_torch_rule_matches_its_definition():
     """``_codecs.bf16_encode_stochastic`` on the edges: a bf16 value keeps itself
     whatever the bits, the bits' high half decides between the two values around
