@@ -93,8 +93,8 @@ void RunReleased(const Call& call) {
 }
 
 // The format table (formats.h) for the Python registry to check itself against:
-// (tag, name, item_bits, scaling, scale_block, scale_target, roles, zero_bound)
-// per state format, roles among "moment" and "master".
+// (tag, name, item_bits, scaling, scale_block, scale_target, roles, zero_bound,
+// overflow_bound) per state format, roles among "moment" and "master".
 nb::tuple FormatsTuple() {
   nb::list formats;
   for (int i = 0; i < kNumDTypes; ++i) {
@@ -115,7 +115,7 @@ nb::tuple FormatsTuple() {
                                                             : "none";
     formats.append(nb::make_tuple(static_cast<int>(f.dtype), f.name, f.item_bits,
                                   scaling, f.scale_block, f.scale_target,
-                                  nb::tuple(roles), f.zero_bound));
+                                  nb::tuple(roles), f.zero_bound, f.overflow_bound));
   }
   return nb::tuple(formats);
 }

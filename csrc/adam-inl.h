@@ -615,10 +615,10 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
                                      acc_m, acc_v);
     const float sm = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
-        kM.zero_bound);
+        kM.zero_bound, kM.overflow_bound);
     const float sv = BlockScaleFromAbsMaxBits(
         static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v))), kV.scale_target,
-        kV.zero_bound);
+        kV.zero_bound, kV.overflow_bound);
     // x / s as the block path divides, without a division: a new scale is a
     // power of two in [2^-126, 2^126] (S2.9: the smallest bound, fp4-block's
     // just below 7, puts FLT_MAX's block at 2^126), so 1 / s is exact and

@@ -33,7 +33,8 @@ void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& 
     if (!p.block_scaled[stream]) continue;
     const FormatInfo f = FormatOf(dtypes[stream]);
     scale[stream] = BlockScaleFromAbsMaxBits(kt.abs_max_bits(values[stream], valid),
-                                             f.scale_target, f.zero_bound);
+                                             f.scale_target, f.zero_bound,
+                                             f.overflow_bound);
   }
   EncodeRun(p, e, c, d,
             p.block_scaled[kStreamM] ? ScaleView{&scale[kStreamM], 0, 0}

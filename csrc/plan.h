@@ -16,7 +16,7 @@ namespace internal {
 // 4-bit buffer (runs and blocks start on even elements there).
 template <typename T>
 inline T* ElementAt(T* buffer, int bits, int64_t e) {
-  return buffer + e * bits / 8;
+  return buffer + e / 8 * bits + e % 8 * bits / 8;  // e * bits could overflow int64
 }
 // Bytes holding `n` elements of `bits` bits from an even element.
 inline size_t BytesOf(int bits, size_t n) { return (n * bits + 7) / 8; }

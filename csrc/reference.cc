@@ -45,14 +45,16 @@ int64_t BlockOf(const TensorSlot& t, int64_t i) {
 }
 
 // S2.9: the smallest power of two s in [2^-126, 2^127] with a / s <= bound,
-// searched upward; 1 when a block holds a non-finite value, or encodes to
-// zeros only (then it does at scale 1 too).
+// searched upward; 1 when a block holds a non-finite value or one of at least
+// the format's overflow bound, or encodes to zeros only (then it does at scale
+// 1 too).
 float BlockScale(const float* u, int64_t count, DType dtype) {
   float a = 0.0f;
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isfinite(u[i])) return 1.0f;
     a = std::fmax(a, std::fabs(u[i]));
   }
+  if (a >= FormatOf(dtype).overflow_bound) return 1.0f;
   float s = std::ldexp(1.0f, 127);
   for (int e = -126; e < 127; ++e) {
     if (static_cast<double>(a) / std::ldexp(1.0, e) <= FormatOf(dtype).scale_target) {

@@ -44,12 +44,14 @@ SHARDADAM_HOST_DEVICE inline float ScaleFromAbsMaxBits(uint32_t bits, float targ
 // magnitude a of its new values as fp32 bits: the smallest power of two s with
 // a / s <= `bound` (the format's largest magnitude that encodes finite), within
 // [2^-126, 2^127]; 1 for a block that encodes to zeros at every scale (a <=
-// `zero_bound` * 2^-126) and for an infinite or NaN maximum. A power of two
-// makes decoding exact and puts the block's largest code in the top binade, so
+// `zero_bound` * 2^-126), and for a maximum of at least `overflow_bound` (whose
+// code would decode past FLT_MAX), infinite or NaN. A power of two makes
+// decoding exact and puts the block's largest code in the top binade, so
 // encoding a decoded block gives back its codes and scale (checkpoints).
 SHARDADAM_HOST_DEVICE inline float BlockScaleFromAbsMaxBits(uint32_t bits, float bound,
-                                                            float zero_bound) {
-  if (bits >= 0x7F800000u) return 1.0f;
+                                                            float zero_bound,
+                                                            float overflow_bound) {
+  if (bits >= BitsOf(overflow_bound)) return 1.0f;  // also infinite and NaN maxima
   if (FloatOf(bits) <= zero_bound * FloatOf(1u << 23)) return 1.0f;  // 2^-126: exact
   // a / 2^e <= bound is a <= bound * 2^e, both exact for e >= -126 (bound is at
   // least 1). The fp32 bits of bound * 2^e are bound's plus e << 23 (read past

@@ -141,7 +141,7 @@ SHARDADAM_HOST_DEVICE inline void UpdateBlockLane(const DeviceSlot& t, const Ste
 SHARDADAM_HOST_DEVICE inline Scales NewBlockScales(const DeviceSlot& t, const uint32_t best[2]) {
   const auto scale = [](uint8_t dtype, uint32_t bits) {
     const FormatInfo f = FormatOf(static_cast<DType>(dtype));
-    return BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound);
+    return BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound, f.overflow_bound);
   };
   Scales r;
   r.s[kW] = 1.0f;

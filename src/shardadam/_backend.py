@@ -126,8 +126,10 @@ def check_together(prepared: list, passed: dict) -> None:
     sharing memory with a buffer another call writes is refused before anything is
     updated. ``passed`` (the optimizer's, per device) remembers the last lists that
     passed: only the gradient columns change while the plans stand, so an unchanged
-    set of gradients is not checked again. The torch path's batches are checked for
-    the same rules by ``_torch_path.check_shared_memory`` and ``check_scales``."""
+    set of gradients is not checked again, but for the values of the scales in host
+    memory, which may change in place (a refused one is then checked in full, for the
+    core's message). The torch path's batches are checked for the same rules by
+    ``_torch_path.check_shared_memory`` and ``check_scales``."""
     torch_works, calls, count, write_back = [], {}, 0, False
     for item in prepared:
         call = item.call
@@ -148,7 +150,8 @@ def check_together(prepared: list, passed: dict) -> None:
         signature = [(call.entries, call.slots[_slots.GRAD::_slots.COLUMNS],
                       call.slots[_slots.GRAD_KIND::_slots.COLUMNS])
                      for call in same_device]
-        if _same_signature(passed.get(device), signature):
+        if (_same_signature(passed.get(device), signature)
+                and (device.type != "cpu" or _scales_valid(same_device))):
             continue
         try:
             _slots.extension.check_step_slots(
@@ -168,6 +171,18 @@ def _check_written_back(prepared: list) -> None:
     _refuse_grads_in_written_memory(
         [item.work for item in prepared if item.call is not None],
         lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)])
+
+
+def _scales_valid(calls: list) -> bool:
+    """Whether every scale these calls read is finite and > 0 (the core's rule), in a
+    few torch operations whatever the number of tensors."""
+    scales = [scale.view(-1) for call in calls for entry in call.entries
+              for scale in (entry.exp_avg_scale, entry.exp_avg_sq_scale, entry.master_scale)
+              if scale is not None]
+    if not scales:
+        return True
+    flat = torch.cat(scales)
+    return bool((torch.isfinite(flat) & (flat > 0)).all())
 
 
 def _same_signature(old, new) -> bool:

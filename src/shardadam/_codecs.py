@@ -7,6 +7,7 @@ codes is torch's own ``.to()`` (S2.4), so only these rules are written here.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -308,10 +309,20 @@ def decode_blocks(name: str, stored: torch.Tensor, scales: torch.Tensor, first: 
     return (_values_of(name, flat) * per_element).view(stored.shape)
 
 
-def block_scales(absmax: torch.Tensor, target: float, zero_bound: float) -> torch.Tensor:
+# S2.9's overflow bounds: the smallest largest magnitude of a block whose code at its
+# scale would decode past the largest fp32 (to 2^128), the midpoint between 2^128 and
+# the largest code value below it, (2 - 2^-(m+1)) · 2^127 for m mantissa bits. Such a
+# block takes scale 1, as a non-finite one does.
+OVERFLOW_BOUNDS = {"fp8-block": 1.9375 * 2.0 ** 127, "ufp8-block": 1.96875 * 2.0 ** 127,
+                   "fp4-block": 1.75 * 2.0 ** 127, "ufp4-block": 1.75 * 2.0 ** 127}
+
+
+def block_scales(absmax: torch.Tensor, target: float, zero_bound: float,
+                 overflow_bound: float = math.inf) -> torch.Tensor:
     """S2.9's scale of each block from its fp32 largest magnitude ``absmax``: the
     smallest power of two s in [2^-126, 2^127] with absmax / s <= ``target``; 1 for a
-    non-finite absmax or one <= ``zero_bound`` · 2^-126 (every code would be 0)."""
+    non-finite absmax, one <= ``zero_bound`` · 2^-126 (every code would be 0) and one
+    >= ``overflow_bound`` (its code would decode past the largest fp32)."""
     a = absmax.double()
     # A first guess from frexp of a / target, then exact comparisons (target · 2^e is
     # exact in float64) settle it whichever way the division rounded.
@@ -320,7 +331,7 @@ def block_scales(absmax: torch.Tensor, target: float, zero_bound: float) -> torc
     e = torch.where(a > torch.ldexp(torch.full_like(a, target), e), e + 1, e)
     e = torch.where(a <= torch.ldexp(torch.full_like(a, target), e - 1), e - 1, e)
     scale = torch.ldexp(torch.ones_like(a), torch.clamp(e, -126, 127))
-    one = ~torch.isfinite(a) | (a <= zero_bound * 2.0 ** -126)
+    one = ~torch.isfinite(a) | (a <= zero_bound * 2.0 ** -126) | (a >= overflow_bound)
     return torch.where(one, 1.0, scale).float()
 
 
@@ -341,7 +352,7 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
     padded = flat.new_zeros(count * block)
     padded[lead:lead + n] = flat
     absmax = torch.amax(padded.view(count, block).abs(), dim=1)  # NaN propagates
-    scales = block_scales(absmax, target, zero_bound)
+    scales = block_scales(absmax, target, zero_bound, OVERFLOW_BOUNDS[name])
     # A true division by a power of two, as the core's: exact but for fp32 subnormals.
     x = flat / scales[_block_of_each(n, first, block, value.device)]
     if rounding is not None:

@@ -204,11 +204,12 @@ class Layout:
         """The flat index in the whole parameter of ``local``'s first element, which
         keys per-block scales (S2.11). Known without communication in two cases: a
         Megatron FSDP parameter whose ``megatron_fsdp_slice`` is ``local``'s run of
-        whole rows (its start), and placements that are all Shard(0) with the local
-        tensor being torch's chunk (FSDP2's rows: torch's global row offset times the
-        row length). Any other layout (Replicate or Shard(d > 0) anywhere, a shard
-        order, a local shape other than torch's chunk's, no such slice) keys blocks to
-        the local tensor's own flat index: 0."""
+        whole rows (its start), and placements that are each Shard(0) or Replicate with
+        the local tensor being torch's chunk (FSDP2's rows, also beside HSDP's replicate
+        dimension: torch's global row offset times the row length). Any other layout
+        (Shard(d > 0) or _StridedShard anywhere, a shard order, a local shape other than
+        torch's chunk's, no such slice) keys blocks to the local tensor's own flat
+        index: 0."""
         shape = tuple(local.shape)
         first = self._first.get(shape)
         if first is None:
@@ -264,15 +265,17 @@ class Layout:
 
     def _chunk_first(self, shape: tuple) -> int:
         """The start of torch's chunk at this rank's coordinate where ``shape`` is its
-        shape under placements that are all Shard(0), else 0."""
+        shape under placements that are each Shard(0) or Replicate (HSDP's replicate
+        dimension adds nothing to the offset), else 0."""
         # Shard itself: a _StridedShard (FSDP2 beside tensor parallelism), which up to
         # torch 2.10 compares equal to Shard(0), holds rows that are not one run of the
         # parameter.
-        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if (len(self.shape) == 0 or getattr(self.mesh, "_shard_order", None) is not None
-                or not all(type(p) is Shard and p.dim == 0 for p in self.placements)):
+                or not all((type(p) is Shard and p.dim == 0) or type(p) is Replicate
+                           for p in self.placements)):
             return 0
 
         chunk, offset = compute_local_shape_and_global_offset(

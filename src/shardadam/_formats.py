@@ -129,10 +129,17 @@ class Format:
             return (_codecs.block_count(first, numel, self._block()),)
         return None
 
+    @property
+    def overflow_bound(self) -> float:
+        """Per block: the smallest largest magnitude whose code would decode past the
+        largest fp32 (S2.9; such a block takes scale 1); 0 for other formats."""
+        return _codecs.OVERFLOW_BOUNDS.get(self.name, 0.0)
+
     def row(self) -> tuple:
         """This declaration as the C++ core's table lists it (``check_extension``)."""
         return (self.tag, self.name, self.item_bits, self.scale, self.scale_block,
-                float(self.scale_target), tuple(sorted(self.roles)), float(self.zero_bound))
+                float(self.scale_target), tuple(sorted(self.roles)), float(self.zero_bound),
+                float(self.overflow_bound))
 
     # The torch codec. Values pass through fp32; rounding into the codes is torch's
     # `.to()` (copy_ rounds the same way), bit-exact with the C++ core (S2.4).
@@ -351,7 +358,8 @@ def legacy_format(dtype: torch.dtype) -> Optional[Format]:
 
 def check_extension(module) -> frozenset:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
-    name, item_bits, scale, scale_block, scale_target, roles, zero_bound)``) declares
+    name, item_bits, scale, scale_block, scale_target, roles, zero_bound,
+    overflow_bound)``) declares
     each of these formats exactly as here: the core and this package read the same
     buffers by these facts. Rows and roles are compared in any order. A per-block
     format the core does not declare at all (an older core) is only unavailable
@@ -362,8 +370,8 @@ def check_extension(module) -> frozenset:
     found = getattr(module, "FORMATS", None)
     missing = set()
     try:
-        rows = [(*row[:6], tuple(sorted(row[6])), row[7]) for row in found
-                if len(row) == 8]
+        rows = [(*row[:6], tuple(sorted(row[6])), *row[7:]) for row in found
+                if len(row) == 9]
         same = len(rows) == len(found) and len(rows) > 0
         tags = [row[0] for row in rows]
         names = [row[1] for row in rows]
@@ -374,7 +382,7 @@ def check_extension(module) -> frozenset:
                 missing.add(fmt.name)
                 continue
             same = same and mine == [fmt.row()]
-    except (TypeError, IndexError):  # not a sequence of 8-tuples of comparable values
+    except (TypeError, IndexError):  # not a sequence of 9-tuples of comparable values
         same = False
     if not same:
         raise ImportError(f"shardadam._C does not match this package (expected formats "

@@ -429,16 +429,30 @@ def _to_recreate(spec: StateSpec, error: str) -> str:
 
 def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
                        formats: Optional[dict]) -> Optional[str]:
-    """Why the scales of per-block codes ``stored`` cannot decode them, or None."""
+    """Why the scales of per-block codes ``stored`` cannot decode them, or None; for a
+    per-tensor scaled state (S2.3), why its scale cannot (a scale changed in place: its
+    values are read when a plan converts the state, before the core would see it)."""
     fmt = stored_format(stored, formats, spec.name)
-    if fmt is None or fmt.scale != "block":
+    if fmt is None or not fmt.scaled:
         return None
     scale = scales.get(spec.name) if scales else None
+    if fmt.scale == "tensor":
+        # Read where the host holds it (device scales are the kernels', unchecked).
+        if (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                and not _dtensor.is_dtensor(scale) and scale.device.type == "cpu"
+                and not bool(torch.isfinite(scale).all() & (scale > 0).all())):
+            return (f"holds {fmt.label} values with a scale of {scale.item():.9g}, which "
+                    f"is not finite and positive (rule S2.3)")
+        return None
     shape = fmt.scale_shape(fmt.numel_of(stored), spec.first_index)
+    # Contiguous: the core reads and writes them as one array from their first.
     if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
-            or scale.dtype != torch.float32 or tuple(scale.shape) != shape):
-        return (f"holds {fmt.label} codes, whose scales must be a plain fp32 tensor of "
-                f"shape {shape} (rule S2.11), got {_shown(scale)}")
+            or scale.dtype != torch.float32 or tuple(scale.shape) != shape
+            or not scale.is_contiguous()):
+        return (f"holds {fmt.label} codes, whose scales must be a contiguous plain fp32 "
+                f"tensor of shape {shape} (rule S2.11), got {_shown(scale)}"
+                + ("" if not isinstance(scale, torch.Tensor) or scale.is_contiguous()
+                   else " that is not contiguous"))
     if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
         return (f"holds {fmt.label} codes with scales that are not finite and positive "
                 f"(rule S2.9: each is a power of two)")

@@ -426,7 +426,8 @@ float EncodeBlock(DType dtype, const std::vector<float>& u, std::vector<uint8_t>
   uint32_t max_bits = 0;
   for (float x : u) max_bits = std::max(max_bits, BitsOf(x) & 0x7FFFFFFFu);
   const FormatInfo f = FormatOf(dtype);
-  const float s = BlockScaleFromAbsMaxBits(max_bits, f.scale_target, f.zero_bound);
+  const float s =
+      BlockScaleFromAbsMaxBits(max_bits, f.scale_target, f.zero_bound, f.overflow_bound);
   codes->assign(u.size(), 0);
   for (size_t i = 0; i < u.size(); ++i) ref::StoreBlockElement(codes->data(), dtype, i, u[i], s);
   return s;
@@ -448,12 +449,17 @@ TEST(BlockRoundTripTest, EveryCodeSurvivesDecodeThenEncode) {
   const struct {
     DType dtype;
     uint8_t largest, other;  // the largest finite code, and one more
-  } formats[] = {{kBlock8, 0x7E, 0x80}, {kUBlock8, 0xFE, 0x01},
-                 {kBlock4, 0x7, 0x9}, {kUBlock4, 0xE, 0x1}};
+    int top;                 // the largest scale 2^top at which the largest decodes finite
+  } formats[] = {{kBlock8, 0x7E, 0x80, 119}, {kUBlock8, 0xFE, 0x01, 119},
+                 {kBlock4, 0x7, 0x9, 125}, {kUBlock4, 0xE, 0x1, 123}};
   for (const auto& f : formats) {
     SCOPED_TRACE(DTypeName(f.dtype));
     const int count = 1 << FormatOf(f.dtype).item_bits;
-    for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118}) {
+    uint8_t top = 0;
+    ref::SetCode(&top, f.dtype, 0, f.largest);
+    EXPECT_TRUE(std::isfinite(ref::LoadElement(&top, f.dtype, 0) * std::ldexp(1.0f, f.top)));
+    EXPECT_TRUE(std::isinf(ref::LoadElement(&top, f.dtype, 0) * std::ldexp(1.0f, f.top + 1)));
+    for (int e : {-126, -100, -20, -1, 0, 1, 30, 100, 118, f.top}) {
       const float s = std::ldexp(1.0f, e);
       for (int code = 0; code < count; ++code) {
         uint8_t one = 0;
@@ -495,6 +501,31 @@ TEST(BlockRoundTripTest, RandomBlocksAreStableAfterOneEncoding) {
   }
 }
 
+// S2.9's overflow rule: a block whose largest magnitude reaches the format's
+// overflow bound (its code would decode past FLT_MAX) takes scale 1, as a
+// non-finite block does: that element stores the NaN code, the others their codes
+// at scale 1, and the block round-trips. Just below the bound every code decodes
+// finite.
+TEST(BlockRoundTripTest, BlocksPastTheOverflowBoundStoreNaNNotInfinity) {
+  for (DType dtype : {kBlock8, kUBlock8, kBlock4, kUBlock4}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const float over = FormatOf(dtype).overflow_bound;
+    std::vector<uint8_t> codes, again;
+    const float below = EncodeBlock(dtype, {std::nextafter(over, 0.0f), 1.0f}, &codes);
+    EXPECT_GT(below, std::ldexp(1.0f, 118));
+    EXPECT_TRUE(std::isfinite(DecodeBlock(dtype, codes, 2, below)[0]));
+    for (float a : {over, FLT_MAX}) {
+      const float s = EncodeBlock(dtype, {a, 1.0f}, &codes);
+      EXPECT_EQ(s, 1.0f);
+      const std::vector<float> back = DecodeBlock(dtype, codes, 2, s);
+      EXPECT_TRUE(std::isnan(back[0]));
+      EXPECT_EQ(back[1], 1.0f);
+      EXPECT_EQ(EncodeBlock(dtype, back, &again), 1.0f);
+      EXPECT_EQ(again, codes);
+    }
+  }
+}
+
 // S2.10, S2.12: no non-zero value of exp_avg_sq is stored as 0, however far
 // below the block's largest it is, and a block of zeros keeps scale 1.
 TEST(BlockRoundTripTest, UnsignedBlocksKeepEveryNonZeroValueNonZero) {
@@ -523,24 +554,29 @@ TEST(BlockRoundTripTest, UnsignedBlocksKeepEveryNonZeroValueNonZero) {
 TEST(BlockScaleRuleTest, SmallestPowerOfTwoKeepingTheBlockFinite) {
   const float bound = FormatOf(kBlock8).scale_target;
   const float zero = FormatOf(kBlock8).zero_bound;
+  const float over = FormatOf(kBlock8).overflow_bound;
   EXPECT_EQ(bound, 464.0f);
   // The bounds are where E4M3 rounding changes: to NaN above one, to 0 at the other.
   EXPECT_EQ(ref::FloatToFloat8E4M3(bound), 0x7E);
   EXPECT_EQ(ref::FloatToFloat8E4M3(std::nextafter(bound, 1e9f)) & 0x7F, 0x7F);
   EXPECT_EQ(ref::FloatToFloat8E4M3(zero), 0x00);
   EXPECT_EQ(ref::FloatToFloat8E4M3(std::nextafter(zero, 1.0f)), 0x01);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(464.0f), bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(464.0f, 1e9f)), bound, zero), 2.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(232.0f), bound, zero), 0.5f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(232.0f, 1e9f)), bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero), 1.0f);  // inf
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7FC00000u, bound, zero), 1.0f);  // NaN
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(464.0f), bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(464.0f, 1e9f)), bound, zero, over), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(232.0f), bound, zero, over), 0.5f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(232.0f, 1e9f)), bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero, over), 1.0f);  // inf
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7FC00000u, bound, zero, over), 1.0f);  // NaN
   // All zeros even at the smallest scale: scale 1. Just above: the smallest scale.
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)), bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)) + 1, bound, zero),
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)), bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -136)) + 1, bound, zero, over),
             std::ldexp(1.0f, -126));
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(FLT_MAX), bound, zero), std::ldexp(1.0f, 120));
+  // Below the overflow bound the largest scales; from it (FLT_MAX too) scale 1.
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(over, 0.0f)), bound, zero, over),
+            std::ldexp(1.0f, 120));
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(over), bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(FLT_MAX), bound, zero, over), 1.0f);
 }
 
 // S2.10: the same rule with the unsigned E4M4 bound 488, and scale 1 only for a
@@ -548,16 +584,17 @@ TEST(BlockScaleRuleTest, SmallestPowerOfTwoKeepingTheBlockFinite) {
 TEST(BlockScaleRuleTest, UnsignedBoundAndNoZeroRule) {
   const float bound = FormatOf(kUBlock8).scale_target;
   const float zero = FormatOf(kUBlock8).zero_bound;
+  const float over = FormatOf(kUBlock8).overflow_bound;
   EXPECT_EQ(bound, 488.0f);
   EXPECT_EQ(zero, 0.0f);
   EXPECT_EQ(ref::FloatToUFloat8E4M4(bound), 0xFE);
   EXPECT_EQ(ref::FloatToUFloat8E4M4(std::nextafter(bound, 1e9f)), 0xFF);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(488.0f), bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(488.0f, 1e9f)), bound, zero), 2.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(244.0f), bound, zero), 0.5f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, bound, zero), std::ldexp(1.0f, -126));
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(488.0f), bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(488.0f, 1e9f)), bound, zero, over), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(244.0f), bound, zero, over), 0.5f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0, bound, zero, over), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, bound, zero, over), std::ldexp(1.0f, -126));
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(0x7F800000u, bound, zero, over), 1.0f);
 }
 
 // S2.12: the same rule with the 4-bit bounds: signed E2M1 finite below 7
@@ -571,25 +608,25 @@ TEST(BlockScaleRuleTest, FourBitBounds) {
   EXPECT_EQ(ref::FloatToFloat4E2M1(7.0f), 0x8);
   EXPECT_EQ(ref::FloatToFloat4E2M1(f4.zero_bound), 0x0);
   EXPECT_EQ(ref::FloatToFloat4E2M1(std::nextafter(f4.zero_bound, 1.0f)), 0x1);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(6.5f), f4.scale_target, f4.zero_bound), 1.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(7.0f), f4.scale_target, f4.zero_bound), 2.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(3.5f), f4.scale_target, f4.zero_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(6.5f), f4.scale_target, f4.zero_bound, f4.overflow_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(7.0f), f4.scale_target, f4.zero_bound, f4.overflow_bound), 2.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(3.5f), f4.scale_target, f4.zero_bound, f4.overflow_bound), 1.0f);
   EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(3.5f, 0.0f)), f4.scale_target,
-                                     f4.zero_bound),
+                                     f4.zero_bound, f4.overflow_bound),
             0.5f);
   EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::ldexp(1.0f, -128)), f4.scale_target,
-                                     f4.zero_bound),
+                                     f4.zero_bound, f4.overflow_bound),
             1.0f);  // 2^-128 / 2^-126 = 0.25: code 0 at every scale
   const FormatInfo u4 = FormatOf(kUBlock4);
   EXPECT_EQ(u4.scale_target, 20.0f);
   EXPECT_EQ(u4.zero_bound, 0.0f);
   EXPECT_EQ(ref::FloatToUFloat4E3M1(20.0f), 0xE);
   EXPECT_EQ(ref::FloatToUFloat4E3M1(std::nextafter(20.0f, 1e9f)), 0xF);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(20.0f), u4.scale_target, u4.zero_bound), 1.0f);
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(20.0f), u4.scale_target, u4.zero_bound, u4.overflow_bound), 1.0f);
   EXPECT_EQ(BlockScaleFromAbsMaxBits(BitsOf(std::nextafter(20.0f, 1e9f)), u4.scale_target,
-                                     u4.zero_bound),
+                                     u4.zero_bound, u4.overflow_bound),
             2.0f);
-  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, u4.scale_target, u4.zero_bound), std::ldexp(1.0f, -126));
+  EXPECT_EQ(BlockScaleFromAbsMaxBits(1, u4.scale_target, u4.zero_bound, u4.overflow_bound), std::ldexp(1.0f, -126));
 }
 
 // The rule against its definition, S2.9, worked out here in double precision:
@@ -597,14 +634,21 @@ TEST(BlockScaleRuleTest, FourBitBounds) {
 // every binade of every block format, mantissas at both ends, random ones, and
 // the quotient's edges around the bound in each binade.
 TEST(BlockScaleRuleTest, MatchesItsDefinitionInEveryBinade) {
-  const auto expected = [](float a, const FormatInfo& f) {
+  // ... and scale 1 where the largest element's code at that scale decodes past
+  // FLT_MAX (S2.9's overflow rule), found here by encoding it.
+  const auto expected = [](float a, DType dtype) {
+    const FormatInfo f = FormatOf(dtype);
     if (!std::isfinite(a) || a <= f.zero_bound * std::ldexp(1.0f, -126)) return 1.0f;
+    float s = std::ldexp(1.0f, 127);
     for (int k = -126; k < 127; ++k) {
       if (static_cast<double>(a) / std::ldexp(1.0, k) <= f.scale_target) {
-        return std::ldexp(1.0f, k);
+        s = std::ldexp(1.0f, k);
+        break;
       }
     }
-    return std::ldexp(1.0f, 127);
+    uint8_t code = 0;
+    ref::StoreBlockElement(&code, dtype, 0, a, s);
+    return std::isinf(ref::LoadElement(&code, dtype, 0) * s) ? 1.0f : s;
   };
   std::mt19937 rng(7);
   for (DType dtype : {kBlock8, kUBlock8, kBlock4, kUBlock4}) {
@@ -622,9 +666,16 @@ TEST(BlockScaleRuleTest, MatchesItsDefinitionInEveryBinade) {
           all_bits.push_back(BitsOf(x));
         }
       }
+      if (exponent == 0xFE) {  // the overflow bound and its neighbours
+        for (float x : {std::nextafter(f.overflow_bound, 0.0f), f.overflow_bound,
+                        std::nextafter(f.overflow_bound, INFINITY)}) {
+          all_bits.push_back(BitsOf(x));
+        }
+      }
       for (uint32_t bits : all_bits) {
         const float a = FloatOf(bits);
-        ASSERT_EQ(BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound), expected(a, f))
+        ASSERT_EQ(BlockScaleFromAbsMaxBits(bits, f.scale_target, f.zero_bound, f.overflow_bound),
+                  expected(a, dtype))
             << "dtype " << static_cast<int>(dtype) << " bits 0x" << std::hex << bits;
       }
     }

@@ -809,16 +809,22 @@ def run_precision_steps(opt, params, cfg, hyper, steps, first_step, seed, what,
     return used
 
 
+# S2.9's overflow bounds, from its text: (2 - 2^-(m+1)) · 2^127 for m mantissa bits.
+OVERFLOW = {"fp8-block": (2 - 2.0 ** -4) * 2.0 ** 127, "ufp8-block": (2 - 2.0 ** -5) * 2.0 ** 127,
+            "fp4-block": (2 - 2.0 ** -2) * 2.0 ** 127, "ufp4-block": (2 - 2.0 ** -2) * 2.0 ** 127}
+
+
 def _power_of_two_scales(u: torch.Tensor, first: int, block: int, bound: float,
-                         zero_max: float):
+                         zero_max: float, overflow: float):
     """S2.9's block scales in float64 Python: per block (keyed from flat index `first`),
     the smallest power of two s in [2^-126, 2^127] with max|u| / s <= bound; 1 for a
-    non-finite max or one <= zero_max. Yields (start, end, s) in u's own indices."""
+    non-finite max, one <= zero_max, or one >= overflow. Yields (start, end, s) in u's
+    own indices."""
     start = 0
     while start < u.numel():
         end = min(u.numel(), ((first + start) // block + 1) * block - first)
         a = u[start:end].double().abs().max().item()
-        if not math.isfinite(a) or a <= zero_max:
+        if not math.isfinite(a) or a <= zero_max or a >= overflow:
             s = 1.0
         else:
             e = -126
@@ -867,7 +873,8 @@ def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
     """S2.10 in float64 Python, block by block: S2.9's scales with bound 488, 1 only for
     a zero or non-finite max, and the searched codes of u / s."""
     codes, scales = [], []
-    for start, end, s in _power_of_two_scales(u, first, block, 488.0, 0.0):
+    for start, end, s in _power_of_two_scales(u, first, block, 488.0, 0.0,
+                                              OVERFLOW["ufp8-block"]):
         codes.append(ufp8_codes(u[start:end] / s))  # fp32 division by a power of two
         scales.append(s)
     return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
@@ -875,10 +882,11 @@ def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
 
 def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
     """S2.9 in float64 Python, block by block (scale: the smallest power of two in
-    [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max or one <= 2^-136),
-    codes by torch's E4M3 cast."""
+    [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max, one <= 2^-136 or
+    one >= the overflow bound), codes by torch's E4M3 cast."""
     codes, scales = [], []
-    for start, end, s in _power_of_two_scales(u, first, block, 464.0, 2.0 ** -136):
+    for start, end, s in _power_of_two_scales(u, first, block, 464.0, 2.0 ** -136,
+                                              OVERFLOW["fp8-block"]):
         codes.append((u[start:end] / s).to(torch.float8_e4m3fn).view(torch.uint8))
         scales.append(s)
     return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
@@ -940,7 +948,8 @@ def ufp4_oracle(x: float, u: float) -> int:
 def block4_oracle(name: str, u: torch.Tensor, first: int, block: int):
     """S2.12 block by block: the smallest power of two s in [2^-126, 2^127] with
     max|u| / s below the map's bound (fp4: < 7; ufp4: <= 20); 1 for a non-finite max,
-    and for fp4 one <= 0.25 · 2^-126 (all codes 0 at every scale); codes of u / s."""
+    one >= the overflow bound, and for fp4 one <= 0.25 · 2^-126 (all codes 0 at every
+    scale); codes of u / s."""
     codes, scales, start = [], [], 0
     while start < u.numel():
         end = min(u.numel(), ((first + start) // block + 1) * block - first)
@@ -948,7 +957,7 @@ def block4_oracle(name: str, u: torch.Tensor, first: int, block: int):
         a = part.double().abs().max().item()
         fits = (lambda q: q < 7.0) if name == "fp4-block" else (lambda q: q <= 20.0)
         zero = 0.25 * 2.0 ** -126 if name == "fp4-block" else 0.0
-        if not math.isfinite(a) or a <= zero:
+        if not math.isfinite(a) or a <= zero or a >= OVERFLOW[name]:
             s = 1.0
         else:
             e = -126

@@ -314,11 +314,13 @@ def test_non_finite_gradient_gives_a_unit_scale_in_its_block_only():
 
 @pytest.mark.parametrize("family,name", [("block8", "exp_avg"), ("block8", "exp_avg_sq"),
                                          ("block4", "exp_avg"), ("block4", "exp_avg_sq")])
-@pytest.mark.parametrize("damage", ["missing", "nan", "inf", "zero", "short", "fp16"])
+@pytest.mark.parametrize("damage", ["missing", "nan", "inf", "zero", "short", "fp16",
+                                    "strided"])
 def test_codes_without_usable_scales_are_refused(damage, family, name):
-    """Per-block codes whose scales are missing, non-finite, not positive or of the
-    wrong shape or dtype cannot be decoded: step() refuses them, naming the state and
-    the rule, and changes nothing; so does every method that would read them."""
+    """Per-block codes whose scales are missing, non-finite, not positive, of the wrong
+    shape or dtype, or not one contiguous array (the core writes them from their first)
+    cannot be decoded: step() refuses them, naming the state and the rule, and changes
+    nothing; so does every method that would read them."""
     opt, params = make(moment_format=family)
     run(opt, params, 1, 2)
     p = params[0]
@@ -330,6 +332,8 @@ def test_codes_without_usable_scales_are_refused(damage, family, name):
         scales[name] = scales[name][:-1].clone()
     elif damage == "fp16":
         scales[name] = scales[name].half()
+    elif damage == "strided":  # every block reading the first one's scale
+        scales[name] = scales[name][:1].expand(scales[name].numel())
     else:
         value = {"nan": float("nan"), "inf": float("inf"), "zero": 0.0}[damage]
         scales[name] = scales[name].clone()
@@ -384,6 +388,51 @@ def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, back
         assert_unchanged(opt, before)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("family", ["block8", "fp8"])
+def test_scale_changed_in_place_in_a_later_group_changes_no_group(family, backend):
+    """A step of several groups is one step (S3.1): with the gradients at the same
+    addresses as at the last step (grad buffers), a scale of the second group changed
+    in place is refused before the first group is stepped."""
+    if backend == "auto" and not have_core():
+        pytest.skip("C++ extension not built")
+    kwargs = (dict(moment_format="block8") if family == "block8" else
+              dict(moment_format=None, exp_avg_dtype=torch.uint8,
+                   exp_avg_sq_dtype=torch.uint8))
+    with backend_context(backend):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(2, 256, generator=gen)) for _ in range(2)]
+        opt = FusedAdam([dict(params=params[:1]), dict(params=params[1:])], lr=1e-2,
+                        **kwargs)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        for _ in range(2):
+            opt.step()  # the same gradient tensors each time
+        opt._scales[params[1]]["exp_avg"].view(-1)[0] = float("nan")
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=r"group 1, param 0: exp_avg_scale(\[0\])? nan "
+                                             r"is not a valid scale"):
+            opt.step()
+        assert_unchanged(opt, before)
+
+
+def test_per_tensor_scale_changed_in_place_is_refused_before_a_conversion():
+    """A setting changed after construction converts state when the next step binds its
+    plan (S1.5); a per-tensor scale changed in place is refused before that, naming the
+    state and the rule, and nothing is converted (S3.1)."""
+    opt, params = make(moment_format=None, exp_avg_dtype=torch.uint8)
+    run(opt, params, 1, 2)
+    opt._scales[params[0]]["exp_avg"].fill_(float("nan"))
+    opt.exp_avg_sq_dtype = torch.bfloat16  # converts every exp_avg_sq at the next step
+    grads(params, 3)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=r"group 0, param 0: state 'exp_avg' holds fp8 "
+                                           r"values with a scale of nan, which is not "
+                                           r"finite and positive \(rule S2.3\)"):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
 def test_other_layouts_load_into_block4_rounded_to_nearest():
     """A checkpoint of another layout loads into block4 re-encoded to nearest (S2.12;
     S2.13 rounds only a step's new moments stochastically): codes and scales are those
@@ -409,6 +458,43 @@ def test_other_layouts_load_into_block4_rounded_to_nearest():
         decoded = table[codes.long()] * scales.double().repeat_interleave(128)[:codes.numel()]
         assert_bitwise_equal(fp32.state[q][name].reshape(-1), decoded.float(),
                              f"{name} exported")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_past_the_overflow_bound_take_scale_one(family):
+    """S2.9's overflow rule at the top of fp32: a block whose new largest magnitude
+    reaches its format's overflow bound (its code would decode past the largest fp32)
+    takes scale 1 and stores the NaN code there, as a non-finite block does; a block
+    just below keeps its power-of-two scale, and decodes finite. The C++ core and the
+    torch path store the same bits, and the scales are the test's oracle's."""
+    if not have_core():
+        pytest.skip("C++ extension not built")
+    over = {"block8": 1.9375, "block4": 1.75}[family] * 2.0 ** 127  # exp_avg's map
+    g = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    g[0, 5] = over  # reaches the bound
+    g[1, 7] = -torch.nextafter(torch.tensor(over), torch.tensor(0.0)).item()  # just below
+    runs = []
+    for backend in ("auto", "torch"):
+        with backend_context(backend):
+            p = torch.nn.Parameter(torch.zeros(3, 256))
+            # beta1 = 0: exp_avg is the gradient itself, exactly
+            opt = FusedAdam([p], lr=1e-3, betas=(0.0, 0.95), moment_format=family,
+                            moment_block_size=256 if family == "block8" else 128)
+            p.grad = g.clone()
+            opt.step()
+            runs.append((opt, p))
+    (core, p), (torch_path, q) = runs
+    assert_same_optimizer_state(core, torch_path, [p], [q], "core vs torch path")
+    fmt = core._formats[p]["exp_avg"]
+    oracle = fp8_block_oracle if family == "block8" else (
+        lambda u, first, block: block4_oracle("fp4-block", u, first, block))
+    _, scales = oracle(g.reshape(-1), 0, fmt.scale_block)
+    assert_bitwise_equal(core._scales[p]["exp_avg"], scales, "exp_avg scales")
+    per_row = 256 // fmt.scale_block
+    assert core._scales[p]["exp_avg"][0].item() == 1.0  # row 0's first block: the bound
+    assert core._scales[p]["exp_avg"][per_row].item() > 2.0 ** 118  # row 1: just below
+    value = core.get_unscaled_state(p, "exp_avg")
+    assert torch.isnan(value[0, 5]) and bool(torch.isfinite(value[1]).all())
 
 
 def test_te_state_methods_round_trip():

@@ -138,7 +138,7 @@ def test_pickles_and_copies_are_the_declared_objects():
 def table():
     """The C++ core's table as _C.FORMATS lists it, built from the registry."""
     return tuple((f.tag, f.name, f.item_bits, f.scale, f.scale_block, f.scale_target,
-                  f.roles, f.zero_bound) for f in FORMATS)
+                  f.roles, f.zero_bound, f.overflow_bound) for f in FORMATS)
 
 
 def altered(index, field, value):
@@ -151,11 +151,11 @@ def test_extension_with_the_same_table_is_accepted():
     """Rows and the roles within a row may come in any order; a list is a sequence
     too."""
     _formats.check_extension(types.SimpleNamespace(FORMATS=table()))
-    rows = [(*row[:6], tuple(reversed(row[6])), row[7]) for row in reversed(table())]
+    rows = [(*row[:6], tuple(reversed(row[6])), *row[7:]) for row in reversed(table())]
     _formats.check_extension(types.SimpleNamespace(FORMATS=rows))
     _formats.check_extension(types.SimpleNamespace(FORMATS=[list(r) for r in table()]))
     # A format of the core's that the package does not select: not its business.
-    more = table() + ((60, "int4-block", 4, "block", 0, 7.5, ("moment",), 0.5),)
+    more = table() + ((60, "int4-block", 4, "block", 0, 7.5, ("moment",), 0.5, 0.0),)
     assert _formats.check_extension(types.SimpleNamespace(FORMATS=more)) == frozenset()
 
 
@@ -171,9 +171,10 @@ OTHER_TABLES = {
     "a-format-missing": tuple(row for row in table() if row[1] != "fp8"),
     "block-format-altered": tuple(row if row[1] != "fp8-block" else row[:5] + (448.0,)
                                   + row[6:] for row in table()),
-    "another-with-an-fp16-tag": table() + ((2, "int8", 1, "none", 0, 0.0, ("moment",), 0.0),),
+    "another-with-an-fp16-tag": table() + ((2, "int8", 1, "none", 0, 0.0, ("moment",), 0.0,
+                                            0.0),),
     "another-with-an-fp16-name": table() + ((60, "fp16", 1, "none", 0, 0.0, ("moment",),
-                                             0.0),),
+                                             0.0, 0.0),),
     "one-twice": table() + (table()[0],),
     "fp16-tag": altered(1, 0, 3),
     "fp16-name": altered(1, 1, "half"),
@@ -184,8 +185,11 @@ OTHER_TABLES = {
     "bf16-as-master": altered(2, 6, ("moment", "master")),
     "rows-without-roles": tuple(row[:6] for row in table()),
     "rows-without-zero-bound": tuple(row[:7] for row in table()),
+    "rows-without-overflow-bound": tuple(row[:8] for row in table()),
+    "block-overflow-bound-altered": tuple(row if row[1] != "fp4-block" else row[:8]
+                                          + (2.0 ** 127,) for row in table()),
     "rows-with-a-field-more": tuple(row + (0,) for row in table()),
-    "tag-and-name-swapped": (("fp32", 1, 4, "none", 0, 0.0, ("moment", "master"), 0.0),)
+    "tag-and-name-swapped": (("fp32", 1, 4, "none", 0, 0.0, ("moment", "master"), 0.0, 0.0),)
                             + table()[1:],
     "empty": (), "none": None, "a-number": 5, "a-string": "fp32"}
 

@@ -93,6 +93,9 @@ struct FormatInfo {
   // Per block: the largest magnitude that encodes to code 0 (S2.9: a block that
   // is all zeros even at the smallest scale takes scale 1).
   float zero_bound = 0.0f;
+  // Per block: the smallest largest magnitude whose code at its scale would decode
+  // past FLT_MAX (S2.9: such a block takes scale 1, as a non-finite one does).
+  float overflow_bound = 0.0f;
 };
 
 // Largest magnitudes of S2.3: fp16 finfo.max / 2 and the largest finite E4M3 value.
@@ -114,6 +117,12 @@ inline constexpr float kFloat4ZeroBound = 0.25f;
 // Unsigned E3M1 (S2.12): up to 20, the midpoint between the largest value 16
 // and the NaN code's place (24), where the tie rounds to 16; zero-free.
 inline constexpr float kUFloat4FiniteBound = 20.0f;
+// S2.9's overflow bounds: at the largest scales a block's largest magnitude rounds
+// to 2^128 (infinite) from the midpoint between 2^128 and the largest code value
+// below it, (2 - 2^-(m+1)) * 2^127 for m mantissa bits.
+inline constexpr float kFloat8OverflowBound = 1.9375f * 0x1p127f;   // m = 3
+inline constexpr float kUFloat8OverflowBound = 1.96875f * 0x1p127f; // m = 4
+inline constexpr float kFloat4OverflowBound = 1.75f * 0x1p127f;     // m = 1, both maps
 
 // Elements per scale of per-block scaled states: a power of two in this range.
 // The lower bound is a whole number of SIMD vector pairs on every target.
@@ -138,13 +147,15 @@ SHARDADAM_FORMAT_FN FormatTable MakeFormatTable() {
       {DType::kInt16Remainder, "remainder", 16, Element::kInt16Remainder, Scaling::kNone,
        0, 0.0f, kRoleMaster},
       {DType::kFloat8E4M3Block, "fp8-block", 8, Element::kFloat8E4M3, Scaling::kPerBlock,
-       0, kFloat8FiniteBound, kRoleMoment, kFloat8ZeroBound},
+       0, kFloat8FiniteBound, kRoleMoment, kFloat8ZeroBound, kFloat8OverflowBound},
       {DType::kUFloat8E4M4Block, "ufp8-block", 8, Element::kUFloat8E4M4,
-       Scaling::kPerBlock, 0, kUFloat8FiniteBound, kRoleExpAvgSq, 0.0f},
+       Scaling::kPerBlock, 0, kUFloat8FiniteBound, kRoleExpAvgSq, 0.0f,
+       kUFloat8OverflowBound},
       {DType::kFloat4E2M1Block, "fp4-block", 4, Element::kFloat4E2M1, Scaling::kPerBlock,
-       0, kFloat4FiniteBound, kRoleMoment, kFloat4ZeroBound},
+       0, kFloat4FiniteBound, kRoleMoment, kFloat4ZeroBound, kFloat4OverflowBound},
       {DType::kUFloat4E3M1Block, "ufp4-block", 4, Element::kUFloat4E3M1,
-       Scaling::kPerBlock, 0, kUFloat4FiniteBound, kRoleExpAvgSq, 0.0f},
+       Scaling::kPerBlock, 0, kUFloat4FiniteBound, kRoleExpAvgSq, 0.0f,
+       kFloat4OverflowBound},
   }};
 }
 #if !defined(__CUDA_ARCH__)

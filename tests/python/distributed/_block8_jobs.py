@@ -139,9 +139,10 @@ def block8_dcp_resume(ctx, case):
 
 def block8_mesh_rule(ctx, case):
     """S2.11's mesh rule on rows that are not whole blocks (96 elements, B = 128), one
-    step from zero moments: under Shard(0) the blocks are keyed to the global flat index
-    (f = row offset x row length), under Shard(1), Replicate and _StridedShard(0) to the
-    local one (f = 0); rows cut 5/3/1 (not torch's 3/3/3 chunks) marked with Megatron
+    step from zero moments: under Shard(0), also beside HSDP's Replicate on a 2 x 2 mesh,
+    the blocks are keyed to the global flat index (f = row offset x row length; a
+    Replicate alone holds the whole tensor, f = 0), under Shard(1) and _StridedShard(0)
+    to the local one (f = 0); rows cut 5/3/1 (not torch's 3/3/3 chunks) marked with Megatron
     FSDP's ``megatron_fsdp_slice`` of the whole parameter (``orig_param``) at their true
     offset, and the same rows marked with a slice that is not their run, or with one of a
     tensor-parallel part (an ``orig_param`` of half the rows), both keyed as if unmarked
@@ -166,6 +167,10 @@ def block8_mesh_rule(ctx, case):
                # placement equals Shard(0), but a rank's rows are not torch's chunk's
                # run (rank 1 holds rows 6, 7 where the chunk offset says 5)
                "_StridedShard(0)": ([_StridedShard(0, split_factor=2), Shard(0)], 0),
+               # HSDP on a 2 x 2 mesh, 6 rows: replicas of torch's 3-row chunks, keyed
+               # at the chunk's offset (the replicate dimension adds none), 288: not a
+               # multiple of the block
+               "HSDP-(Replicate,Shard(0))": ([Replicate(), Shard(0)], None),
                "rows-5-3-1+megatron_fsdp_slice": ([Shard(0)], cut and cut.start * 96),
                "rows-5-3-1+slice-off-the-rows": ([Shard(0)], unmarked),
                "rows-5-3-1+slice-of-a-tp-part": ([Shard(0)], unmarked)}
@@ -178,6 +183,11 @@ def block8_mesh_rule(ctx, case):
         from torch.distributed.device_mesh import init_device_mesh
 
         shape, mesh = (10, 96), init_device_mesh("cpu", (2, 2))
+    if detail.startswith("HSDP"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape, mesh = (6, 96), init_device_mesh("cpu", (2, 2))
+        first = mesh.get_coordinate()[1] * 3 * 96
     full = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     g = full_grad(shape, seed_of("block8-mesh"), torch.float32)
     if detail.startswith("rows-5-3-1"):

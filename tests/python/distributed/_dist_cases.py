@@ -152,6 +152,8 @@ def _build():
                       "p=fp32-m=block8", "_StridedShard(0)"))
     cases.append(Case("W=3-block4-mesh-rule-Shard(1)-takes-block8", 3, "block8_mesh_rule",
                       "p=fp32-m=block4", "Shard(1)+block4"))
+    cases.append(Case("W=4-block8-mesh-rule-HSDP-2x2", 4, "block8_mesh_rule",
+                      "p=fp32-m=block8", "HSDP-(Replicate,Shard(0))"))
     cases.append(Case("W=2-block4-rows-cut-6-4-keyed-locally-resume-bitwise", 2,
                       "block4_uneven_rows", "p=fp32-m=block4"))
     for api in DCP_APIS:
