@@ -412,12 +412,13 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
 def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],
                       formats: Optional[dict]) -> Optional[str]:
     """A sentence if a state of ``entry`` cannot be read as values: per-block codes whose
-    scales (in ``scales``) are missing or unusable (consistency_error's last rule)."""
+    scales (in ``scales``) are missing or unusable, or a per-tensor scaled state whose
+    scale is not finite and positive (consistency_error's last rule)."""
     for spec in specs:
         stored = entry.get(spec.name)
         if stored is None:
             continue
-        error = _block_scale_error(_dtensor.to_local(stored), spec, scales, formats)
+        error = _scale_error(_dtensor.to_local(stored), spec, scales, formats)
         if error is not None:
             return _to_recreate(spec, error)
     return None
@@ -427,8 +428,8 @@ def _to_recreate(spec: StateSpec, error: str) -> str:
     return f"state {spec.name!r} {error}; call initialize_state(param) to recreate it"
 
 
-def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
-                       formats: Optional[dict]) -> Optional[str]:
+def _scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
+                 formats: Optional[dict]) -> Optional[str]:
     """Why the scales of per-block codes ``stored`` cannot decode them, or None; for a
     per-tensor scaled state (S2.3), why its scale cannot (a scale changed in place: its
     values are read when a plan converts the state, before the core would see it)."""
@@ -445,14 +446,13 @@ def _block_scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[d
                     f"is not finite and positive (rule S2.3)")
         return None
     shape = fmt.scale_shape(fmt.numel_of(stored), spec.first_index)
-    # Contiguous: the core reads and writes them as one array from their first.
     if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
-            or scale.dtype != torch.float32 or tuple(scale.shape) != shape
-            or not scale.is_contiguous()):
-        return (f"holds {fmt.label} codes, whose scales must be a contiguous plain fp32 "
-                f"tensor of shape {shape} (rule S2.11), got {_shown(scale)}"
-                + ("" if not isinstance(scale, torch.Tensor) or scale.is_contiguous()
-                   else " that is not contiguous"))
+            or scale.dtype != torch.float32 or tuple(scale.shape) != shape):
+        return (f"holds {fmt.label} codes, whose scales must be a plain fp32 tensor of "
+                f"shape {shape} (rule S2.11), got {_shown(scale)}")
+    if not scale.is_contiguous():  # the core reads and writes them as one array
+        return (f"holds {fmt.label} codes, whose scales must be one contiguous array "
+                f"(rule S2.11), got strides {scale.stride()}")
     if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
         return (f"holds {fmt.label} codes with scales that are not finite and positive "
                 f"(rule S2.9: each is a power of two)")

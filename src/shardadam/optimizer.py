@@ -168,7 +168,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _planned_entry(self, param, config, group: int, index: int, named: dict):
         """What add_param_group writes for ``param``; state it already has (a parameter
-        moved between groups) must be readable: per-block codes need their scales."""
+        moved between groups) must be readable: scaled codes need usable scales."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         specs = config.specs_of(local, layout)
         entry, scales, formats = (self.state.get(param), self._scales.get(param),

@@ -360,6 +360,12 @@ def test_codes_without_usable_scales_are_refused(damage, family, name):
     assert_unchanged(opt, before)
 
 
+# Scaled moments per block and per tensor, for the tests of scales changed in place.
+SCALED = {"block8": dict(moment_format="block8"),
+          "fp8": dict(moment_format=None, exp_avg_dtype=torch.uint8,
+                      exp_avg_sq_dtype=torch.uint8)}
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -0.5])
 @pytest.mark.parametrize("family", ["block8", "fp8"])
@@ -369,9 +375,7 @@ def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, back
     same words, before anything is written (S2.11)."""
     if backend == "auto" and not have_core():
         pytest.skip("C++ extension not built")
-    kwargs = (dict(moment_format="block8") if family == "block8" else
-              dict(moment_format=None, exp_avg_dtype=torch.uint8,
-                   exp_avg_sq_dtype=torch.uint8))
+    kwargs = SCALED[family]
     with backend_context(backend):
         opt, params = make(**kwargs)
         run(opt, params, 1, 2)
@@ -396,9 +400,7 @@ def test_scale_changed_in_place_in_a_later_group_changes_no_group(family, backen
     in place is refused before the first group is stepped."""
     if backend == "auto" and not have_core():
         pytest.skip("C++ extension not built")
-    kwargs = (dict(moment_format="block8") if family == "block8" else
-              dict(moment_format=None, exp_avg_dtype=torch.uint8,
-                   exp_avg_sq_dtype=torch.uint8))
+    kwargs = SCALED[family]
     with backend_context(backend):
         gen = torch.Generator().manual_seed(3)
         params = [torch.nn.Parameter(torch.randn(2, 256, generator=gen)) for _ in range(2)]
