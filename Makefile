@@ -82,10 +82,10 @@ test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-cpp test-python
 
 test-cpp: $(CPP_BUILD)/.build-stamp
-	$(CPP_NICE) ctest --test-dir $(CPP_BUILD) --output-on-failure -j2
+	$(CPP_NICE) ctest --test-dir $(CPP_BUILD) --output-on-failure -j2 --timeout 900
 
 test-python: $(VENV)/.package-stamp
-	$(PY) -m pytest -q
+	SHARDADAM_REQUIRE_CORE=1 $(PY) -m pytest -q
 
 # Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
 bench: setup $(VENV)/.deepspeed-stamp

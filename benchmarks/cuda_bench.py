@@ -3,7 +3,7 @@ process.
 
 (a) copy: the device's copy bandwidth (``dst.copy_(src)`` of a large buffer, read +
     write), the ceiling the step is compared with.
-(b) kernel: ``FusedAdam.step()`` on one large tensor per state preset, beside
+(b) kernel: ``FusedAdam.step()`` on one large tensor (rows of ``ROW``) per state preset, beside
     ``torch.optim.AdamW(fused=True)`` in fp32; GB/s at docs/benchmarking.md's minimum
     bytes per element and the fraction of (a) (the goals: ``KERNEL_TARGETS``). Plus an
     fp8 ``exp_avg`` beside a bf16 ``exp_avg_sq``, block8 and block4 moments, and two
@@ -140,6 +140,13 @@ def fused_adam(preset, params):
     return FusedAdam(params, **HYPER, **preset.fused_adam_kwargs())
 
 
+def stored_moments(opt) -> list:
+    """The formats the optimizer's first parameter stores its moments in, as recorded
+    layouts name them (what the row timed, e.g. ``fp4-block:128``)."""
+    param = opt.param_groups[0]["params"][0]
+    return [opt._formats[param][name].label for name in ("exp_avg", "exp_avg_sq")]
+
+
 def torch_adamw(params):
     return torch.optim.AdamW(params, **HYPER, fused=True)
 
@@ -166,24 +173,32 @@ def copy_part(args, device) -> dict:
     return result
 
 
+# (b)'s tensor is rows of this many elements: whole blocks of every block size, and an
+# even last dimension, so block4 packs its codes (a 1-D tensor would take block8's).
+ROW = 4096
+
+
 def kernel_part(args, device, copy_gbps) -> dict:
     contenders, optimizers = {}, []
     presets = [*PRESETS.values(), FP8_BF16, *(preset for preset, _ in LOWBIT_CASES),
                *CATCH_ALL]
+    shape = (max(1, args.numel // ROW), ROW)
+    numel = shape[0] * shape[1]
     for preset in presets:
-        opt = fused_adam(preset, make_params([(args.numel,)], preset.param_dtype, device, 1))
+        opt = fused_adam(preset, make_params([shape], preset.param_dtype, device, 1))
         optimizers.append(opt)
         contenders[preset.name] = opt.step
-    reference = torch_adamw(make_params([(args.numel,)], torch.float32, device, 1))
+    reference = torch_adamw(make_params([shape], torch.float32, device, 1))
     contenders["torch-fused-fp32"] = reference.step
     samples = interleaved(contenders, args.rounds, args.warmup, device)
     torch_s = stats(samples["torch-fused-fp32"])["median_s"]
     rows = []
     for preset in presets:
-        row = {"preset": preset.name, "label": preset.label, "numel": args.numel,
+        row = {"preset": preset.name, "label": preset.label, "numel": numel,
                "tensors": 1, "bytes_per_element": preset.minimum_bytes,
+               "stored_moments": stored_moments(optimizers[presets.index(preset)]),
                **stats(samples[preset.name])}
-        row["elements_per_s"] = args.numel / row["median_s"]
+        row["elements_per_s"] = numel / row["median_s"]
         row["gbps"] = row["elements_per_s"] * preset.minimum_bytes / 1e9
         row["fraction_of_copy"] = row["gbps"] / copy_gbps if copy_gbps else None
         row["target"] = KERNEL_TARGETS.get(preset.name)
@@ -195,9 +210,9 @@ def kernel_part(args, device, copy_gbps) -> dict:
         row["vs_torch_fused_fp32"] = torch_s / row["median_s"]
         rows.append(row)
     torch_row = {"preset": "torch-fused-fp32", "label": "torch AdamW(fused=True) fp32",
-                 "numel": args.numel, "tensors": 1, "bytes_per_element": TORCH_FP32_BYTES,
+                 "numel": numel, "tensors": 1, "bytes_per_element": TORCH_FP32_BYTES,
                  **stats(samples["torch-fused-fp32"])}
-    torch_row["gbps"] = args.numel * TORCH_FP32_BYTES / torch_row["median_s"] / 1e9
+    torch_row["gbps"] = numel * TORCH_FP32_BYTES / torch_row["median_s"] / 1e9
     torch_row["fraction_of_copy"] = torch_row["gbps"] / copy_gbps if copy_gbps else None
     for row, opt in zip(rows, optimizers):
         row["extra_memory_bytes"] = extra_memory(opt.step, device)

@@ -389,9 +389,13 @@ struct Stats {
   double median, min, max;
 };
 
+// The median as Python's statistics.median takes it: the mean of the middle two of
+// an even count.
 Stats Summarize(std::vector<double> s) {
   std::sort(s.begin(), s.end());
-  return {s[s.size() / 2], s.front(), s.back()};
+  const size_t n = s.size();
+  const double median = n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+  return {median, s.front(), s.back()};
 }
 
 const char kUsage[] =

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #if defined(__linux__)
 #include <dlfcn.h>
@@ -64,9 +66,12 @@ struct Search {
   unsigned long long adds = 0;
   bool first = true;
   bool only_count = false;  // stop after reading the counter
-  Runtime* found = nullptr;
+  std::vector<std::string> candidates;  // OpenMP runtimes' paths, opened afterwards
 };
 
+// dl_iterate_phdr's callback runs holding a loader lock, so it only reads: a
+// dlopen here would take the loader's other lock, which a dlopen on another
+// thread takes first, and the two threads could wait on each other forever.
 int VisitObject(dl_phdr_info* info, size_t size, void* data) {
   Search& search = *static_cast<Search*>(data);
   if (search.first) {
@@ -77,18 +82,27 @@ int VisitObject(dl_phdr_info* info, size_t size, void* data) {
     }
     if (search.only_count) return 1;
   }
-  if (info->dlpi_name == nullptr || !IsOpenMpRuntime(info->dlpi_name)) return 0;
-  // RTLD_NOLOAD: a handle to the object already there, never a second copy.
-  void* handle = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_LOCAL | RTLD_NOLOAD);
-  if (handle == nullptr) return 0;
-  auto parallel = reinterpret_cast<ParallelFn>(dlsym(handle, "GOMP_parallel"));
-  auto thread_num = reinterpret_cast<ThreadNumFn>(dlsym(handle, "omp_get_thread_num"));
-  if (parallel == nullptr || thread_num == nullptr) {
-    dlclose(handle);
-    return 0;
+  if (info->dlpi_name != nullptr && IsOpenMpRuntime(info->dlpi_name)) {
+    search.candidates.emplace_back(info->dlpi_name);
   }
-  search.found = new Runtime{parallel, thread_num, info->dlpi_name};
-  return 1;
+  return 0;
+}
+
+// The first candidate with GOMP's entry points, outside the loader's iteration.
+// RTLD_NOLOAD: a handle to the object already there, never a second copy (one
+// unloaded since the iteration is skipped).
+Runtime* OpenRuntime(const std::vector<std::string>& candidates) {
+  for (const std::string& path : candidates) {
+    void* handle = dlopen(path.c_str(), RTLD_LAZY | RTLD_LOCAL | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    auto parallel = reinterpret_cast<ParallelFn>(dlsym(handle, "GOMP_parallel"));
+    auto thread_num = reinterpret_cast<ThreadNumFn>(dlsym(handle, "omp_get_thread_num"));
+    if (parallel != nullptr && thread_num != nullptr) {
+      return new Runtime{parallel, thread_num, path};
+    }
+    dlclose(handle);
+  }
+  return nullptr;
 }
 
 const Runtime* FindRuntime() {
@@ -105,10 +119,11 @@ const Runtime* FindRuntime() {
   }
   Search search;
   dl_iterate_phdr(VisitObject, &search);
+  Runtime* found = OpenRuntime(search.candidates);
   g_searched = true;
   g_searched_adds = search.adds;
-  g_runtime.store(search.found, std::memory_order_release);
-  return search.found;
+  g_runtime.store(found, std::memory_order_release);
+  return found;
 }
 
 const Runtime* UsableRuntime() {

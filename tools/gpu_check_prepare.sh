@@ -13,6 +13,8 @@ PACKAGES=(libhwy-dev libhwy1 libgtest-dev pkgconf pkgconf-bin libpkgconf3)
 
 download=$(mktemp -d)
 trap 'rm -rf "$download"' EXIT
+# A fresh image has empty package lists: fill them where allowed (as root).
+if [ "$(id -u)" = 0 ]; then apt-get update -qq; fi
 # apt-get download writes to the current directory; as root it warns that the
 # download is unsandboxed, which is harmless here.
 (cd "$download" && apt-get download "${PACKAGES[@]}")

@@ -1,6 +1,6 @@
-"""The long soak: ``python tools/soak.py`` from the repository root (defaults: the four
-demo presets, 600 steps, a checkpoint every 10, 16 ranks SIGKILLed, world sizes 2 and 3;
-about 10 minutes on 2 cores).
+"""The long soak: ``python tools/soak.py`` from the repository root (defaults: every
+demo preset, 600 steps, a checkpoint every 10, 16 ranks SIGKILLed, world sizes 2 and 3;
+about 10 minutes on 2 cores for the four presets of docs/guarantees.md's record).
 
 FSDP2 on gloo CPU ranks with the demo's model; ranks are killed at random moments
 (backward, ``step()``, a checkpoint write, from outside), the job is restarted from the

@@ -124,7 +124,8 @@ def check_together(prepared: list, passed: dict) -> None:
     """A step of several C++ calls (groups, devices) is one step: the slots of each
     device's calls are checked as one list before any call runs, so that a gradient
     sharing memory with a buffer another call writes is refused before anything is
-    updated. ``passed`` (the optimizer's, per device) remembers the last lists that
+    updated; a lone call too where the torch path writes other batches of the step
+    before it. ``passed`` (the optimizer's, per device) remembers the last lists that
     passed: only the gradient columns change while the plans stand, so an unchanged
     set of gradients is not checked again, but for the values of the scales in host
     memory, which may change in place (a refused one is then checked in full, for the
@@ -144,7 +145,7 @@ def check_together(prepared: list, passed: dict) -> None:
         _torch_path.check_scales(torch_works)
     if write_back:
         _check_written_back(prepared)
-    if count < 2:
+    if count < 2 and not torch_works:
         return  # a lone call checks itself before writing anything
     for device, same_device in calls.items():
         signature = [(call.entries, call.slots[_slots.GRAD::_slots.COLUMNS],

@@ -12,13 +12,18 @@ and tags.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 from . import _formats, _validate
 from ._formats import TAG_NONE
 
 try:
     from . import _C as extension
-except ImportError:  # not built: every batch takes the torch path
+except ModuleNotFoundError:  # not built: every batch takes the torch path
+    extension = None
+except ImportError as _error:  # built but not loadable (e.g. an undefined symbol)
+    warnings.warn(f"shardadam._C could not be loaded ({_error}); every step takes the "
+                  f"torch path, much slower on CPU: rebuild the extension", RuntimeWarning)
     extension = None
 
 # What a slot row holds, in the order _row() lists it.

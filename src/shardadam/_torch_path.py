@@ -10,6 +10,7 @@ everything else.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from array import array
 
@@ -163,11 +164,36 @@ def check_scales(works: list) -> None:
                         f"finite value > 0")
 
 
+def _flushing_denormals() -> bool:
+    """Whether CPU float ops flush subnormals (``torch.set_flush_denormal(True)``, which
+    torch offers no getter for): a subnormal times one then reads as zero."""
+    return bool(torch.tensor(2.0 ** -140, dtype=torch.float32).mul(1.0) == 0)
+
+
+@contextlib.contextmanager
+def _subnormals_kept(device):
+    """IEEE subnormals for the step, as the C++ core sets them for its own (float_mode.h):
+    a caller's flush-to-zero mode would change the bits on CPU."""
+    flushing = device.type == "cpu" and _flushing_denormals()
+    if flushing:
+        torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        if flushing:
+            torch.set_flush_denormal(True)
+
+
 def step(work, hyper) -> None:
     active = [(entry, grad) for entry, grad in zip(work.batch.entries, work.grads)
               if grad is not None and entry.numel > 0]
     if not active:
         return
+    with _subnormals_kept(work.batch.device):
+        _step(active, hyper)
+
+
+def _step(active, hyper) -> None:
     k = step_constants(hyper)
     entries = [entry for entry, _ in active]
     # Gradients are read, never written: fp32 ones are used as they are and every op

@@ -253,10 +253,13 @@ class FusedAdam(torch.optim.Optimizer):
         # once: the last check before anything is updated.
         _backend.check_together([item for items in prepared for item in items],
                                 self._checked)
-        for group, (_, hyper, _), items in zip(self.param_groups, work, prepared):
+        for (_, hyper, _), items in zip(work, prepared):
             for item in items:
                 _backend.run(item, hyper)
-            group["step"] = hyper.step  # every group, even with no gradient (S2.8)
+        # Every group, even with no gradient (S2.8), once every batch has run: a call
+        # refused on its own leaves no group counted.
+        for group, (_, hyper, _) in zip(self.param_groups, work):
+            group["step"] = hyper.step
         return loss
 
     def _own_step(self, closure):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -227,9 +228,9 @@ def add_arguments(parser):
                         help=f"embedding width (default {FULL.dim})")
     parser.add_argument("--batch", type=_positive_int, default=FULL.batch,
                         help=f"tokens per step (default {FULL.batch})")
-    parser.add_argument("--seed", type=_positive_int_or_zero, default=FULL.seed,
-                        help=f"seed of the weights, the permutation and the batches "
-                             f"(default {FULL.seed})")
+    parser.add_argument("--seed", type=_seed, default=FULL.seed,
+                        help=f"seed of the weights, the permutation and the batches, below "
+                             f"2**32 (default {FULL.seed})")
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch threads (default: torch's); results are bitwise "
                              "repeatable for a given count")
@@ -251,6 +252,15 @@ def _positive_int_or_zero(text):
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _seed(text):
+    # The batches' generator is seeded with seed * 1_000_003 + 1, which torch takes up
+    # to 2**64 - 1.
+    value = _positive_int_or_zero(text)
+    if value >= 2**32:
+        raise argparse.ArgumentTypeError(f"must be below 2**32, got {value}")
     return value
 
 
@@ -305,6 +315,17 @@ def run(args):
         if args.param_rounding != "nearest":
             kwargs.update(param_rounding=args.param_rounding)
         make = fused_adam_factory(**kwargs)
+        try:  # the constructor's own checks, before minutes of training
+            dtype = getattr(torch, _DTYPES[args.params])
+            make([torch.nn.Parameter(torch.zeros(2, 2, dtype=dtype))], lr=workload.lr)
+        except (ValueError, RuntimeError) as error:
+            print(f"shardadam rare-tokens: error: {error}", file=sys.stderr)
+            return 2
+    if args.json is not None and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.json))):
+        print(f"shardadam rare-tokens: error: --json {args.json}: no such folder",
+              file=sys.stderr)
+        return 2
     label = describe(args)
     print(f"rare tokens: embedding + head {workload.vocab} x {workload.dim}, Zipf "
           f"{workload.exponent}, {workload.batch} tokens/step, {workload.steps} steps, "

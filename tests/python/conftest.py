@@ -19,6 +19,15 @@ if HERE not in sys.path:
 
 from _optimizer_testing import backend_context  # noqa: E402
 
+# `make test` builds the extension and sets this: a run without it would skip the
+# core's own tests, step every other one with torch ops, and still pass.
+if os.environ.get("SHARDADAM_REQUIRE_CORE") == "1":
+    try:
+        import shardadam._C  # noqa: F401
+    except ImportError as _error:
+        raise pytest.UsageError(f"SHARDADAM_REQUIRE_CORE=1, but shardadam._C does not load "
+                                f"({_error}): rebuild the package") from None
+
 
 @pytest.fixture(params=["auto", "torch"], ids=lambda name: f"backend={name}")
 def backend(request):

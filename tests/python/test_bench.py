@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from shardadam import peers
 from shardadam.bench import cases, contenders, timing
 
 # Every case kind with the contenders it must report (probes included).
@@ -23,7 +24,7 @@ _RECORD_TYPES = {
     "case": str, "kind": str, "contender": str, "description": str, "preset": str,
     "preset_name": str, "dtypes": dict, "numel": int, "tensors": int, "threads": int,
     "ranks": int, "state_bytes": int, "bytes_per_element": dict, "status": str,
-    "ratio_to": dict,
+    "ratio_to": dict, "own_layout": bool,
 }
 _TIMED_FIELDS = ("elements_per_s", "gb_per_s")
 # The large presets' step right after torch's work (bench/training.py).
@@ -119,6 +120,12 @@ def test_records_have_the_documented_fields(tiny_run):
         for key in ("seconds", "fraction_of_probe", "peak_extra_bytes",
                     "peak_extra_fraction_of_state", "reason"):
             assert key in record, (where, key)
+        # The contenders that keep no master count their own layout's bytes.
+        own = record["contender"] in ("shardadam-sr", *peers.PEERS) and \
+            record["kind"] == "lowbit"
+        assert record["own_layout"] is own, where
+        if own:
+            assert record["dtypes"]["master"] is None, where
 
 
 def test_timings_are_positive_and_ordered(tiny_run):
@@ -133,9 +140,10 @@ def test_timings_are_positive_and_ordered(tiny_run):
         assert 0 < seconds["min"] <= seconds["median"] <= seconds["max"], where
         for key in _TIMED_FIELDS:
             assert record[key] > 0, (where, key)
-        if record["kind"] in ("large", "lowbit"):
+        if record["kind"] in ("large", "lowbit") and not record["own_layout"]:
             assert record["fraction_of_probe"] > 0, where
-        else:  # the probe's per-tensor overhead would set the ratio (runner._relate)
+        else:  # the probe's per-tensor overhead would set the ratio (runner._relate),
+            # or it moves another layout's bytes than this contender's
             assert record["fraction_of_probe"] is None, where
         for other, ratio in record["ratio_to"].items():
             assert ratio > 0 and other != record["contender"], where
@@ -327,3 +335,11 @@ def test_gpu_benchmark_script_runs_on_the_cpu(tmp_path):
     wanted = set(cases.PRESETS) | {preset.name for preset, _ in cases.LOWBIT_CASES}
     assert wanted <= timed, sorted(wanted - timed)
     assert all(row["median_s"] > 0 for row in report["parts"]["kernel"]["rows"])
+    # each row timed the formats it is named for (block4 packs the rows' codes)
+    stored = {row["preset"]: row["stored_moments"] for row in report["parts"]["kernel"]["rows"]
+              if "stored_moments" in row}
+    for preset, _ in cases.LOWBIT_CASES:
+        want = {"block8": ["fp8-block:256", "ufp8-block:256"],
+                "block4": ["fp4-block:128", "ufp4-block:128"]}.get(preset.moment_format)
+        if want is not None:
+            assert stored[preset.name] == want, (preset.name, stored[preset.name])

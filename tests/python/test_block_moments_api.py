@@ -576,3 +576,45 @@ def test_recorded_layouts_read_back():
                 "exp_avg=fp8-block:512 exp_avg_sq=fp8-block:512 master=none"):
         with pytest.raises(ValueError, match="is not a state layout"):
             StateConfig.from_record(bad)
+
+
+def test_lone_refused_call_counts_no_group():
+    """One C++ call refuses the step (a scale changed in place): the group stepped
+    without gradients before it is not counted either (S2.8, S3.1)."""
+    gen = torch.Generator().manual_seed(4)
+    idle, busy = (torch.nn.Parameter(torch.randn(2, 256, generator=gen)) for _ in range(2))
+    opt = FusedAdam([dict(params=[idle]), dict(params=[busy])], lr=1e-2,
+                    moment_format="block8")
+    busy.grad = torch.randn(busy.shape, generator=gen)
+    opt.step()
+    opt._scales[busy]["exp_avg"].view(-1)[0] = float("nan")
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"group 1, param 0: exp_avg_scale\[0\] nan"):
+        opt.step()
+    assert_unchanged(opt, before)
+    assert [g["step"] for g in opt.param_groups] == [1, 1]
+
+
+def test_torch_path_keeps_subnormals_under_a_callers_flush_to_zero():
+    """The C++ core steps with IEEE subnormals whatever the caller set (float_mode.h);
+    the torch path does the same, so torch.set_flush_denormal(True) changes neither's
+    bits, and the caller's mode is back after the step."""
+    if not have_core():
+        pytest.skip("C++ extension not built")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        runs = []
+        for backend in ("auto", "torch"):
+            with backend_context(backend):
+                p = torch.nn.Parameter(torch.full((300,), 1e-30))
+                opt = FusedAdam([p], lr=1e-3, eps=1e-30, moment_format="block8")
+                p.grad = torch.full((300,), 1e-21)
+                opt.step()
+                runs.append((opt, p))
+        assert bool(torch.tensor(2.0 ** -140).mul(1.0) == 0), "the caller's mode, restored"
+    finally:
+        torch.set_flush_denormal(False)
+    (core, p), (torch_path, q) = runs
+    assert_same_optimizer_state(core, torch_path, [p], [q], "core vs torch path under FTZ")
+    assert bool((p.detach() != 0).all())  # subnormal arithmetic kept the weights

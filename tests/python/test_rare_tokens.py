@@ -16,6 +16,7 @@ or wider. One scale per block of 256 elements (block8, S2.11) sees only its own
 elements' range, and learns.
 """
 
+import contextlib
 import json
 import math
 from dataclasses import replace
@@ -138,6 +139,22 @@ def test_command_block8(tmp_path, capsys):
 def test_command_refuses_state_flags_for_adamw(capsys):
     assert main(["rare-tokens", "--optimizer", "adamw", "--exp-avg", "fp8"]) == 2
     assert "takes no state" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moment-format", "block8", "--moment-block-size", "100"],
+     "moment_block_size must be a power of two in [128, 4096]"),
+    (["--moment-format", "block4", "--master", "fp16", "--params", "bf16"],
+     "master_weight_dtype=torch.float16 is scaled per tensor"),
+    (["--seed", str(2**32)], "--seed: must be below 2**32"),
+    (["--json", "/nonexistent-folder/result.json"], "no such folder"),
+])
+def test_command_refuses_bad_settings_before_training(flags, message, capsys):
+    """The optimizer's own checks and the output path, before minutes of training."""
+    with pytest.raises(SystemExit) if flags[0] == "--seed" else contextlib.nullcontext():
+        assert main(["rare-tokens", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert message in err and "loss" not in out
 
 
 def test_command_refuses_state_flags_for_a_peer(capsys):

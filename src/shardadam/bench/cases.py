@@ -157,10 +157,6 @@ class Case:
     def __post_init__(self):
         object.__setattr__(self, "numel", sum(math.prod(s) for s in self.shapes))
 
-    @property
-    def state_bytes(self) -> int:
-        return round(self.numel * self.preset.state_bytes_per_element)
-
 
 def settings(mode: str) -> dict:
     return dict(_SIZES[mode])

@@ -9,6 +9,7 @@ the run reports that reason instead of a time.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -36,6 +37,18 @@ DESCRIPTIONS = {
     "after-backward-pool": "the same, workers on the core's own pool, not torch's OpenMP",
     "core": "the C++ core alone: one _C.adam_step call on FusedAdam's prepared slots",
 }
+
+
+# Contenders that keep bf16 params and their moments only, whatever the case's master:
+# their bytes moved and held are the case's layout without it.
+NO_MASTER = ("shardadam-sr", *peers.PEERS)
+
+
+def layout_of(name: str, preset):
+    """The layout contender ``name`` steps in a case of ``preset``: its byte counts."""
+    if name in NO_MASTER and preset.master is not None:
+        return dataclasses.replace(preset, master=None)
+    return preset
 
 
 def _shardadam(params, preset):

@@ -1,7 +1,9 @@
 """The run's outputs: a text table, the JSON file and the PNG chart.
 
 JSON: ``{"meta": {...}, "results": [record, ...]}``, one record per (case, contender):
-case, kind, contender, description, preset (dtype combo), dtypes, numel, tensors,
+case, kind, contender, description, preset (the case's dtype combo), own_layout (True
+where the contender steps another layout, its bytes and dtypes then its own: the
+contenders that keep no master beside the low-bit cases' remainders), dtypes, numel, tensors,
 threads, ranks, status ("ok", "unavailable", "unsupported", "error") and reason,
 seconds {median, min, max}, reps, elements_per_s, gb_per_s (at docs/benchmarking.md's
 minimum bytes), bytes_per_element {minimum, effective}, state_bytes, fraction_of_probe

@@ -15,14 +15,18 @@ KERNEL_BENCH_ROWS = {"kernel_bench-probe": "probe_s", "kernel_bench-kernel": "ke
 
 
 def _base_record(case, contender, threads, ranks=1):
+    # A contender that keeps no master (shardadam-sr, the other packages' low-bit
+    # optimizers) moves and holds its own layout's bytes, not the case's.
+    layout = contenders.layout_of(contender, case.preset)
     return {"case": case.id, "kind": case.kind, "note": case.note, "contender": contender,
             "description": contenders.DESCRIPTIONS.get(contender, contender),
             "preset": case.preset.label, "preset_name": case.preset.name,
-            "dtypes": case.preset.dtypes, "numel": case.numel,
+            "own_layout": layout is not case.preset,
+            "dtypes": layout.dtypes, "numel": case.numel,
             "tensors": len(case.shapes), "threads": threads, "ranks": ranks,
-            "state_bytes": case.state_bytes,
-            "bytes_per_element": {"minimum": case.preset.minimum_bytes,
-                                  "effective": case.preset.effective_bytes},
+            "state_bytes": round(case.numel * layout.state_bytes_per_element),
+            "bytes_per_element": {"minimum": layout.minimum_bytes,
+                                  "effective": layout.effective_bytes},
             "status": "ok", "reason": None, "seconds": None, "reps": 0,
             "elements_per_s": None, "gb_per_s": None, "fraction_of_probe": None,
             "fraction_of_kernel_bench_probe": None, "ratio_to": {},
@@ -121,7 +125,8 @@ def _relate(records, with_probe):
         median = record["seconds"]["median"]
         for probe, field in (("probe", "fraction_of_probe"),
                              ("kernel_bench-probe", "fraction_of_kernel_bench_probe")):
-            if with_probe and probe in timed:
+            # The probes move the case's bytes: no fraction for another layout's.
+            if with_probe and probe in timed and not record["own_layout"]:
                 record[field] = timed[probe]["seconds"]["median"] / median
         # ratio_to[other] = other's median / this median: > 1 means this one is faster.
         record["ratio_to"] = {name: other["seconds"]["median"] / median

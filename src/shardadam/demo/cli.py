@@ -88,9 +88,11 @@ def add_arguments(parser):
                         help="small: 4 layers, width 128, 128-byte context, 16 sequences "
                              "per step; tiny: a few seconds' worth, for tests "
                              "(default small)")
-    parser.add_argument("--seed", type=_int_at_least(0, 2**63 - 1), default=0,
-                        help="seed of the initial weights and of the data order, up to "
-                             "torch's 2**63 - 1 (default 0)")
+    # The data order's generator is seeded with seed * 1_000_003 + step, which torch
+    # takes up to 2**64 - 1.
+    parser.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0,
+                        help="seed of the initial weights and of the data order, below "
+                             "2**32 (default 0)")
     parser.add_argument("--also", type=_peer_list, default=(), metavar="NAMES",
                         help="also train with these optimizers of other packages, on fp32 "
                              "parameters, same data and ranks, for their losses and state "

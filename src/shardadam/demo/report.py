@@ -33,6 +33,8 @@ from .config import PRESETS
 #                 moments lost: 5.4e-2 after one update
 #                 data order shifted: 0.25 at once
 EARLY_STEPS = 5
+# The README's accuracy figure: the mean loss of a run's last steps.
+LAST_STEPS = 10
 
 
 def _run_figures(ranks):
@@ -50,6 +52,7 @@ def _run_figures(ranks):
         "opt_ms": opt_ms,
         "tokens_per_s": [s["tokens_per_s"] for s in steps],
         "first_loss": steps[0]["loss"], "final_loss": steps[-1]["loss"],
+        "last_mean_loss": statistics.fmean(s["loss"] for s in steps[-LAST_STEPS:]),
         "state_bytes_per_param": sum(r["state_bytes"] for r in ranks) / params,
         "param_bytes_per_param": sum(r["param_bytes"] for r in ranks) / params,
         "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
@@ -98,6 +101,7 @@ def summarize(args, corpus, phases, phase_wall_s, wall_s):
 def table(figures):
     runs, check = figures["runs"], figures["resume_check"]
     header = (f"{'run':<28} {'ranks':>5} {'loss first -> final':>19} "
+              f"{f'last {LAST_STEPS} mean':>12} "
               f"{'state B/param':>13} {'param B/param':>13} {'peak RSS MiB':>14} "
               f"{'opt step ms':>11} {'(median)':>8}")
     lines = [header, "-" * len(header)]
@@ -105,6 +109,7 @@ def table(figures):
         loss = f"{run['first_loss']:.3f} -> {run['final_loss']:.3f}"
         rss = f"{run['peak_rss_mib']:.0f} (+{run['training_rss_mib']:.0f})"
         lines.append(f"{run['label']:<28} {run['ranks']:>5} {loss:>19} "
+                     f"{run['last_mean_loss']:>12.3f} "
                      f"{run['state_bytes_per_param']:>13.2f} "
                      f"{run['param_bytes_per_param']:>13.2f} {rss:>14} "
                      f"{run['opt_ms_mean']:>11.2f} {run['opt_ms_median']:>8.2f}")
