@@ -495,13 +495,16 @@ def block8_grads(params, step, seed=3):
 
 
 @needs_gpu
+@pytest.mark.parametrize("family", ["block8", "block4"])
 @pytest.mark.parametrize("block", [128, 4096])
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize("option", list(BLOCK8_OPTIONS))
-def test_block8_on_cuda_equals_block8_on_cpu(option, adam_w_mode, block, cuda_path_only):
+def test_block_moments_on_cuda_equal_the_cpu_core(option, adam_w_mode, block, family,
+                                                  cuda_path_only):
     """The CUDA kernels store the CPU core's codes, block scales, parameters and masters
     bitwise, step after step (block sizes at both ends, partial and empty blocks, a
-    non-contiguous parameter)."""
+    non-contiguous parameter); block4 packs the 2-D parameters with an even last
+    dimension and gives the others block8's codes."""
     dtype, extra = BLOCK8_OPTIONS[option]
     hyper = Hyper(**{**HYPER.__dict__, "adam_w_mode": adam_w_mode})
     runs = {}
@@ -511,9 +514,11 @@ def test_block8_on_cuda_equals_block8_on_cpu(option, adam_w_mode, block, cuda_pa
         last = params[TRANSPOSED].detach()
         params[TRANSPOSED] = torch.nn.Parameter(last.t().contiguous().t())
         runs[device] = (fused_adam()(params, **hyper.optimizer_kwargs(), **extra,
-                                     moment_format="block8", moment_block_size=block),
+                                     moment_format=family, moment_block_size=block),
                         params)
     (opt_gpu, params_gpu), (opt_cpu, params_cpu) = runs[DEVICE], runs["cpu"]
+    stored = {opt_gpu._formats[p]["exp_avg"].name for p in params_gpu if p.numel()}
+    assert ("fp4-block" in stored) == (family == "block4"), stored
     for step in range(1, 6):
         grads = block8_grads(params_cpu, step)
         attach_grads(params_cpu, grads, False)
@@ -522,7 +527,7 @@ def test_block8_on_cuda_equals_block8_on_cpu(option, adam_w_mode, block, cuda_pa
         opt_gpu.step()
         torch.cuda.synchronize()
         assert_optimizers_equal(opt_gpu, opt_cpu, params_gpu, params_cpu,
-                                f"block8 {option}, block {block}: after step {step}")
+                                f"{family} {option}, block {block}: after step {step}")
 
 
 @needs_gpu
