@@ -143,6 +143,7 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
+        self._forget_dropped()
         planned = []  # every new entry is planned (and checked) before anything changes
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
@@ -165,6 +166,14 @@ class FusedAdam(torch.optim.Optimizer):
         group[LAYOUT_KEY] = config.record()
         for param, writes, local, layout in planned:
             self._apply(param, writes, local, layout)
+
+    def _forget_dropped(self) -> None:
+        """Drops the scales and formats of parameters whose state is gone (cleared by
+        hand, as Megatron FSDP does before it adds its shards as a new group): kept,
+        they would keep those parameters and their storage alive."""
+        for held in (self._scales, self._formats):
+            for param in [p for p in held if p not in self.state]:
+                del held[param]
 
     def _planned_entry(self, param, config, group: int, index: int, named: dict):
         """What add_param_group writes for ``param``; state it already has (a parameter
@@ -412,7 +421,9 @@ class FusedAdam(torch.optim.Optimizer):
     def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False):
         """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
         itself when stored as fp32, else a copy), the raw int16 for remainders, or the
-        stored bf16 tensor when ``skip_unscale`` and the state is bf16."""
+        stored bf16 tensor when ``skip_unscale`` and the state is bf16. In the form the
+        configuration stores it, as ``state_dict()`` exports it: a setting changed since
+        the state was stored (S1.5) converts it, as the next step would."""
         where, spec = self._spec(param, state_name)
         entry = self.state.get(param)
         if entry is None or state_name not in entry:
@@ -421,10 +432,11 @@ class FusedAdam(torch.optim.Optimizer):
         formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
         fmt = _state.stored_format(stored, formats, state_name)
-        if skip_unscale and fmt is not None and not fmt.scaled:
+        if skip_unscale and fmt is not None and not fmt.scaled and fmt is spec.format:
             return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
-        return _state.read_value(entry, self._scales.get(param), formats, state_name,
-                                 spec.first_index)
+        value, _ = _state.converted_value(spec, entry, self._scales.get(param), formats,
+                                          _dtensor.to_local(param))
+        return value
 
     def _check_decodable(self, param, specs, entry) -> None:
         """Refuses to read per-block codes whose scales are missing or unusable, as
@@ -584,13 +596,27 @@ class FusedAdam(torch.optim.Optimizer):
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
                     # state out: it keeps its state, re-stored as by any load.
                     values, saved_layout = self._exported_state(param, config), None
+                elif values is None and saved_layout is None:
+                    # TE's and torch's optimizers create a parameter's state at its
+                    # first gradient: one that never had one (unused, or a checkpoint
+                    # taken before the first step) starts fresh, as initialisation.
+                    values = self._initial_values(param, config)
                 if not isinstance(values, dict):
                     raise ValueError(f"{here}: the loaded state dict has no state for "
                                      f"this parameter (key {key!r}; only a parameter "
-                                     f"with requires_grad=False may have none)")
+                                     f"with requires_grad=False, or one of a "
+                                     f"checkpoint without state_layout, may have none)")
                 prepared.append(self._prepare_param_load(param, values, config, here,
                                                          saved_layout, own_steps[g]))
         return prepared
+
+    @staticmethod
+    def _initial_values(param, config) -> dict:
+        """The values initialisation gives ``param``'s states (S1.6), as a load takes
+        them: moments 0, the master the parameter's value."""
+        local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
+        return {spec.name: _state.initial_value(spec, local)
+                for spec in config.specs_of(local, layout)}
 
     def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
                             own_step: bool):

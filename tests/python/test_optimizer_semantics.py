@@ -745,3 +745,23 @@ def test_zero_grad_with_decoupled_grad(set_to_none, backend):
             assert bool((p.decoupled_grad == 0).all())
         else:
             assert getattr(p, "decoupled_grad", None) is None
+
+
+def test_parameters_dropped_with_their_state_are_not_kept_alive():
+    """Megatron FSDP swaps in its shards by clearing the groups and the state and adding
+    a new group: the old parameters' scales and formats go too, so nothing keeps them
+    (or their storage) alive."""
+    import gc
+    import weakref
+
+    p = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    opt = fused_adam()([p], lr=1e-2, exp_avg_dtype=torch.uint8)
+    old = weakref.ref(p)
+    new = torch.nn.Parameter(p.detach().clone())
+    opt.param_groups.clear()
+    opt.state.clear()
+    opt.add_param_group({"params": [new]})
+    del p
+    gc.collect()
+    assert old() is None
+    assert list(opt._scales) == [new] and list(opt._formats) == [new]

@@ -540,3 +540,50 @@ def test_load_takes_remainders_cast_to_floats_exactly(backend):
         assert_bitwise_equal(target.get_unscaled_state(q, "master_param"),
                              merge_remainder(p, opt.get_unscaled_state(p, "master_param")),
                              "master from the float-cast remainders")
+
+
+@pytest.mark.parametrize("remainders_before", [True, False])
+def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
+    """S1.5, S5.2: after store_param_remainders changes, get_unscaled_state gives the
+    master in the configured form (int16 remainders or fp32), as state_dict() exports
+    it, and set_scaled_state takes it back."""
+    gen = torch.Generator().manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(8, 64, generator=gen).bfloat16())
+    opt = fused_adam()([p], lr=1e-2, master_weights=True,
+                       store_param_remainders=remainders_before)
+    p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()
+    opt.store_param_remainders = not remainders_before
+    value = opt.get_unscaled_state(p, "master_param")
+    exported = opt.state_dict()["state"][0]["master_param"]
+    assert value.dtype == (torch.float32 if remainders_before else torch.int16)
+    assert_bitwise_equal(value, exported, "get_unscaled_state vs state_dict")
+    opt.set_scaled_state(p, "master_param", value)
+
+
+def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
+    """torch's AdamW (and TE's FusedAdam) create a parameter's state at its first
+    gradient: a checkpoint (no state_layout) without state for an unused parameter
+    loads with that parameter's state fresh (zero moments), the others' as saved
+    (S5.5); a shardadam checkpoint missing one is still refused (test_optimizer_errors)."""
+    gen = torch.Generator().manual_seed(6)
+    used, unused = (torch.nn.Parameter(torch.randn(4, 8, generator=gen)) for _ in range(2))
+    adamw = torch.optim.AdamW([used, unused], lr=1e-2)
+    for _ in range(2):
+        used.grad = torch.randn(used.shape, generator=gen)
+        adamw.step()
+    saved = adamw.state_dict()
+    assert set(saved["state"]) == {0}
+    params = [torch.nn.Parameter(p.detach().clone()) for p in (used, unused)]
+    opt = fused_adam()(params, lr=1e-2)
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["step"] == 2
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(opt.state[params[0]][name], adamw.state[used][name], name)
+        assert bool((opt.state[params[1]][name] == 0).all()), name
+    # a checkpoint taken before any step (TE's: no state, no step) loads as step 0
+    fresh = fused_adam()([torch.nn.Parameter(used.detach().clone())], lr=1e-2)
+    fresh.load_state_dict({"state": {}, "param_groups": [
+        {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
+        | {"params": [0]}]})
+    assert fresh.param_groups[0]["step"] == 0
