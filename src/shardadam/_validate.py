@@ -273,6 +273,19 @@ def loaded_step(step, group_index: int) -> int:
     return int(value)
 
 
+def check_loaded_decay(saved: dict, adam_w_mode, group_index: int) -> None:
+    """torch's Adam and AdamW record which weight decay their group applied
+    (``decoupled_weight_decay``); this optimizer applies ``adam_w_mode``'s to every
+    group, so a checkpoint of the other kind is refused rather than stepped otherwise."""
+    decoupled = saved.get("decoupled_weight_decay")
+    if decoupled is not None and bool(decoupled) != bool(adam_w_mode):
+        raise fail(ValueError, f"the loaded group has decoupled_weight_decay={decoupled!r} "
+                               f"but this optimizer has adam_w_mode={bool(adam_w_mode)} "
+                               f"(rule: a torch Adam checkpoint loads into "
+                               f"adam_w_mode=False, an AdamW one into adam_w_mode=True)",
+                   group=group_index)
+
+
 def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
     """A checkpoint group's step counter: its ``step``; else, in the layout of
     ``torch.optim.Adam`` / ``AdamW``, the one ``step`` its parameters' states share;

@@ -831,6 +831,11 @@ LOAD_ERRORS = [
      ValueError, facts("^FusedAdam", r"group\W*1\b", "amsgrad=True", "rule: ")),
     ("torch-maximize", lambda sd: sd["param_groups"][1].__setitem__("maximize", True),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "maximize=True", "rule: ")),
+    # torch's Adam (L2) into this AdamW-mode optimizer
+    ("torch-adam-l2", lambda sd: sd["param_groups"][1].__setitem__(
+        "decoupled_weight_decay", False),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "decoupled_weight_decay=False",
+                       "adam_w_mode=True", "rule: ")),
     ("torch-step-counts-differ", _torch_steps_that_differ, ValueError,
      facts("^FusedAdam", r"group\W*1\b", r"step counts differ \(\[2, 3\]", "rule: ")),
     ("bad-state_layout", lambda sd: sd["param_groups"][1].__setitem__("state_layout",

@@ -587,3 +587,18 @@ def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
         {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
         | {"params": [0]}]})
     assert fresh.param_groups[0]["step"] == 0
+
+
+@pytest.mark.parametrize("torch_cls,adam_w_mode", [(torch.optim.Adam, False),
+                                                  (torch.optim.AdamW, True)])
+def test_torch_checkpoint_loads_into_the_matching_weight_decay(torch_cls, adam_w_mode):
+    """torch's Adam (L2) loads into adam_w_mode=False and its AdamW into True (the other
+    pairings are refused: test_optimizer_errors' torch-adam-l2)."""
+    params = make_params([torch.float32], [(4, 3)], seed=9)
+    reference = torch_cls(params, lr=1e-2, weight_decay=0.1)
+    params[0].grad = torch.ones(4, 3)
+    reference.step()
+    opt = fused_adam()(clone_params(params), lr=1e-2, adam_w_mode=adam_w_mode)
+    opt.load_state_dict(reference.state_dict())
+    assert opt.param_groups[0]["step"] == 1
+    assert opt.param_groups[0]["decoupled_weight_decay"] is adam_w_mode
