@@ -193,10 +193,10 @@ def kernel_part(args, device, copy_gbps) -> dict:
     samples = interleaved(contenders, args.rounds, args.warmup, device)
     torch_s = stats(samples["torch-fused-fp32"])["median_s"]
     rows = []
-    for preset in presets:
+    for preset, opt in zip(presets, optimizers):
         row = {"preset": preset.name, "label": preset.label, "numel": numel,
                "tensors": 1, "bytes_per_element": preset.minimum_bytes,
-               "stored_moments": stored_moments(optimizers[presets.index(preset)]),
+               "stored_moments": stored_moments(opt),
                **stats(samples[preset.name])}
         row["elements_per_s"] = numel / row["median_s"]
         row["gbps"] = row["elements_per_s"] * preset.minimum_bytes / 1e9

@@ -7,7 +7,6 @@ codes is torch's own ``.to()`` (S2.4), so only these rules are written here.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -318,7 +317,7 @@ OVERFLOW_BOUNDS = {"fp8-block": 1.9375 * 2.0 ** 127, "ufp8-block": 1.96875 * 2.0
 
 
 def block_scales(absmax: torch.Tensor, target: float, zero_bound: float,
-                 overflow_bound: float = math.inf) -> torch.Tensor:
+                 overflow_bound: float) -> torch.Tensor:
     """S2.9's scale of each block from its fp32 largest magnitude ``absmax``: the
     smallest power of two s in [2^-126, 2^127] with absmax / s <= ``target``; 1 for a
     non-finite absmax, one <= ``zero_bound`` · 2^-126 (every code would be 0) and one

@@ -273,10 +273,15 @@ def loaded_step(step, group_index: int) -> int:
     return int(value)
 
 
-def check_loaded_decay(saved: dict, adam_w_mode, group_index: int) -> None:
-    """torch's Adam and AdamW record which weight decay their group applied
-    (``decoupled_weight_decay``); this optimizer applies ``adam_w_mode``'s to every
-    group, so a checkpoint of the other kind is refused rather than stepped otherwise."""
+def check_loaded_options(saved: dict, adam_w_mode, group_index: int) -> None:
+    """Options of ``torch.optim.Adam`` / ``AdamW`` this optimizer lacks are refused
+    rather than ignored; their ``decoupled_weight_decay`` must be ``adam_w_mode``, which
+    this optimizer applies to every group."""
+    for option in ("amsgrad", "maximize"):
+        if saved.get(option):
+            raise fail(ValueError, f"the loaded group has {option}=True (rule: FusedAdam "
+                                   f"has no {option}; load such a checkpoint only into an "
+                                   f"optimizer that has)", group=group_index)
     decoupled = saved.get("decoupled_weight_decay")
     if decoupled is not None and bool(decoupled) != bool(adam_w_mode):
         raise fail(ValueError, f"the loaded group has decoupled_weight_decay={decoupled!r} "
@@ -289,13 +294,7 @@ def check_loaded_decay(saved: dict, adam_w_mode, group_index: int) -> None:
 def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
     """A checkpoint group's step counter: its ``step``; else, in the layout of
     ``torch.optim.Adam`` / ``AdamW``, the one ``step`` its parameters' states share;
-    else 0 (TE's checkpoint before its first step). Options those optimizers have and
-    this one lacks are refused rather than ignored."""
-    for option in ("amsgrad", "maximize"):
-        if saved.get(option):
-            raise fail(ValueError, f"the loaded group has {option}=True (rule: FusedAdam "
-                                   f"has no {option}; load such a checkpoint only into an "
-                                   f"optimizer that has)", group=group_index)
+    else 0 (TE's checkpoint before its first step)."""
     if "step" in saved:
         return loaded_step(saved["step"], group_index)
     steps = set()

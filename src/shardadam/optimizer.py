@@ -578,7 +578,7 @@ class FusedAdam(torch.optim.Optimizer):
             # A group without its own step takes its parameters' (torch's Adam layout):
             # then their per-parameter "step" is consumed, not kept as an extra key.
             own_steps.append("step" in saved)
-            _validate.check_loaded_decay(saved, self.adam_w_mode, g)
+            _validate.check_loaded_options(saved, self.adam_w_mode, g)
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
