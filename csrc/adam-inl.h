@@ -486,8 +486,8 @@ HWY_INLINE uint8_t* CodesAt(void* codes, size_t e) {
 // FusedBlockSpan's pair at element e, its moments decoded with the block's old scales.
 template <class L, bool kEO, class MC, class VC>
 HWY_INLINE void LoadBlockPair(const void* grad, const void* param, const void* master,
-                              void* m, void* v, size_t e, const ScaledLoad<MC>& load_m,
-                              const ScaledLoad<VC>& load_v, const FusedPair& p) {
+                              void* m, void* v, size_t e, const ScaledLoad<MC, true>& load_m,
+                              const ScaledLoad<VC, true>& load_v, const FusedPair& p) {
   LoadGradx2<L::kGrad, kEO>(grad, e, p.g0, p.g1);
   LoadWx2<L::kWeight, kEO>(param, master, e, p.w0, p.w1);
   load_m.template Load<kEO>(CodesAt<MC>(m, e), p.m0, p.m1);
@@ -580,8 +580,9 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
   const internal::RoundingView* const rounded = m_rounding ? m_rounding : v_rounding;
   for (size_t b = 0; b < n; b += block) {
     const size_t j = b / block;
-    const ScaledLoad<MC> load_m(m_scales[j]);
-    const ScaledLoad<VC> load_v(v_scales[j]);
+    // Old scales the decoders fold (the caller's FusedDecoderFolds).
+    const ScaledLoad<MC, true> load_m(m_scales[j]);
+    const ScaledLoad<VC, true> load_v(v_scales[j]);
     VI acc_m = hn::Zero(di);
     VI acc_v = hn::Zero(di);
     // Pipelined as FusedSpan: pair i + 1's moments and denominators are computed

@@ -4,6 +4,7 @@
 // whole blocks of a listed layout go to its fused block kernel instead
 // (fused_layouts.h FusedBlockLayouts), which gives the same bits.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "scale_rule.h"
@@ -62,10 +63,23 @@ void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConst
 }  // namespace
 
 // The whole blocks of [e, end) from element e, which starts block j, through
-// the layout's fused block kernel. Returns where they end.
+// the layout's fused block kernel, up to the first whose old scales its
+// decoders cannot fold (FusedDecoderFolds). Returns where they end.
 int64_t StepWholeBlocks(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                         int64_t e, int64_t end, int64_t j) {
-  const int64_t n = (end - e) / p.block * p.block;
+  const int64_t whole = (end - e) / p.block;
+  int64_t blocks = whole;
+  const float m_limit = FoldableScale(p.m_dtype), v_limit = FoldableScale(p.v_dtype);
+  if (!std::isinf(m_limit) || !std::isinf(v_limit)) {
+    const float* m_scales = p.scale_slot[kStreamM] + j;
+    const float* v_scales = p.scale_slot[kStreamV] + j;
+    blocks = 0;
+    while (blocks < whole && std::fabs(m_scales[blocks]) <= m_limit &&
+           std::fabs(v_scales[blocks]) <= v_limit) {
+      ++blocks;
+    }
+  }
+  const int64_t n = blocks * p.block;
   if (n == 0) return e;
   RoundingView m_rounding = p.m_rounding;
   m_rounding.index += e;

@@ -958,8 +958,9 @@ struct UF4Codes : NibbleCodes<UF4Map> {
 
 // Decodes with scale s: kRawFactor * s in one multiply, which rounds like the
 // reference's value * s whenever that product is finite (it is then exact: a
-// power-of-two factor); else the factor first (exact), then s.
-template <class Codes, class Enable = void>
+// power-of-two factor); else the factor first (exact), then s. kFolds: the
+// caller knows the product is finite (FusedDecoderFolds), so no load tests it.
+template <class Codes, bool kFolds = false, class Enable = void>
 struct ScaledLoad {
   float first, second;
   bool twice;
@@ -976,7 +977,7 @@ struct ScaledLoad {
     Codes::template Load<kEO>(p, a, b);
     a = hn::Mul(a, hn::Set(df, first));
     b = hn::Mul(b, hn::Set(df, first));
-    if (twice) {
+    if (!kFolds && twice) {
       a = hn::Mul(a, hn::Set(df, second));
       b = hn::Mul(b, hn::Set(df, second));
     }
@@ -989,8 +990,8 @@ struct ScaledLoad {
 // and multiplying. A lane holds Map::Decode(code) * s, the product above
 // (kRawFactor is 1): the same bits.
 #if !HWY_HAVE_SCALABLE && (HWY_MAX_BYTES == 64 || HWY_MAX_BYTES == 32)
-template <class Codes>
-struct ScaledLoad<Codes, std::enable_if_t<Codes::kBits == 4>> {
+template <class Codes, bool kFolds>
+struct ScaledLoad<Codes, kFolds, std::enable_if_t<Codes::kBits == 4>> {
   static constexpr size_t kTables = HWY_MAX_BYTES == 64 ? 1 : 2;
   VF values[kTables];
   explicit ScaledLoad(float s) {

@@ -130,6 +130,7 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // decoded with its old scales, updated in registers, the weight stored, the new
 // moments kept in L1 while their absmax is taken, then encoded with the new
 // scales, which replace the old ones in m_scales / v_scales (one per block).
+// Every old scale folds into its decoder (plan.h FusedDecoderFolds).
 // A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
 // a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, and
 // `param_rounding` (the kParamBF16Stochastic layouts' only, never null there)

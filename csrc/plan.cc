@@ -2,6 +2,7 @@
 #include "plan.h"
 
 #include <cmath>
+#include <limits>
 
 #include "counter_hash.h"
 
@@ -33,21 +34,21 @@ int ChooseFused(const TensorSlot& s, const TensorPlan& p) {
   if (!FusedWeightOf(s, weight)) return -1;
   const int index =
       kFusedLayoutIndex.Of(s.grad_dtype, weight, s.exp_avg_dtype, s.exp_avg_sq_dtype);
-  // The fused fp8 decoder folds a power-of-two factor (at most kE4M3OverF16)
-  // into the old scale; an absurdly large scale takes the block path, which
-  // does not.
-  const auto folds = [](DType moment, float old_scale) {
-    return FormatOf(moment).element != Element::kFloat8E4M3 ||
-           std::isfinite(old_scale * kE4M3OverF16);
-  };
-  if (index < 0 || !folds(s.exp_avg_dtype, p.old_scale[kStreamM]) ||
-      !folds(s.exp_avg_sq_dtype, p.old_scale[kStreamV])) {
+  if (index < 0 || !FusedDecoderFolds(s.exp_avg_dtype, p.old_scale[kStreamM]) ||
+      !FusedDecoderFolds(s.exp_avg_sq_dtype, p.old_scale[kStreamV])) {
     return -1;
   }
   return index;
 }
 
 }  // namespace
+
+float FoldableScale(DType moment) {
+  const Element e = FormatOf(moment).element;
+  return e == Element::kFloat8E4M3 || e == Element::kUFloat8E4M4
+             ? std::numeric_limits<float>::max() / kE4M3OverF16  // exact: a power of two
+             : std::numeric_limits<float>::infinity();
+}
 
 Codec CodecOf(DType dtype, bool is_state) {
   const FormatInfo f = FormatOf(dtype);

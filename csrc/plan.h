@@ -4,6 +4,7 @@
 #ifndef SHARDADAM_PLAN_H_
 #define SHARDADAM_PLAN_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels.h"
@@ -108,6 +109,15 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step = 1
 // The block-path codec of a buffer of `dtype`: a state's (moment, master) or a
 // value's (param, grad, which are never scaled).
 Codec CodecOf(DType dtype, bool is_state);
+
+// The largest old scale of a moment in `moment`'s format that the fused
+// kernels' decoders fold into one multiply: the 8-bit decoders fold a
+// power-of-two factor (at most kE4M3OverF16), so a larger scale would overflow
+// there and takes the block path; other decoders fold any scale (infinity).
+float FoldableScale(DType moment);
+inline bool FusedDecoderFolds(DType moment, float old_scale) {
+  return std::fabs(old_scale) <= FoldableScale(moment);  // false for NaN
+}
 
 }  // namespace internal
 }  // namespace shardadam

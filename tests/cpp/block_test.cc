@@ -365,6 +365,57 @@ TEST_P(BlockStepTest, MatchesReferenceFromAnyStoredState) {
   ExpectCoreMatchesReference(state, c.adam_w, {1, 2, 3}, 2);
 }
 
+// Old scales too large for the fused kernels' 8-bit decoders to fold (plan.h
+// FusedDecoderFolds) send every third block through the block path, which
+// cuts the runs of whole blocks there; the 4-bit decoders take them in the
+// fused kernel. Either way the reference's bits. Those blocks' codes are at
+// most 1 in magnitude, so their values stay finite.
+TEST_P(BlockStepTest, ScalesTooLargeToFoldStepLikeTheReference) {
+  const BlockConfig c = GetParam();
+  std::vector<BlockTensor> state =
+      MakeShards(c, {{0, 9 * 256, 256}, {3 * 128 + 64, 7 * 128 + 9, 128}});
+  std::mt19937 rng(29);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exponent(120, 127);
+  // The largest code of magnitude at most 1 (E4M3, E4M4, E2M1, E3M1) and the
+  // sign bit a signed code keeps.
+  const auto at_most_one = [](DType dtype, uint32_t code) {
+    if (dtype == kBlock8) return (code & 0x80u) | (code & 0x7Fu) % 0x39u;
+    if (dtype == kUBlock8) return code % 0x71u;
+    if (dtype == kBlock4) return (code & 0x8u) | (code & 0x7u) % 3u;
+    return code % 7u;
+  };
+  for (BlockTensor& t : state) {
+    const struct {
+      DType dtype;
+      std::vector<uint8_t>* codes;
+      std::vector<float>* scales;
+    } moments[] = {{c.exp_avg, &t.exp_avg, &t.exp_avg_scales},
+                   {c.exp_avg_sq, &t.exp_avg_sq, &t.exp_avg_sq_scales}};
+    for (const auto& m : moments) {
+      if (FormatOf(m.dtype).scaling != Scaling::kPerBlock) continue;
+      FillFiniteCodes(m.dtype, m.codes, &rng);
+      const int64_t lead = t.first_index % t.block;
+      for (int64_t j = 1; j * t.block - lead < t.numel; j += 3) {
+        (*m.scales)[j] = std::ldexp(mantissa(rng), exponent(rng));
+        ASSERT_FALSE(std::isfinite((*m.scales)[j] * 256.0f));
+        for (int64_t i = j * t.block - lead; i < std::min(t.numel, (j + 1) * t.block - lead);
+             ++i) {
+          uint8_t& byte = (*m.codes)[FormatOf(m.dtype).item_bits == 4 ? i / 2 : i];
+          if (FormatOf(m.dtype).item_bits == 8) {
+            byte = static_cast<uint8_t>(at_most_one(m.dtype, byte));
+          } else {
+            const int shift = i % 2 == 0 ? 0 : 4;
+            const uint32_t code = at_most_one(m.dtype, (byte >> shift) & 0xFu);
+            byte = static_cast<uint8_t>((byte & ~(0xF << shift)) | code << shift);
+          }
+        }
+      }
+    }
+  }
+  ExpectCoreMatchesReference(state, c.adam_w, {1, 2}, 2);
+}
+
 // A parameter stepped whole and as shards cut on block boundaries stores the
 // same codes and scales: blocks are keyed to the whole parameter.
 TEST_P(BlockStepTest, ShardsCutOnBlockBoundariesStepLikeTheWhole) {
