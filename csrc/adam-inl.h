@@ -514,6 +514,9 @@ HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, siz
     StoreBF16StochasticPair<kEO>(p.w0, p.w1, KeyedBits(param_rounding->key, ha),
                                  KeyedBits(param_rounding->key, hb),
                                  static_cast<uint16_t*>(param) + e);
+  } else if (L::kWeight == Weight::kRemainder &&
+             HWY_LIKELY(hn::AllFalse(DF(), hn::IsNaN(hn::Add(p.w0, p.w1))))) {
+    StoreWx2<L::kWeight, kEO, true>(p.w0, p.w1, param, master, e);  // as FusedStore
   } else {
     StoreWx2<L::kWeight, kEO, false>(p.w0, p.w1, param, master, e);
   }

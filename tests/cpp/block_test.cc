@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -257,8 +258,10 @@ class BlockStepTest : public ::testing::TestWithParam<BlockConfig> {};
 // Steps `state` `steps` times by the reference and by the core on every target
 // at each thread count of `threads`: every byte and scale equal after each step.
 // The last step without bias correction: the kernels that skip dividing by 1.
-void ExpectCoreMatchesReference(std::vector<BlockTensor> state, bool adam_w,
-                                std::initializer_list<int> threads, int steps) {
+// `poison`, where given, then changes a step's gradients.
+void ExpectCoreMatchesReference(
+    std::vector<BlockTensor> state, bool adam_w, std::initializer_list<int> threads,
+    int steps, const std::function<void(int step, BlockTensor*)>& poison = nullptr) {
   for (int step = 1; step <= steps; ++step) {
     StepParams params;
     params.adam_w_mode = adam_w;
@@ -266,7 +269,10 @@ void ExpectCoreMatchesReference(std::vector<BlockTensor> state, bool adam_w,
     params.weight_decay = 0.05;
     params.step = step;
     params.bias_correction = step < steps;
-    for (BlockTensor& t : state) FillGrad(&t, step);
+    for (BlockTensor& t : state) {
+      FillGrad(&t, step);
+      if (poison) poison(step, &t);
+    }
     std::vector<BlockTensor> want = state;
     std::vector<TensorSlot> want_slots;
     for (BlockTensor& t : want) want_slots.push_back(t.Slot());
@@ -414,6 +420,33 @@ TEST_P(BlockStepTest, ScalesTooLargeToFoldStepLikeTheReference) {
     }
   }
   ExpectCoreMatchesReference(state, c.adam_w, {1, 2}, 2);
+}
+
+// Non-finite gradients (NaNs with every payload bit set, as a GPU makes them,
+// of either sign; infinities) in some blocks: every byte and scale as the
+// reference's, where the fused kernels' stores that skip the NaN rules for
+// NaN-free pairs must take them (S2.5 splits a NaN master as the quiet NaN).
+// At the last step: a later step would add two NaNs (a NaN code's value and a
+// NaN weight's decay), whose result takes either one's sign, which S2.4 leaves
+// open.
+TEST_P(BlockStepTest, NonFiniteGradientsStepLikeTheReference) {
+  const BlockConfig c = GetParam();
+  const auto poison = [](int step, BlockTensor* t) {
+    if (step != 3) return;
+    const uint32_t bad[] = {0x7FFFFFFFu, 0xFFFFFFFFu, 0x7F800000u, 0xFF800000u};
+    for (int k = 0; k < 4; ++k) {
+      const int64_t i = 5 + 301 * k;  // in different blocks of 128 or 256
+      if (i >= t->numel) continue;
+      if (t->config.grad == DType::kFloat32) {
+        std::memcpy(t->grad.data() + 4 * i, &bad[k], 4);
+      } else {
+        const uint16_t high = static_cast<uint16_t>(bad[k] >> 16);  // bf16
+        std::memcpy(t->grad.data() + 2 * i, &high, 2);
+      }
+    }
+  };
+  ExpectCoreMatchesReference(MakeShards(c, {{0, 4 * 256 + 9, 256}, {128, 10 * 128, 128}}),
+                             c.adam_w, {1, 2}, 3, poison);
 }
 
 // A parameter stepped whole and as shards cut on block boundaries stores the
