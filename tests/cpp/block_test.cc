@@ -383,8 +383,8 @@ TEST_P(BlockStepTest, ScalesTooLargeToFoldStepLikeTheReference) {
   std::mt19937 rng(29);
   std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
   std::uniform_int_distribution<int> exponent(120, 127);
-  // The largest code of magnitude at most 1 (E4M3, E4M4, E2M1, E3M1) and the
-  // sign bit a signed code keeps.
+  // `code` made one of magnitude at most 1 (E4M3's 0x38, E4M4's 0x70, E2M1's
+  // 0x2 and E3M1's 0x6 are 1), a signed code keeping its sign.
   const auto at_most_one = [](DType dtype, uint32_t code) {
     if (dtype == kBlock8) return (code & 0x80u) | (code & 0x7Fu) % 0x39u;
     if (dtype == kUBlock8) return code % 0x71u;
@@ -427,8 +427,8 @@ TEST_P(BlockStepTest, ScalesTooLargeToFoldStepLikeTheReference) {
 // reference's, where the fused kernels' stores that skip the NaN rules for
 // NaN-free pairs must take them (S2.5 splits a NaN master as the quiet NaN).
 // At the last step: a later step would add two NaNs (a NaN code's value and a
-// NaN weight's decay), whose result takes either one's sign, which S2.4 leaves
-// open.
+// NaN weight's decay), whose result takes either one's sign: the contract
+// fixes NaN signs through conversions only (S2.4).
 TEST_P(BlockStepTest, NonFiniteGradientsStepLikeTheReference) {
   const BlockConfig c = GetParam();
   const auto poison = [](int step, BlockTensor* t) {
