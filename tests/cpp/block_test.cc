@@ -344,6 +344,23 @@ void FillFiniteCodes(DType dtype, std::vector<uint8_t>* codes, std::mt19937* rng
   }
 }
 
+// A tensor's moments with per-block scales: their format, codes and scales.
+struct BlockMoment {
+  DType dtype;
+  std::vector<uint8_t>* codes;
+  std::vector<float>* scales;
+};
+
+std::vector<BlockMoment> BlockMoments(BlockTensor* t) {
+  std::vector<BlockMoment> moments;
+  for (const BlockMoment& m : {BlockMoment{t->config.exp_avg, &t->exp_avg, &t->exp_avg_scales},
+                               BlockMoment{t->config.exp_avg_sq, &t->exp_avg_sq,
+                                           &t->exp_avg_sq_scales}}) {
+    if (FormatOf(m.dtype).scaling == Scaling::kPerBlock) moments.push_back(m);
+  }
+  return moments;
+}
+
 // The same from any stored state the core accepts: random codes under random
 // scales that are not powers of two (the core's own are), at the block sizes
 // between the ends, beside an empty shard, with 3 threads too.
@@ -356,14 +373,7 @@ TEST_P(BlockStepTest, MatchesReferenceFromAnyStoredState) {
   std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
   std::uniform_int_distribution<int> exponent(-40, 40);
   for (BlockTensor& t : state) {
-    const struct {
-      DType dtype;
-      std::vector<uint8_t>* codes;
-      std::vector<float>* scales;
-    } moments[] = {{c.exp_avg, &t.exp_avg, &t.exp_avg_scales},
-                   {c.exp_avg_sq, &t.exp_avg_sq, &t.exp_avg_sq_scales}};
-    for (const auto& m : moments) {
-      if (FormatOf(m.dtype).scaling != Scaling::kPerBlock) continue;
+    for (const BlockMoment& m : BlockMoments(&t)) {
       FillFiniteCodes(m.dtype, m.codes, &rng);
       for (float& scale : *m.scales) scale = std::ldexp(mantissa(rng), exponent(rng));
     }
@@ -392,14 +402,7 @@ TEST_P(BlockStepTest, ScalesTooLargeToFoldStepLikeTheReference) {
     return code % 7u;
   };
   for (BlockTensor& t : state) {
-    const struct {
-      DType dtype;
-      std::vector<uint8_t>* codes;
-      std::vector<float>* scales;
-    } moments[] = {{c.exp_avg, &t.exp_avg, &t.exp_avg_scales},
-                   {c.exp_avg_sq, &t.exp_avg_sq, &t.exp_avg_sq_scales}};
-    for (const auto& m : moments) {
-      if (FormatOf(m.dtype).scaling != Scaling::kPerBlock) continue;
+    for (const BlockMoment& m : BlockMoments(&t)) {
       FillFiniteCodes(m.dtype, m.codes, &rng);
       const int64_t lead = t.first_index % t.block;
       for (int64_t j = 1; j * t.block - lead < t.numel; j += 3) {
