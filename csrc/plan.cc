@@ -46,7 +46,7 @@ int ChooseFused(const TensorSlot& s, const TensorPlan& p) {
 float FoldableScale(DType moment) {
   const Element e = FormatOf(moment).element;
   return e == Element::kFloat8E4M3 || e == Element::kUFloat8E4M4
-             ? std::numeric_limits<float>::max() / kE4M3OverF16  // exact: a power of two
+             ? std::numeric_limits<float>::max() / kE4M3OverF16  // exact: divided by 2^8
              : std::numeric_limits<float>::infinity();
 }
 

@@ -113,7 +113,8 @@ Codec CodecOf(DType dtype, bool is_state);
 // The largest old scale of a moment in `moment`'s format that the fused
 // kernels' decoders fold into one multiply: the 8-bit decoders fold a
 // power-of-two factor (at most kE4M3OverF16), so a larger scale would overflow
-// there and takes the block path; other decoders fold any scale (infinity).
+// there and takes the block path; other decoders fold any finite scale
+// (infinity). The core's validation admits only finite scales above 0.
 float FoldableScale(DType moment);
 inline bool FusedDecoderFolds(DType moment, float old_scale) {
   return std::fabs(old_scale) <= FoldableScale(moment);  // false for NaN
