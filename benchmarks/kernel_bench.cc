@@ -11,9 +11,12 @@
 // anything here.
 //
 //   kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] [--preset SUBSTR]
-//                [--settle-ms MS]
+//                [--settle-ms MS] [--target NAME]
 //
 // --preset runs only the presets whose name contains SUBSTR (e.g. "m=fp8").
+// --target steps with the kernels of SIMD target NAME (one of SupportedTargets(),
+// e.g. AVX2 on an AVX-512 machine) instead of the best one: how a CPU without the
+// better targets would fare, on this one.
 // --settle-ms sleeps MS milliseconds before each timed probe and kernel, as
 // `python -m shardadam bench` does before each timed step: a core that has just been
 // idle runs a step measurably slower than one that has just streamed the same arrays
@@ -34,6 +37,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels.h"  // internal::CompiledTargets, SetTargetForTest
 #include "shardadam/adam.h"
 
 namespace shardadam {
@@ -400,7 +404,7 @@ Stats Summarize(std::vector<double> s) {
 
 const char kUsage[] =
     "usage: kernel_bench [--numel N] [--reps R] [--threads T] [--json PATH] "
-    "[--preset SUBSTR] [--settle-ms MS]\n";
+    "[--preset SUBSTR] [--settle-ms MS] [--target NAME]\n";
 
 // Prints the problem and the usage to stderr; main returns this status.
 int Usage(const char* problem) {
@@ -426,6 +430,22 @@ bool ParseMilliseconds(const char* text, double* out) {
   if (end == text || *end != '\0' || errno != 0 || !(ms >= 0 && ms <= 60'000)) return false;
   *out = ms;
   return true;
+}
+
+// Pins the kernels to the compiled target named `name`: SupportedTargets() lists
+// the names in CompiledTargets()' order.
+bool PinTarget(const std::string& name) {
+  const std::vector<int64_t> targets = internal::CompiledTargets();
+  const std::string names = SupportedTargets();
+  size_t start = 0;
+  for (int64_t target : targets) {
+    const size_t end = std::min(names.find(' ', start), names.size());
+    if (names.compare(start, end - start, name) == 0) {
+      return internal::SetTargetForTest(target);
+    }
+    start = end + 1;
+  }
+  return false;
 }
 
 }  // namespace
@@ -465,6 +485,10 @@ int main(int argc, char** argv) {
     } else if (flag == "--settle-ms") {
       if (!ParseMilliseconds(value, &settle_ms)) {
         return Usage("--settle-ms wants a number of milliseconds in [0, 60000]");
+      }
+    } else if (flag == "--target") {
+      if (!PinTarget(value)) {
+        return Usage(("--target wants one of: " + SupportedTargets()).c_str());
       }
     } else {
       return Usage(("unknown flag " + flag).c_str());
