@@ -97,7 +97,7 @@ using VI = hn::Vec<DI>;
 template <class D>
 HWY_INLINE hn::VFromD<D> SetOnce(D d, hn::TFromD<D> c) {
   hn::VFromD<D> v = hn::Set(d, c);
-#if defined(SHARDADAM_PACK_AVX3)
+#if defined(SHARDADAM_PACK_AVX3) && defined(__GNUC__)  // GCC and clang: GNU asm
   asm("" : "+v"(v.raw));
 #endif
   return v;
