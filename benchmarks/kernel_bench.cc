@@ -15,8 +15,8 @@
 //
 // --preset runs only the presets whose name contains SUBSTR (e.g. "m=fp8").
 // --target steps with the kernels of SIMD target NAME (one of SupportedTargets(),
-// e.g. AVX2 on an AVX-512 machine) instead of the best one: how a CPU without the
-// better targets would fare, on this one.
+// e.g. AVX2 on an AVX-512 machine) instead of the best one: the kernels a CPU
+// without the better targets runs, timed on this one.
 // --settle-ms sleeps MS milliseconds before each timed probe and kernel, as
 // `python -m shardadam bench` does before each timed step: a core that has just been
 // idle runs a step measurably slower than one that has just streamed the same arrays
