@@ -54,6 +54,7 @@
 #undef SHARDADAM_PACK_AVX3
 #undef SHARDADAM_PACK_SSE4
 #undef SHARDADAM_HARDWARE_F16
+#undef SHARDADAM_LOOP_CONSTANT_TABLE
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
 #define SHARDADAM_PACK_AVX2 1
 #elif HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
@@ -101,6 +102,57 @@ HWY_INLINE hn::VFromD<D> SetOnce(D d, hn::TFromD<D> c) {
   asm("" : "+v"(v.raw));
 #endif
   return v;
+}
+
+#if (defined(SHARDADAM_PACK_AVX2) || defined(SHARDADAM_PACK_SSE4)) && defined(__GNUC__)
+#define SHARDADAM_LOOP_CONSTANT_TABLE 1
+// Every LoopConstant, as lane bits: adding one is one entry here.
+constexpr uint32_t kLoopConstantBits[] = {
+    0x7FFFFFFFu, 0x3FFFFFu, 1u, 6u, 8u, 12u,               // masks, increments, codes
+    0x3E000000u, 0x3E7FFFFFu, 0x3F000000u, 0x3F7FFFFFu,    // the 4-bit steps' origins
+    0x405FFFFFu, 0x40A00000u, 0x40DFFFFFu, 0x411FFFFFu,    // bounds of rounding to nearest
+    0x41200000u, 0x415FFFFFu, 0x41A00000u,
+    0x4B000000u, 0x4C000000u,                              // 2^23, 2^25
+    0x7FEB352Du, 0x846CA68Bu};                             // Mix32's multipliers
+constexpr size_t kNumLoopConstants = sizeof(kLoopConstantBits) / sizeof(uint32_t);
+constexpr size_t kLoopConstantLanes = HWY_MAX_BYTES / sizeof(uint32_t);
+struct LoopConstantTable {
+  alignas(HWY_MAX_BYTES) uint32_t lanes[kNumLoopConstants][kLoopConstantLanes];
+};
+constexpr LoopConstantTable MakeLoopConstantTable() {
+  LoopConstantTable t{};
+  for (size_t i = 0; i < kNumLoopConstants; ++i) {
+    for (size_t j = 0; j < kLoopConstantLanes; ++j) t.lanes[i][j] = kLoopConstantBits[i];
+  }
+  return t;
+}
+inline constexpr LoopConstantTable kLoopConstantTable = MakeLoopConstantTable();
+template <uint32_t kBits>
+constexpr size_t LoopConstantIndex() {
+  size_t i = 0;
+  while (i < kNumLoopConstants && kLoopConstantBits[i] != kBits) ++i;
+  return i;
+}
+#endif
+
+// A vector of lanes with bits kBits, for the loops SetOnce describes. On AVX2
+// and SSE4 GCC rebuilds those constants at every use too (mov + vmovd +
+// vpbroadcastd: three instructions; the asm did not help there). Read from a
+// table whose address an empty asm hides, so GCC cannot fold the values back
+// into Set constants, each use is a memory operand (a load port) instead:
+// AVX2 block4 +21%, bf16 (stochastic) + block4 +15%, SSE4 block4 +4%, the same
+// bits. ZeroFree keeps SetOnce: from the table, AVX2 block8 was 1.5% slower.
+template <uint32_t kBits>
+HWY_INLINE VU LoopConstant() {
+#if defined(SHARDADAM_LOOP_CONSTANT_TABLE)
+  constexpr size_t i = LoopConstantIndex<kBits>();
+  static_assert(i < kNumLoopConstants, "add kBits to kLoopConstantBits");
+  const uint32_t* table = &kLoopConstantTable.lanes[0][0];
+  asm("" : "+r"(table));
+  return hn::Load(DU(), table + i * kLoopConstantLanes);
+#else
+  return SetOnce(DU(), kBits);
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -378,8 +430,11 @@ HWY_INLINE VI TruncateInRange(VF x) {
 }
 
 // Lanes whose magnitude bits `abs` (below 2^31) exceed `bound`'s, as a mask of DU.
-HWY_INLINE auto AbsAbove(VU abs, int32_t bound) {
-  return hn::RebindMask(DU(), hn::Gt(hn::BitCast(DI(), abs), SetOnce(DI(), bound)));
+template <uint32_t kBound>
+HWY_INLINE auto AbsAbove(VU abs) {
+  const DI di;
+  const VI bound = hn::BitCast(di, LoopConstant<kBound>());
+  return hn::RebindMask(DU(), hn::Gt(hn::BitCast(di, abs), bound));
 }
 
 // v + 1 in the lanes of `mask`: masked arithmetic on AVX-512 (one instruction
@@ -388,7 +443,7 @@ HWY_INLINE auto AbsAbove(VU abs, int32_t bound) {
 template <class M>
 HWY_INLINE VU IncrementWhere(M mask, VU v) {
 #if defined(SHARDADAM_PACK_AVX3)
-  return hn::IfThenElse(mask, hn::Add(v, SetOnce(DU(), 1u)), v);
+  return hn::IfThenElse(mask, hn::Add(v, LoopConstant<1u>()), v);
 #else
   return hn::Sub(v, hn::VecFromMask(DU(), mask));
 #endif
@@ -399,9 +454,9 @@ HWY_INLINE VU IncrementWhere(M mask, VU v) {
 // the NaN code 0x8.
 HWY_INLINE VU SignedF4(VU bits, VU abs, VU mag) {
   const DU du;
-  const VU sign = hn::And(hn::ShiftRight<28>(bits), SetOnce(du, 8u));
+  const VU sign = hn::And(hn::ShiftRight<28>(bits), LoopConstant<8u>());
   const VU code = hn::IfThenElse(hn::Eq(mag, hn::Zero(du)), mag, hn::Or(mag, sign));
-  return hn::IfThenElse(AbsAbove(abs, 0x40DFFFFF), SetOnce(du, 8u), code);  // >= 7
+  return hn::IfThenElse(AbsAbove<0x40DFFFFFu>(abs), LoopConstant<8u>(), code);  // >= 7
 }
 
 // fp32 -> signed E2M1 code (S2.12) by F32ToF8's one addition: M = 2^(e + 22)
@@ -425,20 +480,20 @@ HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const DF df;
   const DU du;
   const VU bits = hn::BitCast(du, x);
-  const VU abs = hn::And(bits, SetOnce(du, 0x7FFFFFFFu));
+  const VU abs = hn::And(bits, LoopConstant<0x7FFFFFFFu>());
   // Steps of 2^22 from 0: the bits above 1.0 plus code 2's two steps (at most
   // code 6 below 3.5); below 1, |x| * 2^23 truncated (under 2^23, so the
   // conversion truncates exactly as the reference's cast).
-  const VU normal = hn::Sub(abs, SetOnce(du, 0x3F000000u));
-  const VU halves =
-      hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), SetOnce(df, 8388608.0f))));
-  const VU steps = hn::IfThenElse(AbsAbove(abs, 0x3F7FFFFF), normal, halves);  // >= 1
-  VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, SetOnce(du, 0x3FFFFFu))));
+  const VU normal = hn::Sub(abs, LoopConstant<0x3F000000u>());
+  const VF two_23 = hn::BitCast(df, LoopConstant<0x4B000000u>());
+  const VU halves = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_23)));
+  const VU steps = hn::IfThenElse(AbsAbove<0x3F7FFFFFu>(abs), normal, halves);  // >= 1
+  VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
   // From 3.5 up F32ToF4's nearest, written out (cheaper than SmallFloatCode):
   // 3.5 and 5 tie to the even code 6 (the value 4), above 5 is code 7 (6), and
   // SignedF4 makes 7 and up the NaN code.
-  mag = hn::IfThenElse(AbsAbove(abs, 0x405FFFFF), SetOnce(du, 6u), mag);  // >= 3.5
-  mag = IncrementWhere(AbsAbove(abs, 0x40A00000), mag);  // > 5
+  mag = hn::IfThenElse(AbsAbove<0x405FFFFFu>(abs), LoopConstant<6u>(), mag);  // >= 3.5
+  mag = IncrementWhere(AbsAbove<0x40A00000u>(abs), mag);  // > 5
   return SignedF4(bits, abs, mag);
 }
 
@@ -465,7 +520,7 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
   const VU abs = hn::And(hn::BitCast(du, x), hn::Set(du, 0x7FFFFFFFu));
   // Binades from 2^-2, M = 2^(e + 22): 2 codes per binade.
   VU code = SmallFloatCode<0x3E800000u, 0x0B000000u, 22>(abs);
-  code = hn::IfThenElse(AbsAbove(abs, 0x41A00000), hn::Set(du, 0xFu), code);  // > 20
+  code = hn::IfThenElse(AbsAbove<0x41A00000u>(abs), hn::Set(du, 0xFu), code);  // > 20
   return ZeroFree(code, u);
 }
 
@@ -476,22 +531,22 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
 HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
   const DF df;
   const DU du;
-  const VU abs = hn::And(hn::BitCast(du, x), SetOnce(du, 0x7FFFFFFFu));
+  const VU abs = hn::And(hn::BitCast(du, x), LoopConstant<0x7FFFFFFFu>());
   // As F32ToF4Stochastic's steps, from 0.25 (at most code 13 below 10); below
   // 0.25, |x| * 2^25 truncated.
-  const VU normal = hn::Sub(abs, SetOnce(du, 0x3E000000u));
-  const VU eighths =
-      hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), SetOnce(df, 33554432.0f))));
-  const VU steps = hn::IfThenElse(AbsAbove(abs, 0x3E7FFFFF), normal, eighths);  // >= 0.25
-  VU code = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, SetOnce(du, 0x3FFFFFu))));
+  const VU normal = hn::Sub(abs, LoopConstant<0x3E000000u>());
+  const VF two_25 = hn::BitCast(df, LoopConstant<0x4C000000u>());
+  const VU eighths = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_25)));
+  const VU steps = hn::IfThenElse(AbsAbove<0x3E7FFFFFu>(abs), normal, eighths);  // >= 0.25
+  VU code = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
   code = ZeroFree(code, u);
   // From 10 up F32ToUF4's nearest, written out: 10 ties to the even code 12
   // (the value 8), above it 13 (12); 14 ties to 14 (16), as does 20; above 20,
   // inf and NaN the NaN code 15.
-  code = hn::IfThenElse(AbsAbove(abs, 0x411FFFFF), SetOnce(du, 12u), code);  // >= 10
-  code = IncrementWhere(AbsAbove(abs, 0x41200000), code);  // > 10
-  code = IncrementWhere(AbsAbove(abs, 0x415FFFFF), code);  // >= 14
-  return IncrementWhere(AbsAbove(abs, 0x41A00000), code);  // > 20
+  code = hn::IfThenElse(AbsAbove<0x411FFFFFu>(abs), LoopConstant<12u>(), code);  // >= 10
+  code = IncrementWhere(AbsAbove<0x41200000u>(abs), code);  // > 10
+  code = IncrementWhere(AbsAbove<0x415FFFFFu>(abs), code);  // >= 14
+  return IncrementWhere(AbsAbove<0x41A00000u>(abs), code);  // > 20
 }
 
 // counter_hash.h's Mix32 on every lane, in two parts: MixOpen stops before the
@@ -502,15 +557,15 @@ HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
 HWY_INLINE VU XorShift16(VU x) { return hn::Xor(x, hn::ShiftRight<16>(x)); }
 HWY_INLINE VU MixOpen(VU x) {
   const DU du;
-  x = hn::Mul(XorShift16(x), SetOnce(du, 0x7FEB352Du));
+  x = hn::Mul(XorShift16(x), LoopConstant<0x7FEB352Du>());
   x = hn::Xor(x, hn::ShiftRight<15>(x));
-  return hn::Mul(x, SetOnce(du, 0x846CA68Bu));
+  return hn::Mul(x, LoopConstant<0x846CA68Bu>());
 }
 HWY_INLINE VU MixClose(VU x) {
   const DU du;
-  x = hn::Mul(x, SetOnce(du, 0x7FEB352Du));
+  x = hn::Mul(x, LoopConstant<0x7FEB352Du>());
   x = hn::Xor(x, hn::ShiftRight<15>(x));
-  return XorShift16(hn::Mul(x, SetOnce(du, 0x846CA68Bu)));
+  return XorShift16(hn::Mul(x, LoopConstant<0x846CA68Bu>()));
 }
 
 // The key-independent half of counter_hash.h RandomBits (the inner Mix32 of
