@@ -86,6 +86,33 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
                 f"in {dtypes}, got {shown(dtype)}).")
 
 
+def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
+    """A switch, read by truth value as TE reads it: a bool, or an int 0 or 1 (numpy's
+    included). Anything else is refused: a string above all ("False" is true)."""
+    if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return
+    raise fail(ValueError, f"{name} must be a bool (rule: True/False, or an int 0 or 1), "
+                           f"got {shown(value)}", group=group_index)
+
+
+# Settings of the whole optimizer, which a parameter group cannot change: given in one,
+# they would be kept in it and ignored.
+OPTIMIZER_WIDE = ("adam_w_mode", "master_weights", "master_weight_dtype", "exp_avg_dtype",
+                  "exp_avg_sq_dtype", "use_decoupled_grad", "store_param_remainders",
+                  "moment_format", "moment_block_size", "param_rounding", "capturable",
+                  "amsgrad")
+
+
+def check_group_options(group: dict, group_index: int) -> None:
+    """A group handed to the constructor or ``add_param_group`` sets none of them."""
+    for key in OPTIMIZER_WIDE:
+        if key in group:
+            raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
+                                   f"{key} is one setting of the whole optimizer: pass it "
+                                   f"to the constructor; a group may set lr, betas, eps, "
+                                   f"weight_decay and bias_correction)", group=group_index)
+
+
 PARAM_ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -133,11 +160,16 @@ def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
                          f"store_param_remainders=True)")
     low, high = _formats.SCALE_BLOCK_RANGE
     block = moment_block_size
-    if block is not None and (not isinstance(block, int) or isinstance(block, bool)
-                              or not low <= block <= high or block & (block - 1)):
+    if block is not None and (not isinstance(block, numbers.Integral)
+                              or isinstance(block, bool)):
+        raise ValueError(f"FusedAdam: moment_block_size must be an int (rule S2.11: an int "
+                         f"power of two in [{low}, {high}], numpy's included), got "
+                         f"{shown(block)}")
+    if block is not None and (not low <= block <= high or block & (block - 1)):
         raise ValueError(f"FusedAdam: moment_block_size must be a power of two in "
                          f"[{low}, {high}] (rule S2.11: elements per block scale), got "
                          f"{shown(block)}")
+    block = None if block is None else int(block)
     needed = {fmt for packable in (True, False)
               for fmt in _formats.moment_family(moment_format, block, packable)}
     for fmt in sorted(needed, key=lambda f: f.tag):
@@ -194,7 +226,8 @@ def check_group_keys(group: dict, group_index: int) -> None:
 
 def hyper_parameters(group: dict, group_index: Optional[int] = None,
                      lr_on_device: bool = False) -> tuple:
-    """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2).
+    """``(lr, beta1, beta2, eps, weight_decay)`` of a group as floats, checked (S1.2),
+    and its ``bias_correction`` checked as a flag.
     With ``lr_on_device``, an lr held in a one-element floating CUDA tensor (a plain
     one, not a DTensor) comes back as that tensor, checked for its shape and dtype only:
     reading its value would wait for the device."""
@@ -205,7 +238,7 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None,
             and type(betas) is tuple and len(betas) == 2 and type(betas[0]) in _PLAIN_REALS
             and type(betas[1]) in _PLAIN_REALS and 0.0 <= lr < math.inf
             and 0.0 <= eps < math.inf and 0.0 <= wd < math.inf and 0.0 <= betas[0] < 1.0
-            and 0.0 <= betas[1] < 1.0):
+            and 0.0 <= betas[1] < 1.0 and type(group.get("bias_correction", True)) is bool):
         return float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd)
     return _checked_hyper_parameters(group, group_index, lr_on_device)
 
@@ -225,6 +258,9 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
     """hyper_parameters for any value: tensors, numpy numbers, lists; refusals."""
     def bad(rule, value):
         return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
+
+    if "bias_correction" in group:
+        check_flag("bias_correction", group["bias_correction"], group_index)
 
     lr = group["lr"]
     if not (lr_on_device and is_device_lr(lr)):
@@ -273,21 +309,25 @@ def loaded_step(step, group_index: int) -> int:
     return int(value)
 
 
-def check_loaded_options(saved: dict, adam_w_mode, group_index: int) -> None:
+def check_loaded_options(saved: dict, adam_w_mode, group_index: int,
+                         weight_decay) -> None:
     """Options of ``torch.optim.Adam`` / ``AdamW`` this optimizer lacks are refused
     rather than ignored; their ``decoupled_weight_decay`` must be ``adam_w_mode``, which
-    this optimizer applies to every group."""
+    this optimizer applies to every group, unless the group's ``weight_decay`` (as
+    loaded) is 0: then both modes step alike."""
     for option in ("amsgrad", "maximize"):
         if saved.get(option):
             raise fail(ValueError, f"the loaded group has {option}=True (rule: FusedAdam "
                                    f"has no {option}; load such a checkpoint only into an "
                                    f"optimizer that has)", group=group_index)
     decoupled = saved.get("decoupled_weight_decay")
-    if decoupled is not None and bool(decoupled) != bool(adam_w_mode):
+    if (decoupled is not None and bool(decoupled) != bool(adam_w_mode)
+            and _number(weight_decay) != 0.0):
         raise fail(ValueError, f"the loaded group has decoupled_weight_decay={decoupled!r} "
                                f"but this optimizer has adam_w_mode={bool(adam_w_mode)} "
                                f"(rule: a torch Adam checkpoint loads into "
-                               f"adam_w_mode=False, an AdamW one into adam_w_mode=True)",
+                               f"adam_w_mode=False, an AdamW one into adam_w_mode=True, "
+                               f"either into both when its weight_decay is 0)",
                    group=group_index)
 
 
@@ -414,10 +454,25 @@ def _extent(tensor) -> int:
                    for size, stride in zip(tensor.shape, tensor.stride()))
 
 
-def check_params(params, group_index: int, group: dict) -> None:
+def check_params(params, group_index: int, group: dict,
+                 placed: Optional[dict] = None) -> None:
+    """``placed``, for a group being added: ``{id(param): (group, index)}`` of the groups
+    already there, which torch's add_param_group checks next (with a bare message)."""
     first_index = {}
     for i, param in enumerate(params):
         error = param_error(param)
+        if error is None and placed is not None:
+            # ValueError, the type torch's add_param_group raises for these two.
+            if not (param.is_leaf or param.retains_grad):
+                raise fail(ValueError, "can't optimize a non-leaf Tensor (rule: a parameter "
+                                       "is a leaf, e.g. an nn.Parameter; pass it, not a "
+                                       "result computed from it)", group=group_index,
+                           param=i, name=param_name(group, i))
+            if id(param) in placed:
+                other_group, other = placed[id(param)]
+                raise fail(ValueError, f"the same tensor as group {other_group}, param "
+                                       f"{other} (rule: each parameter in one group only)",
+                           group=group_index, param=i, name=param_name(group, i))
         if error is None:
             first = first_index.setdefault(id(param), i)
             if first != i:  # torch only warns; stepped twice it would be wrong

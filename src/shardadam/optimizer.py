@@ -73,6 +73,11 @@ class FusedAdam(torch.optim.Optimizer):
         moment_block_size: Optional[int] = None,
         param_rounding: str = "nearest",
     ):
+        for name, value in (("amsgrad", amsgrad), ("adam_w_mode", adam_w_mode),
+                            ("capturable", capturable), ("master_weights", master_weights),
+                            ("use_decoupled_grad", use_decoupled_grad),
+                            ("store_param_remainders", store_param_remainders)):
+            _validate.check_flag(name, value)
         _validate.check_options(
             amsgrad=amsgrad, capturable=capturable, master_weights=master_weights,
             master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
@@ -156,7 +161,10 @@ class FusedAdam(torch.optim.Optimizer):
                 named = ({"param_names": [p[0] for p in params]}
                          if params and all(isinstance(p, tuple) for p in params)
                          else param_group)
-                _validate.check_params(tensors, index, named)
+                _validate.check_group_options(param_group, index)
+                placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
+                          for i, p in enumerate(group["params"])}
+                _validate.check_params(tensors, index, named, placed)
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
                 planned = [self._planned_entry(param, config, index, i, named)
                            for i, param in enumerate(tensors)]
@@ -198,7 +206,8 @@ class FusedAdam(torch.optim.Optimizer):
         return _state.StateConfig(self.exp_avg_dtype, self.exp_avg_sq_dtype,
                                   bool(self.master_weights), self.master_weight_dtype,
                                   bool(self.store_param_remainders), self.moment_format,
-                                  self.moment_block_size, self.param_rounding)
+                                  None if self.moment_block_size is None
+                                  else int(self.moment_block_size), self.param_rounding)
 
     # ------------------------------------------------------------------ step
 
@@ -281,16 +290,18 @@ class FusedAdam(torch.optim.Optimizer):
     def _checked_config(self) -> _state.StateConfig:
         """The state configuration after checking the settings (S1.5: they may change
         between steps). Checked again only when a setting is another object than at the
-        last check that passed (the flags by truth value; the rest are immutable where
-        valid, so the same objects pass again), or when what the loaded core offers is;
-        otherwise the configuration that check made is returned."""
-        seen = (bool(self.capturable), bool(self.master_weights), self.master_weight_dtype,
-                self.exp_avg_dtype, self.exp_avg_sq_dtype, bool(self.store_param_remainders),
+        last check that passed (all are immutable where valid, so the same objects pass
+        again), or when what the loaded core offers is; otherwise the configuration that
+        check made is returned."""
+        seen = (self.capturable, self.master_weights, self.master_weight_dtype,
+                self.exp_avg_dtype, self.exp_avg_sq_dtype, self.store_param_remainders,
                 self.moment_format, self.moment_block_size, self.param_rounding,
                 _formats.unavailable(), _formats.SCALE_BLOCK_RANGE)
         passed = self._settings_passed
         if passed is not None and all(map(operator.is_, seen, passed[0])):
             return passed[1]
+        for name in ("capturable", "master_weights", "store_param_remainders"):
+            _validate.check_flag(name, getattr(self, name))
         _validate.check_options(
             amsgrad=False, capturable=self.capturable, master_weights=self.master_weights,
             master_weight_dtype=self.master_weight_dtype, exp_avg_dtype=self.exp_avg_dtype,
@@ -318,8 +329,10 @@ class FusedAdam(torch.optim.Optimizer):
             lr = _validate.hyper_parameters(group, index)[0]
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
                                bool(group["bias_correction"]), step + 1)  # S3.6
-        decoupled = bool(self.use_decoupled_grad)
-        batches = [_plan.gather_grads(batch, decoupled, group, index)
+        decoupled = self.use_decoupled_grad
+        if type(decoupled) is not bool:  # S1.5: Megatron sets it after construction
+            _validate.check_flag("use_decoupled_grad", decoupled)
+        batches = [_plan.gather_grads(batch, bool(decoupled), group, index)
                    for batch in plan.batches]
         return plan, hyper, batches
 
@@ -578,7 +591,8 @@ class FusedAdam(torch.optim.Optimizer):
             # A group without its own step takes its parameters' (torch's Adam layout):
             # then their per-parameter "step" is consumed, not kept as an extra key.
             own_steps.append("step" in saved)
-            _validate.check_loaded_options(saved, self.adam_w_mode, g)
+            _validate.check_loaded_options(
+                saved, self.adam_w_mode, g, saved.get("weight_decay", group["weight_decay"]))
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")

@@ -7,6 +7,7 @@ continues bitwise like the one that never stopped."""
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -108,11 +109,25 @@ def test_block_size_keyword():
     assert opt._formats[params[0]]["exp_avg"].scale_block == 128
 
 
-@pytest.mark.parametrize("block", [0, 64, 100, 255, 8192, -256, 256.0, True, "256"])
+@pytest.mark.parametrize("block", [0, 64, 100, 255, 8192, -256, np.int64(100)])
 def test_bad_block_size_is_refused(block):
     with pytest.raises(ValueError, match=r"moment_block_size must be a power of two in "
                                          r"\[128, 4096\]"):
         make(moment_block_size=block)
+
+
+@pytest.mark.parametrize("block", [256.0, True, "256", torch.tensor(256)])
+def test_block_size_that_is_no_int_is_refused(block):
+    with pytest.raises(ValueError, match=r"moment_block_size must be an int \(rule S2.11: "
+                                         r"an int power of two in \[128, 4096\]"):
+        make(moment_block_size=block)
+
+
+def test_block_size_may_be_a_numpy_int():
+    """As lr may be a numpy float: the blocks are the int's."""
+    opt, params = make(moment_block_size=np.int64(128))
+    assert opt._scales[params[0]]["exp_avg"].shape == (15,)
+    assert opt._formats[params[0]]["exp_avg"].scale_block == 128
 
 
 @pytest.mark.parametrize("kwargs,match", [

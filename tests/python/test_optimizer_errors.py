@@ -18,6 +18,7 @@ import copy
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,6 +95,21 @@ CONSTRUCTOR_ERRORS = [
      facts(r"Invalid weight_decay value.*True")),
     ("beta1-string", dict(betas=("0.9", 0.999)), ValueError,
      facts(r"Invalid beta parameter at index 0.*'0\.9'")),
+    # A flag is read by truth value: the string "False" would switch it on.
+    ("bias_correction-string", dict(bias_correction="False"), ValueError,
+     facts(r"bias_correction must be a bool.*'False'")),
+    ("bias_correction-two", dict(bias_correction=2), ValueError,
+     facts(r"bias_correction must be a bool.*\b2\b")),
+    ("adam_w_mode-string", dict(adam_w_mode="no"), ValueError,
+     facts(r"adam_w_mode must be a bool.*'no'")),
+    ("master_weights-string", dict(master_weights="no"), ValueError,
+     facts(r"master_weights must be a bool.*'no'")),
+    ("use_decoupled_grad-none", dict(use_decoupled_grad=None), ValueError,
+     facts(r"use_decoupled_grad must be a bool.*None")),
+    ("store_param_remainders-float", dict(master_weights=True, store_param_remainders=0.5),
+     ValueError, facts(r"store_param_remainders must be a bool.*0\.5")),
+    ("amsgrad-string", dict(amsgrad="False"), ValueError,
+     facts(r"amsgrad must be a bool.*'False'")),
 ]
 
 
@@ -109,6 +125,76 @@ def test_constructor_rejects(kwargs, exc, pattern):
     for i, (p, old) in enumerate(zip(params, before)):
         assert_bitwise_equal(p.detach(), old, f"param {i} after a rejected constructor")
         assert p.grad is None
+
+
+def test_flags_take_bools_and_the_ints_0_and_1():
+    """S1.2: a flag given as 0 / 1 (numpy's included) steps as the bool would."""
+    results = []
+    for flags in (dict(bias_correction=False, adam_w_mode=True, master_weights=True),
+                  dict(bias_correction=0, adam_w_mode=np.int64(1), master_weights=1)):
+        params = make_params()
+        opt = fused_adam()(params, lr=1e-2, weight_decay=0.1, **flags)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        results.append((opt, params))
+    (a, params_a), (b, params_b) = results
+    assert_same_optimizer_state(a, b, params_a, params_b, "flags as 0/1")
+
+
+def other_group_param(opt, extra):
+    return dict(params=[extra, opt.param_groups[0]["params"][1]])
+
+
+def non_leaf(opt, extra):
+    return dict(params=[extra, torch.nn.Parameter(torch.randn(3)) * 2])
+
+
+@pytest.mark.parametrize("group,pattern", [
+    (other_group_param, facts(*at(1, 1), "same tensor as group 0, param 1",
+                              "each parameter in one group only")),
+    (non_leaf, facts(*at(1, 1), "non-leaf", "rule: ")),
+], ids=["param-of-another-group", "non-leaf"])
+def test_add_param_group_names_torchs_refusals(group, pattern):
+    """What torch's add_param_group refuses with a bare message (a parameter already in
+    another group, a non-leaf tensor) is refused first with the group, the parameter and
+    the rule, as the same ValueError, and nothing changes."""
+    opt = fused_adam()(make_params())
+    extra = torch.nn.Parameter(torch.randn(2))
+    before = snapshot(opt, [extra])
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group(group(opt, extra))
+    assert_unchanged(opt, before)
+    assert extra not in opt.state
+
+
+def test_constructor_names_a_param_listed_in_two_groups():
+    a, b = make_params()
+    with pytest.raises(ValueError, match=facts(*at(1, 0), "same tensor as group 0, param 1")):
+        fused_adam()([{"params": [a, b]}, {"params": [b]}])
+
+
+@pytest.mark.parametrize("key,value", [
+    ("moment_format", "block4"), ("moment_block_size", 128),
+    ("exp_avg_dtype", torch.bfloat16), ("exp_avg_sq_dtype", torch.bfloat16),
+    ("master_weights", True), ("master_weight_dtype", torch.float16),
+    ("store_param_remainders", True), ("param_rounding", "stochastic"),
+    ("adam_w_mode", False), ("use_decoupled_grad", True)])
+def test_a_group_cannot_set_what_the_whole_optimizer_sets(key, value):
+    """Storage and mode settings are the optimizer's: given in a group they would be
+    kept there and ignored, so they are refused, in the constructor and in
+    add_param_group, and nothing changes."""
+    with pytest.raises(ValueError, match=facts(r"FusedAdam: group 1\b", f"sets {key}=",
+                                               "one setting of the whole optimizer")):
+        fused_adam()([{"params": make_params()[:1]},
+                      {"params": make_params()[1:], key: value}])
+    opt = fused_adam()(make_params())
+    extra = torch.nn.Parameter(torch.randn(2))
+    before = snapshot(opt, [extra])
+    with pytest.raises(ValueError, match=facts(r"group 1\b", f"sets {key}=")):
+        opt.add_param_group({"params": [extra], key: value})
+    assert_unchanged(opt, before)
+    assert extra not in opt.state
 
 
 def test_master_weight_dtype_only_checked_with_master_weights():
@@ -534,15 +620,6 @@ def set_attribute(key, value):
     return apply
 
 
-def capturable_in_place(opt, params):
-    """A flag object that passed a step as false and turns true in place (step()
-    checks settings again only when they change, by truth value for flags)."""
-    flag = []
-    opt.capturable = flag
-    opt.step()
-    flag.append(1)
-
-
 def swap_param(value):
     def apply(opt, params):
         opt.param_groups[1]["params"][1] = value
@@ -598,8 +675,17 @@ STEP_ERRORS = [
      RuntimeError, facts("FusedAdam", "(?i)master", "bfloat16")),
     ("capturable-set", True, set_attribute("capturable", True), RuntimeError,
      facts("FusedAdam", "(?i)capturable")),
-    ("capturable-turned-true-in-place", True, capturable_in_place, RuntimeError,
-     facts("FusedAdam", "(?i)capturable")),
+    # S1.5: flags changed after construction are checked as the constructor checks them
+    ("capturable-not-a-flag", True, set_attribute("capturable", []), ValueError,
+     facts("FusedAdam", r"capturable must be a bool.*\[\]")),
+    ("master_weights-string", True, set_attribute("master_weights", "no"), ValueError,
+     facts("FusedAdam", r"master_weights must be a bool.*'no'")),
+    ("use_decoupled_grad-string", True, set_attribute("use_decoupled_grad", "False"),
+     ValueError, facts("FusedAdam", r"use_decoupled_grad must be a bool.*'False'")),
+    ("group-bias_correction-string", True, set_group("bias_correction", "False"),
+     ValueError, facts(r"group\W*1\b", r"bias_correction must be a bool.*'False'")),
+    ("group-bias_correction-none", True, set_group("bias_correction", None), ValueError,
+     facts(r"group\W*1\b", r"bias_correction must be a bool.*None")),
     ("swapped-in-int64-param", True, swap_param(torch.zeros(4, dtype=torch.int64)),
      RuntimeError, facts(*at(1, 1), "int64")),
     ("swapped-in-float64-param", True,

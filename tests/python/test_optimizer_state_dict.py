@@ -602,3 +602,26 @@ def test_torch_checkpoint_loads_into_the_matching_weight_decay(torch_cls, adam_w
     opt.load_state_dict(reference.state_dict())
     assert opt.param_groups[0]["step"] == 1
     assert opt.param_groups[0]["decoupled_weight_decay"] is adam_w_mode
+
+
+@pytest.mark.parametrize("torch_cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_torch_checkpoint_without_weight_decay_loads_into_either_mode(torch_cls):
+    """With weight_decay 0 (torch Adam's default) L2 and decoupled decay are the same
+    step, so either torch checkpoint loads into either mode (the other pairing is
+    refused only with a weight decay: test_optimizer_errors' torch-adam-l2); both
+    continue bitwise alike."""
+    params = make_params([torch.float32], [(4, 3)], seed=9)
+    reference = torch_cls(params, lr=1e-2, weight_decay=0.0)
+    params[0].grad = torch.ones(4, 3)
+    reference.step()
+    results = []
+    for adam_w_mode in (True, False):
+        copies = clone_params(params)
+        opt = fused_adam()(copies, lr=1e-2, adam_w_mode=adam_w_mode)
+        opt.load_state_dict(reference.state_dict())
+        assert opt.param_groups[0]["step"] == 1
+        copies[0].grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
+        opt.step()
+        results.append((opt, copies))
+    (a, params_a), (b, params_b) = results
+    assert_same_optimizer_state(a, b, params_a, params_b, "AdamW mode against L2 mode")
