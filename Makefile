@@ -87,7 +87,7 @@ test-cpp: $(CPP_BUILD)/.build-stamp
 test-python: $(VENV)/.package-stamp
 	SHARDADAM_REQUIRE_CORE=1 $(PY) -m pytest -q
 
-# Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for under 2).
+# Full side-by-side run (3-4 minutes; add BENCH_FLAGS=--quick for about 2).
 bench: setup $(VENV)/.deepspeed-stamp
 	mkdir -p build/bench
 	$(PY) -m pip install -q -r requirements-bench.txt

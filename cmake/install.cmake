@@ -10,10 +10,15 @@ include(CMakePackageConfigHelpers)
 set(SHARDADAM_CMAKE_DIR "${CMAKE_INSTALL_LIBDIR}/cmake/shardadam")
 
 # Only the public headers: everything else in csrc/ (Highway's kernels among it)
-# is compiled into the archives.
+# is compiled into the archives; adam_cuda.h only where its backend is.
+if(SHARDADAM_ENABLE_CUDA)
+  set(_shardadam_without_cuda_header "")
+else()
+  set(_shardadam_without_cuda_header PATTERN "adam_cuda.h" EXCLUDE)
+endif()
 install(DIRECTORY "${PROJECT_SOURCE_DIR}/csrc/include/shardadam"
         DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}"
-        FILES_MATCHING PATTERN "*.h")
+        FILES_MATCHING PATTERN "*.h" ${_shardadam_without_cuda_header})
 
 # Consumers compile the headers as C++17 (inline variables).
 target_compile_features(shardadam_core INTERFACE cxx_std_17)

@@ -24,7 +24,7 @@
 #   GPU_CHECK_BUDGET_S     total seconds (560)
 #   GPU_CHECK_FORCE_DEPS=1 use .deps/ even where the machine has its own copies
 #   GPU_CHECK_QUICK=1      the GPU tests, the benchmark and the profile only (a rerun
-#                          after a kernel change: about half the time)
+#                          after a kernel change: about 4 minutes against about 5)
 #   GPU_CHECK_SKIP="a b"   stages left out by name (e.g. "offload cpp profile": the
 #                          build, test_cuda_backend.py and the benchmark, 2 minutes)
 #   GPU_CHECK_NO_GPU_OK=1  carry on without a GPU (tries the script itself: the GPU

@@ -780,7 +780,8 @@ def sr_check(draws=2000):
         lo, hi = qmap.values[lo_i].double(), qmap.values[lo_i + 1].double()
         scale = s0.repeat_interleave(block).double()
         p = (ax.double() - lo) / (hi - lo)
-        keep = ax <= top
+        # Only what is rounded stochastically: @srt maps round |x| >= T / 2 to nearest.
+        keep = (ax <= top) & (ax < qmap.nearest_from)
         if not qmap.signed:
             keep &= ax >= qmap.values[1]
         total = torch.zeros(u.numel(), dtype=torch.float64)
@@ -1152,20 +1153,20 @@ def main(argv=None):
         result = run_with_snapshots(workload, args.workload,
                                     {int(k) for k in args.snapshots.split(",")}, folder)
         row = {"spec": "ref", "workload_name": args.workload, "steps": workload.steps,
-               "workload": asdict(workload), "final_loss": result.final_loss,
+               "workload": asdict(workload), "final_loss": result.last_mean_loss,
                "diverged_at": result.diverged_at,
                "bytes_per_param": result.state_bytes_per_param,
                "losses": result.losses, "seconds": time.time() - began,
                "threads": args.threads}
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{args.workload} ref: final {result.final_loss:.4f}", flush=True)
+        print(f"{args.workload} ref: final {result.last_mean_loss:.4f}", flush=True)
         return 0
     for text in expand(args.runs):
         began = time.time()
         result = run_one(text, workload, args.progress)
         row = {"spec": text, "workload_name": args.workload, "steps": workload.steps,
-               "workload": asdict(workload), "final_loss": result.final_loss
+               "workload": asdict(workload), "final_loss": result.last_mean_loss
                if result.diverged_at is None else None,
                "diverged_at": result.diverged_at,
                "bytes_per_param": result.state_bytes_per_param,
@@ -1175,7 +1176,7 @@ def main(argv=None):
             f.write(json.dumps(row) + "\n")
         print(f"{args.workload} {text}: "
               + (f"DIVERGED at step {result.diverged_at}" if result.diverged_at
-                 else f"final {result.final_loss:.4f}")
+                 else f"final {result.last_mean_loss:.4f}")
               + f"  {result.state_bytes_per_param:.3f} B/param  {result.seconds:.0f} s",
               flush=True)
     return 0

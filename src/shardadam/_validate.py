@@ -88,9 +88,13 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
 
 def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
     """A switch, read by truth value as TE reads it: a bool, or an int 0 or 1 (numpy's
-    included). Anything else is refused: a string above all ("False" is true)."""
+    bools and ints included). Anything else is refused: a string above all ("False" is
+    true)."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
         return
+    if (type(value).__module__ == "numpy" and getattr(value, "dtype", None) == "bool"
+            and getattr(value, "ndim", None) == 0):
+        return  # numpy.bool_, which is no numbers.Integral
     raise fail(ValueError, f"{name} must be a bool (rule: True/False, or an int 0 or 1), "
                            f"got {shown(value)}", group=group_index)
 

@@ -115,10 +115,10 @@ class Result:
     seconds: float
     state_bytes: int       # bytes of the optimizer's state tensors (scales included)
     params: int
-    last: int              # steps averaged by final_loss
+    last: int              # steps averaged by last_mean_loss
 
     @property
-    def final_loss(self):
+    def last_mean_loss(self):
         """Mean loss of the last ``last`` steps; inf for a diverged run."""
         if self.diverged_at is not None:
             return math.inf
@@ -210,7 +210,8 @@ def add_arguments(parser):
                         help="FusedAdam moment_block_size: elements per block scale "
                              "(default 256 for block8, 128 for block4)")
     parser.add_argument("--params", choices=("fp32", "bf16"), default="fp32",
-                        help="parameter dtype (default fp32; bf16 wants --master)")
+                        help="parameter dtype (default fp32; bf16 with --master, or without one "
+                             "rounded by --param-rounding)")
     parser.add_argument("--master", choices=("none", "fp32", "fp16", "remainder"),
                         default="none",
                         help="master weights for bf16 parameters: an fp32 or fp16 copy, "
@@ -347,12 +348,13 @@ def run(args):
               f"{result.losses[-1]:.4g}); {result.seconds:.0f} s")
     else:
         print(f"{label}: mean loss of the last {workload.last} steps "
-              f"{result.final_loss:.4f}; state {result.state_bytes_per_param:.2f} "
+              f"{result.last_mean_loss:.4f}; state {result.state_bytes_per_param:.2f} "
               f"B/param; {result.seconds:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": asdict(workload), "label": label,
-                       "final_loss": None if result.diverged_at else result.final_loss,
+                       "last_mean_loss": (None if result.diverged_at
+                                          else result.last_mean_loss),
                        "diverged_at": result.diverged_at, "losses": result.losses,
                        "state_bytes_per_param": result.state_bytes_per_param,
                        "threads": torch.get_num_threads(),

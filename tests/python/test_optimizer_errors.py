@@ -128,10 +128,11 @@ def test_constructor_rejects(kwargs, exc, pattern):
 
 
 def test_flags_take_bools_and_the_ints_0_and_1():
-    """S1.2: a flag given as 0 / 1 (numpy's included) steps as the bool would."""
+    """S1.2: a flag given as 0 / 1 or as a numpy bool steps as the bool would."""
     results = []
     for flags in (dict(bias_correction=False, adam_w_mode=True, master_weights=True),
-                  dict(bias_correction=0, adam_w_mode=np.int64(1), master_weights=1)):
+                  dict(bias_correction=0, adam_w_mode=np.int64(1),
+                       master_weights=np.bool_(True))):
         params = make_params()
         opt = fused_adam()(params, lr=1e-2, weight_decay=0.1, **flags)
         for p in params:

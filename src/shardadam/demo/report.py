@@ -100,7 +100,8 @@ def summarize(args, corpus, phases, phase_wall_s, wall_s):
 
 def table(figures):
     runs, check = figures["runs"], figures["resume_check"]
-    header = (f"{'run':<28} {'ranks':>5} {'loss first -> final':>19} "
+    width = max([28] + [len(run["label"]) for run in runs.values()])  # block presets: 29
+    header = (f"{'run':<{width}} {'ranks':>5} {'loss first -> final':>19} "
               f"{f'last {LAST_STEPS} mean':>12} "
               f"{'state B/param':>13} {'param B/param':>13} {'peak RSS MiB':>14} "
               f"{'opt step ms':>11} {'(median)':>8}")
@@ -108,7 +109,7 @@ def table(figures):
     for run in runs.values():
         loss = f"{run['first_loss']:.3f} -> {run['final_loss']:.3f}"
         rss = f"{run['peak_rss_mib']:.0f} (+{run['training_rss_mib']:.0f})"
-        lines.append(f"{run['label']:<28} {run['ranks']:>5} {loss:>19} "
+        lines.append(f"{run['label']:<{width}} {run['ranks']:>5} {loss:>19} "
                      f"{run['last_mean_loss']:>12.3f} "
                      f"{run['state_bytes_per_param']:>13.2f} "
                      f"{run['param_bytes_per_param']:>13.2f} {rss:>14} "
