@@ -152,7 +152,16 @@ enum class Status : int32_t {
 // other_tensor_index 0, rule "grad [0x..., +8 bytes) overlaps {other}'s param
 // [...]; tensors must not share memory (only gradients may be shared)", message
 // the same sentence starting "tensor 1: " with "{other}" written as "tensor 0".
-struct Error {
+// Error holds std::string, laid out differently under libstdc++'s two string ABIs
+// (_GLIBCXX_USE_CXX11_ABI). Tagged with the ABI, every function taking an Error*
+// carries it in its linker name: a consumer built with the other ABI than the core
+// fails to link rather than crashing on the first refused call.
+#if defined(_GLIBCXX_USE_CXX11_ABI) && _GLIBCXX_USE_CXX11_ABI
+#define SHARDADAM_STRING_ABI_TAG __attribute__((abi_tag("cxx11")))
+#else
+#define SHARDADAM_STRING_ABI_TAG
+#endif
+struct SHARDADAM_STRING_ABI_TAG Error {
   int64_t tensor_index = -1;        // the tensor the rule concerns; -1: the call itself
                                     // or a hyper-parameter
   int64_t other_tensor_index = -1;  // the second tensor of a rule about two, else -1
