@@ -73,6 +73,17 @@ def test_info():
     assert runtime == "pool" or runtime.startswith("openmp:"), runtime
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the ELF symbols")
+def test_module_exports_none_of_the_core():
+    """The core is built with hidden visibility: the module's dynamic symbols hold
+    nothing of it, so another copy of the core in the process (a C++ consumer's own
+    shared library) never binds to this one, nor this one to it."""
+    listed = subprocess.run(["nm", "-D", "--defined-only", _C.__file__],
+                            capture_output=True, text=True, check=True).stdout
+    exported = [line for line in listed.splitlines() if "9shardadam" in line]
+    assert listed.strip() and not exported, exported[:5]
+
+
 # --------------------------------------------------------------------------------------
 # Codecs (S2.4): bit for bit with torch's .to(), NaN stays NaN.
 
