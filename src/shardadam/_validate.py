@@ -99,17 +99,18 @@ def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
                            f"got {shown(value)}", group=group_index)
 
 
-# Settings of the whole optimizer, which a parameter group cannot change: given in one,
-# they would be kept in it and ignored.
-OPTIMIZER_WIDE = ("adam_w_mode", "master_weights", "master_weight_dtype", "exp_avg_dtype",
-                  "exp_avg_sq_dtype", "use_decoupled_grad", "store_param_remainders",
-                  "moment_format", "moment_block_size", "param_rounding", "capturable",
-                  "amsgrad")
+# The settings FusedAdam keeps as attributes of the whole optimizer (beyond torch's
+# defaults): a parameter group cannot change them.
+OPTIMIZER_SETTINGS = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
+                      "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
+                      "store_param_remainders", "moment_format", "moment_block_size",
+                      "param_rounding")
 
 
 def check_group_options(group: dict, group_index: int) -> None:
-    """A group handed to the constructor or ``add_param_group`` sets none of them."""
-    for key in OPTIMIZER_WIDE:
+    """A group handed to the constructor or ``add_param_group`` sets none of the
+    optimizer's settings (nor ``amsgrad``): kept in the group, they would be ignored."""
+    for key in OPTIMIZER_SETTINGS + ("amsgrad",):
         if key in group:
             raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
                                    f"{key} is one setting of the whole optimizer: pass it "

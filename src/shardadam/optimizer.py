@@ -29,10 +29,7 @@ from . import _backend, _dtensor, _formats, _plan, _state, _step_hooks, _validat
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 # Settings beyond torch's defaults that travel with a pickled optimizer.
-_CONFIG_ATTRIBUTES = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype",
-                      "exp_avg_dtype", "exp_avg_sq_dtype", "use_decoupled_grad",
-                      "store_param_remainders", "set_grad_none", "moment_format",
-                      "moment_block_size", "param_rounding")
+_CONFIG_ATTRIBUTES = _validate.OPTIMIZER_SETTINGS + ("set_grad_none",)
 
 
 class FusedAdam(torch.optim.Optimizer):
