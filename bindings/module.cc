@@ -279,7 +279,7 @@ void SetThreadRuntimeByName(const std::string& name) {
 
 nb::dict Info() {
   nb::dict info;
-  info["version"] = SHARDADAM_VERSION;
+  info["version"] = Version();
   info["simd_target"] = ChosenTarget();
   info["supported_targets"] = SupportedTargets();
   info["default_threads"] = DefaultThreads();

@@ -14,6 +14,8 @@
 
 namespace shardadam {
 
+const char* Version() { return SHARDADAM_VERSION_STRING; }
+
 Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                 int num_threads, Error* error) {
   const internal::ScopedIeeeFloatMode ieee;  // validation compares floats too

@@ -213,6 +213,13 @@ bool ShowRefusal(Tensor& w, Tensor& b, const shardadam::StepParams& params) {
 }  // namespace
 
 int main() {
+  // Headers and archive from one install (a mixed one could disagree on layouts).
+  if (std::strcmp(shardadam::Version(), SHARDADAM_VERSION_STRING) != 0) {
+    std::printf("shardadam headers %s, library %s\n", SHARDADAM_VERSION_STRING,
+                shardadam::Version());
+    return 1;
+  }
+  std::printf("shardadam %s\n", shardadam::Version());
   Random rng;
   const Data data = MakeData(rng);
   Tensor weight(kOut * kIn), bias(kOut);

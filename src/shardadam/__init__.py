@@ -5,8 +5,12 @@
 fp16 or fp8 and steps CPU tensors (and CUDA tensors, in a CUDA build) in C++.
 """
 
+from importlib.metadata import version as _version
+
 from .optimizer import FusedAdam
 
-__version__ = "0.1.0"
+# Written once, in the C++ core's csrc/include/shardadam/version.h; the build puts it
+# in the package's metadata.
+__version__ = _version("shardadam")
 
 __all__ = ["FusedAdam", "__version__"]

@@ -784,6 +784,17 @@ TEST(AdamEmptyTest, EmptyTensorsMayHaveNullBuffers) {
   });
 }
 
+// The version the library reports is its headers' and CMake's project version
+// (which CMakeLists.txt parses from version.h).
+TEST(AdamVersionTest, OneVersionEverywhere) {
+  EXPECT_STREQ(Version(), SHARDADAM_VERSION_STRING);
+  EXPECT_STREQ(Version(), SHARDADAM_PROJECT_VERSION);
+  char composed[32];
+  std::snprintf(composed, sizeof(composed), "%d.%d.%d", SHARDADAM_VERSION / 10000,
+                SHARDADAM_VERSION / 100 % 100, SHARDADAM_VERSION % 100);
+  EXPECT_STREQ(Version(), composed);
+}
+
 // The core reports the targets it runs on consistently with its test hooks.
 TEST(AdamTargetsTest, ReportsCompiledTargets) {
   const std::string supported = " " + SupportedTargets() + " ";

@@ -13,10 +13,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import shardadam
 from shardadam import _formats
 from _optimizer_testing import (
     FP32_TINY, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, adam_reference,
@@ -65,7 +67,13 @@ def test_info():
     info = _C.info()
     assert {"version", "simd_target", "supported_targets", "default_threads",
             "thread_runtime", "cuda"} <= set(info)
-    assert isinstance(info["version"], str) and info["version"]
+    # One version: the header's (version.h), which the build gives the core, the
+    # package's metadata and so shardadam.__version__.
+    header = (Path(__file__).resolve().parents[2] / "csrc" / "include" / "shardadam"
+              / "version.h").read_text()
+    parts = [re.search(rf"^#define SHARDADAM_VERSION_{part} (\d+)$", header, re.M).group(1)
+             for part in ("MAJOR", "MINOR", "PATCH")]
+    assert info["version"] == ".".join(parts) == shardadam.__version__
     assert info["simd_target"] in info["supported_targets"].split(), info
     assert isinstance(info["default_threads"], int) and info["default_threads"] >= 1
     assert isinstance(info["cuda"], bool)

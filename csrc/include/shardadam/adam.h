@@ -29,6 +29,7 @@
 #include <string>
 
 #include "shardadam/formats.h"
+#include "shardadam/version.h"
 
 namespace shardadam {
 
@@ -230,6 +231,11 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
 // Reads `numel` floats at `u` (null with numel <= 0 gives 1); refuses nothing.
 // Pair it with Convert to store fp32 values as a scaled state.
 float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads);
+
+// The version this library was built as: SHARDADAM_VERSION_STRING of the headers
+// it was compiled with (a string with static storage). A program that compares it
+// with its own headers' SHARDADAM_VERSION_STRING catches a mixed install.
+const char* Version();
 
 // Name of the SIMD target the dispatcher picked on this CPU, e.g. "AVX2" (a
 // string with static storage: never free it).
