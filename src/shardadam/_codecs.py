@@ -30,10 +30,12 @@ def measure_scale(value: torch.Tensor, target: float) -> torch.Tensor:
 
 
 def merge_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master rebuilt from a bf16 parameter and its int16 remainder (S2.5)."""
+    """The fp32 master rebuilt from a bf16 parameter and its int16 remainder (S2.5). A
+    parameter whose dtype changed since (``param.data = param.data.half()``) pairs its
+    value rounded to bf16, the bf16 parameter it was converted from."""
     # The split rounded the high half up when the low half was >= 0x8000 (negative as
     # int16); undo that, then lay the halves side by side (little-endian) as one fp32.
-    high = param.view(torch.int16) - (remainder < 0).to(torch.int16)
+    high = param.to(torch.bfloat16).view(torch.int16) - (remainder < 0).to(torch.int16)
     pair = torch.stack((remainder, high), dim=-1)
     return pair.view(torch.float32).squeeze(-1)
 

@@ -259,6 +259,31 @@ def test_param_reviewed_in_place_between_steps(change, backend):
         verify_step(opt, params, inputs, grads, HYPER, step, f"param {change}")
 
 
+@pytest.mark.parametrize("new_dtype", [torch.float16, torch.float32])
+def test_param_dtype_changed_under_remainders(new_dtype, backend):
+    """A bf16 parameter with int16 remainders converted to fp16 or fp32 between steps
+    (S2.5): the master is its value rounded back to bf16 with the remainder, exactly the
+    master an fp32-master twin holds, so the two go on bitwise alike (an fp16 parameter
+    keeps an fp32 master; an fp32 one is its own)."""
+    params = make_params([torch.bfloat16], [(64,)], seed=13)
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    opts = [fused_adam()(ps, lr=1e-2, master_weights=True, store_param_remainders=keep)
+            for ps, keep in ((params, True), (twin, False))]
+    for step in (1, 2, 3):
+        if step == 2:
+            for p in params + twin:
+                p.data = p.data.to(new_dtype)
+        grads = make_grads(params, [params[0].dtype], step, seed=14)
+        for ps, opt in zip((params, twin), opts):
+            attach_grads(ps, [g.clone() for g in grads], decoupled=False)
+            opt.step()
+        assert_bitwise_equal(params[0].detach(), twin[0].detach(), f"param, step {step}")
+    exported = [opt.state_dict()["state"][0] for opt in opts]
+    assert set(exported[0]) == set(exported[1])
+    for key in exported[1]:
+        assert_bitwise_equal(exported[0][key], exported[1][key], key)
+
+
 # What moves: the state tensors (fp8, bf16 and an fp32 master) or the scales of fp16 /
 # fp8 states (optimizer._scales).
 MOVED = {"states": Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16"),
