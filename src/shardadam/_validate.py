@@ -295,22 +295,31 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
+# The largest step counter: the core counts the step it takes, one more, in an int64.
+MAX_STEP = 2**63 - 2
+
+
 def check_step_counter(group: dict, group_index: int) -> int:
     """The group's step counter; a group without one (added to ``param_groups``
     directly) has taken no step."""
     step = group.get("step", 0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise fail(ValueError, f"group['step'] must be an int >= 0, got {shown(step)}",
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise fail(ValueError, f"group['step'] must be an int in [0, 2**63 - 2] (the step "
+                               f"taken next is a signed 64-bit count), got {shown(step)}",
                    group=group_index)
     return step
 
 
 def loaded_step(step, group_index: int) -> int:
     """A checkpoint's ``step`` (an int, an integral float or a one-element tensor)."""
-    value = _number(step)
-    if value is None or not math.isfinite(value) or not value.is_integer() or value < 0:
-        raise fail(ValueError, f"loaded step must be an integer >= 0, got {shown(step)}",
-                   group=group_index)
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        value = _number(step)  # an integral float; ints stay exact beyond 2**53
+        value = int(value) if value is not None and value.is_integer() else None
+    if value is None or not 0 <= value <= MAX_STEP:
+        raise fail(ValueError, f"loaded step must be an integer in [0, 2**63 - 2] (the "
+                               f"step taken next is a signed 64-bit count), got "
+                               f"{shown(step)}", group=group_index)
     return int(value)
 
 

@@ -642,6 +642,10 @@ def view_with_stride_0(opt, params):
     params[3].data = params[3].data.view(-1)[:1].expand(2, 2)
 
 
+# S2.8: a step counter is an int from 0 to 2**63 - 2 (the step taken is an int64).
+STEP_RANGE_TEXT = r"in \[0, 2\*\*63 - 2\]"
+STEP_RANGE = r"group\['step'\] must be an int " + STEP_RANGE_TEXT
+
 STEP_ERRORS = [
     ("decoupled-grad-shape", True, set_decoupled(torch.zeros(3)), RuntimeError,
      facts(*at(1, 1), "(?i)shape")),
@@ -701,11 +705,14 @@ STEP_ERRORS = [
     ("appended-group-without-betas", True, append_group_without("betas"), KeyError,
      facts(r"group\W*2\b", "has no 'betas'")),
     ("group-step-negative", True, set_group("step", -1), ValueError,
-     facts(r"group\W*1\b", r"group\['step'\] must be an int >= 0, got -1")),
+     facts(r"group\W*1\b", STEP_RANGE, "got -1")),
     ("group-step-string", True, set_group("step", "2"), ValueError,
-     facts(r"group\W*1\b", r"must be an int >= 0, got '2'")),
+     facts(r"group\W*1\b", STEP_RANGE, "got '2'")),
     ("group-step-bool", True, set_group("step", True), ValueError,
-     facts(r"group\W*1\b", r"must be an int >= 0, got True")),
+     facts(r"group\W*1\b", STEP_RANGE, "got True")),
+    # group 0 would step first: the check comes before any group is updated (S3.1)
+    ("group-step-past-int64", True, set_group("step", 2**63 - 1), ValueError,
+     facts(r"group\W*1\b", STEP_RANGE, "signed 64-bit", f"got {2**63 - 1}")),
     ("param-listed-twice", True, repeat_param, RuntimeError,
      facts(*at(1, 1), "same tensor as param 0")),
     ("param-shares-memory-with-another-group", True, share_memory, RuntimeError,
@@ -740,6 +747,28 @@ def test_step_recovers_after_a_rejected_call(backend):
     twin.step()
     assert_same_optimizer_state(twin, opt, twin_params, params, "after recovering")
     assert [g["step"] for g in opt.param_groups] == [3, 3]
+
+
+def test_step_counter_up_to_its_bound(backend):
+    """S2.8: the largest counter, 2**63 - 2, loads and still steps (the step taken fits
+    an int64; its bias corrections are 1, so it steps as a twin without them), and
+    the next step is refused with nothing changed."""
+    opts = [stepped_optimizer(False) for _ in range(2)]
+    for (opt, _), (step, correct) in zip(opts, ((2**63 - 2, True), (2, False))):
+        sd = opt.state_dict()
+        for group in sd["param_groups"]:
+            group["step"], group["bias_correction"] = step, correct
+        opt.load_state_dict(sd)
+        opt.step()
+    (opt, params), (twin, twin_params) = opts
+    assert [g["step"] for g in opt.param_groups] == [2**63 - 1] * 2
+    for group in twin.param_groups:
+        group["step"] = 2**63 - 1  # the twin counted 3: compare the rest
+    assert_same_optimizer_state(twin, opt, twin_params, params, "at the last step")
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=facts(r"group\W*0\b", STEP_RANGE)):
+        opt.step()
+    assert_unchanged(opt, before, "past the last step")
 
 
 def test_messages_name_the_parameter_when_known(backend):
@@ -912,6 +941,11 @@ LOAD_ERRORS = [
      RuntimeError, facts(*at(1, 1), "(?i)shape")),
     ("not-a-tensor", lambda sd: sd["state"][2].__setitem__("exp_avg", 0.0),
      RuntimeError, facts(*at(1, 0), "(?i)tensor|float")),
+    ("step-past-int64", lambda sd: sd["param_groups"][1].__setitem__("step", 2**63 - 1),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT,
+                       f"got {2**63 - 1}")),
+    ("step-float-past-int64", lambda sd: sd["param_groups"][1].__setitem__("step", 1e19),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT)),
     ("bad-lr", lambda sd: sd["param_groups"][1].__setitem__("lr", -1.0), ValueError,
      facts(r"group\W*1\b", r"Invalid learning rate")),
     ("torch-amsgrad", lambda sd: sd["param_groups"][1].__setitem__("amsgrad", True),
