@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -58,12 +60,28 @@ def shown(value) -> str:
     and its value when it holds a single element of a plain local tensor (a DTensor's
     would need communication, a meta tensor has none). Anything else as its repr."""
     if not isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple, dict, set)) and _holds_tensor(value):
+            items = "item" if len(value) == 1 else "items"
+            return f"a {type(value).__name__} of {len(value)} {items}, tensors among them"
         return repr(value)
     kind = "a DTensor" if _dtensor.is_dtensor(value) else "a tensor"
     text = f"{kind} of dtype {value.dtype} and shape {list(value.shape)}"
-    if value.numel() == 1 and kind == "a tensor" and not value.is_meta:
+    if value.is_meta:
+        text += " on the meta device"
+    elif value.numel() == 1 and kind == "a tensor":
         text += f" holding {value.item()!r}"
     return text
+
+
+def _holds_tensor(value, depth: int = 0) -> bool:
+    """Whether a container (lists, tuples, dicts, sets; a few levels deep) holds a
+    tensor, which its repr would print."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth > 8 or not isinstance(value, (list, tuple, dict, set)):
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return any(_holds_tensor(item, depth + 1) for item in items)
 
 
 # ---------------------------------------------------------------------------
@@ -205,12 +223,15 @@ def _number(value) -> Optional[float]:
     else None. Not a bool, and not a string: ``float("0.1")`` would pass here and break
     the schedulers that later multiply the stored value."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+        if value.numel() != 1 or value.is_meta:  # a meta tensor has no value
             return None
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf if value > 0 else -math.inf
 
 
 # What step() reads from every group.
@@ -241,14 +262,16 @@ def hyper_parameters(group: dict, group_index: Optional[int] = None,
     # step() checks every group at every step.
     if (type(lr) in _PLAIN_REALS and type(eps) in _PLAIN_REALS and type(wd) in _PLAIN_REALS
             and type(betas) is tuple and len(betas) == 2 and type(betas[0]) in _PLAIN_REALS
-            and type(betas[1]) in _PLAIN_REALS and 0.0 <= lr < math.inf
-            and 0.0 <= eps < math.inf and 0.0 <= wd < math.inf and 0.0 <= betas[0] < 1.0
+            and type(betas[1]) in _PLAIN_REALS and 0.0 <= lr <= _FLOAT_MAX
+            and 0.0 <= eps <= _FLOAT_MAX and 0.0 <= wd <= _FLOAT_MAX and 0.0 <= betas[0] < 1.0
             and 0.0 <= betas[1] < 1.0 and type(group.get("bias_correction", True)) is bool):
         return float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd)
     return _checked_hyper_parameters(group, group_index, lr_on_device)
 
 
 _PLAIN_REALS = (float, int)  # not bool: type(True) is bool
+# Finite as a float: an int above it (10**400) would overflow float().
+_FLOAT_MAX = sys.float_info.max
 
 
 def is_device_lr(value) -> bool:
@@ -323,12 +346,46 @@ def loaded_step(step, group_index: int) -> int:
     return int(value)
 
 
+def check_loaded_dict(state_dict, whole: bool = False) -> None:
+    """A loaded state dict has ``state_dict()``'s shape: a dict; ``whole`` (after the
+    load pre-hooks) also with a dict ``state`` and a list ``param_groups`` of dicts,
+    each listing its parameters' keys under ``params``."""
+    rule = "rule: as state_dict() makes it"
+    if not isinstance(state_dict, Mapping):
+        raise fail(ValueError, f"the loaded state dict must be a dict ({rule}), got "
+                               f"{shown(state_dict)}")
+    if not whole:
+        return
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            held = sorted(shown(k) for k in state_dict)
+            raise fail(ValueError, f"the loaded state dict has no {key!r} (rule: it holds "
+                                   f"'state' and 'param_groups', as state_dict() makes "
+                                   f"it; it holds {held})")
+    if not isinstance(state_dict["state"], Mapping):
+        raise fail(ValueError, f"the loaded state dict's 'state' must be a dict ({rule}), "
+                               f"got {shown(state_dict['state'])}")
+    groups = state_dict["param_groups"]
+    if not isinstance(groups, (list, tuple)):
+        raise fail(ValueError, f"the loaded state dict's 'param_groups' must be a list of "
+                               f"dicts ({rule}), got {shown(groups)}")
+    for g, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"),
+                                                            (list, tuple)):
+            raise fail(ValueError, f"the loaded group must be a dict whose 'params' lists "
+                                   f"its parameters' keys ({rule}), got {shown(group)}",
+                       group=g)
+
+
 def check_loaded_options(saved: dict, adam_w_mode, group_index: int,
                          weight_decay) -> None:
     """Options of ``torch.optim.Adam`` / ``AdamW`` this optimizer lacks are refused
     rather than ignored; their ``decoupled_weight_decay`` must be ``adam_w_mode``, which
     this optimizer applies to every group, unless the group's ``weight_decay`` (as
     loaded) is 0: then both modes step alike."""
+    for option in ("amsgrad", "maximize", "decoupled_weight_decay"):
+        if saved.get(option) is not None:
+            check_flag(f"the loaded group's {option}", saved[option], group_index)
     for option in ("amsgrad", "maximize"):
         if saved.get(option):
             raise fail(ValueError, f"the loaded group has {option}=True (rule: FusedAdam "
@@ -369,6 +426,10 @@ def loaded_layout(record, group_index: int):
     None for a checkpoint that recorded none (TE's, torch's, older ones)."""
     if record is None:
         return None
+    if not isinstance(record, str):
+        raise fail(ValueError, f"the loaded group's state_layout must be a str, as "
+                               f"state_dict() records it, got {shown(record)}",
+                   group=group_index)
     try:
         return StateConfig.from_record(record)
     except ValueError as error:
@@ -400,6 +461,12 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
                 f"({saved.record()}) but holds {value.dtype} values that are not int16 "
                 f"codes (rule S6.4: a recorded layout must match the saved values)")
         return value.to(codes)
+    if (saved_format.value_dtype != codes and value.dtype == codes
+            and not config.uses_remainders(param_dtype)):
+        raise RuntimeError(
+            f"{where_}: the checkpoint recorded a floating-point 'master_param' "
+            f"({saved.record()}) but holds int16 values (rule S6.4: a recorded layout "
+            f"must match the saved values)")
     if saved_format.value_dtype != codes and value.dtype == codes:
         raise RuntimeError(
             f"{where_}: the checkpoint holds a floating-point 'master_param' (saved with "
@@ -601,6 +668,9 @@ def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
     if layout_error is not None:
         raise RuntimeError(f"{where_}: state {spec.name!r}: {layout_error}")
     local, local_param = _dtensor.to_local(value), _dtensor.to_local(param)
+    if local.is_meta:
+        raise RuntimeError(f"{where_}: state {spec.name!r} is a meta tensor (rule: a "
+                           f"value holds data; a meta tensor has none to load)")
     if local.layout is not torch.strided:
         raise RuntimeError(f"{where_}: state {spec.name!r} must be dense, "
                            f"got layout {local.layout}")

@@ -324,7 +324,10 @@ class FusedAdam(torch.optim.Optimizer):
             # before anything is written (this waits for the device, S1.2). So does
             # a plan not yet bound, whose batches cannot tell their path yet.
             lr = _validate.hyper_parameters(group, index)[0]
-        hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(self.adam_w_mode),
+        adam_w_mode = self.adam_w_mode  # read at every step, as TE's
+        if type(adam_w_mode) is not int or adam_w_mode not in (0, 1):
+            _validate.check_flag("adam_w_mode", adam_w_mode)
+        hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(adam_w_mode),
                                bool(group["bias_correction"]), step + 1)  # S3.6
         decoupled = self.use_decoupled_grad
         if type(decoupled) is not bool:  # S1.5: Megatron sets it after construction
@@ -395,8 +398,8 @@ class FusedAdam(torch.optim.Optimizer):
         specs = {s.name: s
                  for s in self._checked_config().specs_of(local, _dtensor.layout_of(param))}
         if state_name not in specs:
-            raise KeyError(f"{where}: unknown state name {state_name!r}; this parameter's "
-                           f"states are {sorted(specs)}")
+            raise KeyError(f"{where}: unknown state name {_validate.shown(state_name)}; "
+                           f"this parameter's states are {sorted(specs)}")
         return where, specs[state_name]
 
     @torch.no_grad()  # state is data, never part of a graph
@@ -539,17 +542,13 @@ class FusedAdam(torch.optim.Optimizer):
         """Restores what ``state_dict()`` produced (S5.5): configured storage dtypes
         (never the parameter's dtype), fresh scales, ``step``. Everything is checked and
         prepared first; on any error the optimizer is unchanged."""
+        _validate.check_loaded_dict(state_dict)
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        for key in ("state", "param_groups"):
-            if key not in state_dict:
-                held = sorted(map(str, state_dict))
-                raise ValueError(f"{_validate.CLASS_NAME}: the loaded state dict has no "
-                                 f"{key!r} (rule: it holds 'state' and 'param_groups', as "
-                                 f"state_dict() makes it; it holds {held})")
+        _validate.check_loaded_dict(state_dict, whole=True)
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.

@@ -73,6 +73,10 @@ CONSTRUCTOR_ERRORS = [
     ("lr-negative-tensor", dict(lr=torch.tensor(-0.5)), ValueError,
      facts(r"Invalid learning rate.*-0\.5")),
     ("lr-inf", dict(lr=math.inf), ValueError, facts(r"Invalid learning rate.*inf")),
+    ("lr-int-past-float", dict(lr=10**400), ValueError,
+     facts(r"Invalid learning rate.*finite.*10000")),
+    ("lr-meta-tensor", dict(lr=torch.tensor(1e-3, device="meta")), ValueError,
+     facts(r"Invalid learning rate.*on the meta device")),
     ("eps-negative", dict(eps=-1e-8), ValueError, facts(r"Invalid epsilon value.*-1e-08")),
     ("eps-nan", dict(eps=math.nan), ValueError, facts(r"Invalid epsilon value.*nan")),
     ("beta1-one", dict(betas=(1.0, 0.999)), ValueError,
@@ -683,6 +687,8 @@ STEP_ERRORS = [
     # S1.5: flags changed after construction are checked as the constructor checks them
     ("capturable-not-a-flag", True, set_attribute("capturable", []), ValueError,
      facts("FusedAdam", r"capturable must be a bool.*\[\]")),
+    ("adam_w_mode-string", True, set_attribute("adam_w_mode", "no"), ValueError,
+     facts("FusedAdam", r"adam_w_mode must be a bool.*'no'")),
     ("master_weights-string", True, set_attribute("master_weights", "no"), ValueError,
      facts("FusedAdam", r"master_weights must be a bool.*'no'")),
     ("use_decoupled_grad-string", True, set_attribute("use_decoupled_grad", "False"),
@@ -817,6 +823,8 @@ ACCESS_ERRORS = [
      facts(*at(0, 0), "unknown state name 'momentum'", r"states are \['exp_avg'")),
     ("get-master-of-fp32-param", call("get_unscaled_state", 0, "master_param"), KeyError,
      facts(*at(0, 0), "unknown state name 'master_param'", r"states are \['exp_avg'")),
+    ("get-tensor-name", call("get_unscaled_state", 0, torch.full((3,), 12345.0)), KeyError,
+     facts(*at(0, 0), r"unknown state name a tensor of dtype torch.float32 and shape \[3\]")),
     ("get-foreign-param", call("get_unscaled_state", "foreign", "exp_avg"), KeyError,
      facts("FusedAdam", "not a parameter of this optimizer")),
     ("set-unknown-name", call("set_scaled_state", 1, "velocity", torch.zeros(3)), KeyError,
@@ -962,10 +970,29 @@ LOAD_ERRORS = [
     ("bad-state_layout", lambda sd: sd["param_groups"][1].__setitem__("state_layout",
                                                                       "exp_avg=fp64"),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "state_layout", "rule: ")),
-    # S6.4: what DCP makes of an fp16 master loaded into an optimizer with remainders
+    # S6.4: an int16 master where the checkpoint recorded an fp16 one, and this
+    # optimizer has no remainders DCP could have cast it into
     ("master-cast-to-int16", lambda sd: sd["state"][1].__setitem__(
         "master_param", sd["state"][1]["master_param"].round().to(torch.int16)),
-     RuntimeError, facts(*at(0, 1), "int16", "store_param_remainders", "rule S6.4")),
+     RuntimeError, facts(*at(0, 1), "recorded a floating-point 'master_param'",
+                         "holds int16 values", "rule S6.4")),
+    # S8: the loaded dict's parts of the wrong kind, each named
+    ("param_groups-a-dict", lambda sd: sd.__setitem__("param_groups", sd["param_groups"][0]),
+     ValueError, facts("^FusedAdam", "'param_groups' must be a list of dicts", "rule: ")),
+    ("state-a-list", lambda sd: sd.__setitem__("state", list(sd["state"].values())),
+     ValueError, facts("^FusedAdam", "'state' must be a dict", "tensors among them")),
+    ("group-without-params", lambda sd: sd["param_groups"][1].pop("params"), ValueError,
+     facts("^FusedAdam", r"group\W*1\b", "'params' lists its parameters' keys")),
+    ("decoupled_weight_decay-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
+        "decoupled_weight_decay", torch.tensor([1.0, 0.0])),
+     ValueError, facts(r"group\W*1\b", "decoupled_weight_decay must be a bool",
+                       r"shape \[2\]")),
+    ("state_layout-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
+        "state_layout", torch.ones(3)),
+     ValueError, facts(r"group\W*1\b", "state_layout must be a str", r"shape \[3\]")),
+    ("meta-state-value", lambda sd: sd["state"][2].__setitem__(
+        "exp_avg", torch.zeros(6, device="meta")),
+     RuntimeError, facts(*at(1, 0), "'exp_avg' is a meta tensor")),
     # S5.4: exported values are told apart by dtype; codes are never exported
     ("int16-moment-of-bf16-param", lambda sd: sd["state"][1].__setitem__(
         "exp_avg", torch.zeros(5, dtype=torch.int16)),
@@ -994,6 +1021,33 @@ def test_load_state_dict_rejects_and_changes_nothing(edit, exc, pattern, backend
     with pytest.raises(exc, match=pattern):
         opt.load_state_dict(sd)
     assert_unchanged(opt, before, "optimizer after a rejected load_state_dict")
+
+
+def test_load_state_dict_refuses_what_is_no_dict(backend):
+    """S8: a loaded object that is no dict (here state_dict() inside a list) is named by
+    its kind, never by its contents, and loads nothing."""
+    opt, params = stepped_optimizer(False)
+    sd = opt.state_dict()
+    opt.step()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=facts("^FusedAdam", "must be a dict",
+                                               "a list of 1 item, tensors among them")):
+        opt.load_state_dict([sd])
+    assert_unchanged(opt, before, "after loading a list")
+
+
+def test_load_refuses_a_float_master_cast_into_remainders(backend):
+    """S6.4: what DCP makes of an fp32 master loaded into an optimizer with remainders
+    (int16 values where the checkpoint recorded fp32 ones) is refused, saying so."""
+    opt, params = remainder_optimizer()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["state_layout"] = "exp_avg=fp16 exp_avg_sq=fp32 master=fp32"
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), "arrived as int16",
+                                                 "torch.distributed.checkpoint",
+                                                 "store_param_remainders", "rule S6.4")):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, before, "after a cast master")
 
 
 def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
