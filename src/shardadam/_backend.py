@@ -114,8 +114,9 @@ def _refuse_grads_in_written_memory(works: list, written) -> None:
                 continue
             order, place = len(spans), entry.place
             if grad.is_contiguous():
-                spans.append(_validate.memory_span(grad) + (order, False, "grad", place))
-            spans += [_validate.memory_span(tensor) + (order, True, name, place)
+                spans.append(_validate.memory_span(grad) + (order, False, "grad", place,
+                                                            grad))
+            spans += [_validate.memory_span(tensor) + (order, True, name, place, tensor)
                       for name, tensor in written(entry) if tensor.numel() > 0]
     _validate.refuse_shared_grads(by_device)
 

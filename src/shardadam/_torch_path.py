@@ -103,7 +103,8 @@ def _written_spans(batch) -> list:
     plan stands (binding it again clears ``backend_cache``)."""
     spans = batch.backend_cache.get("torch_written")
     if spans is None:
-        spans = [[_validate.memory_span(tensor) + (name,) for name, attribute in _WRITTEN
+        spans = [[_validate.memory_span(tensor) + (name, tensor)
+                  for name, attribute in _WRITTEN
                   if (tensor := getattr(entry, attribute)) is not None]
                  for entry in batch.entries]
         batch.backend_cache["torch_written"] = spans
@@ -131,9 +132,10 @@ def check_shared_memory(works: list, passed: dict) -> None:
             if grad is None or entry.numel == 0:
                 continue  # not stepped: nothing of it is written
             order = len(spans)
-            spans.append(_validate.memory_span(grad) + (order, False, "grad", entry.place))
-            spans.extend((start, end, order, True, name, entry.place)
-                         for start, end, name in written)
+            spans.append(_validate.memory_span(grad) + (order, False, "grad", entry.place,
+                                                        grad))
+            spans.extend((start, end, order, True, name, entry.place, tensor)
+                         for start, end, name, tensor in written)
     _validate.refuse_shared_grads(by_device)
     passed["torch"] = signature
 

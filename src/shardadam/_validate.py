@@ -575,36 +575,62 @@ def memory_span(tensor) -> tuple:
     return start, start + _extent(tensor) * tensor.element_size()
 
 
-def first_overlap(spans: list) -> Optional[tuple]:
+def first_overlap(spans: list, tensor_of=None) -> Optional[tuple]:
     """The first pair of ``spans`` (one device's ``(start, end, order, written, ...)``
     tuples, ``order`` telling their owners apart) that share memory where at least one
     of the two is written, as (earlier owner's span, later owner's span); None if there
-    is none. Sorting by address finds it in O(n log n). ``spans`` is sorted in place."""
-    spans.sort()
-    reach_all = reach_written = None  # the earlier spans reaching furthest
+    is none. Sorting by address finds it in O(n log n) when no spans overlap.
+    ``tensor_of(span)``, when given, is the span's tensor: overlapping ranges of two
+    tensors that are not both contiguous are then compared byte by byte (a matrix's even
+    and odd columns cover the same range and share no byte). ``spans`` is sorted in
+    place."""
+    spans.sort(key=lambda span: span[:2])
+    active = []  # earlier spans reaching past the current start, furthest first
     for span in spans:
-        hit = reach_all if span[3] else reach_written
-        if hit is not None and span[0] < hit[1]:
-            first, second = sorted([hit, span], key=lambda s: s[2])
-            return first, second
-        if reach_all is None or span[1] > reach_all[1]:
-            reach_all = span
-        if span[3] and (reach_written is None or span[1] > reach_written[1]):
-            reach_written = span
+        active = [hit for hit in active if hit[1] > span[0]]
+        for hit in active:
+            if (span[3] or hit[3]) and (tensor_of is None
+                                        or share_bytes(tensor_of(hit), tensor_of(span))):
+                first, second = sorted([hit, span], key=lambda s: s[2])
+                return first, second
+        active.append(span)
+        active.sort(key=lambda hit: -hit[1])
     return None
+
+
+def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose memory ranges overlap share a byte. Contiguous ones do;
+    otherwise each byte of ``a`` is marked in a scratch mask over the range, where
+    ``b``'s bytes are then looked up (a cost of the range's size, paid only for views
+    that interleave)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    start = min(a.data_ptr(), b.data_ptr())
+    mask = torch.zeros(max(memory_span(a)[1], memory_span(b)[1]) - start, dtype=torch.bool,
+                       device=a.device)
+
+    def bytes_of(t):
+        size = t.element_size()
+        strides = [stride * size for stride in t.stride()]
+        return [mask.as_strided(t.shape, strides, t.data_ptr() - start + k)
+                for k in range(size)]
+
+    for view in bytes_of(a):
+        view.fill_(True)
+    return any(bool(view.any()) for view in bytes_of(b))
 
 
 def refuse_shared_grads(by_device: dict) -> None:
     """The core's rule on gradients, for spans gathered in Python: raises on the first
     gradient sharing memory with a buffer a step writes (or two buffers of one parameter
     sharing memory). ``by_device``: per device, spans ``(start, end, order, written,
-    name, place)`` with one ``order`` per parameter, which ``place`` names; the later
-    parameter of a pair is blamed, as the core does."""
+    name, place, tensor)`` with one ``order`` per parameter, which ``place`` names; the
+    later parameter of a pair is blamed, as the core does."""
     for spans in by_device.values():
-        overlap = first_overlap(spans)
+        overlap = first_overlap(spans, tensor_of=lambda span: span[6])
         if overlap is None:
             continue
-        (_, _, order0, _, name0, place0), (_, _, order, _, name, place) = overlap
+        (_, _, order0, _, name0, place0, _), (_, _, order, _, name, place, _) = overlap
         if order == order0:
             rule = (f"{name} shares memory with its {name0} (rule: the buffers of one "
                     f"parameter must not share memory)")
@@ -624,9 +650,9 @@ def check_disjoint_params(groups: list) -> None:
             local = _dtensor.to_local(param)
             if local.numel() > 0:
                 by_device.setdefault(local.device, []).append(
-                    memory_span(local) + ((g, i), True))
+                    memory_span(local) + ((g, i), True, local))
     for spans in by_device.values():
-        overlap = first_overlap(spans)
+        overlap = first_overlap(spans, tensor_of=lambda span: span[4])
         if overlap is not None:
             (g0, i0), (g, i) = overlap[0][2], overlap[1][2]  # blame the later one
             other = place(g0, i0, param_name(groups[g0], i0))

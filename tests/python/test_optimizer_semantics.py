@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,6 +258,30 @@ def test_param_reviewed_in_place_between_steps(change, backend):
         inputs = capture_inputs(opt, params)
         opt.step()
         verify_step(opt, params, inputs, grads, HYPER, step, f"param {change}")
+
+
+# Views of one matrix that share no element though their memory ranges overlap.
+INTERLEAVED = {"column halves": (np.s_[:, :4], np.s_[:, 4:]),
+               "even and odd columns": (np.s_[:, ::2], np.s_[:, 1::2])}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", list(INTERLEAVED))
+def test_interleaved_views_of_one_tensor_step_apart(split, dtype, backend):
+    """Two parameters that are disjoint views of one matrix (a fused weight split by
+    columns) share no byte: they step as separate parameters (each against the float64
+    reference), and the matrix between them is exactly the two results."""
+    matrix = make_params([dtype], [(6, 8)], seed=15)[0].detach()
+    params = [torch.nn.Parameter(matrix[index]) for index in INTERLEAVED[split]]
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), master_weights=False)
+    for step in (1, 2):
+        grads = make_grads(params, [dtype] * 2, step, seed=16)
+        attach_grads(params, grads, decoupled=False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, grads, HYPER, step, split)
+    for index, param in zip(INTERLEAVED[split], params):
+        assert_bitwise_equal(matrix[index], param.detach(), "the matrix's view")
 
 
 @pytest.mark.parametrize("new_dtype", [torch.float16, torch.float32])
