@@ -421,6 +421,34 @@ def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
     return steps.pop() if steps else 0
 
 
+def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) -> None:
+    """A group loaded at step 0 holds zero moments (S5.5): moments that are not zero
+    belong to an optimizer that has stepped, whose counter was lost. That happens to a
+    torch Adam/AdamW checkpoint, which keeps its step per parameter, loaded through this
+    optimizer's state dict as a template (DCP with ``allow_partial_load``, or torch's
+    ``set_optimizer_state_dict`` with ``broadcast_from_rank0``): the template's own group
+    step stands in for it. Checked on each rank's local values."""
+    if saved["step"] != 0:
+        return
+    for key in saved["params"]:
+        values = saved_state.get(key)
+        if not isinstance(values, dict):
+            continue
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = values.get(name)
+            if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and not value.is_meta and bool(_dtensor.to_local(value).any())):
+                raise fail(ValueError, f"the loaded step is 0 but {name} of parameter key "
+                                       f"{key!r} is not zero (rule S5.5: a group at step 0 "
+                                       f"has zero moments). A torch Adam/AdamW checkpoint "
+                                       f"keeps its step per parameter, which a load through "
+                                       f"this optimizer's state dict (DCP, "
+                                       f"set_optimizer_state_dict) does not read: load it "
+                                       f"into a torch AdamW of the same model, then pass "
+                                       f"that optimizer's state_dict() to load_state_dict",
+                           group=group_index)
+
+
 def loaded_layout(record, group_index: int):
     """The ``StateConfig`` a checkpoint group recorded under ``state_layout`` (S5.4), or
     None for a checkpoint that recorded none (TE's, torch's, older ones)."""

@@ -590,6 +590,7 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.check_loaded_options(
                 saved, self.adam_w_mode, g, saved.get("weight_decay", group["weight_decay"]))
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
+            _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
             merged = dict(group, **saved)

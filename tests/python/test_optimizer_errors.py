@@ -949,6 +949,10 @@ LOAD_ERRORS = [
      RuntimeError, facts(*at(1, 1), "(?i)shape")),
     ("not-a-tensor", lambda sd: sd["state"][2].__setitem__("exp_avg", 0.0),
      RuntimeError, facts(*at(1, 0), "(?i)tensor|float")),
+    # S5.5: what a template's step makes of a torch AdamW checkpoint loaded through it
+    ("step-0-with-moments", lambda sd: sd["param_groups"][1].__setitem__("step", 0),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "the loaded step is 0 but exp_avg",
+                       "rule S5.5", "torch AdamW")),
     ("step-past-int64", lambda sd: sd["param_groups"][1].__setitem__("step", 2**63 - 1),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT,
                        f"got {2**63 - 1}")),

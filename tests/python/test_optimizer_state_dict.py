@@ -292,8 +292,10 @@ def test_load_state_dict_restores_group_settings_and_step(backend):
 
 
 def test_load_state_dict_without_step_restarts_the_counter(backend):
-    """A checkpoint group without 'step' (TE's before its first step) has taken no step:
-    the loaded counter is 0, as when torch replaces the group, not the current one."""
+    """A checkpoint group without 'step' (TE's before its first step, whose moments are
+    zero) has taken no step: the loaded counter is 0, as when torch replaces the group,
+    not the current one. (With moments that are not zero, S5.5 refuses it: see
+    test_optimizer_errors' step-0-with-moments.)"""
     params = make_params([torch.float32], [(4,)], seed=6)
     opt = fused_adam()(params, lr=0.1)
     for _ in range(5):
@@ -301,6 +303,8 @@ def test_load_state_dict_without_step_restarts_the_counter(backend):
         opt.step()
     sd = opt.state_dict()
     del sd["param_groups"][0]["step"]
+    for name in ("exp_avg", "exp_avg_sq"):
+        sd["state"][0][name] = torch.zeros(4)
     other_params = clone_params(params)
     other = fused_adam()(other_params, lr=0.1)
     for _ in range(3):

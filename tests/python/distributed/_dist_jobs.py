@@ -883,6 +883,68 @@ def state_access(ctx, case):
     run.step()
 
 
+def fsdp2_torch_adamw_dcp(ctx, case):
+    """A torch AdamW DCP checkpoint of an FSDP2 model (S5.5, S6.4). Loaded through
+    FusedAdam's own state dict as the template (DCP with allow_partial_load), AdamW's
+    per-parameter step is not read and the template's group step 0 stands in: refused on
+    every rank, naming the rule and the way that works. That way: the checkpoint loaded
+    into a torch AdamW of the same model, whose state_dict() FusedAdam then loads: the
+    step and every moment carry over bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    preset = Preset(case.preset)
+    seed = seed_of("fsdp2-torch-adamw", case.preset)
+    model = _fsdp2_model(ctx, preset, seed)
+    adamw = torch.optim.AdamW(model.parameters(), **OPT_DEFAULTS)
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+    for _ in range(2):
+        _fsdp2_backward(model, gen)
+        adamw.step()
+        adamw.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, adamw)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2-torch-adamw",
+                                      case.preset, ctx.world_size)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    saved = {n: {k: local_of(v).clone() for k, v in adamw.state[p].items()}
+             for n, p in model.named_parameters()}
+
+    def through_the_template():
+        fresh = _fsdp2_model(ctx, preset, seed)
+        opt = fused_adam()(fresh.parameters(), **OPT_DEFAULTS)
+        model_sd, optim_sd = get_state_dict(fresh, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        try:
+            set_state_dict(fresh, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        except ValueError as error:
+            assert "the loaded step is 0" in str(error) and "torch AdamW" in str(error), \
+                str(error)
+        else:
+            raise AssertionError("loaded with step "
+                                 f"{[g['step'] for g in opt.param_groups]}, not refused")
+
+    symmetric(through_the_template)
+    fresh = _fsdp2_model(ctx, preset, seed)
+    loader = torch.optim.AdamW(fresh.parameters(), **OPT_DEFAULTS)
+    model_sd, optim_sd = get_state_dict(fresh, loader)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(fresh, loader, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    opt = fused_adam()(fresh.parameters(), **OPT_DEFAULTS)
+    opt.load_state_dict(loader.state_dict())
+
+    def carried_over():
+        assert [g["step"] for g in opt.param_groups] == [2], \
+            f"steps {[g['step'] for g in opt.param_groups]}"
+        for n, p in fresh.named_parameters():
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert_bitwise(local_of(raw_state(opt, p)[name]), saved[n][name],
+                               f"{n}.{name}")
+
+    symmetric(carried_over)
+
+
 KINDS = {
     "numerics": numerics,
     "empty_shard_none_grads": empty_shard_none_grads,
@@ -895,6 +957,7 @@ KINDS = {
     "fsdp2_dcp_save": fsdp2_dcp_save,
     "fsdp2_dcp_resume": fsdp2_dcp_resume,
     "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
+    "fsdp2_torch_adamw_dcp": fsdp2_torch_adamw_dcp,
     "state_access": state_access,
 }
 

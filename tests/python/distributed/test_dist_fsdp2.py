@@ -34,3 +34,8 @@ def test_fsdp2_checkpoint_save(case, dist_jobs):
 @pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_frozen_dcp"), ids=str)
 def test_fsdp2_checkpoint_with_a_frozen_parameter(case, dist_jobs):
     dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_torch_adamw_dcp"), ids=str)
+def test_fsdp2_torch_adamw_checkpoint(case, dist_jobs):
+    dist_jobs.check(case)
