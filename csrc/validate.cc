@@ -142,7 +142,7 @@ bool CheckScale(int64_t tensor, const char* name, DType dtype, const char* buffe
       const std::string which =
           count == 1 ? std::string(name) : Format("%s[%" PRId64 "]", name, j);
       return Fail(error, tensor,
-                  Format("%s %.9g is not a valid scale; expected a finite value > 0",
+                  Format("%s %.9g is not a valid scale (rule: a scale is a finite value > 0)",
                          which.c_str(), static_cast<double>(value)));
     }
   }
@@ -514,7 +514,7 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
   if ((IsScaled(src_dtype) || IsScaled(dst_dtype)) &&
       (!std::isfinite(scale) || !(scale > 0.0f))) {
     return Fail(error, -1,
-                Format("scale %.9g is not a valid scale; expected a finite value > 0",
+                Format("scale %.9g is not a valid scale (rule: a scale is a finite value > 0)",
                        static_cast<double>(scale)));
   }
   if (numel == 0) return true;

@@ -162,8 +162,8 @@ def check_scales(works: list) -> None:
                     which = name if scale.numel() == 1 else f"{name}[{j}]"
                     raise ValueError(
                         f"{_validate.CLASS_NAME}: {entry.place}: {which} "
-                        f"{scale.view(-1)[j].item():.9g} is not a valid scale; expected a "
-                        f"finite value > 0")
+                        f"{scale.view(-1)[j].item():.9g} is not a valid scale (rule: a scale is "
+                        f"a finite value > 0)")
 
 
 def _flushing_denormals() -> bool:

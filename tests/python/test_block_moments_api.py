@@ -401,8 +401,8 @@ def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, back
         grads(params, 3)
         before = snapshot(opt)
         with pytest.raises(ValueError, match=(
-                rf"group 0, param 1: {re.escape(which)} {value:.9g} is not a valid scale; "
-                rf"expected a finite value > 0")):
+                rf"group 0, param 1: {re.escape(which)} {value:.9g} is not a valid scale "
+                rf"\(rule: a scale is a finite value > 0\)")):
             opt.step()
         assert_unchanged(opt, before)
 
