@@ -395,18 +395,35 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
         if stored is None:
             continue
         fmt = stored_format(_dtensor.to_local(stored), formats, spec.name)
-        error = layout.of(fmt).state_error(stored)
-        if error is None:
-            local = _dtensor.to_local(stored)
-            want = fmt.storage_shape(param.shape) if fmt is not None else tuple(param.shape)
-            if tuple(local.shape) != want:
-                error = (f"has local shape {tuple(local.shape)} but the parameter's local "
-                         f"shape is {tuple(param.shape)}"
-                         + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed
-                            else ""))
+        error = layout.of(fmt).state_error(stored) or _shape_error(stored, fmt, param)
         if error is not None:
             return _to_recreate(spec, error)
     return undecodable_error(specs, entry, scales, formats)
+
+
+def misshapen_error(specs: tuple, entry: Optional[dict], param: torch.Tensor,
+                    formats: Optional[dict] = None) -> Optional[str]:
+    """consistency_error's rule on local shapes alone: a sentence if a state of
+    ``entry`` no longer has the shape of the local tensor ``param`` (``param.data``
+    given another shape), else None."""
+    for spec in specs:
+        stored = (entry or {}).get(spec.name)
+        if stored is not None:
+            fmt = stored_format(_dtensor.to_local(stored), formats, spec.name)
+            error = _shape_error(stored, fmt, param)
+            if error is not None:
+                return _to_recreate(spec, error)
+    return None
+
+
+def _shape_error(stored, fmt: Optional[Format], param: torch.Tensor) -> Optional[str]:
+    local = _dtensor.to_local(stored)
+    want = fmt.storage_shape(param.shape) if fmt is not None else tuple(param.shape)
+    if tuple(local.shape) == want:
+        return None
+    return (f"has local shape {tuple(local.shape)} but the parameter's local shape is "
+            f"{tuple(param.shape)}"
+            + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed else ""))
 
 
 def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],

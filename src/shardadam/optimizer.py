@@ -453,9 +453,13 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _check_decodable(self, param, specs, entry) -> None:
         """Refuses to read per-block codes whose scales are missing or unusable, as
-        step() refuses to step them (S2.11): their values would be wrong."""
-        error = _state.undecodable_error(specs, entry, self._scales.get(param),
-                                         self._formats.get(param))
+        step() refuses to step them (S2.11: their values would be wrong), and a state
+        that no longer has its parameter's shape (``param.data`` given another: the
+        export could not be loaded back)."""
+        formats = self._formats.get(param)
+        error = (_state.misshapen_error(specs, entry, _dtensor.to_local(param), formats)
+                 or _state.undecodable_error(specs, entry, self._scales.get(param),
+                                             formats))
         if error is not None:
             g, i = self._locate(param)
             raise _validate.fail(RuntimeError, error, group=g, param=i,

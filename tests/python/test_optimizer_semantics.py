@@ -234,9 +234,15 @@ def test_param_shrunk_in_place_between_steps_is_rejected(backend):
     params[0].grad = torch.ones(4)
     tail = storage[4:].clone()
     before = snapshot(opt)
-    with pytest.raises(RuntimeError, match=r"group 0, param 0: state 'exp_avg' has local "
-                       r"shape \(8,\) but the parameter's local shape is \(4,\)"):
+    shrunk = (r"group 0, param 0: state 'exp_avg' has local shape \(8,\) but the "
+              r"parameter's local shape is \(4,\)")
+    with pytest.raises(RuntimeError, match=shrunk):
         opt.step()
+    # Nor is the state exported: a checkpoint of it could not be loaded back.
+    with pytest.raises(RuntimeError, match=shrunk):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match=shrunk):
+        opt.get_unscaled_state(params[0], "exp_avg")
     assert_unchanged(opt, before, "shrunk parameter")
     assert_bitwise_equal(storage[4:], tail, "storage past the shrunk parameter")
 
