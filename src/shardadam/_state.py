@@ -267,8 +267,9 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
 class EntryWrites:
     """The changes that make one parameter's state what it must be, prepared before any
     is applied: local storage by name (None removes it) with the format each new one
-    holds, scales by name (None removes one), the bf16 bits the parameter must take (or
-    None), and entries other than the states, stored as they are (``extra``: loaded
+    holds, scales by name (None removes one), the value the parameter must take (or
+    None: bf16 bits when a master becomes a remainder, the master when the parameter
+    became fp32), and entries other than the states, stored as they are (``extra``: loaded
     keys someone else keeps in the state, S5.5)."""
 
     __slots__ = ("stored", "formats", "scales", "param_bits", "extra")
@@ -316,6 +317,12 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
         if name not in wanted:
             if name in entry:
                 writes.stored[name] = None
+                if (name == "master_param" and param.dtype == torch.float32
+                        and _holds_tensor_of(entry[name], formats, name, param)):
+                    # A parameter made fp32 is its own master (S2.1): it takes the
+                    # master's value, which it was rounded from (S2.5).
+                    writes.param_bits = true_value(
+                        read_value(entry, scales, formats, name), param)
             if name in scales:
                 writes.scales[name] = None
     return writes
@@ -460,7 +467,7 @@ def _scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
                 and not _dtensor.is_dtensor(scale) and scale.device.type == "cpu"
                 and not bool(torch.isfinite(scale).all() & (scale > 0).all())):
             return (f"holds {fmt.label} values with a scale of {scale.item():.9g}, which "
-                    f"is not finite and positive (rule S2.3)")
+                    f"is not finite and positive (rule S2.3: a scale is a finite value > 0)")
         return None
     shape = fmt.scale_shape(fmt.numel_of(stored), spec.first_index)
     if (not isinstance(scale, torch.Tensor) or _dtensor.is_dtensor(scale)
@@ -472,7 +479,7 @@ def _scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
                 f"(rule S2.11), got strides {scale.stride()}")
     if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
         return (f"holds {fmt.label} codes with scales that are not finite and positive "
-                f"(rule S2.9: each is a power of two)")
+                f"(rule S2.11: a scale is a finite value > 0)")
     return None
 
 

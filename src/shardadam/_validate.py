@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Optional
 
 import torch
@@ -125,15 +125,29 @@ OPTIMIZER_SETTINGS = ("adam_w_mode", "capturable", "master_weights", "master_wei
                       "param_rounding")
 
 
+# Options of torch.optim.Adam / AdamW that FusedAdam does not have. A group read from
+# a torch checkpoint holds them: checked (check_loaded_options), then dropped.
+TORCH_OPTIONS = ("amsgrad", "maximize", "decoupled_weight_decay", "capturable", "foreach",
+                 "fused", "differentiable")
+_GROUP_MAY_SET = "a group may set lr, betas, eps, weight_decay and bias_correction"
+
+
 def check_group_options(group: dict, group_index: int) -> None:
     """A group handed to the constructor or ``add_param_group`` sets none of the
-    optimizer's settings (nor ``amsgrad``): kept in the group, they would be ignored."""
-    for key in OPTIMIZER_SETTINGS + ("amsgrad",):
+    optimizer's settings, nor an option of torch's Adam that FusedAdam lacks: kept in
+    the group, they would be ignored (``maximize=True`` would descend all the same)."""
+    for key in OPTIMIZER_SETTINGS + ("amsgrad", "set_grad_none"):
         if key in group:
             raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
                                    f"{key} is one setting of the whole optimizer: pass it "
-                                   f"to the constructor; a group may set lr, betas, eps, "
-                                   f"weight_decay and bias_correction)", group=group_index)
+                                   f"to the constructor; {_GROUP_MAY_SET})",
+                       group=group_index)
+    for key in TORCH_OPTIONS:
+        if key in group:
+            raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
+                                   f"{key} is an option of torch's Adam/AdamW that "
+                                   f"FusedAdam does not have; {_GROUP_MAY_SET})",
+                       group=group_index)
 
 
 PARAM_ROUNDINGS = ("nearest", "stochastic")
@@ -335,7 +349,8 @@ def check_step_counter(group: dict, group_index: int) -> int:
 
 def loaded_step(step, group_index: int) -> int:
     """A checkpoint's ``step`` (an int, an integral float or a one-element tensor)."""
-    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    value = (step.item() if isinstance(step, torch.Tensor) and step.numel() == 1
+             and not step.is_meta else step)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         value = _number(step)  # an integral float; ints stay exact beyond 2**53
         value = int(value) if value is not None and value.is_integer() else None
@@ -375,6 +390,11 @@ def check_loaded_dict(state_dict, whole: bool = False) -> None:
             raise fail(ValueError, f"the loaded group must be a dict whose 'params' lists "
                                    f"its parameters' keys ({rule}), got {shown(group)}",
                        group=g)
+        for key in group["params"]:
+            if not isinstance(key, Hashable):
+                raise fail(ValueError, f"the loaded group's 'params' lists {shown(key)}, "
+                                       f"which cannot key 'state' ({rule}: ints, or "
+                                       f"names)", group=g)
 
 
 def check_loaded_options(saved: dict, adam_w_mode, group_index: int,
@@ -439,7 +459,7 @@ def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) ->
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
                     and not value.is_meta and bool(_dtensor.to_local(value).any())):
                 raise fail(ValueError, f"the loaded step is 0 but {name} of parameter key "
-                                       f"{key!r} is not zero (rule S5.5: a group at step 0 "
+                                       f"{shown(key)} is not zero (rule S5.5: a group at step 0 "
                                        f"has zero moments). A torch Adam/AdamW checkpoint "
                                        f"keeps its step per parameter, which a load through "
                                        f"this optimizer's state dict (DCP, "

@@ -582,17 +582,21 @@ class FusedAdam(torch.optim.Optimizer):
                              f"parameter groups ({len(saved_groups)} vs "
                              f"{len(self.param_groups)})")
         own_steps, saved_layouts = [], []
-        for g, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+        for g, (group, saved, original) in enumerate(
+                zip(self.param_groups, saved_groups, state_dict["param_groups"])):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"{_validate.where(g)}: loaded state dict contains a parameter group "
                     f"that doesn't match the size of optimizer's group "
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
+            saved["params"] = original["params"]  # the keys of "state", not copies
             # A group without its own step takes its parameters' (torch's Adam layout):
             # then their per-parameter "step" is consumed, not kept as an extra key.
             own_steps.append("step" in saved)
             _validate.check_loaded_options(
                 saved, self.adam_w_mode, g, saved.get("weight_decay", group["weight_decay"]))
+            for key in _validate.TORCH_OPTIONS:  # then dropped: not this optimizer's
+                saved.pop(key, None)
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
@@ -617,11 +621,16 @@ class FusedAdam(torch.optim.Optimizer):
                     # first gradient: one that never had one (unused, or a checkpoint
                     # taken before the first step) starts fresh, as initialisation.
                     values = self._initial_values(param, config)
-                if not isinstance(values, dict):
+                if values is None:
                     raise ValueError(f"{here}: the loaded state dict has no state for "
-                                     f"this parameter (key {key!r}; only a parameter "
-                                     f"with requires_grad=False, or one of a "
+                                     f"this parameter (key {_validate.shown(key)}; only a "
+                                     f"parameter with requires_grad=False, or one of a "
                                      f"checkpoint without state_layout, may have none)")
+                if not isinstance(values, dict):
+                    raise ValueError(f"{here}: the loaded state of this parameter (key "
+                                     f"{_validate.shown(key)}) must be a dict of its "
+                                     f"states, as state_dict() makes it, got "
+                                     f"{_validate.shown(values)}")
                 prepared.append(self._prepare_param_load(param, values, config, here,
                                                          saved_layout, own_steps[g]))
         return prepared

@@ -16,6 +16,7 @@ own load_state_dict size checks; KeyError for unknown state names, S5.2).
 
 import copy
 import math
+import re
 import warnings
 
 import numpy as np
@@ -179,18 +180,31 @@ def test_constructor_names_a_param_listed_in_two_groups():
         fused_adam()([{"params": [a, b]}, {"params": [b]}])
 
 
-@pytest.mark.parametrize("key,value", [
-    ("moment_format", "block4"), ("moment_block_size", 128),
-    ("exp_avg_dtype", torch.bfloat16), ("exp_avg_sq_dtype", torch.bfloat16),
-    ("master_weights", True), ("master_weight_dtype", torch.float16),
-    ("store_param_remainders", True), ("param_rounding", "stochastic"),
-    ("adam_w_mode", False), ("use_decoupled_grad", True)])
-def test_a_group_cannot_set_what_the_whole_optimizer_sets(key, value):
-    """Storage and mode settings are the optimizer's: given in a group they would be
-    kept there and ignored, so they are refused, in the constructor and in
-    add_param_group, and nothing changes."""
+WHOLE_OPTIMIZER = "one setting of the whole optimizer"
+NOT_AN_OPTION = "an option of torch's Adam/AdamW that FusedAdam does not have"
+
+
+@pytest.mark.parametrize("key,value,rule", [
+    ("moment_format", "block4", WHOLE_OPTIMIZER), ("moment_block_size", 128, WHOLE_OPTIMIZER),
+    ("exp_avg_dtype", torch.bfloat16, WHOLE_OPTIMIZER),
+    ("exp_avg_sq_dtype", torch.bfloat16, WHOLE_OPTIMIZER),
+    ("master_weights", True, WHOLE_OPTIMIZER),
+    ("master_weight_dtype", torch.float16, WHOLE_OPTIMIZER),
+    ("store_param_remainders", True, WHOLE_OPTIMIZER),
+    ("param_rounding", "stochastic", WHOLE_OPTIMIZER), ("adam_w_mode", False, WHOLE_OPTIMIZER),
+    ("use_decoupled_grad", True, WHOLE_OPTIMIZER), ("amsgrad", False, WHOLE_OPTIMIZER),
+    ("capturable", False, WHOLE_OPTIMIZER), ("set_grad_none", True, WHOLE_OPTIMIZER),
+    # a group ported from torch: maximize=True would descend all the same
+    ("maximize", True, NOT_AN_OPTION), ("maximize", False, NOT_AN_OPTION),
+    ("decoupled_weight_decay", False, NOT_AN_OPTION), ("foreach", True, NOT_AN_OPTION),
+    ("fused", False, NOT_AN_OPTION), ("differentiable", False, NOT_AN_OPTION)])
+def test_a_group_cannot_set_what_the_whole_optimizer_sets(key, value, rule):
+    """Storage and mode settings are the optimizer's, and torch's Adam options that
+    FusedAdam lacks are nobody's: given in a group they would be kept there and
+    ignored, so they are refused, in the constructor and in add_param_group, and
+    nothing changes."""
     with pytest.raises(ValueError, match=facts(r"FusedAdam: group 1\b", f"sets {key}=",
-                                               "one setting of the whole optimizer")):
+                                               re.escape(rule))):
         fused_adam()([{"params": make_params()[:1]},
                       {"params": make_params()[1:], key: value}])
     opt = fused_adam()(make_params())
@@ -927,6 +941,20 @@ def _torch_steps_that_differ(sd):
     sd["state"][3]["step"] = torch.tensor(3.0)
 
 
+def _tensor_keys_at_step_0(sd):
+    """State keyed by tensors (a hand-made dict), group 1 at step 0 with its moments."""
+    keys = {k: torch.full((2, 2), 0.123 + k) for k in sd["state"]}
+    sd["state"] = {keys[k]: v for k, v in sd["state"].items()}
+    for group in sd["param_groups"]:
+        group["params"] = [keys[k] for k in group["params"]]
+    sd["param_groups"][1]["step"] = 0
+
+
+def _meta_step_per_parameter(sd):
+    del sd["param_groups"][1]["step"]
+    sd["state"][2]["step"] = torch.empty((), device="meta")
+
+
 LOAD_ERRORS = [
     ("fewer-groups", _drop_group, ValueError,
      facts("FusedAdam", "(?i)number of parameter groups")),
@@ -956,6 +984,15 @@ LOAD_ERRORS = [
     ("step-past-int64", lambda sd: sd["param_groups"][1].__setitem__("step", 2**63 - 1),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT,
                        f"got {2**63 - 1}")),
+    ("step-0-tensor-keys", _tensor_keys_at_step_0, ValueError,
+     facts("^FusedAdam", r"group\W*1\b", "the loaded step is 0 but exp_avg",
+           r"key a tensor of dtype torch.float32 and shape \[2, 2\] is")),
+    ("step-a-meta-tensor", lambda sd: sd["param_groups"][1].__setitem__(
+        "step", torch.empty((), device="meta")),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT,
+                       "on the meta device")),
+    ("step-per-parameter-a-meta-tensor", _meta_step_per_parameter,
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", "on the meta device")),
     ("step-float-past-int64", lambda sd: sd["param_groups"][1].__setitem__("step", 1e19),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "loaded step", STEP_RANGE_TEXT)),
     ("bad-lr", lambda sd: sd["param_groups"][1].__setitem__("lr", -1.0), ValueError,
@@ -985,6 +1022,12 @@ LOAD_ERRORS = [
      ValueError, facts("^FusedAdam", "'param_groups' must be a list of dicts", "rule: ")),
     ("state-a-list", lambda sd: sd.__setitem__("state", list(sd["state"].values())),
      ValueError, facts("^FusedAdam", "'state' must be a dict", "tensors among them")),
+    ("params-key-unhashable", lambda sd: sd["param_groups"][1].__setitem__(
+        "params", [[2], 3]),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", r"lists \[2\], which cannot key")),
+    ("param-state-not-a-dict", lambda sd: sd["state"].__setitem__(2, torch.zeros(6)),
+     ValueError, facts(*at(1, 0), "must be a dict of its states",
+                       r"a tensor of dtype torch.float32 and shape \[6\]")),
     ("group-without-params", lambda sd: sd["param_groups"][1].pop("params"), ValueError,
      facts("^FusedAdam", r"group\W*1\b", "'params' lists its parameters' keys")),
     ("decoupled_weight_decay-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(

@@ -315,6 +315,30 @@ def test_param_dtype_changed_under_remainders(new_dtype, backend):
         assert_bitwise_equal(exported[0][key], exported[1][key], key)
 
 
+@pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32-master"])
+def test_param_made_fp32_takes_its_master(remainders, backend):
+    """A bf16 parameter converted to fp32 between steps is its own master from then on
+    (S2.1): it takes the master's value M (S2.5), not its bf16 rounding, so a step
+    that moves no weight (lr 0) leaves it at M bitwise."""
+    params = make_params([torch.bfloat16], [(64,)], seed=17)
+    opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                       store_param_remainders=remainders)
+    for step in (1, 2):
+        attach_grads(params, make_grads(params, [torch.bfloat16], step, seed=18), False)
+        opt.step()
+    master = opt.state_dict()["state"][0]["master_param"]
+    if remainders:  # M's low half beside the parameter's high half, ties away (S2.5)
+        high = params[0].detach().view(torch.int16) - (master < 0).to(torch.int16)
+        master = torch.stack((master, high), dim=-1).view(torch.float32).squeeze(-1)
+    assert not torch.equal(master, params[0].detach().float()), "M is its bf16 rounding"
+    params[0].data = params[0].data.float()
+    opt.param_groups[0]["lr"] = 0.0
+    attach_grads(params, make_grads(params, [torch.float32], 3, seed=18), False)
+    opt.step()
+    assert_bitwise_equal(params[0].detach(), master, "fp32 parameter after the step")
+    assert "master_param" not in opt.state[params[0]]
+
+
 # What moves: the state tensors (fp8, bf16 and an fp32 master) or the scales of fp16 /
 # fp8 states (optimizer._scales).
 MOVED = {"states": Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16"),

@@ -597,7 +597,9 @@ def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
                                                   (torch.optim.AdamW, True)])
 def test_torch_checkpoint_loads_into_the_matching_weight_decay(torch_cls, adam_w_mode):
     """torch's Adam (L2) loads into adam_w_mode=False and its AdamW into True (the other
-    pairings are refused: test_optimizer_errors' torch-adam-l2)."""
+    pairings are refused: test_optimizer_errors' torch-adam-l2). torch's options
+    (amsgrad, maximize, foreach, ...) are checked, then dropped from the groups (S5.5):
+    this optimizer's own checkpoint then loads back whatever its weight decay became."""
     params = make_params([torch.float32], [(4, 3)], seed=9)
     reference = torch_cls(params, lr=1e-2, weight_decay=0.1)
     params[0].grad = torch.ones(4, 3)
@@ -605,7 +607,11 @@ def test_torch_checkpoint_loads_into_the_matching_weight_decay(torch_cls, adam_w
     opt = fused_adam()(clone_params(params), lr=1e-2, adam_w_mode=adam_w_mode)
     opt.load_state_dict(reference.state_dict())
     assert opt.param_groups[0]["step"] == 1
-    assert opt.param_groups[0]["decoupled_weight_decay"] is adam_w_mode
+    assert set(opt.param_groups[0]) == set(fused_adam()(clone_params(params)).param_groups[0])
+    opt.param_groups[0]["weight_decay"] = 0.0 if adam_w_mode else 0.2
+    twin = fused_adam()(clone_params(params), lr=1e-2, adam_w_mode=not adam_w_mode)
+    twin.load_state_dict(opt.state_dict())
+    assert twin.param_groups[0]["step"] == 1
 
 
 @pytest.mark.parametrize("torch_cls", [torch.optim.Adam, torch.optim.AdamW])

@@ -886,8 +886,9 @@ def state_access(ctx, case):
 def fsdp2_torch_adamw_dcp(ctx, case):
     """A torch AdamW DCP checkpoint of an FSDP2 model (S5.5, S6.4). Loaded through
     FusedAdam's own state dict as the template (DCP with allow_partial_load), AdamW's
-    per-parameter step is not read and the template's group step 0 stands in: refused on
-    every rank, naming the rule and the way that works. That way: the checkpoint loaded
+    per-parameter step is not read and the fresh template's group step 0 stands in:
+    refused on every rank (each holds moments here; the check is per rank), naming the
+    rule and the way that works. That way: the checkpoint loaded
     into a torch AdamW of the same model, whose state_dict() FusedAdam then loads: the
     step and every moment carry over bitwise."""
     import torch.distributed.checkpoint as dcp
