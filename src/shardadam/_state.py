@@ -232,6 +232,15 @@ def initial_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
     return torch.zeros(param.shape, dtype=spec.format.value_dtype, device=param.device)
 
 
+def seeded_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
+    """The true value of state ``spec`` seeded from the local ``param`` (S1.6), as its
+    storage holds it (a scaled fp16 master rounds): what a master that follows its
+    parameter is."""
+    stored, scale = new_entry(spec, initial_value(spec, param), param)
+    return read_value({spec.name: stored}, {spec.name: scale}, {spec.name: spec.format},
+                      spec.name, spec.first_index)
+
+
 def converted_value(spec: StateSpec, entry: dict, scales: Optional[dict],
                     formats: Optional[dict], param: torch.Tensor):
     """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),
@@ -272,7 +281,7 @@ class EntryWrites:
     became fp32), and entries other than the states, stored as they are (``extra``: loaded
     keys someone else keeps in the state, S5.5)."""
 
-    __slots__ = ("stored", "formats", "scales", "param_bits", "extra")
+    __slots__ = ("stored", "formats", "scales", "param_bits", "extra", "seeded")
 
     def __init__(self):
         self.stored = {}
@@ -280,6 +289,7 @@ class EntryWrites:
         self.scales = {}
         self.param_bits = None
         self.extra = {}
+        self.seeded = set()  # names stored with their initial value (S1.6)
 
     def put(self, spec: StateSpec, value: torch.Tensor, like: torch.Tensor) -> None:
         """Fresh storage for ``spec`` holding ``value``, allocated like ``like``."""
@@ -312,6 +322,7 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
             writes.param_bits = bits if bits is not None else writes.param_bits
         else:
             value = initial_value(spec, param)
+            writes.seeded.add(spec.name)
         writes.put(spec, value, param)
     for name in STATE_NAMES:
         if name not in wanted:

@@ -481,7 +481,10 @@ def loaded_layout(record, group_index: int):
     try:
         return StateConfig.from_record(record)
     except ValueError as error:
-        raise fail(ValueError, f"the loaded group's state_layout: {error}",
+        raise fail(ValueError, f"the loaded group's state_layout: {error}. The states "
+                               f"are exported as fp32 values either way: a checkpoint "
+                               f"whose layout this version does not name loads once "
+                               f"that entry is removed from its groups",
                    group=group_index) from None
 
 
@@ -713,14 +716,17 @@ def check_disjoint_params(groups: list) -> None:
 def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     """Why ``grad`` cannot update ``param`` (S3.2 - S3.4), or None."""
     if not isinstance(grad, torch.Tensor):
-        return f"the gradient must be a tensor or None, got {type(grad).__name__}"
+        return (f"the gradient must be a tensor or None, got {type(grad).__name__} "
+                f"(rule S3.2)")
     layout_error = _dtensor.grad_layout_error(param, grad)
     if layout_error is not None:
         return layout_error
     if grad.layout is not torch.strided:
-        return f"sparse gradients are not supported (layout {grad.layout})"
+        return (f"sparse gradients are not supported, got layout {grad.layout} (rule "
+                f"S3.2: a gradient is dense)")
     if grad.dtype not in PARAM_TAGS:
-        return f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype}"
+        return (f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype} (rule "
+                f"S3.4)")
     local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
     if local_grad.shape != local_param.shape:
         what = "local shape" if _dtensor.is_dtensor(param) else "shape"
@@ -728,7 +734,7 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
                 f"{what} {tuple(local_param.shape)} (rule S3.4: local shapes must match)")
     if local_grad.device != local_param.device:
         return (f"gradient is on {local_grad.device} but the parameter is on "
-                f"{local_param.device}")
+                f"{local_param.device} (rule S3.4: a gradient is on its parameter's device)")
     return None
 
 
@@ -737,7 +743,7 @@ def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
     parameter's local shape, fp32 (or int16 for a remainder)."""
     if not isinstance(value, torch.Tensor):
         raise RuntimeError(f"{where_}: state {spec.name!r} must be a tensor, "
-                           f"got {type(value).__name__}")
+                           f"got {type(value).__name__} (rule S5.3)")
     layout_error = _dtensor.value_layout_error(param, value)
     if layout_error is not None:
         raise RuntimeError(f"{where_}: state {spec.name!r}: {layout_error}")
@@ -747,12 +753,12 @@ def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
                            f"value holds data; a meta tensor has none to load)")
     if local.layout is not torch.strided:
         raise RuntimeError(f"{where_}: state {spec.name!r} must be dense, "
-                           f"got layout {local.layout}")
+                           f"got layout {local.layout} (rule S5.3)")
     if tuple(local.shape) != tuple(local_param.shape):
         hint = ""
         if _dtensor.is_dtensor(param) and not _dtensor.is_dtensor(value):
             hint = (" (a plain value for a DTensor parameter is this rank's local part; "
                     "pass that, or a DTensor of the parameter's layout)")
         raise RuntimeError(f"{where_}: state {spec.name!r} has shape {tuple(local.shape)}, "
-                           f"the parameter's local shape is {tuple(local_param.shape)}"
-                           + hint)
+                           f"the parameter's local shape is {tuple(local_param.shape)} "
+                           f"(rule S5.3: local shapes must match)" + hint)

@@ -105,6 +105,9 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self._scales = {}  # {param: {state name: 0-dim fp32 scale}} (S2.3)
         self._formats = {}  # {param: {state name: the _formats.Format it was stored in}}
+        # {param: True} for masters seeded from their parameter that have not stepped
+        # since: they follow the parameter until its first step (S1.6).
+        self._seeded = {}
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
@@ -123,6 +126,7 @@ class FusedAdam(torch.optim.Optimizer):
         state.update({name: getattr(self, name) for name in _CONFIG_ATTRIBUTES})
         state["_scales"] = self._scales
         state["_formats"] = self._formats
+        state["_seeded"] = self._seeded
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -133,6 +137,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._scales = dict(state.get("_scales") or {})
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
+        self._seeded = dict(state.get("_seeded") or {})
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
         self._plans = []
@@ -176,7 +181,7 @@ class FusedAdam(torch.optim.Optimizer):
         """Drops the scales and formats of parameters whose state is gone (cleared by
         hand, as Megatron FSDP does before it adds its shards as a new group): kept,
         they would keep those parameters and their storage alive."""
-        for held in (self._scales, self._formats):
+        for held in (self._scales, self._formats, self._seeded):
             for param in [p for p in held if p not in self.state]:
                 del held[param]
 
@@ -197,6 +202,25 @@ class FusedAdam(torch.optim.Optimizer):
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout)
+        if "master_param" in writes.seeded:  # follows the parameter (S1.6)
+            self._seeded[param] = True
+        elif "master_param" in writes.stored:  # another master, or none
+            self._seeded.pop(param, None)
+
+    def _follow_params(self, work: list) -> None:
+        """Masters seeded from their parameter take its value again at its first step
+        (S1.6), as TE creates them then: weights loaded into the model after the
+        optimizer was built are not undone by a master of the weights before. Runs
+        after validation, in place (the plans stay bound)."""
+        for _, _, batches in work:
+            for grads in batches:
+                for entry, kind in zip(grads.batch.entries, grads.kinds):
+                    if kind and self._seeded.pop(entry.param, False) \
+                            and entry.master is not None:
+                        fmt = entry.master_format
+                        value = (torch.zeros_like(entry.master) if fmt.pairs_with
+                                 else entry.local.float())
+                        fmt.encode(value, entry.master, entry.master_scale)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
@@ -268,6 +292,8 @@ class FusedAdam(torch.optim.Optimizer):
         # once: the last check before anything is updated.
         _backend.check_together([item for items in prepared for item in items],
                                 self._checked)
+        if self._seeded:
+            self._follow_params(work)
         for (_, hyper, _), items in zip(work, prepared):
             for item in items:
                 _backend.run(item, hyper)
@@ -442,6 +468,8 @@ class FusedAdam(torch.optim.Optimizer):
         if entry is None or state_name not in entry:
             raise KeyError(f"{where}: no state {state_name!r} yet")
         self._check_decodable(param, (spec,), entry)
+        if state_name == "master_param" and param in self._seeded:
+            return _state.seeded_value(spec, _dtensor.to_local(param))  # S1.6
         formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
         fmt = _state.stored_format(stored, formats, state_name)
@@ -482,6 +510,8 @@ class FusedAdam(torch.optim.Optimizer):
                                f"got {value.dtype}")
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry, scales = self.state.get(param), self._scales.get(param)
+        if state_name == "master_param":  # set by hand, it no longer follows (S1.6)
+            self._seeded.pop(param, None)
         if entry is not None and _state.entry_matches(spec, entry, scales,
                                                       self._formats.get(param), local,
                                                       layout):
@@ -532,8 +562,11 @@ class FusedAdam(torch.optim.Optimizer):
         specs = config.specs_of(local, layout)
         self._check_decodable(param, specs, entry)
         exported = {}
+        follows = param in self._seeded
         for spec in specs:
-            if spec.name in entry:
+            if follows and spec.name == "master_param":  # until it steps (S1.6)
+                value = _state.seeded_value(spec, local)
+            elif spec.name in entry:
                 value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
                 value = _state.initial_value(spec, local)
@@ -560,6 +593,8 @@ class FusedAdam(torch.optim.Optimizer):
         for param, local, layout, writes in prepared:
             _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
                                layout)
+        seeded = {param: True for param, _, _, writes in prepared
+                  if "master_param" in writes.seeded}
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
         record = self._config().record()  # as _prepare_load checked it
         self.param_groups = [dict(group, **saved, params=group["params"],
@@ -568,6 +603,7 @@ class FusedAdam(torch.optim.Optimizer):
         self.state = new_state
         self._scales = new_scales
         self._formats = new_formats
+        self._seeded = seeded
         self._plans = []
         self._checked = {}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -637,11 +673,11 @@ class FusedAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _initial_values(param, config) -> dict:
-        """The values initialisation gives ``param``'s states (S1.6), as a load takes
-        them: moments 0, the master the parameter's value."""
+        """The moments initialisation gives ``param`` (S1.6: 0), as a load takes them;
+        its master, missing here, is seeded by the load."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         return {spec.name: _state.initial_value(spec, local)
-                for spec in config.specs_of(local, layout)}
+                for spec in config.specs_of(local, layout) if spec.name != "master_param"}
 
     def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
                             own_step: bool):
@@ -653,11 +689,21 @@ class FusedAdam(torch.optim.Optimizer):
         error = _validate.param_error(param)
         if error is not None:
             raise RuntimeError(f"{here}: {error}")
-        loaded = {}
+        loaded, seeded = {}, set()
         for spec in config.specs_of(local, layout):
+            if spec.name == "master_param" and (
+                    saved_layout.master_format() is None if saved_layout is not None
+                    else spec.name not in values):
+                # Saved without masters (a master here is then the template's own: DCP
+                # leaves what the checkpoint lacks as it was): seeded from the loaded
+                # parameter, as at initialisation (S1.6, S5.5).
+                loaded[spec.name] = _state.initial_value(spec, local)
+                seeded.add(spec.name)
+                continue
             if spec.name not in values:
                 raise ValueError(f"{here}: the loaded state has no {spec.name!r} "
-                                 f"(it holds {sorted(values)})")
+                                 f"(it holds {sorted(values)}; rule S5.5: a checkpoint "
+                                 f"holds every state its state_layout records)")
             value = values[spec.name]
             _validate.check_value(param, spec, value, here)
             value = _dtensor.to_local(value)
@@ -667,6 +713,7 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
         writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
+        writes.seeded = seeded
         # Other keys (e.g. Megatron's "step") come back as saved, copied.
         writes.extra = {k: v.clone() if isinstance(v, torch.Tensor) else v
                         for k, v in values.items()

@@ -339,6 +339,75 @@ def test_param_made_fp32_takes_its_master(remainders, backend):
     assert "master_param" not in opt.state[params[0]]
 
 
+MASTER_KINDS = {"fp32": dict(), "fp16": dict(master_weight_dtype=torch.float16),
+                "remainder": dict(store_param_remainders=True)}
+
+
+def _loaded_weights(params, seed):
+    """Weights a model loads after its optimizer was built (pretrained, a DCP model-only
+    load): other values than the parameters had."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.data.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+@pytest.mark.parametrize("master", list(MASTER_KINDS))
+def test_weights_loaded_after_construction_are_not_undone(master, backend):
+    """A master seeded from its parameter follows it until the parameter first steps
+    (S1.6), as TE creates state at the first step: weights loaded into the model after
+    the optimizer was built train on bitwise as with an optimizer built after the load
+    (parameters and state), and state_dict() / get_unscaled_state() before that step
+    report the loaded weights' master."""
+    params = make_params([torch.bfloat16] * 2, [(6, 8), (5,)], seed=23)
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, **MASTER_KINDS[master])
+    _loaded_weights(params, seed=24)
+    reference_params = [p.detach().clone().requires_grad_() for p in params]
+    reference = fused_adam()(reference_params, lr=1e-2, master_weights=True,
+                             **MASTER_KINDS[master])
+    exported = [o.state_dict()["state"] for o in (opt, reference)]
+    for i, q in enumerate(reference_params):
+        assert_bitwise_equal(exported[0][i]["master_param"], exported[1][i]["master_param"],
+                             f"exported master {i}")
+        assert_bitwise_equal(opt.get_unscaled_state(params[i], "master_param"),
+                             reference.get_unscaled_state(q, "master_param"), f"master {i}")
+    for step in (1, 2, 3):
+        grads = make_grads(params, [torch.bfloat16] * 2, step, seed=25)
+        for ps, o in ((params, opt), (reference_params, reference)):
+            attach_grads(ps, [g.clone() for g in grads], False)
+            o.step()
+    assert_same_optimizer_state(reference, opt, reference_params, params, "after 3 steps")
+
+
+@pytest.mark.parametrize("master", list(MASTER_KINDS))
+def test_seeded_master_follows_its_parameter_until_it_steps(master, backend):
+    """S1.6: a parameter without a gradient at the first step keeps following (its
+    weights loaded later are its master at its own first step: with lr 0 it keeps them
+    bitwise); once it has stepped, the master is the truth (the parameter is rounded
+    from it, as in TE) and a value put into the parameter is overwritten (remainders
+    excepted: they pair with the parameter's value, S2.5); a master set
+    by set_scaled_state before the first step is kept (Megatron sets its main params
+    so)."""
+    params = make_params([torch.bfloat16] * 3, [(4, 8), (4, 8), (4, 8)], seed=27)
+    opt = fused_adam()(params, lr=0.0, master_weights=True, **MASTER_KINDS[master])
+    precise = params[2].detach().float() + 2.0**-12  # not a bf16 value
+    if master == "fp32":
+        opt.set_scaled_state(params[2], "master_param", precise)
+    attach_grads(params, [torch.ones(4, 8, dtype=torch.bfloat16), None,
+                          torch.ones(4, 8, dtype=torch.bfloat16)], False)
+    opt.step()
+    stepped = params[0].detach().clone()
+    _loaded_weights(params[:2], seed=28)  # params[0] has stepped, params[1] has not
+    loaded = params[1].detach().clone()
+    attach_grads(params, [torch.ones(4, 8, dtype=torch.bfloat16)] * 3, False)
+    opt.step()
+    assert_bitwise_equal(params[1].detach(), loaded, "the unstepped parameter's weights")
+    if master != "remainder":  # a remainder pairs with whatever bf16 value is there
+        assert_bitwise_equal(params[0].detach(), stepped, "the stepped parameter's master")
+    if master == "fp32":
+        assert_bitwise_equal(opt.get_unscaled_state(params[2], "master_param"), precise,
+                             "the master set by hand")
+
+
 # What moves: the state tensors (fp8, bf16 and an fp32 master) or the scales of fp16 /
 # fp8 states (optimizer._scales).
 MOVED = {"states": Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16"),

@@ -565,6 +565,54 @@ def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
     opt.set_scaled_state(p, "master_param", value)
 
 
+@pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])
+@pytest.mark.parametrize("route", ["plain", "template"])
+def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, route):
+    """A checkpoint saved without masters (state_layout master=none) loads into an
+    optimizer that keeps them with each master taken from the loaded parameter (S5.5,
+    as initialisation: S1.6), whatever it held: "plain" hands load_state_dict the
+    checkpoint itself (no master_param), "template" this optimizer's own state dict
+    with the checkpoint's values written in, as DCP leaves a key the checkpoint lacks
+    (its master_param is then the template's own, from another model)."""
+    gen = torch.Generator().manual_seed(12)
+    saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    src = fused_adam()(saved_params, lr=1e-2)
+    for _ in range(2):
+        saved_params[0].grad = torch.randn(4, 8, generator=gen).bfloat16()
+        src.step()
+    saved = src.state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith("master=none")
+    params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    kwargs = dict(master_weights=True, store_param_remainders=master == "remainder",
+                  master_weight_dtype=torch.float16 if master == "fp16" else torch.float32)
+    opt = fused_adam()(params, lr=1e-2, **kwargs)
+    params[0].grad = torch.randn(4, 8, generator=gen).bfloat16()
+    opt.step()  # its master holds the other model's values, stepped
+    opt_before_master = opt.get_unscaled_state(params[0], "master_param")
+    loaded = saved
+    if route == "template":
+        loaded = opt.state_dict()
+        for key in ("step", "state_layout"):
+            loaded["param_groups"][0][key] = saved["param_groups"][0][key]
+        for name in ("exp_avg", "exp_avg_sq"):
+            loaded["state"][0][name] = saved["state"][0][name].clone()
+    params[0].data.copy_(saved_params[0].detach())  # the model's own load
+    opt.load_state_dict(loaded)
+    value = opt.get_unscaled_state(params[0], "master_param")
+    if master == "remainder":  # zero remainders: the parameter alone is the master
+        assert_bitwise_equal(value, torch.zeros(4, 8, dtype=torch.int16), "remainder")
+    elif master == "fp32":
+        assert_bitwise_equal(value, saved_params[0].detach().float(), "master")
+    else:  # stored as fp16 codes of value / scale: within half an fp16 ulp (S2.3)
+        torch.testing.assert_close(value, saved_params[0].detach().float(),
+                                   rtol=2.0**-11 + 2.0**-23, atol=0.0)
+        assert not torch.equal(value, opt_before_master), "the template's master stayed"
+    assert opt.param_groups[0]["step"] == 2
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(opt.state[params[0]][name], src.state[saved_params[0]][name],
+                             name)
+
+
 def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
     """torch's AdamW (and TE's FusedAdam) create a parameter's state at its first
     gradient: a checkpoint (no state_layout) without state for an unused parameter
