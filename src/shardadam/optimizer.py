@@ -217,10 +217,9 @@ class FusedAdam(torch.optim.Optimizer):
                 for entry, kind in zip(grads.batch.entries, grads.kinds):
                     if kind and self._seeded.pop(entry.param, False) \
                             and entry.master is not None:
-                        fmt = entry.master_format
-                        value = (torch.zeros_like(entry.master) if fmt.pairs_with
-                                 else entry.local.float())
-                        fmt.encode(value, entry.master, entry.master_scale)
+                        spec = _state.StateSpec("master_param", entry.master_format)
+                        _state.write_value(spec, _state.initial_value(spec, entry.local),
+                                           entry.master, entry.master_scale)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""

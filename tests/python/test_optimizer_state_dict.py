@@ -566,14 +566,16 @@ def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
 
 
 @pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])
-@pytest.mark.parametrize("route", ["plain", "template"])
+@pytest.mark.parametrize("route", ["plain", "template", "no-layout"])
 def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, route):
     """A checkpoint saved without masters (state_layout master=none) loads into an
     optimizer that keeps them with each master taken from the loaded parameter (S5.5,
     as initialisation: S1.6), whatever it held: "plain" hands load_state_dict the
     checkpoint itself (no master_param), "template" this optimizer's own state dict
     with the checkpoint's values written in, as DCP leaves a key the checkpoint lacks
-    (its master_param is then the template's own, from another model)."""
+    (its master_param is then the template's own, from another model), "no-layout"
+    the checkpoint without its state_layout, as torch's and TE's (without master
+    weights) hold no master."""
     gen = torch.Generator().manual_seed(12)
     saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
     src = fused_adam()(saved_params, lr=1e-2)
@@ -596,6 +598,8 @@ def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, 
             loaded["param_groups"][0][key] = saved["param_groups"][0][key]
         for name in ("exp_avg", "exp_avg_sq"):
             loaded["state"][0][name] = saved["state"][0][name].clone()
+    elif route == "no-layout":
+        del saved["param_groups"][0]["state_layout"]
     params[0].data.copy_(saved_params[0].detach())  # the model's own load
     opt.load_state_dict(loaded)
     value = opt.get_unscaled_state(params[0], "master_param")
