@@ -150,17 +150,20 @@ class GroupPlan:
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
                 and self.held.unchanged())
 
-    def bind(self) -> None:
+    def bind(self, seeded: dict) -> None:
         """Create or convert each parameter's state to match the configuration, then
-        remember the storage. Runs after validation: this is a mutation."""
+        remember the storage. ``seeded``: the optimizer's masters that follow their
+        parameter (S1.6), kept current. Runs after validation: this is a mutation."""
         state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
             specs = self.config.specs_of(entry.local, entry.layout)
             writes = _state.plan_entry(specs, state.get(entry.param), scales.get(entry.param),
-                                       formats.get(entry.param), entry.local, entry.layout)
+                                       formats.get(entry.param), entry.local, entry.layout,
+                                       seeded=entry.param in seeded)
             if not writes.empty():  # leave a settled entry alone
                 _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
                                    entry.layout)
+                _state.mark_seeded(seeded, entry.param, writes)
             entry.bind(specs, state[entry.param], scales.get(entry.param),
                        self.config.param_rounding)
         self.held = _Held(self.entries, self.config, state, scales)

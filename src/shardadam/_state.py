@@ -302,10 +302,13 @@ class EntryWrites:
 
 
 def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
-               formats: Optional[dict], param: torch.Tensor, layout) -> EntryWrites:
+               formats: Optional[dict], param: torch.Tensor, layout,
+               seeded: bool = False) -> EntryWrites:
     """The writes that make ``entry`` / ``scales`` hold exactly ``specs`` for ``param``
     (the local tensor of a parameter with ``layout``). Pure: nothing is written, so
-    callers can prepare every change before they apply any.
+    callers can prepare every change before they apply any. ``seeded``: the master
+    follows the parameter (S1.6), so a new one is seeded from it, never converted, and
+    the parameter never takes its value.
     """
     entry = entry if entry is not None else {}
     scales = scales if scales is not None else {}
@@ -317,6 +320,8 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
                 writes.scales[spec.name] = None  # a stale scale of an unscaled format
             continue
         stored = entry.get(spec.name)
+        if seeded and spec.name == "master_param":
+            stored = None
         if stored is not None and _holds_tensor_of(stored, formats, spec.name, param):
             value, bits = converted_value(spec, entry, scales, formats, param)
             writes.param_bits = bits if bits is not None else writes.param_bits
@@ -328,8 +333,10 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
         if name not in wanted:
             if name in entry:
                 writes.stored[name] = None
-                if (name == "master_param" and param.dtype == torch.float32
-                        and _holds_tensor_of(entry[name], formats, name, param)):
+                if (name == "master_param" and param.dtype == torch.float32 and not seeded
+                        and _holds_tensor_of(entry[name], formats, name, param)
+                        and _scale_error(_dtensor.to_local(entry[name]),
+                                         StateSpec(name, None), scales, formats) is None):
                     # A parameter made fp32 is its own master (S2.1): it takes the
                     # master's value, which it was rounded from (S2.5).
                     writes.param_bits = true_value(
@@ -337,6 +344,15 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
             if name in scales:
                 writes.scales[name] = None
     return writes
+
+
+def mark_seeded(seeded: dict, param, writes: EntryWrites) -> None:
+    """Keeps ``seeded`` (the masters that follow their parameter, S1.6) current once
+    ``writes`` are applied to ``param``'s state."""
+    if "master_param" in writes.seeded:
+        seeded[param] = True
+    elif "master_param" in writes.stored:  # another master, or none
+        seeded.pop(param, None)
 
 
 def _holds_tensor_of(stored, formats: Optional[dict], name: str,

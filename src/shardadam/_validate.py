@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -251,12 +251,15 @@ def _number(value) -> Optional[float]:
 # What step() reads from every group.
 GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
 _GROUP_KEY_SET = frozenset(GROUP_KEYS)
+_TORCH_OPTION_SET = frozenset(TORCH_OPTIONS)
 
 
 def check_group_keys(group: dict, group_index: int) -> None:
-    """A group edited or appended by hand may lack a key that step() reads."""
-    if group.keys() >= _GROUP_KEY_SET:  # one C-level test for the usual group
-        return
+    """A group edited or appended by hand may lack a key that step() reads, or set an
+    option of torch's Adam that would be ignored (``maximize``)."""
+    if group.keys() >= _GROUP_KEY_SET and _TORCH_OPTION_SET.isdisjoint(group):
+        return  # two C-level tests for the usual group
+    check_group_options(group, group_index)
     for key in GROUP_KEYS:
         if key not in group:
             raise fail(KeyError, f"the group has no {key!r} (rule: every group holds "
@@ -391,10 +394,12 @@ def check_loaded_dict(state_dict, whole: bool = False) -> None:
                                    f"its parameters' keys ({rule}), got {shown(group)}",
                        group=g)
         for key in group["params"]:
-            if not isinstance(key, Hashable):
+            try:
+                hash(key)
+            except TypeError:
                 raise fail(ValueError, f"the loaded group's 'params' lists {shown(key)}, "
                                        f"which cannot key 'state' ({rule}: ints, or "
-                                       f"names)", group=g)
+                                       f"names)", group=g) from None
 
 
 def check_loaded_options(saved: dict, adam_w_mode, group_index: int,

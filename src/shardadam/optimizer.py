@@ -196,30 +196,42 @@ class FusedAdam(torch.optim.Optimizer):
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group, param=index,
                                  name=_validate.param_name(named, index))
-        writes = _state.plan_entry(specs, entry, scales, formats, local, layout)
+        writes = _state.plan_entry(specs, entry, scales, formats, local, layout,
+                                   seeded=param in self._seeded)
         return param, writes, local, layout
 
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout)
-        if "master_param" in writes.seeded:  # follows the parameter (S1.6)
-            self._seeded[param] = True
-        elif "master_param" in writes.stored:  # another master, or none
-            self._seeded.pop(param, None)
+        _state.mark_seeded(self._seeded, param, writes)
 
-    def _follow_params(self, work: list) -> None:
-        """Masters seeded from their parameter take its value again at its first step
-        (S1.6), as TE creates them then: weights loaded into the model after the
-        optimizer was built are not undone by a master of the weights before. Runs
-        after validation, in place (the plans stay bound)."""
-        for _, _, batches in work:
-            for grads in batches:
-                for entry, kind in zip(grads.batch.entries, grads.kinds):
-                    if kind and self._seeded.pop(entry.param, False) \
-                            and entry.master is not None:
-                        spec = _state.StateSpec("master_param", entry.master_format)
-                        _state.write_value(spec, _state.initial_value(spec, entry.local),
-                                           entry.master, entry.master_scale)
+    def _follow_params(self) -> list:
+        """Masters that follow their parameter (S1.6) and whose parameter steps now (it
+        has a gradient) take its value again, as TE creates masters at the first step:
+        weights loaded into the model after the optimizer was built are not undone by a
+        master of the weights before. Runs after validation and binding, in place (the
+        plans stay bound); returns the parameters, whose marks it took."""
+        attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
+        stepping = [p for p in self._seeded if getattr(p, attr, None) is not None]
+        for param in stepping:
+            del self._seeded[param]
+            self._reseed_master(param)
+        return stepping
+
+    def _reseed_master(self, param) -> None:
+        """Writes ``param``'s master, in its stored format, as seeded from the
+        parameter's value now (S1.6)."""
+        stored = (self.state.get(param) or {}).get("master_param")
+        if stored is None:
+            return
+        stored = _dtensor.to_local(stored)
+        fmt = _state.stored_format(stored, self._formats.get(param), "master_param")
+        if fmt is None:
+            return
+        spec = _state.StateSpec("master_param", fmt)
+        scale = (self._scales.get(param) or {}).get("master_param")
+        _state.write_value(spec, _state.initial_value(spec, _dtensor.to_local(param)),
+                           stored, scale)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
@@ -284,18 +296,23 @@ class FusedAdam(torch.optim.Optimizer):
             _backend.check_before_binding([b for _, _, batches in work for b in batches],
                                           self.state, self._scales)
             for plan in unbound:
-                plan.bind()
+                plan.bind(self._seeded)
         prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
                     for _, _, batches in work]
         # The core's own checks (buffers shared between tensors), for every group at
         # once: the last check before anything is updated.
         _backend.check_together([item for items in prepared for item in items],
                                 self._checked)
-        if self._seeded:
-            self._follow_params(work)
-        for (_, hyper, _), items in zip(work, prepared):
-            for item in items:
-                _backend.run(item, hyper)
+        followed = self._follow_params() if self._seeded else ()
+        try:
+            for (_, hyper, _), items in zip(work, prepared):
+                for item in items:
+                    _backend.run(item, hyper)
+        except BaseException:
+            # A call refused on its own (S3.1): the re-seeded masters hold the values
+            # they are read as while they follow, so their marks restore them whole.
+            self._seeded.update(dict.fromkeys(followed, True))
+            raise
         # Every group, even with no gradient (S2.8), once every batch has run: a call
         # refused on its own leaves no group counted.
         for group, (_, hyper, _) in zip(self.param_groups, work):
@@ -468,7 +485,14 @@ class FusedAdam(torch.optim.Optimizer):
             raise KeyError(f"{where}: no state {state_name!r} yet")
         self._check_decodable(param, (spec,), entry)
         if state_name == "master_param" and param in self._seeded:
-            return _state.seeded_value(spec, _dtensor.to_local(param))  # S1.6
+            # Read through TE's accessor (which hands out the fp32 tensor itself), a
+            # master that follows its parameter is seeded now and is the truth (S1.6).
+            if _state.stored_format(_dtensor.to_local(entry[state_name]),
+                                    self._formats.get(param), state_name) is spec.format:
+                del self._seeded[param]
+                self._reseed_master(param)
+            else:  # a setting changed since: what the next step would seed
+                return _state.seeded_value(spec, _dtensor.to_local(param))
         formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
         fmt = _state.stored_format(stored, formats, state_name)
@@ -668,6 +692,10 @@ class FusedAdam(torch.optim.Optimizer):
                                      f"{_validate.shown(values)}")
                 prepared.append(self._prepare_param_load(param, values, config, here,
                                                          saved_layout, own_steps[g]))
+                writes = prepared[-1][3]
+                if (key not in saved_state and param in self._seeded
+                        and "master_param" in writes.stored):
+                    writes.seeded.add("master_param")  # a kept master still follows
         return prepared
 
     @staticmethod

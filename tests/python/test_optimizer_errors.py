@@ -682,6 +682,9 @@ STEP_ERRORS = [
      RuntimeError, facts(*at(1, 1), "(?i)tensor|list", r"rule S3\.2")),
     ("grad-sparse", False, set_grad(torch.zeros(2, 2).bfloat16().to_sparse()),
      RuntimeError, facts(*at(1, 1), "(?i)sparse", r"rule S3\.2")),
+    # S1.2: a torch option put into a group by hand would be ignored
+    ("group-maximize-by-hand", True, set_group("maximize", True), ValueError,
+     facts("FusedAdam", r"group\W*1\b", "sets maximize=True", "option of torch's Adam")),
     ("group-lr-negative", True, set_group("lr", -1.0), ValueError,
      facts("FusedAdam", r"group\W*1\b", r"Invalid learning rate.*-1")),
     ("group-lr-nan", True, set_group("lr", math.nan), ValueError,
@@ -1026,6 +1029,9 @@ LOAD_ERRORS = [
     ("params-key-unhashable", lambda sd: sd["param_groups"][1].__setitem__(
         "params", [[2], 3]),
      ValueError, facts("^FusedAdam", r"group\W*1\b", r"lists \[2\], which cannot key")),
+    ("params-key-unhashable-inside", lambda sd: sd["param_groups"][1].__setitem__(
+        "params", [(2, [0]), 3]),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", r"lists \(2, \[0\]\), which cannot")),
     ("param-state-not-a-dict", lambda sd: sd["state"].__setitem__(2, torch.zeros(6)),
      ValueError, facts(*at(1, 0), "must be a dict of its states",
                        r"a tensor of dtype torch.float32 and shape \[6\]")),

@@ -408,6 +408,105 @@ def test_seeded_master_follows_its_parameter_until_it_steps(master, backend):
                              "the master set by hand")
 
 
+# Changes between the load of weights and the first step (S1.5, S2.5): a master that
+# follows its parameter is seeded anew, never converted from the weights before.
+FOLLOW_CHANGES = {
+    "param-made-fp32": (dict(), lambda opt, p: setattr(p, "data", p.data.float())),
+    "remainders-on": (dict(), lambda opt, p: setattr(opt, "store_param_remainders", True)),
+    "fp16-master-to-remainders": (
+        dict(master_weight_dtype=torch.float16),
+        lambda opt, p: (setattr(opt, "master_weight_dtype", torch.float32),
+                        setattr(opt, "store_param_remainders", True))),
+    "remainders-off": (dict(store_param_remainders=True),
+                       lambda opt, p: setattr(opt, "store_param_remainders", False)),
+}
+
+
+@pytest.mark.parametrize("change", list(FOLLOW_CHANGES))
+def test_following_master_survives_a_setting_change(change, backend):
+    """S1.6 with S1.5 / S2.5: weights loaded after construction, then a setting or the
+    parameter's dtype changed before the first step: a step that moves no weight (lr 0)
+    keeps the loaded weights bitwise (converting the master seeded at construction
+    would write the weights before into the parameter)."""
+    kwargs, apply_change = FOLLOW_CHANGES[change]
+    params = make_params([torch.bfloat16], [(4, 8)], seed=29)
+    opt = fused_adam()(params, lr=0.0, master_weights=True, **kwargs)
+    _loaded_weights(params, seed=30)
+    apply_change(opt, params[0])
+    loaded = params[0].detach().clone()
+    attach_grads(params, [torch.ones_like(loaded)], False)
+    opt.step()
+    assert_bitwise_equal(params[0].detach(), loaded, "the loaded weights after the step")
+
+
+def test_param_made_fp32_keeps_its_value_when_its_master_cannot_decode(backend):
+    """S2.5: a parameter made fp32 takes its master's value unless the master's scale
+    cannot decode it (an fp16 master's scale set to NaN in place): the parameter then
+    keeps its own value, never NaN."""
+    params = make_params([torch.bfloat16], [(4, 8)], seed=37)
+    opt = fused_adam()(params, lr=0.0, master_weights=True,
+                       master_weight_dtype=torch.float16)
+    attach_grads(params, [torch.ones(4, 8, dtype=torch.bfloat16)], False)
+    opt.step()
+    opt._scales[params[0]]["master_param"].fill_(float("nan"))
+    params[0].data = params[0].data.float()
+    kept = params[0].detach().clone()
+    attach_grads(params, [torch.ones(4, 8)], False)
+    opt.step()
+    assert_bitwise_equal(params[0].detach(), kept, "the fp32 parameter")
+
+
+def test_master_created_at_a_step_without_gradient_follows(backend):
+    """S1.6: master_weights switched on (S1.5) creates masters at the next step; one
+    whose parameter has no gradient there follows it until its own first step."""
+    params = make_params([torch.bfloat16] * 2, [(4, 8), (4, 8)], seed=31)
+    opt = fused_adam()(params, lr=0.0)
+    opt.master_weights = True
+    attach_grads(params, [torch.ones(4, 8, dtype=torch.bfloat16), None], False)
+    opt.step()
+    assert "master_param" in opt.state[params[1]]
+    _loaded_weights(params[1:], seed=32)
+    loaded = params[1].detach().clone()
+    attach_grads(params, [None, torch.ones(4, 8, dtype=torch.bfloat16)], False)
+    opt.step()
+    assert_bitwise_equal(params[1].detach(), loaded, "weights loaded before its first step")
+
+
+def test_refused_step_leaves_a_master_following(backend):
+    """S3.1 with S1.6: a step the core refuses on its own (one call: a gradient in the
+    memory of another parameter) leaves a following master following: loaded weights
+    after it are still the master's."""
+    params = make_params([torch.bfloat16] * 2, [(4,), (4,)], seed=33)
+    opt = fused_adam()(params, lr=0.0, master_weights=True)
+    attach_grads(params, [torch.ones(4, dtype=torch.bfloat16), None], False)
+    opt.step()  # binds the plan; params[1] has not stepped
+    params[1].grad = params[0].detach()  # overlaps a parameter the step writes
+    with pytest.raises(ValueError, match="overlaps|shares memory"):
+        opt.step()
+    _loaded_weights(params[1:], seed=34)
+    loaded = params[1].detach().clone()
+    attach_grads(params, [torch.ones(4, dtype=torch.bfloat16)] * 2, False)
+    opt.step()
+    assert_bitwise_equal(params[1].detach(), loaded, "weights loaded after the refusal")
+
+
+def test_get_unscaled_state_hands_out_the_following_master_itself(backend):
+    """S1.6 / S5.2: as in TE, get_unscaled_state of an fp32 master is the stored tensor
+    itself, seeded from the parameter's value now; what is written into it is then the
+    master (with lr 0 the parameter becomes its rounding)."""
+    params = make_params([torch.bfloat16], [(4, 8)], seed=35)
+    opt = fused_adam()(params, lr=0.0, master_weights=True)
+    _loaded_weights(params, seed=36)
+    master = opt.get_unscaled_state(params[0], "master_param")
+    assert master.data_ptr() == opt.state[params[0]]["master_param"].data_ptr()
+    assert_bitwise_equal(master, params[0].detach().float(), "seeded from the loaded weights")
+    master.fill_(1.5)
+    attach_grads(params, [torch.ones(4, 8, dtype=torch.bfloat16)], False)
+    opt.step()
+    assert_bitwise_equal(params[0].detach(), torch.full((4, 8), 1.5, dtype=torch.bfloat16),
+                         "the parameter rounded from the master written")
+
+
 # What moves: the state tensors (fp8, bf16 and an fp32 master) or the scales of fp16 /
 # fp8 states (optimizer._scales).
 MOVED = {"states": Precision(param="bf16", master="fp32", exp_avg="fp8", exp_avg_sq="bf16"),

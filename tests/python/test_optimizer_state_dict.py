@@ -617,6 +617,26 @@ def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, 
                              name)
 
 
+def test_frozen_parameter_left_out_of_a_load_keeps_following():
+    """S1.6 / S5.5: a frozen parameter whose state a checkpoint leaves out (torch's DCP
+    helpers do) keeps its master, and a master that followed its parameter still does:
+    weights loaded into it afterwards are the master at its first step."""
+    params = make_params([torch.bfloat16] * 2, [(4, 8), (4, 8)], seed=38)
+    opt = fused_adam()(params, lr=0.0, master_weights=True)
+    params[0].grad = torch.ones(4, 8, dtype=torch.bfloat16)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["state"][1]
+    params[1].requires_grad_(False)
+    opt.load_state_dict(saved)
+    params[1].requires_grad_(True)
+    params[1].data.copy_(torch.full((4, 8), 2.5, dtype=torch.bfloat16))
+    params[1].grad = torch.ones(4, 8, dtype=torch.bfloat16)
+    opt.step()
+    assert_bitwise_equal(params[1].detach(), torch.full((4, 8), 2.5, dtype=torch.bfloat16),
+                         "weights loaded into the frozen parameter")
+
+
 def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
     """torch's AdamW (and TE's FusedAdam) create a parameter's state at its first
     gradient: a checkpoint (no state_layout) without state for an unused parameter
