@@ -350,6 +350,30 @@ def test_load_torch_adamw_state_dict_takes_its_per_parameter_step(backend):
     assert_same_optimizer_state(a, b, params_a, params_b, "loaded from torch's layout")
 
 
+def test_state_dict_loads_into_torch_adamw_with_per_parameter_steps(backend):
+    """README's recipe for the other way: this optimizer's state dict (fp32 moments, a
+    group step) with each parameter given its group's step loads into torch's AdamW:
+    its moments and steps are the ones exported (stepping alike from the same state is
+    test_optimizer_equivalence's)."""
+    params = make_params([torch.float32, torch.float32], [(4, 3), (5,)], seed=10)
+    opt = fused_adam()(params, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step + i))
+        opt.step()
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        for key in group["params"]:
+            sd["state"][key]["step"] = torch.tensor(float(group["step"]))
+    copies = clone_params(params)
+    adamw = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1)
+    adamw.load_state_dict(sd)
+    for p, q in zip(params, copies):
+        assert float(adamw.state[q]["step"]) == 3.0
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(adamw.state[q][name], opt.state[p][name], name)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_optimizer_object_copies_continue_bitwise(how, backend):
     """copy.deepcopy(opt) and pickling the optimizer itself (torch.save(opt)) keep the
