@@ -130,13 +130,15 @@ OPTIMIZER_SETTINGS = ("adam_w_mode", "capturable", "master_weights", "master_wei
 TORCH_OPTIONS = ("amsgrad", "maximize", "decoupled_weight_decay", "capturable", "foreach",
                  "fused", "differentiable")
 _GROUP_MAY_SET = "a group may set lr, betas, eps, weight_decay and bias_correction"
+# The whole optimizer's settings, which a group cannot change.
+_WHOLE_OPTIMIZER = OPTIMIZER_SETTINGS + ("amsgrad", "set_grad_none")
 
 
 def check_group_options(group: dict, group_index: int) -> None:
     """A group handed to the constructor or ``add_param_group`` sets none of the
     optimizer's settings, nor an option of torch's Adam that FusedAdam lacks: kept in
     the group, they would be ignored (``maximize=True`` would descend all the same)."""
-    for key in OPTIMIZER_SETTINGS + ("amsgrad", "set_grad_none"):
+    for key in _WHOLE_OPTIMIZER:
         if key in group:
             raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
                                    f"{key} is one setting of the whole optimizer: pass it "
@@ -251,13 +253,13 @@ def _number(value) -> Optional[float]:
 # What step() reads from every group.
 GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
 _GROUP_KEY_SET = frozenset(GROUP_KEYS)
-_TORCH_OPTION_SET = frozenset(TORCH_OPTIONS)
+_IGNORED_KEY_SET = frozenset(_WHOLE_OPTIMIZER + TORCH_OPTIONS)
 
 
 def check_group_keys(group: dict, group_index: int) -> None:
-    """A group edited or appended by hand may lack a key that step() reads, or set an
-    option of torch's Adam that would be ignored (``maximize``)."""
-    if group.keys() >= _GROUP_KEY_SET and _TORCH_OPTION_SET.isdisjoint(group):
+    """A group edited or appended by hand may lack a key that step() reads, or set one
+    check_group_options refuses (it would be ignored)."""
+    if group.keys() >= _GROUP_KEY_SET and _IGNORED_KEY_SET.isdisjoint(group):
         return  # two C-level tests for the usual group
     check_group_options(group, group_index)
     for key in GROUP_KEYS:

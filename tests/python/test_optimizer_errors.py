@@ -685,6 +685,9 @@ STEP_ERRORS = [
     # S1.2: a torch option put into a group by hand would be ignored
     ("group-maximize-by-hand", True, set_group("maximize", True), ValueError,
      facts("FusedAdam", r"group\W*1\b", "sets maximize=True", "option of torch's Adam")),
+    ("group-moment_format-by-hand", True, set_group("moment_format", "block8"), ValueError,
+     facts("FusedAdam", r"group\W*1\b", "sets moment_format='block8'",
+           "one setting of the whole optimizer")),
     ("group-lr-negative", True, set_group("lr", -1.0), ValueError,
      facts("FusedAdam", r"group\W*1\b", r"Invalid learning rate.*-1")),
     ("group-lr-nan", True, set_group("lr", math.nan), ValueError,
