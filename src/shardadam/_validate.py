@@ -138,18 +138,14 @@ def check_group_options(group: dict, group_index: int) -> None:
     """A group handed to the constructor or ``add_param_group`` sets none of the
     optimizer's settings, nor an option of torch's Adam that FusedAdam lacks: kept in
     the group, they would be ignored (``maximize=True`` would descend all the same)."""
-    for key in _WHOLE_OPTIMIZER:
-        if key in group:
-            raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
-                                   f"{key} is one setting of the whole optimizer: pass it "
-                                   f"to the constructor; {_GROUP_MAY_SET})",
-                       group=group_index)
-    for key in TORCH_OPTIONS:
-        if key in group:
-            raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
-                                   f"{key} is an option of torch's Adam/AdamW that "
-                                   f"FusedAdam does not have; {_GROUP_MAY_SET})",
-                       group=group_index)
+    for keys, why in ((_WHOLE_OPTIMIZER, "is one setting of the whole optimizer: pass it "
+                                         "to the constructor"),
+                      (TORCH_OPTIONS, "is an option of torch's Adam/AdamW that FusedAdam "
+                                      "does not have")):
+        for key in keys:
+            if key in group:
+                raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
+                                       f"{key} {why}; {_GROUP_MAY_SET})", group=group_index)
 
 
 PARAM_ROUNDINGS = ("nearest", "stochastic")
