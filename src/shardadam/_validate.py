@@ -575,12 +575,29 @@ def param_error(param) -> Optional[str]:
 
 
 def _overlaps_itself(tensor) -> bool:
-    """Certainly overlapping (as torch's own check for in-place writes, which would
-    raise only after the moments were updated): a dimension of stride 0, or fewer
-    addresses in reach than elements."""
-    if any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride())):
+    """Whether two elements share an address: a dimension of stride 0, fewer addresses
+    in reach than elements, or, where the strides do not prove the elements apart,
+    fewer distinct addresses than elements (counted in a mask over the reach, a cost
+    paid only by views such as ``as_strided`` windows)."""
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride())
+                  if size > 1)
+    if any(stride == 0 for stride, _ in dims):
         return True
-    return 0 < _extent(tensor) < tensor.numel()
+    extent = _extent(tensor)
+    if 0 < extent < tensor.numel():
+        return True
+    # Sorted by stride, each dimension stepping past all the smaller ones' reach
+    # proves every element its own address (contiguous, transposed, sliced views).
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    mask = torch.zeros(extent, dtype=torch.bool)
+    mask.as_strided(tensor.shape, tensor.stride()).fill_(True)
+    return int(mask.sum()) < tensor.numel()
 
 
 def _extent(tensor) -> int:

@@ -252,6 +252,10 @@ def bad_param(kind):
         return torch.nn.Parameter(torch.zeros(1).expand(3))
     if kind == "overlapping-strides":
         return torch.nn.Parameter(torch.zeros(5).as_strided((3, 3), (1, 1)))
+    if kind == "overlapping-windows":
+        # Offsets 3i + 2j: (0, 3) and (2, 0) share offset 6, though 13 addresses are
+        # in reach of 12 elements.
+        return torch.nn.Parameter(torch.zeros(16).as_strided((3, 4), (3, 2)))
     if kind == "lazy":
         return torch.nn.parameter.UninitializedParameter()
     raise AssertionError(kind)
@@ -262,6 +266,7 @@ PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_
                "complex64": "complex64", "sparse": "(?i)sparse",
                "stride-0": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-strides": SHARED_ELEMENTS + ".*memory of its own",
+               "overlapping-windows": SHARED_ELEMENTS + ".*memory of its own",
                "lazy": r"uninitialized lazy.*rule: .*forward pass"}
 
 
@@ -275,6 +280,21 @@ def test_constructor_rejects_unsupported_params(kind):
         fused_adam()(groups)
     for p, old in zip(good, before):
         assert_bitwise_equal(p.detach(), old, "param after a rejected constructor")
+
+
+def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
+    """S1.4 refuses only elements that share memory: offsets 2i + 3j (shape (3, 2)) are
+    all distinct though no ordering of the strides shows it, so the parameter is
+    accepted and steps as a contiguous copy of it does."""
+    buffer = torch.arange(8, dtype=torch.float32)
+    strided = torch.nn.Parameter(buffer.as_strided((3, 2), (2, 3)))
+    plain = torch.nn.Parameter(strided.detach().clone())
+    grad = torch.linspace(-1, 1, 6).reshape(3, 2)
+    for p in (strided, plain):
+        opt = fused_adam()([p], lr=0.1, weight_decay=0.01)
+        p.grad = grad.clone()
+        opt.step()
+    assert_bitwise_equal(strided.detach(), plain.detach(), "strided param after a step")
 
 
 def test_constructor_names_named_parameters():
