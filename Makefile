@@ -94,14 +94,15 @@ bench: setup $(VENV)/.deepspeed-stamp
 	$(PY) -m shardadam bench $(BENCH_FLAGS) --json build/bench/bench.json --png build/bench/bench.png
 
 # DeepSpeed's CPU Adam, built when it installs (about 2 minutes; its build needs wheel
-# and py-cpuinfo first), once per venv. Where it cannot build, the bench says why.
+# and py-cpuinfo first), tried once per venv (the stamp records a failure too: delete
+# it to try again). Where it cannot build, the bench says why.
 DEEPSPEED := deepspeed==0.19.8
 $(VENV)/.deepspeed-stamp: | $(VENV)/.package-stamp
 	$(PY) -m pip install -q wheel py-cpuinfo
 	if DS_BUILD_CPU_ADAM=1 $(PY) -m pip install -q --no-build-isolation $(DEEPSPEED); then \
-	  touch $@; \
+	  echo built > $@; \
 	else \
-	  echo "$(DEEPSPEED) did not build here: the bench reports it unavailable"; \
+	  echo "$(DEEPSPEED) did not build here: the bench reports it unavailable" | tee $@; \
 	fi
 
 clean:

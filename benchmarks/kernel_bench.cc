@@ -89,8 +89,9 @@ size_t Bits(DType t) { return t == DType::kNone ? 0 : static_cast<size_t>(Format
 
 // Bytes the step must move per element (docs/benchmarking.md "minimum"): grad, both
 // moments and the master (or the param when there is none) are read; param, master
-// and both moments are written. Per-block scales (8 bytes per block read and
-// written, 0.03 to 0.06 bytes per element) are left out.
+// and both moments are written. Per-block scales (the two moments' 8 bytes per block
+// read and 8 written: 0.0625 bytes per element for blocks of 256, 0.125 for 128) are
+// left out.
 double MinimumBytes(const Preset& p) {
   // A remainder master is read together with the param it completes.
   const size_t weight_read = p.master == DType::kNone ? Bits(p.param)

@@ -11,12 +11,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shardadam import peers
-from shardadam.bench import cases, contenders, timing
+from shardadam.bench import cases, contenders, multipass, timing
 
 # Every case kind with the contenders it must report (probes included).
-_FP32 = {"shardadam", "torch-fused", "torch-foreach", "deepspeed", "probe"}
+_FP32 = {"shardadam", "torch-fused", "torch-foreach", "torch-default", "deepspeed",
+         "probe"}
 _LOW_PRECISION = {"shardadam", "multipass", "probe"}
 _PRESETS = {"fp32", "bf16-master-fp32", "bf16-master-bf16m", "bf16-remainder-bf16m",
             "bf16-master-fp8m"}
@@ -88,6 +90,12 @@ def test_meta(tiny_run):
     assert meta["mode"] == "quick" and meta["scale"] == 0.001 and meta["threads"] == 1
     assert len(meta["load_average_start"]) == 3
     assert isinstance(meta["probe"], str) and isinstance(meta["torch"], str)
+    # Provenance: which CPU generation and which source gave the figures.
+    assert isinstance(meta["cpu_id"], dict) and isinstance(meta["cpu"], str)
+    with open("/proc/cpuinfo") as f:
+        if "cpu family" in f.read():
+            assert meta["cpu_id"]["cpu family"] and "model" in meta["cpu_id"]
+    assert meta["commit"] is None or len(meta["commit"].split("+")[0]) == 40
 
 
 def test_every_case_and_contender_is_reported(tiny_run):
@@ -220,6 +228,59 @@ def test_peak_memory_is_measured_per_contender(tiny_run):
         assert isinstance(record["peak_extra_bytes"], int), where
         assert record["peak_extra_bytes"] >= 0, where
         assert record["peak_extra_fraction_of_state"] >= 0, where
+        # multipass's chunk buffers (four fp32 ones, a chunk no longer than the
+        # case's largest tensor) count, though they live between steps.
+        held = record["held_extra_bytes"]
+        if record["contender"] == "multipass":
+            assert held == 4 * 4 * min(multipass.CHUNK, record["numel"]), where
+            assert record["peak_extra_bytes"] >= held, where
+        else:
+            assert held == 0, where
+
+
+def test_peak_memory_sees_a_step_that_allocates():
+    """The method measures: a step that allocates and touches 64 MiB reads at least
+    that much (less 4 MiB for rounding to pages and the interpreter's own use); one
+    that allocates nothing reads under 4 MiB."""
+    from shardadam.bench import memory
+
+    held = []
+    allocating = memory.peak_extra_bytes(lambda: held.append(torch.ones(1 << 24)))
+    assert allocating["peak_extra_bytes"] >= (64 - 4) << 20, allocating
+    held.clear()
+    idle = memory.peak_extra_bytes(lambda: None)
+    assert idle["peak_extra_bytes"] < 4 << 20, idle
+
+
+@pytest.mark.parametrize("preset", [p for p in cases.PRESETS.values()
+                                    if p.master is not None], ids=lambda p: p.name)
+def test_multipass_steps_as_shardadam_does(preset):
+    """The multipass contender does the same work as shardadam's step: chunked or in
+    one piece it stores the same bits, and after three steps its bf16 parameters are
+    shardadam's to within one bf16 step (2^-7 of the value: they differ only where
+    the masters' last fp32 bit decides a rounding)."""
+    from shardadam import FusedAdam
+
+    case = cases.Case("check", "large", preset, ((25_007,),), ())
+    results = []
+    for chunk in (multipass.CHUNK, 1000):
+        params = cases.make_params(case)
+        step = multipass.Multipass(params, preset, **contenders.HYPER, chunk=chunk).step
+        for _ in range(3):
+            step()
+        state = step.__self__.state[0]
+        results.append([params[0].detach().view(torch.int16)] + [
+            state[name] for name in ("exp_avg", "exp_avg_sq", "master")])
+    for one, chunked in zip(*results):
+        assert torch.equal(one, chunked)
+    params = cases.make_params(case)
+    optimizer = FusedAdam(params, **contenders.HYPER, adam_w_mode=True,
+                          **preset.fused_adam_kwargs())
+    for _ in range(3):
+        optimizer.step()
+    torch.testing.assert_close(params[0].detach().float(),
+                               results[0][0].view(torch.bfloat16).float(),
+                               rtol=2.0 ** -7, atol=0)
 
 
 def test_png_is_a_valid_image(tiny_run):

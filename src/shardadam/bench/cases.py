@@ -31,7 +31,8 @@ class Preset:
     """One state layout. ``master`` is None, ``"fp32"`` or ``"remainder"`` (int16);
     ``moment_format`` FusedAdam's keyword (per-block moments, stored as 8- or 4-bit
     codes plus one fp32 scale per 256 or 128 elements, left out of the byte counts:
-    1.6% and 3.1%); ``exp_avg_sq_dtype`` where it differs from ``moment_dtype``
+    0.016 and 0.031 bytes per element and moment); ``exp_avg_sq_dtype`` where it
+    differs from ``moment_dtype``
     (``exp_avg``'s)."""
 
     name: str
@@ -134,7 +135,9 @@ LOWBIT_CASES = (
 )
 
 # Sizes per mode before --scale. Large: not a power of two (buffers spaced by large
-# powers of two alias in the caches) and >= 64 MiB of state for the smallest preset.
+# powers of two alias in the caches) and >= 64 MiB of params, grads and state for the
+# smallest large preset. The lowbit cases' weight has as many elements, so fewer bytes:
+# quick, 53 MiB (block8 + remainders) and 47 MiB (block4), still beyond a 32 MiB L3.
 _SIZES = {
     "quick": {"large_numel": 7_000_003, "d_model": 256, "reps": 7, "warmup": 2},
     "full": {"large_numel": 25_000_003, "d_model": 512, "reps": 15, "warmup": 3},
@@ -187,7 +190,8 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
     return max(2, 2 * round(d_model * math.sqrt(scale) / 2))
 
 
-CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "deepspeed")
+CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "torch-default",
+                       "deepspeed")
 LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
 # The large cases' step as training calls it (bench/training.py).
 TRAINING_CONTENDERS = ("shardadam", "after-matmul", "after-backward", "after-backward-pool")

@@ -3,7 +3,9 @@
 The child builds each case, takes one untimed step (torch's optimizers create their
 state lazily there; that is state, not transient), resets the kernel's RSS high-water
 mark (``/proc/self/clear_refs``), records RSS, takes one step and reports
-``VmHWM - RSS``: the bytes the step allocated and touched on top of what already lived.
+``VmHWM - RSS``: the bytes the step allocated and touched on top of what already lived,
+plus the working buffers a contender keeps between steps beside its state
+(``working_bytes``: multipass's fp32 chunk buffers), reported also on their own.
 
 glibc is told to serve every block >= 64 KiB with its own mapping and to return freed
 memory at once, so a temporary cannot hide in heap pages freed by the warm-up step.
@@ -97,7 +99,13 @@ def _child(args) -> dict:
             results[case_id] = {"error": str(error)}
             continue
         step()  # lazy state, first touch, thread pool
-        results[case_id] = peak_extra_bytes(step)
+        result = peak_extra_bytes(step)
+        # Working buffers kept between steps (multipass's) are extra memory the step
+        # needs, though already resident when it starts.
+        held = getattr(getattr(step, "__self__", None), "working_bytes", 0)
+        result.update(held_extra_bytes=held,
+                      peak_extra_bytes=result["peak_extra_bytes"] + held)
+        results[case_id] = result
         del step, params
         gc.collect()
     return results

@@ -1,10 +1,15 @@
 """multipass: the usual multi-pass path for low-precision state, as a contender.
 
-Per parameter: unscale / widen every stored stream to an fp32 copy (grad, moments, the
-master rebuilt from bf16 + int16 remainder), run ``torch._fused_adamw_`` on the copies,
-then narrow / rescale back into storage. This is what a device without a fused
-low-precision kernel does; it moves each stream several times and allocates full-size
-fp32 temporaries, which is the cost shardadam's single pass avoids.
+Per chunk of each parameter: widen every stored stream into fp32 working buffers
+(grad, moments, the master rebuilt from bf16 + int16 remainder), run
+``torch._fused_adamw_`` on them, then narrow / rescale back into storage. This is what a
+device without a fused low-precision kernel does, written with care: the buffers are
+one chunk long, allocated once and reused, so a step allocates nothing and its
+chunks' copies stay in the caches. Per-tensor fp8 moments need their new scale before
+any code is stored, so they take one more pass first, computing the new moments to find
+their absolute maxima. What remains is the cost shardadam's single pass avoids: each
+stream is converted and copied again around the update, and torch's kernel is called
+once per chunk.
 """
 
 from __future__ import annotations
@@ -12,50 +17,53 @@ from __future__ import annotations
 import torch
 
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
+CHUNK = 1 << 18   # elements per chunk: four fp32 buffers of 1 MiB
 
 
-def _fp8_encode(value32: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """Per-tensor scale so the absolute maximum lands on fp8's largest finite value."""
-    scale = value32.abs().max().clamp_min(1e-30) / _FP8_MAX
-    codes.copy_(value32.div(scale).to(torch.float8_e4m3fn).view(torch.uint8))
-    return scale
+def _absmax(value32: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(value32, float("inf"))
 
 
-def _fp8_decode(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.view(torch.float8_e4m3fn).float().mul_(scale)
+def _merge_master(param, remainder, out32) -> None:
+    """fp32 bits = (bf16 bits << 16) + sign-extended remainder, modulo 2^32 (TE's
+    scheme: a negative remainder borrows back the +1 the split rounded into the
+    param), built in ``out32``'s memory."""
+    bits = out32.view(torch.int32)
+    bits.copy_(param.view(torch.int16))
+    bits.bitwise_left_shift_(16).add_(remainder)
 
 
-def _master_from_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """fp32 bits = bf16 bits (undoing round-to-nearest) << 16 | low 16 bits (TE's scheme:
-    a negative remainder means the bf16 value was rounded up)."""
-    high = param.view(torch.int16).to(torch.int32)
-    low = remainder.to(torch.int32)
-    high = high - (low < 0).to(torch.int32)
-    return ((high << 16) | (low & 0xFFFF)).view(torch.float32)
-
-
-def _split_master(master32: torch.Tensor, param: torch.Tensor,
-                  remainder: torch.Tensor) -> None:
+def _split_master(master32, param, remainder) -> None:
+    """remainder = low 16 bits; param = high half, rounded up when the low half is
+    >= 0x8000 (``master32``'s memory is used up)."""
     bits = master32.view(torch.int32)
-    low = (bits & 0xFFFF).to(torch.int16)
-    high = (bits >> 16) + (low < 0).to(torch.int32)
-    param.view(torch.int16).copy_(high.to(torch.int16))
-    remainder.copy_(low)
+    remainder.copy_(bits)  # int32 -> int16 keeps the low 16 bits
+    bits.add_(0x8000).bitwise_right_shift_(16)
+    param.view(torch.int16).copy_(bits)
 
 
 class Multipass:
-    """AdamW over low-precision state, one unscale -> fused kernel -> rescale per tensor."""
+    """AdamW over low-precision state, chunk by chunk: widen -> fused kernel -> narrow."""
 
     def __init__(self, params, preset, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.01):
+                 weight_decay=0.01, chunk=CHUNK):
         self.params = list(params)
         self.preset = preset
+        self.betas = betas
         self.hyper = dict(lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
                           eps=eps, amsgrad=False, maximize=False)
         self.state = [self._initial_state(p) for p in self.params]
+        self.chunk = max(1, min(chunk, max((p.numel() for p in self.params), default=1)))
+        # grad, both moments and (for remainders) the master: 4 bytes each.
+        self._buffers = torch.empty(4, self.chunk, dtype=torch.float32)
+
+    @property
+    def working_bytes(self) -> int:
+        """Memory held between steps beyond the state: the fp32 working buffers."""
+        return self._buffers.nbytes
 
     def _initial_state(self, param):
-        flat = param.detach()
+        flat = param.detach().view(-1)
         moment = torch.zeros_like(flat, dtype=self.preset.moment_dtype)
         state = {"exp_avg": moment, "exp_avg_sq": moment.clone(),
                  "scales": [torch.ones(()), torch.ones(())],
@@ -66,36 +74,66 @@ class Multipass:
             state["master"] = torch.zeros_like(flat, dtype=torch.int16)
         return state
 
-    def _moments32(self, state):
+    @staticmethod
+    def _moments32(state, span, buffers) -> list:
+        """Both moments of ``span`` in fp32: fp32 ones where they are stored, the
+        others widened into ``buffers``."""
         out = []
-        for name, scale in zip(("exp_avg", "exp_avg_sq"), state["scales"]):
-            stored = state[name]
-            out.append(_fp8_decode(stored, scale) if stored.dtype == torch.uint8
-                       else stored.float())
+        for name, scale, buffer in zip(("exp_avg", "exp_avg_sq"), state["scales"], buffers):
+            stored = state[name][span]
+            if stored.dtype == torch.float32:
+                out.append(stored)
+            elif stored.dtype == torch.uint8:
+                out.append(buffer.copy_(stored.view(torch.float8_e4m3fn)).mul_(scale))
+            else:
+                out.append(buffer.copy_(stored))
         return out
 
-    def _store_moments(self, state, moments32):
-        for i, (name, value) in enumerate(zip(("exp_avg", "exp_avg_sq"), moments32)):
-            stored = state[name]
-            if stored.dtype == torch.uint8:
-                state["scales"][i] = _fp8_encode(value, stored)
-            elif stored.dtype != torch.float32:
-                stored.copy_(value)
+    def _new_fp8_scales(self, param, state) -> list:
+        """The per-tensor scales of the new moments: one pass that computes them."""
+        beta1, beta2 = self.betas
+        grad = param.grad.view(-1)
+        maxima = [torch.zeros(()), torch.zeros(())]
+        g32, m32, v32, _ = self._buffers
+        for start in range(0, grad.numel(), self.chunk):
+            span = slice(start, min(grad.numel(), start + self.chunk))
+            k = span.stop - start
+            g = g32[:k].copy_(grad[span])
+            m, v = self._moments32(state, span, (m32[:k], v32[:k]))
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            for i, value in enumerate((m, v)):
+                torch.maximum(maxima[i], _absmax(value), out=maxima[i])
+        return [peak.clamp_min(1e-30) / _FP8_MAX for peak in maxima]
 
     @torch.no_grad()
     def step(self):
+        g32, m32, v32, w32 = self._buffers
         for param, state in zip(self.params, self.state):
-            grad32 = param.grad.float()
-            if self.preset.master == "remainder":
-                master32 = _master_from_remainder(param, state["master"])
-            else:
-                master32 = state["master"]
-            exp_avg32, exp_avg_sq32 = self._moments32(state)
+            fp8 = state["exp_avg"].dtype == torch.uint8
+            new_scales = self._new_fp8_scales(param, state) if fp8 else None
             state["step"] += 1
-            torch._fused_adamw_([master32], [grad32], [exp_avg32], [exp_avg_sq32], [],
-                                [state["step"]], **self.hyper)
-            self._store_moments(state, (exp_avg32, exp_avg_sq32))
-            if self.preset.master == "remainder":
-                _split_master(master32, param, state["master"])
-            else:
-                param.copy_(master32)
+            flat, grad = param.detach().view(-1), param.grad.view(-1)
+            for start in range(0, flat.numel(), self.chunk):
+                span = slice(start, min(flat.numel(), start + self.chunk))
+                k = span.stop - start
+                g = g32[:k].copy_(grad[span])
+                m, v = self._moments32(state, span, (m32[:k], v32[:k]))
+                if self.preset.master == "remainder":
+                    w = w32[:k]
+                    _merge_master(flat[span], state["master"][span], w)
+                else:
+                    w = state["master"][span]
+                torch._fused_adamw_([w], [g], [m], [v], [], [state["step"]], **self.hyper)
+                for i, (name, value) in enumerate((("exp_avg", m), ("exp_avg_sq", v))):
+                    stored = state[name][span]
+                    if fp8:
+                        stored.view(torch.float8_e4m3fn).copy_(value.div_(new_scales[i]))
+                    elif stored.dtype != torch.float32:  # fp32 ones were updated in place
+                        stored.copy_(value)
+                if self.preset.master == "remainder":
+                    _split_master(w, flat[span], state["master"][span])
+                else:
+                    flat[span].copy_(w)
+            if fp8:
+                state["scales"] = new_scales

@@ -12,9 +12,14 @@ median / this median; > 1 means this one is faster}, paired_ratio_to {contender:
 over repetitions of its time / this one's in the same interleaved round},
 paired_ratio_interval_to {contender: [low, high] holding that median with 95%
 confidence, or None for fewer than 6 repetitions (``timing.paired_ratio_interval``)},
-samples (seconds per repetition; None for kernel_bench's rows), peak_extra_bytes and
-peak_extra_fraction_of_state; optimizer_state_bytes_per_param where the contender is a
-torch optimizer (every tensor in its ``state``: moments, codes, scales, master copies).
+samples (seconds per repetition; None for kernel_bench's rows), peak_extra_bytes (what
+one step allocates and touches beyond what lived before it, plus held_extra_bytes: the
+working buffers a contender keeps between steps beside its state) and
+peak_extra_fraction_of_state (peak_extra_bytes / state_bytes, the case's resident bytes:
+params, grads, moments and master); optimizer_state_bytes_per_param where the contender
+is a torch optimizer (every tensor in its ``state``: moments, codes, scales, master
+copies). ``meta``: the run's settings, the CPU (model name, and in cpu_id its vendor,
+family, model, stepping and SIMD flags), the source's git commit, torch's version.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ def table(records) -> str:
     reference contender's (shardadam; plain for the DTensor case), above 1 is slower;
     "/core": the bare core call's time over this one's, paired by repetition (the large
     and training cases), and "(95%)" the interval that holds it with 95% confidence;
-    "state B/p": optimizer state bytes per parameter."""
+    "extra MiB": peak extra memory of a step, "%resid" the same as a percentage of the
+    case's resident bytes (params, grads, moments, master); "state B/p": optimizer state
+    bytes per parameter."""
     header = (f"{'case':<28} {'contender':<20} {'tensors':>7} {'numel':>11} "
               f"{'median ms':>10} {'(min-max)':>17} {'Gelem/s':>8} {'GB/s':>7} "
               f"{'/probe':>6} {'/cpp':>5} {'t/ref':>6} {'/core':>5} {'(95%)':>9} "
-              f"{'extra MiB':>9} {'%state':>7} {'state B/p':>9}")
+              f"{'extra MiB':>9} {'%resid':>7} {'state B/p':>9}")
     lines = [header, "-" * len(header)]
     case_ids = list(dict.fromkeys(r["case"] for r in records))
     for case_id in case_ids:
@@ -120,7 +127,7 @@ def write_png(path, meta, records) -> None:
                      "whiskers: min-max")
     peak = [100 * (r["peak_extra_fraction_of_state"] or 0) for r in timed]
     mem.barh(y, peak, color=colors)
-    mem.set_xlabel("peak extra memory in step(), % of state")
+    mem.set_xlabel("peak extra memory of a step, % of params + grads + state")
     title = (f"shardadam bench ({meta['mode']}, scale {meta['scale']}): "
              f"{meta['threads']} threads, {meta['cpu']}, load avg at start "
              f"{meta['load_average_start'][0]:.2f}")

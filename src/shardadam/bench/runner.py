@@ -31,7 +31,8 @@ def _base_record(case, contender, threads, ranks=1):
             "elements_per_s": None, "gb_per_s": None, "fraction_of_probe": None,
             "fraction_of_kernel_bench_probe": None, "ratio_to": {},
             "paired_ratio_to": {}, "paired_ratio_interval_to": {}, "samples": None,
-            "peak_extra_bytes": None, "peak_extra_fraction_of_state": None}
+            "peak_extra_bytes": None, "held_extra_bytes": None,
+            "peak_extra_fraction_of_state": None}
 
 
 def _timed(record, samples):
@@ -78,7 +79,7 @@ def _time_distributed(case, size):
             _timed(record, result["samples"])
             # Memory is per rank, so the state it is compared with is too.
             record.update(peak_extra_bytes=result["peak_extra_bytes"],
-                          memory_method=result["memory_method"],
+                          held_extra_bytes=0, memory_method=result["memory_method"],
                           local_numel=result["local_numel"],
                           state_bytes=max(result["local_numel"])
                           * case.preset.state_bytes_per_element)
@@ -159,6 +160,7 @@ def add_memory(records, peaks):
             record["memory_error"] = result["error"]
             continue
         record.update(peak_extra_bytes=result["peak_extra_bytes"],
+                      held_extra_bytes=result.get("held_extra_bytes", 0),
                       memory_method=result["memory_method"])
     for record in records:
         if record["peak_extra_bytes"] is not None and record["state_bytes"]:

@@ -1,4 +1,4 @@
-"""Interleaved repetitions (A B C A B C ...) after a warm-up, and their statistics.
+"""Interleaved repetitions (A B C C B A A B C ...) after a warm-up, and their statistics.
 
 On a shared machine the load drifts during a run; interleaving spreads that drift over
 every contender alike, so the ratios of medians from one run stay meaningful.
@@ -36,8 +36,10 @@ def interleaved(steps: dict, reps: int, warmup: int, settle_s: float = SETTLE_S)
             getattr(step, "before", _nothing)()
             step()
     samples = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
+    order = list(steps.items())
+    for rep in range(reps):
+        # Reversed every other round, so that no contender always follows the same one.
+        for name, step in (order if rep % 2 == 0 else order[::-1]):
             time.sleep(settle_s)
             getattr(step, "before", _nothing)()
             start = time.perf_counter()
