@@ -15,6 +15,7 @@ scale of each fp16 / fp8 state is a local 0-dim tensor in
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import warnings
@@ -25,8 +26,22 @@ from typing import Optional
 
 import torch
 
-from . import _backend, _dtensor, _formats, _plan, _state, _step_hooks, _validate
+from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step_hooks,
+               _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
+
+def _normal_tensors(method):
+    """Runs ``method`` outside ``torch.inference_mode``: state it creates there would be
+    inference tensors, which no later step outside that mode may update (torch's own
+    optimizers create state at their first step, so they meet this less)."""
+    @functools.wraps(method)
+    def outside_inference_mode(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return outside_inference_mode
+
 
 # Settings beyond torch's defaults that travel with a pickled optimizer.
 _CONFIG_ATTRIBUTES = _validate.OPTIMIZER_SETTINGS + ("set_grad_none",)
@@ -147,6 +162,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
 
+    @_normal_tensors
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
@@ -205,18 +221,19 @@ class FusedAdam(torch.optim.Optimizer):
                            layout)
         _state.mark_seeded(self._seeded, param, writes)
 
-    def _follow_params(self) -> list:
+    def _follow_params(self, followed: list) -> None:
         """Masters that follow their parameter (S1.6) and whose parameter steps now (it
         has a gradient) take its value again, as TE creates masters at the first step:
         weights loaded into the model after the optimizer was built are not undone by a
         master of the weights before. Runs after validation and binding, in place (the
-        plans stay bound); returns the parameters, whose marks it took."""
+        plans stay bound); appends each parameter to ``followed`` as it takes its mark,
+        once its master is re-seeded (one that fails keeps its mark)."""
         attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
         stepping = [p for p in self._seeded if getattr(p, attr, None) is not None]
         for param in stepping:
-            del self._seeded[param]
             self._reseed_master(param)
-        return stepping
+            followed.append(param)
+            del self._seeded[param]
 
     def _reseed_master(self, param) -> None:
         """Writes ``param``'s master, in its stored format, as seeded from the
@@ -243,6 +260,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    @_normal_tensors
     def _plain_step(self, closure=None, grad_scaler=None):
         """One Adam/AdamW step for every group (S3).
 
@@ -260,6 +278,7 @@ class FusedAdam(torch.optim.Optimizer):
         finally:
             _step_hooks.set_grad_enabled(grad_enabled)
 
+    @_normal_tensors
     @torch.no_grad()
     def _traced_step(self, closure=None, grad_scaler=None):
         # The step with hooks or a profiler, and what dynamo traces: in its disable
@@ -303,20 +322,25 @@ class FusedAdam(torch.optim.Optimizer):
         # once: the last check before anything is updated.
         _backend.check_together([item for items in prepared for item in items],
                                 self._checked)
-        followed = self._follow_params() if self._seeded else ()
-        try:
-            for (_, hyper, _), items in zip(work, prepared):
-                for item in items:
-                    _backend.run(item, hyper)
-        except BaseException:
-            # A call refused on its own (S3.1): the re-seeded masters hold the values
-            # they are read as while they follow, so their marks restore them whole.
-            self._seeded.update(dict.fromkeys(followed, True))
-            raise
-        # Every group, even with no gradient (S2.8), once every batch has run: a call
-        # refused on its own leaves no group counted.
-        for group, (_, hyper, _) in zip(self.param_groups, work):
-            group["step"] = hyper.step
+        # From here on state changes: signals wait until the step is whole (S3.1).
+        with _held_signals.held():
+            followed = []
+            try:
+                if self._seeded:
+                    self._follow_params(followed)
+                for (_, hyper, _), items in zip(work, prepared):
+                    for item in items:
+                        _backend.run(item, hyper)
+            except BaseException:
+                # A call refused on its own (S3.1): the re-seeded masters hold the
+                # values they are read as while they follow, so their marks restore
+                # them whole.
+                self._seeded.update(dict.fromkeys(followed, True))
+                raise
+            # Every group, even with no gradient (S2.8), once every batch has run: a
+            # call refused on its own leaves no group counted.
+            for group, (_, hyper, _) in zip(self.param_groups, work):
+                group["step"] = hyper.step
         return loss
 
     def _own_step(self, closure):
@@ -445,6 +469,7 @@ class FusedAdam(torch.optim.Optimizer):
         return where, specs[state_name]
 
     @torch.no_grad()  # state is data, never part of a graph
+    @_normal_tensors
     def initialize_state(self, param, store_param_remainders=None) -> None:
         """(Re)creates ``param``'s state (S5.1): zero moments, master seeded from the
         parameter (or a zero remainder). ``None`` means what the configuration
@@ -598,6 +623,7 @@ class FusedAdam(torch.optim.Optimizer):
         return exported
 
     @torch.no_grad()  # state is data, never part of a graph
+    @_normal_tensors
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict()`` produced (S5.5): configured storage dtypes
         (never the parameter's dtype), fresh scales, ``step``. Everything is checked and

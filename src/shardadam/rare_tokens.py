@@ -239,21 +239,22 @@ def add_arguments(parser):
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
 
 
-def _positive_int(text):
-    value = _positive_int_or_zero(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive_int_or_zero(text):
+def _whole_number_at_least(low, text):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
     return value
+
+
+def _positive_int(text):
+    return _whole_number_at_least(1, text)
+
+
+def _positive_int_or_zero(text):
+    return _whole_number_at_least(0, text)
 
 
 def _seed(text):

@@ -147,11 +147,16 @@ def test_command_refuses_state_flags_for_adamw(capsys):
     (["--moment-format", "block4", "--master", "fp16", "--params", "bf16"],
      "master_weight_dtype=torch.float16 is scaled per tensor"),
     (["--seed", str(2**32)], "--seed: must be below 2**32"),
+    (["--seed", "-1"], "--seed: must be at least 0, got -1"),
+    (["--threads", "-1"], "--threads: must be at least 1, got -1"),
+    (["--steps", "0"], "--steps: must be at least 1, got 0"),
     (["--json", "/nonexistent-folder/result.json"], "no such folder"),
 ])
 def test_command_refuses_bad_settings_before_training(flags, message, capsys):
-    """The optimizer's own checks and the output path, before minutes of training."""
-    with pytest.raises(SystemExit) if flags[0] == "--seed" else contextlib.nullcontext():
+    """The optimizer's own checks and the output path, before minutes of training;
+    each bound named as it is (argparse's own refusals exit)."""
+    refused_by_argparse = flags[0] in ("--seed", "--threads", "--steps")
+    with pytest.raises(SystemExit) if refused_by_argparse else contextlib.nullcontext():
         assert main(["rare-tokens", *flags]) == 2
     out, err = capsys.readouterr()
     assert message in err and "loss" not in out
