@@ -30,6 +30,7 @@ from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step
                _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
+
 def _normal_tensors(method):
     """Runs ``method`` outside ``torch.inference_mode``: state it creates there would be
     inference tensors, which no later step outside that mode may update (torch's own

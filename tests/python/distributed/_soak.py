@@ -66,6 +66,10 @@ MMAP_THRESHOLD = 64 << 10
 # their next collective) before they are killed as well.
 _PEER_GRACE_S = 0.5
 _POLL_S = 0.01
+# A SIGKILLed rank's sockets close when its last thread exits, a moment before its end
+# is reported; a peer that fails in a collective with it can be seen to end first on a
+# loaded machine. Ends seen this close to the first one count as first.
+_SAME_END_S = 0.25
 
 
 @dataclasses.dataclass
@@ -288,6 +292,7 @@ class _Supervisor:
             # that fail with it can all end within one poll.
             if first_death is None and any(c not in (None, 0) for c in codes):
                 first_death = now
+            if first_death is not None and now - first_death <= _SAME_END_S:
                 a.first_dead = sorted(r for r, c in enumerate(codes) if c not in (None, 0))
             if all(c is not None for c in codes):
                 return
