@@ -579,6 +579,8 @@ def _overlaps_itself(tensor) -> bool:
     in reach than elements, or, where the strides do not prove the elements apart,
     fewer distinct addresses than elements (counted in a mask over the reach, a cost
     paid only by views such as ``as_strided`` windows)."""
+    if tensor.numel() == 0:
+        return False
     dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride())
                   if size > 1)
     if any(stride == 0 for stride, _ in dims):
@@ -594,6 +596,8 @@ def _overlaps_itself(tensor) -> bool:
             break
         reach += (size - 1) * stride
     else:
+        return False
+    if tensor.is_meta:  # no memory, so no storage bounds the reach: not counted
         return False
     mask = torch.zeros(extent, dtype=torch.bool)
     mask.as_strided(tensor.shape, tensor.stride()).fill_(True)

@@ -15,6 +15,7 @@ scale of each fp16 / fp8 state is a local 0-dim tensor in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -31,17 +32,30 @@ from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
+def _making_state():
+    """Where state is created or converted: outside ``torch.inference_mode``, whose
+    tensors no later step outside that mode may update (torch's own optimizers create
+    state at their first step, so they meet this less), and without autograd."""
+    if torch.is_inference_mode_enabled():
+        return _NormalTensors()
+    return contextlib.nullcontext()
+
+
+class _NormalTensors(contextlib.ExitStack):
+    def __enter__(self):
+        super().__enter__()
+        self.enter_context(torch.inference_mode(False))
+        self.enter_context(torch.no_grad())  # leaving inference mode turns grad on
+        return self
+
+
 def _normal_tensors(method):
-    """Runs ``method`` outside ``torch.inference_mode``: state it creates there would be
-    inference tensors, which no later step outside that mode may update (torch's own
-    optimizers create state at their first step, so they meet this less)."""
+    """``method`` run as ``_making_state`` says."""
     @functools.wraps(method)
-    def outside_inference_mode(*args, **kwargs):
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
-                return method(*args, **kwargs)
-        return method(*args, **kwargs)
-    return outside_inference_mode
+    def making_state(*args, **kwargs):
+        with _making_state():
+            return method(*args, **kwargs)
+    return making_state
 
 
 # Settings beyond torch's defaults that travel with a pickled optimizer.
@@ -261,7 +275,6 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @_normal_tensors
     def _plain_step(self, closure=None, grad_scaler=None):
         """One Adam/AdamW step for every group (S3).
 
@@ -279,7 +292,6 @@ class FusedAdam(torch.optim.Optimizer):
         finally:
             _step_hooks.set_grad_enabled(grad_enabled)
 
-    @_normal_tensors
     @torch.no_grad()
     def _traced_step(self, closure=None, grad_scaler=None):
         # The step with hooks or a profiler, and what dynamo traces: in its disable
@@ -311,20 +323,22 @@ class FusedAdam(torch.optim.Optimizer):
         work = [self._prepare_group(i, group, config)
                 for i, group in enumerate(self.param_groups)]
         unbound = [plan for plan, _, _ in work if not plan.bound]
-        if unbound:  # a parameter set is new
-            _validate.check_disjoint_params(self.param_groups)
-            _backend.check_before_binding([b for _, _, batches in work for b in batches],
-                                          self.state, self._scales)
-            for plan in unbound:
-                plan.bind(self._seeded)
-        prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
-                    for _, _, batches in work]
-        # The core's own checks (buffers shared between tensors), for every group at
-        # once: the last check before anything is updated.
-        _backend.check_together([item for items in prepared for item in items],
-                                self._checked)
-        # From here on state changes: signals wait until the step is whole (S3.1).
+        # From here on state may change (binding converts it): Ctrl-C and SIGTERM wait
+        # until the step is whole or refused (S3.1).
         with _held_signals.held():
+            if unbound:  # a parameter set is new
+                _validate.check_disjoint_params(self.param_groups)
+                _backend.check_before_binding(
+                    [b for _, _, batches in work for b in batches], self.state, self._scales)
+                with _making_state():
+                    for plan in unbound:
+                        plan.bind(self._seeded)
+            prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
+                        for _, _, batches in work]
+            # The core's own checks (buffers shared between tensors), for every group at
+            # once: the last check before anything is updated.
+            _backend.check_together([item for items in prepared for item in items],
+                                    self._checked)
             followed = []
             try:
                 if self._seeded:
@@ -469,8 +483,8 @@ class FusedAdam(torch.optim.Optimizer):
                            f"this parameter's states are {sorted(specs)}")
         return where, specs[state_name]
 
-    @torch.no_grad()  # state is data, never part of a graph
     @_normal_tensors
+    @torch.no_grad()  # state is data, never part of a graph
     def initialize_state(self, param, store_param_remainders=None) -> None:
         """(Re)creates ``param``'s state (S5.1): zero moments, master seeded from the
         parameter (or a zero remainder). ``None`` means what the configuration
@@ -542,6 +556,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise _validate.fail(RuntimeError, error, group=g, param=i,
                                  name=_validate.param_name(self.param_groups[g], i))
 
+    @_normal_tensors
     @torch.no_grad()  # state is data, never part of a graph
     def set_scaled_state(self, param, state_name: str, unscaled_state) -> None:
         """Stores true values (fp32; int16 for remainders) with a fresh scale (S5.3).
@@ -623,8 +638,8 @@ class FusedAdam(torch.optim.Optimizer):
         exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
         return exported
 
-    @torch.no_grad()  # state is data, never part of a graph
     @_normal_tensors
+    @torch.no_grad()  # state is data, never part of a graph
     def load_state_dict(self, state_dict: dict) -> None:
         """Restores what ``state_dict()`` produced (S5.5): configured storage dtypes
         (never the parameter's dtype), fresh scales, ``step``. Everything is checked and

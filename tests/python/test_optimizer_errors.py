@@ -297,6 +297,15 @@ def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
     assert_bitwise_equal(strided.detach(), plain.detach(), "strided param after a step")
 
 
+def test_parameters_without_elements_never_share_memory():
+    """S1.4 is about elements: an empty expanded parameter (a stride of 0 over no
+    elements) is accepted, and a meta view whose reach no storage bounds is not
+    counted address by address."""
+    fused_adam()([torch.nn.Parameter(torch.empty(0, 1).expand(0, 4))])
+    meta = torch.empty(0, device="meta").as_strided((3, 2), (10**10, 2 * 10**10 - 1))
+    fused_adam()([torch.nn.Parameter(meta)])
+
+
 def test_constructor_names_named_parameters():
     """S8: (name, tensor) pairs give the name in a constructor error too, and a tensor
     listed twice (torch only warns) is an error naming the second listing."""

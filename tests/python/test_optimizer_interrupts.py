@@ -1,5 +1,5 @@
-"""A step is whole or not taken (S3.1) when a signal or an error lands in the middle of
-it, and state made under ``torch.inference_mode`` steps outside it."""
+"""A step is whole or not taken (S3.1) when Ctrl-C, SIGTERM or an error lands in the
+middle of it, and state made under ``torch.inference_mode`` steps outside it (S1.6)."""
 
 import signal
 
@@ -69,9 +69,21 @@ def test_ctrl_c_during_a_step_waits_until_the_step_is_whole(backend, monkeypatch
     _assert_same(params, ref, opt, ref_opt, "after the interrupted step")
 
 
-def test_a_signal_handler_of_the_users_runs_after_the_step(monkeypatch):
-    """The held signals keep their own handlers: one that records runs once, after the
-    step, and the step's result is the uninterrupted one's."""
+@pytest.fixture
+def sigterm_handler():
+    """A recording SIGTERM handler, the process's own put back afterwards."""
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    yield seen
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_held_signals_run_the_handlers_in_place_after_the_step(monkeypatch,
+                                                               sigterm_handler):
+    """The held signals are raised again once the step is whole, as signals: repeats
+    merge, and where one handler raises (SIGINT's KeyboardInterrupt) the other stays
+    pending and runs at the next chance, as CPython runs them; the step's result is
+    the uninterrupted one's."""
     from shardadam import _backend
 
     params = make_params([torch.bfloat16] * 3, SHAPES, seed=4)
@@ -80,26 +92,87 @@ def test_a_signal_handler_of_the_users_runs_after_the_step(monkeypatch):
     attach_grads(params, _grads(params), False)
     attach_grads(ref, _grads(ref), False)
     ref_opt.step()
-    seen = []
-
-    def handler(signum, frame):
-        seen.append((signum, len(calls)))
-
     run, calls = _backend.run, []
 
     def signalled(item, hyper):
-        signal.raise_signal(signal.SIGUSR1)
         calls.append(item)
+        signal.raise_signal(signal.SIGTERM)
+        if len(calls) == 2:
+            signal.raise_signal(signal.SIGINT)
+        assert not sigterm_handler  # held while the step runs
         return run(item, hyper)
 
-    previous = signal.signal(signal.SIGUSR1, handler)
-    try:
-        monkeypatch.setattr(_backend, "run", signalled)
+    monkeypatch.setattr(_backend, "run", signalled)
+    with pytest.raises(KeyboardInterrupt):
         opt.step()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-    assert seen == [(signal.SIGUSR1, 2), (signal.SIGUSR1, 2)]  # both, after both calls
+    for _ in range(3):  # chances for the pending handler to run
+        pass
+    assert sigterm_handler == [signal.SIGTERM]
     _assert_same(params, ref, opt, ref_opt, "after the signalled step")
+
+
+def test_a_conversion_interrupted_by_ctrl_c_completes(backend, monkeypatch):
+    """A step that converts state first (a setting changed, S1.5) holds Ctrl-C from
+    the conversion on: the state is converted and stepped whole, as without it."""
+    from shardadam import _state
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=9)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref_opt = (fused_adam()(ps, **SETTINGS) for ps in (params, ref))
+    for o in (opt, ref_opt):
+        o.exp_avg_dtype = torch.uint8
+    attach_grads(params, _grads(params), False)
+    attach_grads(ref, _grads(ref), False)
+    ref_opt.step()
+    apply_entry, applied = _state.apply_entry, []
+
+    def interrupted(*args, **kwargs):
+        applied.append(args)
+        if len(applied) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return apply_entry(*args, **kwargs)
+
+    monkeypatch.setattr(_state, "apply_entry", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert len(applied) == 3
+    _assert_same(params, ref, opt, ref_opt, "after an interrupted conversion")
+
+
+class _FailingSignal:
+    """``_signal`` whose ``signal`` raises at the given calls, as CPython's does when a
+    pending handler raises before the handler is replaced."""
+
+    def __init__(self, real, fail_at):
+        self.real, self.fail_at, self.calls = real, fail_at, 0
+
+    def getsignal(self, signum):
+        return self.real.getsignal(signum)
+
+    def signal(self, signum, handler):
+        self.calls += 1
+        if self.calls in self.fail_at:
+            raise RuntimeError(f"a pending handler raised (call {self.calls})")
+        return self.real.signal(signum, handler)
+
+
+@pytest.mark.parametrize("fail_at", [{2}, {3}, {3, 4}], ids=["entering", "leaving",
+                                                             "leaving-twice"])
+def test_handlers_are_put_back_when_a_pending_handler_raises(monkeypatch, fail_at,
+                                                             sigterm_handler):
+    """Holding SIGINT and SIGTERM replaces two handlers (calls 1, 2) and puts them back
+    (calls 3, 4 and on): an exception from a pending handler in any of those calls is
+    raised, with every handler back in place."""
+    from shardadam import _held_signals
+
+    fake = _FailingSignal(_held_signals._signal, fail_at)
+    monkeypatch.setattr(_held_signals, "_signal", fake)
+    with pytest.raises(RuntimeError, match="pending handler raised"):
+        with _held_signals.held():
+            pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_handler == [signal.SIGTERM]
 
 
 def test_a_failed_reseed_keeps_the_masters_following(backend, monkeypatch):
@@ -135,6 +208,20 @@ def test_a_failed_reseed_keeps_the_masters_following(backend, monkeypatch):
     _assert_same(params, ref, opt, ref_opt, "after a failed first step and a retry")
 
 
+def test_inference_tensors_step_under_inference_mode(backend):
+    """A model and optimizer made and stepped under ``torch.inference_mode`` (inference
+    tensors as parameters) step there, on every path; the state is normal tensors."""
+    with torch.inference_mode():
+        params = [torch.nn.Parameter(p) for p in make_params([torch.bfloat16] * 3, SHAPES,
+                                                              seed=10)]
+        opt = fused_adam()(params, **SETTINGS)
+        attach_grads(params, _grads(params), False)
+        opt.step()
+        assert opt.param_groups[0]["step"] == 1
+    assert not any(t.is_inference() for t in opt.state[params[0]].values()
+                   if isinstance(t, torch.Tensor))
+
+
 @pytest.mark.parametrize("settings", [
     dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
          exp_avg_sq_dtype=torch.bfloat16),
@@ -162,6 +249,9 @@ def test_state_made_under_inference_mode_steps_outside_it(backend, settings):
     with torch.inference_mode():
         opt.load_state_dict(ref_opt.state_dict())
         opt.initialize_state(params[0])
+        opt.state[params[1]].clear()  # set_scaled_state makes the entry again
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            opt.set_scaled_state(params[1], name, ref_opt.get_unscaled_state(ref[1], name))
     ref_opt.initialize_state(ref[0])
     attach_grads(params, _grads(params), False)
     attach_grads(ref, _grads(ref), False)
