@@ -31,17 +31,28 @@ _REDELIVER = hasattr(signal, "pthread_sigmask") and hasattr(signal, "pthread_kil
 
 
 class held:
-    """Context manager: SIGINT and SIGTERM wait until it exits (see the module)."""
+    """Context manager: SIGINT and SIGTERM wait until it exits (see the module).
 
-    __slots__ = ("_saved", "_caught")
+    Python code can be cut short at any bytecode by a handler that raises, so a
+    recorder may be left in place after ``__exit__`` (a signal landing between two put
+    backs): such a recorder puts the handler it stood for back when its next signal
+    comes, and raises that signal again for it; a later ``held`` takes the left
+    recorder's handler as the one in place."""
+
+    __slots__ = ("_saved", "_caught", "_open")
 
     def __enter__(self):
-        self._saved, self._caught = {}, []
+        self._saved, self._caught, self._open = {}, [], True
         if threading.current_thread() is not threading.main_thread():
             return self
         try:
             for signum in _SIGNALS:
                 handler = _signal.getsignal(signum)
+                holder = getattr(handler, "__self__", None)
+                if isinstance(holder, held):
+                    if holder._open:
+                        continue  # held already, by a step around this one
+                    handler = holder._saved[signum]
                 if callable(handler):
                     # CPython runs pending handlers (which may raise) before it
                     # replaces one: it counts as replaced only once this returns.
@@ -53,8 +64,12 @@ class held:
         return self
 
     def _record(self, signum, frame):
-        if signum not in self._caught:
-            self._caught.append(signum)
+        if self._open:
+            if signum not in self._caught:
+                self._caught.append(signum)
+            return
+        _signal.signal(signum, self._saved[signum])  # left in place: see the class
+        _raise_again([signum])
 
     def _put_back(self):
         """Every replaced handler back in place, also where a pending handler raises
@@ -67,10 +82,10 @@ class held:
                     break
                 except BaseException as error:
                     failure = failure or error
-        self._saved = {}
         return failure
 
     def __exit__(self, *exc_info):
+        self._open = False
         failure = self._put_back()
         caught, self._caught = self._caught, []
         try:

@@ -175,6 +175,32 @@ def test_handlers_are_put_back_when_a_pending_handler_raises(monkeypatch, fail_a
     assert sigterm_handler == [signal.SIGTERM]
 
 
+def test_a_recorder_left_in_place_hands_its_signal_on(sigterm_handler):
+    """A handler that raises can cut ``__exit__`` short between two put-backs (Python
+    code stops at any bytecode): a recorder left so puts its handler back at the next
+    signal and that handler gets it; the next hold takes the left recorder's handler
+    as the one in place, and a hold inside a hold leaves the outer one's recorders."""
+    from shardadam import _held_signals
+
+    left = _held_signals.held()
+    left.__enter__()
+    left._open = False  # as if __exit__ stopped before its put-backs
+    with _held_signals.held():
+        with _held_signals.held():
+            signal.raise_signal(signal.SIGTERM)
+        assert sigterm_handler == []  # the outer hold still holds it
+    assert sigterm_handler == [signal.SIGTERM]
+    left.__enter__()
+    left._open = False
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_handler == [signal.SIGTERM] * 2
+    assert signal.getsignal(signal.SIGTERM) is not None
+    assert getattr(signal.getsignal(signal.SIGTERM), "__self__", None) is not left
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)  # SIGINT's recorder hands on to Python's
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_failed_reseed_keeps_the_masters_following(backend, monkeypatch):
     """S1.6 with S3.1: an error while the first step re-seeds the masters of weights
     loaded after construction leaves every master following (the re-seeded ones hold
