@@ -28,6 +28,35 @@ def _strided(params):
     return params
 
 
+def _stepped_reference(params, groups=_two_groups, change=None):
+    """An optimizer of ``params`` and one of their copies (``ref``) whose step has
+    run: what the interrupted step must end as. ``change(optimizer)``: a setting both
+    change before their first step."""
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, ref_opt = (fused_adam()(groups(ps), **SETTINGS) for ps in (params, ref))
+    for optimizer in (opt, ref_opt) if change else ():
+        change(optimizer)
+    attach_grads(params, _grads(params), False)
+    attach_grads(ref, _grads(ref), False)
+    ref_opt.step()
+    return ref, opt, ref_opt
+
+
+def _calls_to_run(monkeypatch, before):
+    """``_backend.run`` with ``before(number of the call)`` called first; the calls."""
+    from shardadam import _backend
+
+    run, calls = _backend.run, []
+
+    def patched(item, hyper):
+        calls.append(item)
+        before(len(calls))
+        return run(item, hyper)
+
+    monkeypatch.setattr(_backend, "run", patched)
+    return calls
+
+
 def _assert_same(params, ref, opt, ref_opt, where):
     for p, q in zip(params, ref):
         assert_bitwise_equal(p.detach(), q.detach(), f"param {where}")
@@ -44,24 +73,14 @@ def test_ctrl_c_during_a_step_waits_until_the_step_is_whole(backend, monkeypatch
     so Python's handler runs right after a batch) raises its KeyboardInterrupt once
     every group is stepped, counted and written back: the state is the uninterrupted
     step's, and the handler is back in place."""
-    from shardadam import _backend
-
     params = _strided(make_params([torch.bfloat16] * 3, SHAPES, seed=3))
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt = fused_adam()(_two_groups(params), **SETTINGS)
-    ref_opt = fused_adam()(_two_groups(ref), **SETTINGS)
-    attach_grads(params, _grads(params), False)
-    attach_grads(ref, _grads(ref), False)
-    ref_opt.step()
-    run, calls = _backend.run, []
+    ref, opt, ref_opt = _stepped_reference(params)
 
-    def interrupted(item, hyper):
-        calls.append(item)
-        if len(calls) == at_call:
+    def ctrl_c(call):
+        if call == at_call:
             signal.raise_signal(signal.SIGINT)  # as Ctrl-C during this batch
-        return run(item, hyper)
 
-    monkeypatch.setattr(_backend, "run", interrupted)
+    calls = _calls_to_run(monkeypatch, ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     assert len(calls) == 2
@@ -84,25 +103,16 @@ def test_held_signals_run_the_handlers_in_place_after_the_step(monkeypatch,
     merge, and where one handler raises (SIGINT's KeyboardInterrupt) the other stays
     pending and runs at the next chance, as CPython runs them; the step's result is
     the uninterrupted one's."""
-    from shardadam import _backend
-
     params = make_params([torch.bfloat16] * 3, SHAPES, seed=4)
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, ref_opt = (fused_adam()(_two_groups(ps), **SETTINGS) for ps in (params, ref))
-    attach_grads(params, _grads(params), False)
-    attach_grads(ref, _grads(ref), False)
-    ref_opt.step()
-    run, calls = _backend.run, []
+    ref, opt, ref_opt = _stepped_reference(params)
 
-    def signalled(item, hyper):
-        calls.append(item)
+    def signals(call):
         signal.raise_signal(signal.SIGTERM)
-        if len(calls) == 2:
+        if call == 2:
             signal.raise_signal(signal.SIGINT)
         assert not sigterm_handler  # held while the step runs
-        return run(item, hyper)
 
-    monkeypatch.setattr(_backend, "run", signalled)
+    _calls_to_run(monkeypatch, signals)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
     for _ in range(3):  # chances for the pending handler to run
@@ -117,13 +127,8 @@ def test_a_conversion_interrupted_by_ctrl_c_completes(backend, monkeypatch):
     from shardadam import _state
 
     params = make_params([torch.bfloat16] * 3, SHAPES, seed=9)
-    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    opt, ref_opt = (fused_adam()(ps, **SETTINGS) for ps in (params, ref))
-    for o in (opt, ref_opt):
-        o.exp_avg_dtype = torch.uint8
-    attach_grads(params, _grads(params), False)
-    attach_grads(ref, _grads(ref), False)
-    ref_opt.step()
+    ref, opt, ref_opt = _stepped_reference(
+        params, change=lambda o: setattr(o, "exp_avg_dtype", torch.uint8))
     apply_entry, applied = _state.apply_entry, []
 
     def interrupted(*args, **kwargs):
