@@ -28,7 +28,7 @@ DESCRIPTIONS = {
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "torch-default": "torch.optim.AdamW() (on CPU tensors torch picks its for-loop step)",
     "deepspeed": "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)",
-    "multipass": "multipass: fp32 copies -> torch._fused_adamw_ -> rescale",
+    "multipass": "multipass: per chunk, fp32 buffers -> torch._fused_adamw_ -> rescale",
     **{name: what for name, (_, _, what) in peers.PEERS.items()},
     "probe": "bandwidth probe: same arrays, in-place integer adds",
     "dtensor": "shardadam.FusedAdam on DTensor (Shard(0)) parameters",

@@ -8,9 +8,9 @@ one chunk long, allocated once and reused, so a step allocates nothing and its
 chunks' copies stay in the caches. Per-tensor fp8 moments need their new scale before
 any code is stored, so they take one more pass first, computing the new moments to find
 their absolute maxima; their codes decode through a 256-entry table (twice as fast as
-torch's fp8 conversion on CPU). What remains is the cost shardadam's single pass avoids: each
-stream is converted and copied again around the update, and torch's kernel is called
-once per chunk.
+torch's fp8 conversion on CPU). What remains is the cost shardadam's single pass
+avoids: each stream is converted and copied again around the update, and torch's
+kernel is called once per chunk.
 """
 
 from __future__ import annotations
