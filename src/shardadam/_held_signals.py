@@ -22,22 +22,25 @@ wrappers turn every handler into an enum, which cost 15 µs per step for six sig
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import threading
 
 _SIGNALS = tuple(int(getattr(signal, name)) for name in ("SIGINT", "SIGTERM")
                  if hasattr(signal, name))
-_REDELIVER = hasattr(signal, "pthread_sigmask") and hasattr(signal, "pthread_kill")
+_REDELIVER = hasattr(_signal, "pthread_sigmask") and hasattr(_signal, "pthread_kill")
 
 
 class held:
     """Context manager: SIGINT and SIGTERM wait until it exits (see the module).
 
-    Python code can be cut short at any bytecode by a handler that raises, so a
-    recorder may be left in place after ``__exit__`` (a signal landing between two put
-    backs): such a recorder puts the handler it stood for back when its next signal
-    comes, and raises that signal again for it; a later ``held`` takes the left
-    recorder's handler as the one in place."""
+    Python code can be cut short at any bytecode by a handler that raises, so each step
+    leaves a state that is safe where it stops: the handler to put back is saved before
+    a recorder replaces it; a closed recorder still in place (a put-back cut short)
+    puts its handler back when its next signal comes and raises that signal again; a
+    later hold takes a closed recorder's handler as the one in place; a handler set
+    while a recorder was in place is not overwritten; a hold inside a hold leaves the
+    outer one's recorders."""
 
     __slots__ = ("_saved", "_caught", "_open")
 
@@ -54,10 +57,8 @@ class held:
                         continue  # held already, by a step around this one
                     handler = holder._saved[signum]
                 if callable(handler):
-                    # CPython runs pending handlers (which may raise) before it
-                    # replaces one: it counts as replaced only once this returns.
-                    _signal.signal(signum, self._record)
                     self._saved[signum] = handler
+                    _signal.signal(signum, self._record)
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -68,28 +69,28 @@ class held:
             if signum not in self._caught:
                 self._caught.append(signum)
             return
-        _signal.signal(signum, self._saved[signum])  # left in place: see the class
+        self._put_back(signum)  # a closed recorder left in place: see the class
         _raise_again([signum])
 
-    def _put_back(self):
-        """Every replaced handler back in place, also where a pending handler raises
-        meanwhile; returns the first such exception (or None)."""
-        failure = None
-        for signum, handler in self._saved.items():
-            while True:
-                try:
-                    _signal.signal(signum, handler)
-                    break
-                except BaseException as error:
-                    failure = failure or error
-        return failure
+    def _put_back(self, signum) -> None:
+        if _signal.getsignal(signum) == self._record:  # else set meanwhile: it stays
+            _signal.signal(signum, self._saved[signum])
 
     def __exit__(self, *exc_info):
-        self._open = False
-        failure = self._put_back()
-        caught, self._caught = self._caught, []
+        self._open = False  # from here on a recorder hands its signals on itself
+        caught, failure = self._caught, None
+        for signum in self._saved:
+            if signum in caught:
+                continue  # its recorder puts it back as it hands the signal on
+            while True:
+                try:
+                    self._put_back(signum)
+                    break
+                except BaseException as error:  # a pending handler raised first
+                    failure = failure or error
         try:
             _raise_again(caught)
+            self._caught = []
         finally:
             if failure is not None:
                 raise failure
@@ -97,20 +98,28 @@ class held:
 
 
 def _raise_again(signals) -> None:
-    """Raises ``signals`` again in the main thread, blocked until all are pending, so
-    that each lands as a signal would: CPython runs the handlers in place now."""
+    """Raises ``signals`` again so that each lands as a signal would: blocked in the main
+    thread until all are pending, then unblocked at once (CPython then runs the
+    handlers in place, one that raises leaving the others pending); one the caller's
+    mask blocks goes to the process, as it came."""
     if not signals:
         return
-    if not _REDELIVER:  # no thread signal API: the handlers in place, called in turn
-        for signum in signals:
-            handler = _signal.getsignal(signum)
-            if callable(handler):
-                handler(signum, None)
+    if not _REDELIVER:  # no thread signal API: each raised, the rest even if one raises
+        try:
+            signal.raise_signal(signals[0])
+        finally:
+            _raise_again(signals[1:])
         return
+    # The C functions themselves: ``signal``'s Python wrappers could run a pending
+    # handler on entry, before the mask is put back.
     main = threading.main_thread().ident
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    before = _signal.pthread_sigmask(_signal.SIG_BLOCK, [])  # reads the mask only
     try:
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, signals)
         for signum in signals:
-            signal.pthread_kill(main, signum)
+            if signum in before:
+                os.kill(os.getpid(), signum)
+            else:
+                _signal.pthread_kill(main, signum)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, before)

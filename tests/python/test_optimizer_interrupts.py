@@ -146,19 +146,25 @@ def test_a_conversion_interrupted_by_ctrl_c_completes(backend, monkeypatch):
 
 class _FailingSignal:
     """``_signal`` whose ``signal`` raises at the given calls, as CPython's does when a
-    pending handler raises before the handler is replaced."""
+    pending handler raises before the handler is replaced, and whose ``pthread_kill``
+    raises where ``kill_fails`` (after sending, as a pending handler would)."""
 
-    def __init__(self, real, fail_at):
-        self.real, self.fail_at, self.calls = real, fail_at, 0
+    def __init__(self, real, fail_at, kill_fails=False):
+        self.real, self.fail_at, self.calls, self.kill_fails = real, fail_at, 0, kill_fails
 
-    def getsignal(self, signum):
-        return self.real.getsignal(signum)
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
     def signal(self, signum, handler):
         self.calls += 1
         if self.calls in self.fail_at:
             raise RuntimeError(f"a pending handler raised (call {self.calls})")
         return self.real.signal(signum, handler)
+
+    def pthread_kill(self, thread, signum):
+        self.real.pthread_kill(thread, signum)
+        if self.kill_fails:
+            raise RuntimeError("a pending handler raised in pthread_kill")
 
 
 @pytest.mark.parametrize("fail_at", [{2}, {3}, {3, 4}], ids=["entering", "leaving",
@@ -178,6 +184,24 @@ def test_handlers_are_put_back_when_a_pending_handler_raises(monkeypatch, fail_a
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     signal.raise_signal(signal.SIGTERM)
     assert sigterm_handler == [signal.SIGTERM]
+
+
+def test_raising_a_held_signal_again_leaves_the_mask_as_it_was(monkeypatch,
+                                                                sigterm_handler):
+    """Held signals are raised again blocked, then unblocked: a pending handler that
+    raises meanwhile leaves the main thread's signal mask as it was, and the signal
+    still reaches its handler."""
+    from shardadam import _held_signals
+
+    fake = _FailingSignal(_held_signals._signal, (), kill_fails=True)
+    monkeypatch.setattr(_held_signals, "_signal", fake)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    with pytest.raises(RuntimeError, match="pthread_kill"):
+        with _held_signals.held():
+            signal.raise_signal(signal.SIGTERM)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+    assert sigterm_handler == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_recorder_left_in_place_hands_its_signal_on(sigterm_handler):
