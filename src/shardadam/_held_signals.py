@@ -10,13 +10,19 @@ CPython runs them (repeats of one signal merged; one handler raising leaves the 
 pending). Python runs handlers in the main thread only, so only a step called there
 holds them. Other signals' Python handlers (a DataLoader's SIGCHLD) still run at once.
 
+What Python code cannot close: a second signal whose handler raises, landing in the
+few bytecodes between the end of the hold and the first one's raising again, is
+delivered and the first is not (storms of both signals, one every 0.3 ms or less
+against thousands of steps, found no other loss, no lost handler and no left mask).
+
 Putting a handler in place installs CPython's own C handler for that signal: one that
 was installed outside Python's ``signal`` module (``faulthandler.register(SIGINT)``) or
 ``signal.siginterrupt`` settings for these two signals do not survive the first step.
 
-It calls ``_signal``, the C module that ``signal`` wraps, directly: ``signal``'s
-wrappers turn every handler into an enum, which cost 15 µs per step for six signals
-(``_signal``'s ``getsignal`` / ``signal`` are the same functions, in every CPython).
+It calls ``_signal``, the C module that ``signal`` wraps, directly (the same functions,
+in every CPython): ``signal``'s Python wrappers turn every handler into an enum (15 µs
+per step for six signals), and a wrapper can run a pending handler on entry, before
+the signal mask it was to restore is back.
 """
 
 from __future__ import annotations
