@@ -399,6 +399,13 @@ class FusedAdam(torch.optim.Optimizer):
             group, index, lr_on_device=True)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
         plan = self._plan(index, group, config)
+        if plan.inference_param is not None and not torch.is_inference_mode_enabled():
+            i = plan.inference_param.index
+            raise _validate.fail(
+                RuntimeError, "is an inference tensor, made under torch.inference_mode, "
+                "and only a step under that mode may update it (rule: parameters are "
+                "updated in place, S1.4; as torch's optimizers)", group=index, param=i,
+                name=_validate.param_name(group, i))
         if isinstance(lr, torch.Tensor) and not (plan.bound and
                                                  _backend.reads_lr_on_device(plan.batches)):
             # A batch that steps elsewhere needs lr's value: read and checked here,

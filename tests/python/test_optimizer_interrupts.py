@@ -277,6 +277,27 @@ def test_inference_tensors_step_under_inference_mode(backend):
                    if isinstance(t, torch.Tensor))
 
 
+def test_inference_tensors_are_refused_outside_inference_mode(backend):
+    """An inference tensor parameter stepped outside ``torch.inference_mode`` (which
+    torch forbids for in-place updates) is refused before anything changes (S3.1), on
+    every path, naming the parameter; stepped back under the mode it steps."""
+    with torch.inference_mode():
+        params = [torch.nn.Parameter(p) for p in make_params([torch.float32] * 2,
+                                                              SHAPES[:2], seed=11)]
+    opt = fused_adam()(params, lr=1e-2)
+    attach_grads(params, _grads(params), False)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"group 0, param 0.*inference tensor.*S1\.4"):
+        opt.step()
+    for p, old in zip(params, before):
+        assert_bitwise_equal(p.detach(), old, "param after the refusal")
+    assert not opt.state[params[0]]["exp_avg"].any()
+    assert opt.param_groups[0]["step"] == 0
+    with torch.inference_mode():
+        opt.step()
+    assert opt.param_groups[0]["step"] == 1
+
+
 @pytest.mark.parametrize("settings", [
     dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
          exp_avg_sq_dtype=torch.bfloat16),
