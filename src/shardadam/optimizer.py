@@ -32,21 +32,17 @@ from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
+@contextlib.contextmanager
 def _making_state():
     """Where state is created or converted: outside ``torch.inference_mode``, whose
     tensors no later step outside that mode may update (torch's own optimizers create
-    state at their first step, so they meet this less), and without autograd."""
-    if torch.is_inference_mode_enabled():
-        return _NormalTensors()
-    return contextlib.nullcontext()
-
-
-class _NormalTensors(contextlib.ExitStack):
-    def __enter__(self):
-        super().__enter__()
-        self.enter_context(torch.inference_mode(False))
-        self.enter_context(torch.no_grad())  # leaving inference mode turns grad on
-        return self
+    state at their first step, so they meet this less), and without autograd (leaving
+    inference mode turns it on)."""
+    if not torch.is_inference_mode_enabled():
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def _normal_tensors(method):
