@@ -617,12 +617,10 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
     KeepBlockPair<L, kEO, kKeepHash>(cur, param, master, b + i, param_rounding,
                                      index_hash + (kKeepHash ? i : 0), new_m + i, new_v + i,
                                      acc_m, acc_v);
-    const float sm = BlockScaleFromAbsMaxBits(
-        static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m))), kM.scale_target,
-        kM.zero_bound, kM.overflow_bound);
-    const float sv = BlockScaleFromAbsMaxBits(
-        static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v))), kV.scale_target,
-        kV.zero_bound, kV.overflow_bound);
+    const uint32_t am = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_m)));
+    const uint32_t av = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, acc_v)));
+    float sm = BlockScaleFromAbsMaxBits(am, kM.scale_target, kM.zero_bound, kM.overflow_bound);
+    float sv = BlockScaleFromAbsMaxBits(av, kV.scale_target, kV.zero_bound, kV.overflow_bound);
     // x / s as the block path divides, without a division: a new scale is a
     // power of two in [2^-126, 2^126] (S2.9: the smallest bound, fp4-block's
     // just below 7, puts FLT_MAX's block at 2^126), so 1 / s is exact and
@@ -644,6 +642,18 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       }
       StoreMomentPair<MC, kEO>(m0, m1, m_by, m_rounding, ha, hb, CodesAt<MC>(m, b + i));
       StoreMomentPair<VC, kEO>(v0, v1, v_by, v_rounding, ha, hb, CodesAt<VC>(v, b + i));
+    }
+    // S2.13: codes rounded stochastically are stored as a decoded block encodes.
+    if constexpr (MC::kBits == 4) {
+      if (m_rounding != nullptr) {
+        sm = internal::CanonicalBlockCodes(L::kExpAvg, FloatOf(am), sm, CodesAt<MC>(m, b), block);
+      }
+    }
+    if constexpr (VC::kBits == 4) {
+      if (v_rounding != nullptr) {
+        sv = internal::CanonicalBlockCodes(L::kExpAvgSq, FloatOf(av), sv, CodesAt<VC>(v, b),
+                                           block);
+      }
     }
     m_scales[j] = sm;
     v_scales[j] = sv;

@@ -7,11 +7,60 @@
 #include <cmath>
 #include <cstring>
 
+#include "float4.h"
 #include "scale_rule.h"
 #include "spans.h"
 
 namespace shardadam {
 namespace internal {
+namespace {
+
+// The highest Float4Rank of a byte's two codes, per map (unsigned E3M1 second).
+struct ByteRanks {
+  uint8_t rank[2][256];
+};
+constexpr ByteRanks MakeByteRanks() {
+  ByteRanks t{};
+  for (int u = 0; u < 2; ++u) {
+    for (int b = 0; b < 256; ++b) {
+      const uint32_t lo = Float4Rank(u == 1, static_cast<uint8_t>(b & 0xF));
+      const uint32_t hi = Float4Rank(u == 1, static_cast<uint8_t>(b >> 4));
+      t.rank[u][b] = static_cast<uint8_t>(lo > hi ? lo : hi);
+    }
+  }
+  return t;
+}
+constexpr ByteRanks kByteRanks = MakeByteRanks();
+
+}  // namespace
+
+float CanonicalBlockCodes(DType dtype, float absmax, float s, uint8_t* codes, size_t n) {
+  const bool is_unsigned = dtype == DType::kUFloat4E3M1Block;
+  // Only a block whose largest element lies below the top binade's first value
+  // (E2M1 4, E3M1 12; a NaN compares false) can round down out of it.
+  if (!(absmax < (is_unsigned ? 12.0f : 4.0f) * s)) return s;
+  // The top binade's first rank: once a code reaches it, the scale stands.
+  const uint32_t enough = is_unsigned ? 13u : 6u;
+  const size_t pairs = n / 2;  // an odd n's last code is a low nibble alone
+  uint32_t top = n % 2 == 1 ? Float4Rank(is_unsigned, codes[pairs] & 0xF) : 0u;
+  for (size_t i = 0; i < pairs && top < enough; ++i) {
+    top = std::max<uint32_t>(top, kByteRanks.rank[is_unsigned][codes[i]]);
+  }
+  const float canonical = CanonicalFloat4Scale(is_unsigned, top, s);
+  if (canonical < s) {
+    for (size_t i = 0; i < pairs; ++i) {
+      const uint8_t b = codes[i];
+      codes[i] = static_cast<uint8_t>(DoubledFloat4Code(is_unsigned, b & 0xF) |
+                                      (DoubledFloat4Code(is_unsigned, b >> 4) << 4));
+    }
+    if (n % 2 == 1) {
+      codes[pairs] = static_cast<uint8_t>((codes[pairs] & 0xF0) |
+                                          DoubledFloat4Code(is_unsigned, codes[pairs] & 0xF));
+    }
+  }
+  return canonical;
+}
+
 namespace {
 
 // Steps the `c` elements (a multiple of kt.pair) from element `e`, which hold
@@ -28,13 +77,14 @@ void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& 
       k, d.g, d.w, d.m, d.v, c);
   // The new scales, from the block's new values while they are in L1.
   float scale[3] = {1.0f, 1.0f, 1.0f};
+  uint32_t absmax[3] = {0, 0, 0};
   const float* values[3] = {d.w, d.m, d.v};
   const DType dtypes[3] = {DType::kNone, p.m_dtype, p.v_dtype};
   for (int stream = kStreamM; stream <= kStreamV; ++stream) {
     if (!p.block_scaled[stream]) continue;
     const FormatInfo f = FormatOf(dtypes[stream]);
-    scale[stream] = BlockScaleFromAbsMaxBits(kt.abs_max_bits(values[stream], valid),
-                                             f.scale_target, f.zero_bound,
+    absmax[stream] = kt.abs_max_bits(values[stream], valid);
+    scale[stream] = BlockScaleFromAbsMaxBits(absmax[stream], f.scale_target, f.zero_bound,
                                              f.overflow_bound);
   }
   EncodeRun(p, e, c, d,
@@ -42,6 +92,17 @@ void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& 
                                      : p.NewScale(kStreamM, e),
             p.block_scaled[kStreamV] ? ScaleView{&scale[kStreamV], 0, 0}
                                      : p.NewScale(kStreamV, e));
+  // S2.13: codes rounded stochastically are stored as a decoded block encodes.
+  if (p.block_scaled[kStreamM] && p.encode_m_stochastic != nullptr) {
+    scale[kStreamM] = CanonicalBlockCodes(
+        p.m_dtype, FloatOf(absmax[kStreamM]), scale[kStreamM],
+        reinterpret_cast<uint8_t*>(ElementAt(p.exp_avg, p.exp_avg_bits, e)), valid);
+  }
+  if (p.block_scaled[kStreamV] && p.encode_v_stochastic != nullptr) {
+    scale[kStreamV] = CanonicalBlockCodes(
+        p.v_dtype, FloatOf(absmax[kStreamV]), scale[kStreamV],
+        reinterpret_cast<uint8_t*>(ElementAt(p.exp_avg_sq, p.exp_avg_sq_bits, e)), valid);
+  }
   // Each block is this item's alone: its scale is read above and written here.
   for (int stream = kStreamM; stream <= kStreamV; ++stream) {
     if (p.block_scaled[stream]) p.scale_slot[stream][j] = scale[stream];

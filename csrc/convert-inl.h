@@ -108,10 +108,9 @@ HWY_INLINE hn::VFromD<D> SetOnce(D d, hn::TFromD<D> c) {
 #define SHARDADAM_LOOP_CONSTANT_TABLE 1
 // Every LoopConstant, as lane bits: adding one is one entry here.
 constexpr uint32_t kLoopConstantBits[] = {
-    0x7FFFFFFFu, 0x3FFFFFu, 1u, 6u, 8u, 12u,               // masks, increments, codes
+    0x7FFFFFFFu, 0x3FFFFFu, 1u, 7u, 8u, 14u,               // masks, increments, codes
     0x3E000000u, 0x3E7FFFFFu, 0x3F000000u, 0x3F7FFFFFu,    // the 4-bit steps' origins
-    0x405FFFFFu, 0x40A00000u, 0x40DFFFFFu, 0x411FFFFFu,    // bounds of rounding to nearest
-    0x41200000u, 0x415FFFFFu, 0x41A00000u,
+    0x40DFFFFFu, 0x41A00000u,                              // the NaN codes' bounds
     0x4B000000u, 0x4C000000u,                              // 2^23, 2^25
     0x7FEB352Du, 0x846CA68Bu};                             // Mix32's multipliers
 constexpr size_t kNumLoopConstants = sizeof(kLoopConstantBits) / sizeof(uint32_t);
@@ -475,26 +474,23 @@ HWY_INLINE VU F32ToF4(VF x) {
 // F32ToF4 rounded stochastically with 22 of the bits of `random`, as
 // float4.h EncodeFloat4E2M1Stochastic (S2.13): from 1 up the fp32 bits above
 // 1.0 plus the random bits count codes; below 1, |x| * 2^23 truncated does;
-// from 3.5 up F32ToF4's nearest.
+// from 6 up F32ToF4's nearest (6, then the NaN code from 7).
 HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
   const DF df;
   const DU du;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, LoopConstant<0x7FFFFFFFu>());
   // Steps of 2^22 from 0: the bits above 1.0 plus code 2's two steps (at most
-  // code 6 below 3.5); below 1, |x| * 2^23 truncated (under 2^23, so the
+  // code 7 below 6); below 1, |x| * 2^23 truncated (under 2^23, so the
   // conversion truncates exactly as the reference's cast).
   const VU normal = hn::Sub(abs, LoopConstant<0x3F000000u>());
   const VF two_23 = hn::BitCast(df, LoopConstant<0x4B000000u>());
   const VU halves = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_23)));
   const VU steps = hn::IfThenElse(AbsAbove<0x3F7FFFFFu>(abs), normal, halves);  // >= 1
-  VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
-  // From 3.5 up F32ToF4's nearest, written out (cheaper than SmallFloatCode):
-  // 3.5 and 5 tie to the even code 6 (the value 4), above 5 is code 7 (6), and
-  // SignedF4 makes 7 and up the NaN code.
-  mag = hn::IfThenElse(AbsAbove<0x405FFFFFu>(abs), LoopConstant<6u>(), mag);  // >= 3.5
-  mag = IncrementWhere(AbsAbove<0x40A00000u>(abs), mag);  // > 5
-  return SignedF4(bits, abs, mag);
+  const VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
+  // From 6 up the code of 6 (what [6, 7) rounds to), and SignedF4 makes 7 and up
+  // the NaN code.
+  return SignedF4(bits, abs, hn::Min(mag, LoopConstant<7u>()));
 }
 
 // Unsigned E3M1 code (S2.12) -> fp32: (2 + M) * 2^(E - 4) for c >= 2 is c
@@ -527,26 +523,21 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
 // F32ToUF4 rounded stochastically with 22 of the bits of `random`, as
 // float4.h EncodeUFloat4E3M1Stochastic (S2.13): from 0.25 up the fp32 bits
 // above 0.25 plus the random bits count codes; below 0.25, |x| * 2^25
-// truncated does; from 10 up F32ToUF4's nearest. Zero-free on u as F32ToUF4.
+// truncated does; from 16 up F32ToUF4's nearest (16 up to 20, then the NaN
+// code). Zero-free on u as F32ToUF4.
 HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
   const DF df;
   const DU du;
   const VU abs = hn::And(hn::BitCast(du, x), LoopConstant<0x7FFFFFFFu>());
-  // As F32ToF4Stochastic's steps, from 0.25 (at most code 13 below 10); below
+  // As F32ToF4Stochastic's steps, from 0.25 (at most code 14 below 16); below
   // 0.25, |x| * 2^25 truncated.
   const VU normal = hn::Sub(abs, LoopConstant<0x3E000000u>());
   const VF two_25 = hn::BitCast(df, LoopConstant<0x4C000000u>());
   const VU eighths = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_25)));
   const VU steps = hn::IfThenElse(AbsAbove<0x3E7FFFFFu>(abs), normal, eighths);  // >= 0.25
   VU code = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
-  code = ZeroFree(code, u);
-  // From 10 up F32ToUF4's nearest, written out: 10 ties to the even code 12
-  // (the value 8), above it 13 (12); 14 ties to 14 (16), as does 20; above 20,
-  // inf and NaN the NaN code 15.
-  code = hn::IfThenElse(AbsAbove<0x411FFFFFu>(abs), LoopConstant<12u>(), code);  // >= 10
-  code = IncrementWhere(AbsAbove<0x41200000u>(abs), code);  // > 10
-  code = IncrementWhere(AbsAbove<0x415FFFFFu>(abs), code);  // >= 14
-  return IncrementWhere(AbsAbove<0x41A00000u>(abs), code);  // > 20
+  code = hn::Min(ZeroFree(code, u), LoopConstant<14u>());  // from 16 up: 16
+  return IncrementWhere(AbsAbove<0x41A00000u>(abs), code);  // > 20, inf, NaN: 15
 }
 
 // counter_hash.h's Mix32 on every lane, in two parts: MixOpen stops before the

@@ -30,9 +30,18 @@ SHARDADAM_HOST_DEVICE inline uint32_t StepKey(uint32_t rounding_key, int64_t ste
   return Mix32(Mix32(rounding_key) ^ static_cast<uint32_t>(step));
 }
 
-// The key of one (tensor, step) for its param's rounding (S2.14): drawn from
-// StepKey's, so a tensor whose exp_avg and param both round stochastically
-// draws unrelated bits for the two.
+// The key of one (tensor, step) for its exp_avg's rounding (S2.13), drawn from
+// StepKey's as the other streams are. Keyed by StepKey itself, element i at
+// step t would draw what element c ^ t draws at step c ^ i (c the hashed
+// tensor key): for the key 0, the bits at (i, t) and (t, i) were equal and the
+// element whose index is the step drew 0 at every step.
+SHARDADAM_HOST_DEVICE inline uint32_t ExpAvgStepKey(uint32_t rounding_key, int64_t step) {
+  return Mix32(StepKey(rounding_key, step) ^ 0x6C8E9CF5u);
+}
+
+// The key of one (tensor, step) for its param's rounding (S2.14): a second
+// stream drawn from StepKey's, so a tensor whose exp_avg and param both round
+// stochastically draws unrelated bits for the two.
 SHARDADAM_HOST_DEVICE inline uint32_t ParamStepKey(uint32_t rounding_key, int64_t step) {
   return Mix32(StepKey(rounding_key, step) ^ 0x5851F42Du);
 }

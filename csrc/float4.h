@@ -10,7 +10,8 @@
 #include <cstdint>
 
 #include "host_device.h"
-#include "scale_rule.h"  // BitsOf, FloatOf
+#include "scale_rule.h"  // BitsOf, FloatOf, BlockScaleFromAbsMaxBits
+#include "shardadam/formats.h"
 
 namespace shardadam {
 
@@ -58,19 +59,18 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1(float f) {
 // From 1 up the steps are linear in the fp32 bits, so the bits' distance above
 // 1.0 plus 22 random bits, shifted down by 22, counts codes above code 2
 // exactly. Below 1 (step 0.5) |f| * 2^23 is truncated first: a half-ulp is
-// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. From 3.5 up (what
-// rounds into the top binade, 4 and 6) f is rounded to nearest, as
-// EncodeFloat4E2M1: a block's largest element (in [3.5, 7) by S2.12's scale)
-// then always stores 4 or 6, so decoding and encoding again finds the same
-// scale; rounded down to 3 it would find half of it, with other codes.
+// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. From 6 (the
+// largest value) up f is rounded to nearest, as EncodeFloat4E2M1: 6 below 7,
+// the NaN code from 7. A block's largest element may round down out of the top
+// binade; CanonicalFloat4Scale says how the block is then stored.
 SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1Stochastic(float f, uint32_t random) {
   const uint32_t bits = BitsOf(f);
   const uint32_t abs = bits & 0x7FFFFFFFu;
-  if (abs >= 0x40600000u) return EncodeFloat4E2M1(f);  // 3.5f; NaNs' bits are above it
+  if (abs >= 0x40C00000u) return EncodeFloat4E2M1(f);  // 6.0f; NaNs' bits are above it
   const uint32_t r = random & 0x3FFFFFu;
   uint32_t magnitude;
   if (abs >= 0x3F800000u) {
-    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);  // at most 6 (the value 4)
+    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);  // at most 7 (the value 6)
   } else {
     magnitude = (static_cast<uint32_t>(FloatOf(abs) * 8388608.0f) + r) >> 22;
   }
@@ -119,21 +119,20 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1(float f) {
 // |u| / scale as an unsigned E3M1 code rounded stochastically (S2.13) with 22
 // of the bits of `random`, as EncodeFloat4E2M1Stochastic: from 0.25 (code 2)
 // up the steps are linear in the fp32 bits; below it (steps of 0.125) the
-// quotient times 2^25 is truncated first. From 10 up (what rounds into 12 or
-// 16, where a block's largest element lies by S2.12's scale) it is rounded to
-// nearest, so decoding and encoding again finds the same scale. Zero-free on
-// the true value u, as the nearest encoders' callers: a non-zero u whose code
-// is 0 (also where the division underflowed) gives code 1.
+// quotient times 2^25 is truncated first. From 16 (the largest value) up it is
+// rounded to nearest, as EncodeUFloat4E3M1: 16 up to 20, the NaN code above.
+// Zero-free on the true value u, as the nearest encoders' callers: a non-zero u
+// whose code is 0 (also where the division underflowed) gives code 1.
 SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1Stochastic(float u, float scale,
                                                                   uint32_t random) {
   const float f = u / scale;
   const uint32_t abs = BitsOf(f) & 0x7FFFFFFFu;
-  if (abs >= 0x41200000u) return EncodeUFloat4E3M1(f);  // 10.0f; NaNs' bits are above it
+  if (abs >= 0x41800000u) return EncodeUFloat4E3M1(f);  // 16.0f; NaNs' bits are above it
   if (u == 0.0f) return 0;
   const uint32_t r = random & 0x3FFFFFu;
   uint32_t code;
   if (abs >= 0x3E800000u) {
-    code = 2u + ((abs - 0x3E800000u + r) >> 22);  // at most 13 (the value 12)
+    code = 2u + ((abs - 0x3E800000u + r) >> 22);  // at most 14 (the value 16)
   } else {
     code = (static_cast<uint32_t>(FloatOf(abs) * 33554432.0f) + r) >> 22;
   }
@@ -149,6 +148,47 @@ SHARDADAM_HOST_DEVICE inline float DecodeUFloat4E3M1(uint8_t q) {
   const uint32_t mantissa = q & 1u;
   if (exponent == 0) return FloatOf(mantissa != 0 ? 0x3E000000u : 0u);  // 0.125 or 0
   return FloatOf(((exponent + 124u) << 23) | (mantissa << 22));
+}
+
+// S2.13's canonical blocks. Rounded stochastically, a block's largest element
+// can round down out of the top binade (an E2M1 value in (3.5, 4) to 3, an E3M1
+// one in (10, 12) to 8); decoded and encoded again, such a block would take half
+// the scale and codes of twice the values. It is stored that way at once, so
+// that encoding a decoded block always gives back its codes and scale.
+
+// A code's rank among its format's codes by magnitude, NaN highest: the code of
+// a block's largest decoded magnitude is the one of highest rank.
+SHARDADAM_HOST_DEVICE constexpr uint32_t Float4Rank(bool is_unsigned, uint8_t code) {
+  code &= 0xF;
+  if (is_unsigned) return code;           // 0xF, NaN, is already the highest
+  return code == 0x8 ? 0xFu : code & 7u;  // sign dropped; NaN above 6's 7
+}
+
+// The scale a block stored at scale `s` whose codes' highest rank is `top`
+// (Float4Rank) takes when its decoded values are encoded again (S2.12's scale,
+// BlockScaleFromAbsMaxBits with the format's bounds): `s`; `s / 2` where its
+// largest element rounded down out of the top binade; 1 where every code is 0
+// (only an fp4-block at the smallest scale).
+SHARDADAM_HOST_DEVICE inline float CanonicalFloat4Scale(bool is_unsigned, uint32_t top,
+                                                        float s) {
+  const float largest = is_unsigned ? DecodeUFloat4E3M1(static_cast<uint8_t>(top))
+                                    : DecodeFloat4E2M1(top == 0xFu ? uint8_t{0x8}
+                                                                   : static_cast<uint8_t>(top));
+  // Exact: a power of two times a code value (a subnormal product keeps its bits).
+  const uint32_t bits = BitsOf(largest * s) & 0x7FFFFFFFu;
+  return is_unsigned
+             ? BlockScaleFromAbsMaxBits(bits, kUFloat4FiniteBound, 0.0f, kFloat4OverflowBound)
+             : BlockScaleFromAbsMaxBits(bits, kFloat4FiniteBound, kFloat4ZeroBound,
+                                        kFloat4OverflowBound);
+}
+
+// The code of twice `code`'s value, for a block whose scale CanonicalFloat4Scale
+// halved (no code there is NaN or above 3 (E2M1) or 8 (E3M1)): 0 stays 0, the
+// subnormal 1 becomes 2 (the binade's first), a normal code moves up a binade.
+SHARDADAM_HOST_DEVICE inline uint8_t DoubledFloat4Code(bool is_unsigned, uint8_t code) {
+  const uint32_t magnitude = is_unsigned ? code & 0xFu : code & 7u;
+  const uint32_t doubled = magnitude == 0 ? 0u : magnitude == 1 ? 2u : magnitude + 2u;
+  return static_cast<uint8_t>(is_unsigned ? doubled : (code & 0x8u) | doubled);
 }
 
 }  // namespace shardadam

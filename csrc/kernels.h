@@ -78,7 +78,7 @@ using DecodeFn = float* (*)(const void* src, const void* aux, size_t n,
 using EncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale, void* dst,
                           void* aux);
 // Stochastic rounding of a run of exp_avg or exp_avg_sq (S2.13) or of a bf16
-// param (S2.14): the step's key (counter_hash.h StepKey, SquareStepKey,
+// param (S2.14): the step's key (counter_hash.h ExpAvgStepKey, SquareStepKey,
 // ParamStepKey) and the flat index in
 // the whole parameter of the run's element 0. An exp_avg run lies in one scale
 // block, so never crosses a multiple of 2^32 (an exp_avg_sq run neither); a
@@ -91,6 +91,13 @@ struct RoundingView {
 // stochastically (scaled per block), or for a bf16 param (scale ignored).
 using StochasticEncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale,
                                     const RoundingView& rounding, void* dst);
+// S2.13's canonical block: the `n` packed 4-bit codes at `codes` (elements 0 and
+// 1 in its first byte) of one block of `dtype` (fp4-block or ufp4-block) just
+// rounded stochastically at scale `s` from values whose largest magnitude is
+// `absmax`. Returns the scale the block is stored with, having doubled its codes
+// where that is s / 2 (float4.h CanonicalFloat4Scale). Out of line: most blocks
+// return at its first comparison (block_spans.cc).
+float CanonicalBlockCodes(DType dtype, float absmax, float s, uint8_t* codes, size_t n);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
 using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
                           float* m, float* v, size_t n);

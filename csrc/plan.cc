@@ -115,7 +115,7 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
   if (p.v_codec != kCodecF32) p.encode_v = kt.encode[p.v_codec];
   if (s.exp_avg_rounding == Rounding::kStochastic) {
     p.encode_m_stochastic = kt.encode_f4_stochastic;
-    p.m_rounding = {StepKey(s.rounding_key, step), s.first_index};
+    p.m_rounding = {ExpAvgStepKey(s.rounding_key, step), s.first_index};
   }
   if (s.exp_avg_sq_rounding == Rounding::kStochastic) {
     p.encode_v_stochastic = kt.encode_uf4_stochastic;

@@ -3,6 +3,7 @@
 // or on any SIMD conversion instruction.
 #include "reference.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstring>
@@ -89,18 +90,28 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
     for (int64_t begin = 0; begin < numel;) {
       int64_t end = begin + 1;
       while (end < numel && BlockOf(t, end) == BlockOf(t, begin)) ++end;
-      const float s = BlockScale(u.data() + begin, end - begin, dtype);
-      for (int64_t i = begin; i < end; ++i) {
-        if (stochastic_key == nullptr) {
-          StoreBlockElement(buffer, dtype, i, u[i], s);
-        } else {
+      float s = BlockScale(u.data() + begin, end - begin, dtype);
+      if (stochastic_key == nullptr) {
+        for (int64_t i = begin; i < end; ++i) StoreBlockElement(buffer, dtype, i, u[i], s);
+      } else {
+        const bool is_unsigned = dtype == DType::kUFloat4E3M1Block;
+        uint32_t top = 0;
+        for (int64_t i = begin; i < end; ++i) {
           const uint32_t bits =
               RandomBits(*stochastic_key, static_cast<uint64_t>(t.first_index + i));
-          SetCode(buffer, dtype, i,
-                  dtype == DType::kFloat4E2M1Block
-                      ? EncodeFloat4E2M1Stochastic(u[i] / s, bits)
-                      : EncodeUFloat4E3M1Stochastic(u[i], s, bits));
+          const uint8_t code = is_unsigned ? EncodeUFloat4E3M1Stochastic(u[i], s, bits)
+                                           : EncodeFloat4E2M1Stochastic(u[i] / s, bits);
+          SetCode(buffer, dtype, i, code);
+          top = std::max(top, Float4Rank(is_unsigned, code));
         }
+        // S2.13: stored as its decoded values would encode again.
+        const float canonical = CanonicalFloat4Scale(is_unsigned, top, s);
+        if (canonical < s) {
+          for (int64_t i = begin; i < end; ++i) {
+            SetCode(buffer, dtype, i, DoubledFloat4Code(is_unsigned, CodeAt(buffer, dtype, i)));
+          }
+        }
+        s = canonical;
       }
       scale[BlockOf(t, begin)] = s;
       begin = end;
@@ -157,7 +168,7 @@ void StepTensor(const TensorSlot& t, const StepConstants& c, int64_t step) {
       StoreState(t, w, t.master_param, t.master_dtype, t.master_scale);
     }
   }
-  const uint32_t key = StepKey(t.rounding_key, step);
+  const uint32_t key = ExpAvgStepKey(t.rounding_key, step);
   StoreState(t, m, t.exp_avg, t.exp_avg_dtype, t.exp_avg_scale,
              t.exp_avg_rounding == Rounding::kStochastic ? &key : nullptr);
   const uint32_t square_key = SquareStepKey(t.rounding_key, step);

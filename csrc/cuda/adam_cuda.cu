@@ -195,12 +195,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     mine.best[0] = mine.best[1] = 0;
     if (j < range.end) UpdateBlockLane<kAdamW>(t, c, j, lane, mine);
     GroupMax(mine.best[0], mine.best[1], lanes, partial);
-    if (j >= range.end) continue;
-    const Scales now = NewBlockScales(t, mine.best);
-    StoreBlockLane(t, j, lane, now, mine);
+    Scales now{};
+    mine.top[0] = mine.top[1] = 0;
+    if (j < range.end) {
+      now = NewBlockScales(t, mine.best);
+      StoreBlockLane(t, j, lane, now, mine);
+    }
+    if (t.m_stochastic || t.v_stochastic) {  // the same in every thread: one tensor
+      GroupMax(mine.top[0], mine.top[1], lanes, partial);
+      if (j < range.end) CanonicalBlockLane(t, j, lane, mine.top, now);
+    }
     // Every lane of the group read the old scales before GroupMax's barrier (in a
     // one-warp group: before its shuffles, which take values those reads gave).
-    if (lane == 0) WriteBlockScales(t, j, now);
+    if (j < range.end && lane == 0) WriteBlockScales(t, j, now);
   }
 }
 

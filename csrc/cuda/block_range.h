@@ -86,6 +86,9 @@ struct BlockLane {
   float m[kMaxPerLane];
   float v[kMaxPerLane];
   uint32_t best[2];  // AbsBits maxima of the new m and v over the lane's elements
+  // The highest Float4Rank of the lane's m and v codes rounded stochastically
+  // (S2.13; 0 for a stream rounded to nearest), set by StoreBlockLane.
+  uint32_t top[2];
 };
 
 // The block scales in effect for scale block j (1 for unscaled states; a tensor
@@ -152,8 +155,10 @@ SHARDADAM_HOST_DEVICE inline Scales NewBlockScales(const DeviceSlot& t, const ui
 
 // Stores lane `lane`'s moments of scale block j with the block's new scales.
 SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j, int lane,
-                                                 const Scales& now, const BlockLane& in) {
+                                                 const Scales& now, BlockLane& in) {
   const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
+  const bool m_unsigned = t.exp_avg_dtype == static_cast<uint8_t>(DType::kUFloat4E3M1Block);
+  in.top[0] = in.top[1] = 0;
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
     const int64_t i = BlockElement(t, j, lane, k);
@@ -161,6 +166,48 @@ SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j,
     Codes codes{};
     EncodeBlockMoments(t, now, i, in.m[k], in.v[k], codes);
     WriteMomentCodes(t, i, codes);
+    if (t.m_stochastic) {
+      const uint32_t rank = Float4Rank(m_unsigned, static_cast<uint8_t>(codes.m));
+      in.top[0] = in.top[0] > rank ? in.top[0] : rank;
+    }
+    if (t.v_stochastic) {
+      const uint32_t rank = Float4Rank(true, static_cast<uint8_t>(codes.v));
+      in.top[1] = in.top[1] > rank ? in.top[1] : rank;
+    }
+  }
+}
+
+// S2.13's canonical block, after the group's `top` (the maxima of its lanes'
+// BlockLane::top): where a stochastically rounded block's largest element rounded
+// down out of the top binade, lane `lane` doubles its codes of that stream, and
+// `now` gets the scale the block is stored with (float4.h CanonicalFloat4Scale).
+SHARDADAM_HOST_DEVICE inline void CanonicalBlockLane(const DeviceSlot& t, int64_t j, int lane,
+                                                     const uint32_t top[2], Scales& now) {
+  const bool stochastic[2] = {t.m_stochastic, t.v_stochastic};
+  void* const buffers[2] = {t.exp_avg, t.exp_avg_sq};
+  const uint8_t dtypes[2] = {t.exp_avg_dtype, t.exp_avg_sq_dtype};
+  const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
+  for (int s = 0; s < 2; ++s) {
+    if (!stochastic[s]) continue;
+    const bool is_unsigned = dtypes[s] == static_cast<uint8_t>(DType::kUFloat4E3M1Block);
+    float& scale = now.s[s == 0 ? kM : kV];
+    const float canonical = CanonicalFloat4Scale(is_unsigned, top[s], scale);
+    if (canonical < scale) {
+      // A pair at a time: WriteCode's even element clears its odd one's nibble.
+      for (int k = 0; k < per_lane; k += 2) {
+        const int64_t i = BlockElement(t, j, lane, k);  // even; i + 1 its pair
+        uint32_t code[2] = {0, 0};
+        for (int h = 0; h < 2; ++h) {
+          if (i + h >= 0 && i + h < t.numel) code[h] = ReadCode(buffers[s], dtypes[s], i + h);
+        }
+        for (int h = 0; h < 2; ++h) {
+          if (i + h < 0 || i + h >= t.numel) continue;
+          WriteCode(buffers[s], dtypes[s], i + h,
+                    DoubledFloat4Code(is_unsigned, static_cast<uint8_t>(code[h])));
+        }
+      }
+    }
+    scale = canonical;
   }
 }
 

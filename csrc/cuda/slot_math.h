@@ -63,7 +63,7 @@ struct DeviceSlot {
   // Every buffer aligned to four of its elements: moved four at a time (quads.h).
   bool quad_aligned;
   // exp_avg rounded stochastically (S2.13, an fp4-block exp_avg only), with the
-  // step's key (counter_hash.h StepKey) and the flat index of element 0 in the
+  // step's key (counter_hash.h ExpAvgStepKey) and the flat index of element 0 in the
   // whole parameter.
   bool m_stochastic;
   // The param rounded stochastically (S2.14, a bf16 param with no master only),
@@ -102,7 +102,7 @@ inline DeviceSlot MakeDeviceSlot(const TensorSlot& t, int64_t step = 1) {
   d.scale_block = blocks ? t.scale_block : 0;
   d.lead = blocks ? static_cast<int32_t>(t.first_index % t.scale_block) : 0;
   d.m_stochastic = t.exp_avg_rounding == Rounding::kStochastic;
-  d.m_key = StepKey(t.rounding_key, step);
+  d.m_key = ExpAvgStepKey(t.rounding_key, step);
   d.p_stochastic = t.param_rounding == Rounding::kStochastic;
   d.p_key = ParamStepKey(t.rounding_key, step);
   d.v_stochastic = t.exp_avg_sq_rounding == Rounding::kStochastic;

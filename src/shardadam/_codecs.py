@@ -195,6 +195,13 @@ def step_key(rounding_key: int, step: int) -> int:
     return mix32(mix32(rounding_key & _M32) ^ (step & _M32))
 
 
+def exp_avg_step_key(rounding_key: int, step: int) -> int:
+    """The key of one exp_avg's stochastic rounding at ``step`` (S2.13): a stream drawn
+    from ``step_key`` as the others are (keyed by ``step_key`` itself, the bits of
+    element i at step t were those of element t at step i under the key 0)."""
+    return mix32(step_key(rounding_key, step) ^ 0x6C8E9CF5)
+
+
 def param_step_key(rounding_key: int, step: int) -> int:
     """The key of one bf16 parameter's stochastic rounding at ``step`` (S2.14): another
     stream than its exp_avg's."""
@@ -216,8 +223,8 @@ def random_bits(key: int, first: int, n: int, device) -> torch.Tensor:
 def fp4_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
     """Signed E2M1 codes of fp32 ``x`` rounded stochastically with 22 of the ``random``
     bits (S2.13): from 1 up the fp32 bits above 1.0 plus the random bits count codes;
-    below 1, ``|x| · 2^23`` truncated does; from 3.5 up ``fp4_encode``'s nearest (also
-    for 7 and above, inf and NaN). A magnitude code 0 is code 0."""
+    below 1, ``|x| · 2^23`` truncated does; from 6 up ``fp4_encode``'s nearest (6, and
+    for 7 and above, inf and NaN the NaN code). A magnitude code 0 is code 0."""
     bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
     magnitude_bits = bits & 0x7FFFFFFF
     r = random & 0x3FFFFF
@@ -226,15 +233,16 @@ def fp4_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor
     small = ((below_one * 8388608.0).to(torch.int64) + r) >> 22
     mag = torch.where(magnitude_bits >= 0x3F800000, normal, small)
     code = torch.where(mag == 0, 0, mag | ((bits >> 28) & 8)).to(torch.uint8)
-    return torch.where(magnitude_bits >= 0x40600000, fp4_encode(x), code)
+    return torch.where(magnitude_bits >= 0x40C00000, fp4_encode(x), code)
 
 
 def ufp4_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
                            random: torch.Tensor) -> torch.Tensor:
     """Unsigned E3M1 codes of fp32 ``|x|`` rounded stochastically with 22 of the
     ``random`` bits (S2.13): from 0.25 up the fp32 bits above 0.25 plus the random bits
-    count codes; below 0.25, ``|x| · 2^25`` truncated does; from 10 up ``ufp4_encode``'s
-    nearest (also above 20, inf and NaN). Zero-free on ``u`` as ``ufp4_encode``."""
+    count codes; below 0.25, ``|x| · 2^25`` truncated does; from 16 up ``ufp4_encode``'s
+    nearest (16, and above 20, inf and NaN the NaN code). Zero-free on ``u`` as
+    ``ufp4_encode``."""
     magnitude_bits = x.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
     r = random & 0x3FFFFF
     normal = 2 + ((magnitude_bits - 0x3E800000 + r) >> 22)
@@ -242,7 +250,7 @@ def ufp4_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
     small = ((below_quarter * 33554432.0).to(torch.int64) + r) >> 22
     code = torch.where(magnitude_bits >= 0x3E800000, normal, small)
     code = torch.where((code == 0) & (u != 0), 1, code).to(torch.uint8)
-    return torch.where(magnitude_bits >= 0x41200000, ufp4_encode(x, u), code)
+    return torch.where(magnitude_bits >= 0x41800000, ufp4_encode(x, u), code)
 
 
 def bf16_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
@@ -355,12 +363,32 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
     absmax = torch.amax(padded.view(count, block).abs(), dim=1)  # NaN propagates
     scales = block_scales(absmax, target, zero_bound, OVERFLOW_BOUNDS[name])
     # A true division by a power of two, as the core's: exact but for fp32 subnormals.
-    x = flat / scales[_block_of_each(n, first, block, value.device)]
-    if rounding is not None:
-        if name == "fp4-block":
-            return fp4_encode_stochastic(x, random_bits(rounding, first, n, x.device)), scales
-        if name == "ufp4-block":
-            return ufp4_encode_stochastic(x, flat, random_bits(rounding, first, n,
-                                                               x.device)), scales
+    where = _block_of_each(n, first, block, value.device)
+    x = flat / scales[where]
+    if rounding is None:
+        return _codes_of(name, x, flat), scales
+    bits = random_bits(rounding, first, n, x.device)
+    if name == "fp4-block":
+        codes = fp4_encode_stochastic(x, bits)
+    elif name == "ufp4-block":
+        codes = ufp4_encode_stochastic(x, flat, bits)
+    else:
         raise ValueError(f"no stochastic rounding for per-block format {name!r}")
-    return _codes_of(name, x, flat), scales
+    return _canonical(name, codes, scales, where, lead, count, block, target, zero_bound)
+
+
+def _canonical(name, codes, scales, where, lead, count, block, target, zero_bound):
+    """S2.13: stochastically rounded 4-bit ``codes`` and their ``scales`` as encoding
+    their decoded values again would store them: a block whose largest element rounded
+    down out of the top binade takes half its scale and codes of twice the values
+    (``fp4-block`` 3 becomes 6, ``ufp4-block`` 8 becomes 16); one whose codes are all 0
+    (an ``fp4-block`` at the smallest scale) takes scale 1."""
+    magnitude = _values_of(name, codes).abs()  # NaN codes stay NaN
+    padded = magnitude.new_zeros(count * block)
+    padded[lead:lead + codes.numel()] = magnitude
+    largest = torch.amax(padded.view(count, block), dim=1) * scales  # exact
+    canonical = block_scales(largest, target, zero_bound, OVERFLOW_BOUNDS[name])
+    halved = (canonical < scales)[where]
+    mag = codes & (0xF if name == "ufp4-block" else 0x7)
+    doubled = torch.where(mag == 0, 0, torch.where(mag == 1, 2, mag + 2)) | (codes - mag)
+    return torch.where(halved, doubled.to(torch.uint8), codes), canonical

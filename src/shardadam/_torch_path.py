@@ -228,7 +228,7 @@ def _step(active, hyper) -> None:
 
     for entry, w_i, m_i, v_i in zip(entries, w, m, v):
         _store_weight(entry, w_i, hyper.step)
-        rounding = (_codecs.step_key(entry.rounding_key, hyper.step)
+        rounding = (_codecs.exp_avg_step_key(entry.rounding_key, hyper.step)
                     if entry.exp_avg_rounding else None)
         entry.exp_avg_format.encode(m_i, entry.exp_avg, entry.exp_avg_scale,
                                     entry.first_index, rounding)

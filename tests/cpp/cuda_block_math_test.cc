@@ -91,7 +91,8 @@ TEST(CudaBlockCodecTest, EveryBlockFormatOfTheCoreHasACodec) {
 // One step of `t` as the per-block kernel takes it: CUDA block after CUDA block,
 // scale block after scale block, its lanes one after another (each updates its
 // elements and stores their weights), the group's absmax, then each lane's
-// moments with the new scales, then the scale slots.
+// moments with the new scales, the group's highest stochastic codes and each
+// lane's canonical block (S2.13), then the scale slots.
 template <bool kAdamW>
 void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t step) {
   cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot, step);
@@ -114,8 +115,18 @@ void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t s
           cuda::UpdateBlockLane<kAdamW>(t, c, j, lane, group[lane]);
           for (int k = 0; k < 2; ++k) best[k] = std::max(best[k], group[lane].best[k]);
         }
-        const cuda::Scales now = cuda::NewBlockScales(t, best);
-        for (int lane = 0; lane < lanes; ++lane) cuda::StoreBlockLane(t, j, lane, now, group[lane]);
+        cuda::Scales now = cuda::NewBlockScales(t, best);
+        uint32_t top[2] = {0, 0};
+        for (int lane = 0; lane < lanes; ++lane) {
+          cuda::StoreBlockLane(t, j, lane, now, group[lane]);
+          for (int k = 0; k < 2; ++k) top[k] = std::max(top[k], group[lane].top[k]);
+        }
+        // Each lane finds the group's scales from the same maxima.
+        const cuda::Scales stored = now;
+        for (int lane = 0; lane < lanes; ++lane) {
+          now = stored;
+          cuda::CanonicalBlockLane(t, j, lane, top, now);
+        }
         cuda::WriteBlockScales(t, j, now);
       }
     }

@@ -162,7 +162,7 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
     for stored, scales, f, u in ((m, m_scales, FP4B, c1 * g), (v, v_scales, UFP4B,
                                                               (c2 * g) * g)):
-        stream = _codecs.step_key if f is FP4B else _codecs.square_step_key
+        stream = _codecs.exp_avg_step_key if f is FP4B else _codecs.square_step_key
         codes, want = _codecs.encode_blocks(
             f.name, u, first, block, f.scale_target, f.zero_bound,
             stream(key, step) if rounding else None)
@@ -193,7 +193,8 @@ def test_generator_follows_s2_13():
     key = _codecs.step_key(0x5EED, 3)
     assert key == lowbias32(lowbias32(0x5EED) ^ 3) == 0xCD4470E2
     assert key == _codecs.step_key(0x5EED, 3 + 2**32)
-    # S2.14's stream of the same tensor and step
+    # exp_avg's and S2.14's streams of the same tensor and step
+    assert _codecs.exp_avg_step_key(0x5EED, 3) == lowbias32(key ^ 0x6C8E9CF5)
     assert _codecs.param_step_key(0x5EED, 3) == lowbias32(key ^ 0x5851F42D)
     for first in (0, 2**32 - 5, (5 << 32) + 17):
         got = _codecs.random_bits(key, first, 10, "cpu").tolist()
@@ -206,13 +207,13 @@ def test_generator_follows_s2_13():
 def stochastic_oracle(x: float, r: int) -> int:
     """S2.13's rule from its text, in float64 and Python integers: between grid values
     lo <= |x| < hi, hi when r + 2^22 * (|x| - lo) / (hi - lo) reaches 2^22 (below 1:
-    |x| * 2^23 truncated first); from 3.5 up S2.12's nearest (``fp4_oracle``)."""
+    |x| * 2^23 truncated first); from 6 up S2.12's nearest (``fp4_oracle``)."""
     a = abs(x)
-    if not a < 3.5:
+    if not a < 6:
         return fp4_oracle(x)
     r &= 0x3FFFFF
     if a >= 1:
-        grid = [1, 1.5, 2, 3, 4]
+        grid = [1, 1.5, 2, 3, 4, 6]
         k = max(i for i, value in enumerate(grid) if value <= a)
         f = int((a - grid[k]) / (grid[k + 1] - grid[k]) * 2**22)  # exact: 22 bits
         mag = 2 + k + (1 if f + r >= 2**22 else 0)
@@ -240,13 +241,13 @@ def test_stochastic_encode_follows_s2_13():
 def unsigned_stochastic_oracle(x: float, u: float, r: int) -> int:
     """S2.13's unsigned rule from its text: between grid values lo <= |x| < hi, hi when
     r + 2^22 * (|x| - lo) / (hi - lo) reaches 2^22 (below 0.25: |x| * 2^25 truncated
-    first); from 10 up S2.12's nearest; zero-free on u."""
+    first); from 16 up S2.12's nearest; zero-free on u."""
     a = abs(x)
-    if not a < 10:
+    if not a < 16:
         return ufp4_oracle(x, u)
     r &= 0x3FFFFF
     if a >= 0.25:
-        grid = [0.25, 0.375, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12]
+        grid = [0.25, 0.375, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16]
         k = max(i for i, value in enumerate(grid) if value <= a)
         f = int((a - grid[k]) / (grid[k + 1] - grid[k]) * 2**22)  # exact: 22 bits
         code = 2 + k + (1 if f + r >= 2**22 else 0)
@@ -262,8 +263,8 @@ def test_unsigned_stochastic_encode_follows_s2_13():
         torch.rand(3000, generator=gen) * 21,
         torch.ldexp(torch.rand(500, generator=gen), torch.randint(-40, 1, (500,), generator=gen)),
         grid, torch.nextafter(grid, torch.tensor(30.0)), torch.nextafter(grid, -grid - 1),
-        torch.tensor([9.99999905, 10.0, 20.0, 20.0000019, 2.0**-25, 2.0**-26, math.inf,
-                      math.nan])])
+        torch.tensor([9.99999905, 10.0, 15.9999990, 16.0, 20.0, 20.0000019, 2.0**-25,
+                      2.0**-26, math.inf, math.nan])])
     x = torch.cat([x, -x])
     u = torch.where(torch.arange(x.numel()) % 7 == 0, torch.tensor(1e-3), x)  # x underflowed
     r = torch.randint(0, 2**32, x.shape, generator=gen, dtype=torch.int64)
@@ -276,10 +277,11 @@ def test_unsigned_stochastic_encode_follows_s2_13():
 
 def test_unsigned_stochastic_rounding_is_unbiased():
     """exp_avg_sq's rule: over 2^14 draws the mean decoded value of each x from 0.125 to
-    10 is x within 5 standard errors, also where a value decayed by beta2 = 0.95, which
-    rounding to nearest puts back on its code (S2.12)."""
+    16 is x within 5 standard errors, also where a value decayed by beta2 = 0.95, which
+    rounding to nearest puts back on its code (S2.12), the largest codes' included."""
     values = torch.tensor([ufp4_value(c) for c in range(15)] + [math.nan])
-    x = torch.tensor([0.2, 0.3, 0.6, 1.3, 2.5, 5.0, 9.5] + [0.95 * v for v in (0.25, 1, 3, 8)])
+    x = torch.tensor([0.2, 0.3, 0.6, 1.3, 2.5, 5.0, 9.5, 10.5, 13.0]
+                     + [0.95 * v for v in (0.25, 1, 3, 8, 12, 16)])
     draws = 2**14
     bits = _codecs.random_bits(_codecs.square_step_key(1, 1), 0, draws * x.numel(), "cpu")
     codes = _codecs.ufp4_encode_stochastic(x.repeat(draws), x.repeat(draws), bits)
@@ -287,7 +289,8 @@ def test_unsigned_stochastic_rounding_is_unbiased():
     mean, spread = decoded.mean(0), decoded.std(0)
     assert torch.all((mean - x.double()).abs() <= 5 * spread / math.sqrt(draws) + 1e-12)
     nearest = values[_codecs.ufp4_encode(x, x).long()].double()
-    assert torch.equal(nearest[-4:], torch.tensor([0.25, 1, 3, 8], dtype=torch.float64))
+    assert torch.equal(nearest[-6:], torch.tensor([0.25, 1, 3, 8, 12, 16],
+                                                  dtype=torch.float64))
 
 
 def test_square_stream_is_its_own():
@@ -295,16 +298,18 @@ def test_square_stream_is_its_own():
     exp_avg, exp_avg_sq and param streams of one tensor and step differ."""
     key = _codecs.square_step_key(0x5EED, 3)
     assert key == lowbias32(_codecs.step_key(0x5EED, 3) ^ 0x2545F491)
-    assert key not in (_codecs.step_key(0x5EED, 3), _codecs.param_step_key(0x5EED, 3))
+    assert key not in (_codecs.step_key(0x5EED, 3), _codecs.exp_avg_step_key(0x5EED, 3),
+                       _codecs.param_step_key(0x5EED, 3))
     assert key == _codecs.square_step_key(0x5EED, 3 + 2**32)
 
 
 def test_stochastic_rounding_is_unbiased():
-    """Over 2^14 draws, the mean decoded value of each x below 3.5 is x within 5
-    standard errors (a rule always rounding toward the nearer value fails this by far)."""
-    x = torch.tensor([0.1, 0.3, 0.74, 1.2, 1.7, 2.6, 3.1, 3.4, -0.3, -2.6])
+    """Over 2^14 draws, the mean decoded value of each x below 6 is x within 5 standard
+    errors (a rule always rounding toward the nearer value fails this by far)."""
+    x = torch.tensor([0.1, 0.3, 0.74, 1.2, 1.7, 2.6, 3.1, 3.4, 3.7, 4.4, 5.4, 5.9, -0.3,
+                      -2.6, -3.7])
     draws = 2**14
-    bits = _codecs.random_bits(_codecs.step_key(1, 1), 0, draws * x.numel(), "cpu")
+    bits = _codecs.random_bits(_codecs.exp_avg_step_key(1, 1), 0, draws * x.numel(), "cpu")
     codes = _codecs.fp4_encode_stochastic(x.repeat(draws), bits)
     values = torch.tensor([fp4_value(c) for c in range(16)])[codes.long()].view(draws, -1)
     mean, spread = values.double().mean(0), values.double().std(0)
@@ -341,7 +346,7 @@ def test_fused_adam_keys_each_parameter_by_its_group_and_position(backend):
         for i, p in enumerate(group["params"]):
             key = (g * 0x9E3779B9 + i) & 0xFFFFFFFF
             grad = p.grad.reshape(-1)
-            for name, stream, u in (("exp_avg", _codecs.step_key, c1 * grad),
+            for name, stream, u in (("exp_avg", _codecs.exp_avg_step_key, c1 * grad),
                                     ("exp_avg_sq", _codecs.square_step_key,
                                      (c2 * grad) * grad)):
                 f = opt._formats[p][name]
@@ -353,3 +358,57 @@ def test_fused_adam_keys_each_parameter_by_its_group_and_position(backend):
                                      f"group {g} param {i} {name} codes")
                 assert_bitwise_equal(opt._scales[p][name], scales,
                                      f"group {g} param {i} {name} scales")
+
+
+@pytest.mark.parametrize("fmt,low,high", [(FP4B, 3.5, 4.0), (UFP4B, 10.0, 12.0)],
+                         ids=["fp4-block", "ufp4-block"])
+def test_stochastic_blocks_store_as_their_decoded_values_encode(fmt, low, high):
+    """S2.13's canonical blocks: rounded stochastically, a block's largest element in
+    (low, high) (just below the top binade at its scale) may round down out of it; the
+    block is then stored at half the scale, with codes of twice the values, so that
+    decoding and encoding again (a checkpoint's load) gives back its codes and scale."""
+    gen = torch.Generator().manual_seed(23)
+    blocks, block = 400, 128
+    u = torch.randn(blocks, block, generator=gen).abs()
+    if fmt is FP4B:
+        u = u * torch.where(torch.rand(blocks, block, generator=gen) < 0.5, -1.0, 1.0)
+    top = low + (high - low) * torch.rand(blocks, 1, generator=gen)
+    u = (u / u.abs().amax(dim=1, keepdim=True) * top).reshape(-1) * 2.0 ** -20
+    codes, scales = _codecs.encode_blocks(fmt.name, u, 0, block, fmt.scale_target,
+                                          fmt.zero_bound, _codecs.exp_avg_step_key(9, 4))
+    rule = 2.0 ** -20  # every block's largest magnitude is in (low, high) · 2^-20
+    halved = scales == rule / 2
+    assert torch.all(halved | (scales == rule))
+    assert 0 < int(halved.sum()) < blocks  # both kinds of block occur
+    decoded = _codecs.decode_blocks(fmt.name, codes, scales, 0, block)
+    again, again_scales = _codecs.encode_blocks(fmt.name, decoded, 0, block,
+                                                fmt.scale_target, fmt.zero_bound)
+    assert_bitwise_equal(again, codes, f"{fmt.name} codes encoded again")
+    assert_bitwise_equal(again_scales, scales, f"{fmt.name} scales encoded again")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_block4_moments_of_a_parameter_without_gradient_decay_to_rest(backend):
+    """A parameter whose gradient becomes zero (a token that stops occurring, a frozen
+    part) stops moving, as with fp32 moments. With the top binade rounded to nearest,
+    0.9 · 6 and 0.95 · 16 rounded back to 6 and 16 at the same scale, so exp_avg stayed
+    while exp_avg_sq decayed, and every element within 2x of its block's largest moved
+    further at every step (up to 23 · lr a step after 1000 steps)."""
+    from shardadam import FusedAdam
+
+    if backend == "auto" and not have_core():
+        pytest.skip("C++ extension is not built")
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(16, 256, generator=gen))
+    with backend_context(backend):
+        opt = FusedAdam([p], lr=1e-3, moment_format="block4")
+        for _ in range(20):
+            p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        p.grad = torch.zeros_like(p)
+        for _ in range(300):
+            opt.step()
+        rested = p.detach().clone()
+        for _ in range(100):
+            opt.step()
+    assert_bitwise_equal(p.detach(), rested, "weights over 100 more steps without gradient")

@@ -12,7 +12,9 @@ fp32 units of the step and the weight, in AdamW and in L2 mode.
 block4 moments are rounded stochastically (S2.13), so their bound is the map's grid
 itself: each stored value, decoded here from the spec's tables, is a grid value times
 the block scale and one of the two grid values around the float64 value (to nearest
-from the top binade up, which the same bracket holds), zero-free for exp_avg_sq."""
+from the largest value up, which the same bracket holds), zero-free for exp_avg_sq; a
+block stored at half its scale (S2.13's canonical blocks) is held to the grid it was
+rounded on, and every block encodes again to itself."""
 
 import math
 
@@ -42,12 +44,13 @@ TARGETS = {"fp8-block": 464.0, "ufp8-block": 488.0,
            "fp4-block": float.fromhex("0x1.bffffep+2"), "ufp4-block": 20.0}
 
 
-def assert_scales_are_the_rules(opt, p, name, want, step):
+def assert_scales_are_the_rules(opt, p, name, want, step, canonical=False):
     """Each stored block scale is S2.9's search on the float64 moments: the smallest
     power of two s in [2^-126, 2^127] with max|u| / s <= the map's target. The core
     searches on its fp32 moments, a few units of 2^-24 away, so where max|u| sits that
-    close to a boundary either neighbour is its answer. The bounds below take the
-    stored scale only once it has passed this."""
+    close to a boundary either neighbour is its answer. ``canonical``: codes rounded
+    stochastically, whose block may be stored at half that scale (S2.13's canonical
+    blocks). The bounds below take the stored scale only once it has passed this."""
     fmt = opt._formats[p][name]
     target = TARGETS[fmt.name]
     absmax = want.abs().reshape(-1, fmt.scale_block).amax(dim=1).tolist()
@@ -63,6 +66,8 @@ def assert_scales_are_the_rules(opt, p, name, want, step):
             while x / 2.0 ** e > target:
                 e += 1
             allowed.add(2.0 ** e)
+            if canonical and e > -126:
+                allowed.add(2.0 ** (e - 1))
         assert s in allowed, f"step {step} {name} block {b}: scale {s}, the rule gives " \
                              f"{sorted(allowed)} for max {a}"
 
@@ -211,8 +216,20 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
                                  g.double().reshape(-1), step)
         opt.step()
         for name, want, grid in (("exp_avg", m, E2M1), ("exp_avg_sq", v, E3M1)):
-            assert_scales_are_the_rules(opt, p, name, want, step)
+            assert_scales_are_the_rules(opt, p, name, want, step, canonical=True)
             got, s = stored(name)
+            # Decoded and encoded again (a checkpoint's load): the same codes and scales.
+            f = opt._formats[p][name]
+            codes, scales = _codecs.encode_blocks(f.name, got.float(), 0, block,
+                                                  f.scale_target, f.zero_bound)
+            assert torch.equal(_codecs.pack_nibbles(codes).view(opt.state[p][name].shape),
+                               opt.state[p][name]), f"step {step} {name}: codes again"
+            assert torch.equal(scales, opt._scales[p][name]), f"step {step} {name}: scales"
+            # A block stored at half its scale (its largest x past the map's bound) was
+            # rounded at twice that: compare on that grid.
+            x_max = (want.abs() / s).view(-1, block).amax(dim=1)
+            past = x_max > TARGETS[f.name] * (1 + 2.0 ** -20)
+            s = s * torch.where(past, 2.0, 1.0).double()[torch.arange(s.numel()) // block]
             x = want.abs() / s
             # the fp32 value the core rounds is within a few units of 2^-24 of x
             lo = bracket(x * (1 - 2.0 ** -20), grid)[0]
@@ -228,7 +245,7 @@ def test_block4_steps_land_on_the_grid_around_the_value(block):
             between = lo != hi
             seen_up[name] += int(((units != lo) & between).sum())
             # Stochastic, not nearest (S2.13): some values went to the farther grid
-            # value by a clear margin (below the top binade, which rounds to nearest).
+            # value by a clear margin.
             other = torch.where(units == lo, hi, lo)
             farther = (units - x).abs() - (other - x).abs() > 2.0 ** -10 * hi
             seen_far[name] += int((farther & between).sum())
