@@ -153,8 +153,16 @@ class Format:
         if self.pairs_with is not None:
             return stored
         if self.scale == "block":
-            codes = _codecs.unpack_nibbles(stored) if self.packed else stored
-            return _codecs.decode_blocks(self.name, codes, scale, first, self._block())
+            out = torch.empty(self.value_shape(stored), dtype=torch.float32,
+                              device=stored.device)
+            flat, codes = out.view(-1), stored.reshape(-1)
+            for begin, end, j, count in self._chunks(flat.numel(), first):
+                part = codes[begin // 2:end // 2] if self.packed else codes[begin:end]
+                if self.packed:
+                    part = _codecs.unpack_nibbles(part)
+                flat[begin:end] = _codecs.decode_blocks(self.name, part, scale[j:j + count],
+                                                        first + begin, self._block())
+            return out
         codes = stored if stored.dtype == self.codes else stored.view(self.codes)
         if not self.scaled:
             return codes.float()
@@ -170,13 +178,23 @@ class Format:
         to round a 4-bit moment (``fp4-block``, ``ufp4-block``) stochastically (S2.13),
         else to nearest."""
         if self.scale == "block":
-            codes, scales = _codecs.encode_blocks(self.name, value, first, self._block(),
-                                                  self.scale_target, self.zero_bound,
-                                                  rounding)
-            if self.packed:
-                codes = _codecs.pack_nibbles(codes)
-            stored.copy_(codes.view(stored.shape))
-            scale.copy_(scales)
+            flat = value.reshape(-1)
+            out = stored.view(-1) if stored.is_contiguous() else stored.reshape(-1).clone()
+            for begin, end, j, count in self._chunks(flat.numel(), first):
+                part = flat[begin:end]
+                where = slice(begin // 2, end // 2) if self.packed else slice(begin, end)
+                if not torch.any(part.float().view(torch.int32)):
+                    # All +0 (a new entry's moments): code 0, scale 1 (S2.9), no encoding.
+                    out[where] = 0
+                    scale[j:j + count] = 1.0
+                    continue
+                codes, scales = _codecs.encode_blocks(self.name, part, first + begin,
+                                                      self._block(), self.scale_target,
+                                                      self.zero_bound, rounding)
+                out[where] = _codecs.pack_nibbles(codes) if self.packed else codes
+                scale[j:j + count] = scales
+            if not stored.is_contiguous():
+                stored.copy_(out.view(stored.shape))
         elif self.scaled:
             new_scale = _codecs.measure_scale(value, self.scale_target)
             stored.copy_(self._to_codes(value / new_scale))  # a true division, as the core
@@ -204,11 +222,35 @@ class Format:
             return values  # copy_ into the storage rounds as .to() does
         return values.to(self.codes).view(self.storage)
 
+    def _chunks(self, numel: int, first: int):
+        """``(begin, end, j, count)`` of each chunk of a local tensor of ``numel``
+        elements from flat index ``first``: about ``_CHUNK`` elements, cut on the whole
+        parameter's block boundaries, the chunk's blocks ``[j, j + count)`` of the
+        tensor's scales. The torch codecs hold up to about 80 bytes per element of
+        temporaries: chunked, a tensor of any size needs at most ``_CHUNK`` times that."""
+        block = self._block()
+        step = max(block, _CHUNK // block * block)
+        begin = 0
+        while begin < numel:
+            end = min(numel, (first + begin) // step * step + step - first)
+            j = (first + begin) // block - first // block
+            yield begin, end, j, _codecs.block_count(first + begin, end - begin, block)
+            begin = end
+
+    def value_shape(self, stored: torch.Tensor) -> tuple:
+        """The shape of the local tensor whose storage is ``stored`` (``storage_shape``
+        undone)."""
+        shape = tuple(stored.shape)
+        return shape[:-1] + (2 * shape[-1],) if self.packed else shape
+
     def _block(self) -> int:
         if not self.scale_block:
             raise ValueError(f"format {self.name!r} has no block size: use with_block()")
         return self.scale_block
 
+
+# Elements per chunk of a per-block format's torch codecs (Format._chunks).
+_CHUNK = 1 << 20
 
 FP32 = Format("fp32", 1, torch.float32, torch.float32, ("moment", "master"),
               argument=torch.float32)

@@ -231,6 +231,11 @@ class FusedAdam(torch.optim.Optimizer):
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout)
         _state.mark_seeded(self._seeded, param, writes)
+        # The plans (and the checks' record of the batches that passed) hold the
+        # storages they bound: kept, a replaced state would stay alive beside its
+        # successor until the next step rebuilt them.
+        self._plans = []
+        self._checked = {}
 
     def _follow_params(self, followed: list) -> None:
         """Masters that follow their parameter (S1.6) and whose parameter steps now (it

@@ -209,3 +209,41 @@ def test_built_extension_table_matches():
     """Importing the package checks the built extension's table."""
     core = pytest.importorskip("shardadam._C", reason="C++ extension is not built")
     _formats.check_extension(core)
+
+
+BLOCK_FORMATS = [f for f in FORMATS if f.scale == "block"]
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("first,rows", [(0, 24), (2 * 51, 23), (384, 12)])
+def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
+    """A per-block format's torch encode and decode step through a tensor in chunks cut
+    on the whole parameter's block boundaries (their temporaries stay bounded): the
+    same codes and scales as the whole tensor at once, zero chunks included (stored as
+    code 0, scale 1, without encoding; -0.0 still encoded), stochastic codes too."""
+    from shardadam import _codecs
+
+    f = fmt.with_block(128)
+    gen = torch.Generator().manual_seed(rows)
+    value = torch.randn(rows, 64, generator=gen)
+    value[3:9] = 0.0  # whole zero blocks
+    value[10, 5] = -0.0
+    if fmt.name.startswith("u"):
+        value = value * value
+    rounding = _codecs.exp_avg_step_key(3, 7) if fmt.item_bits == 4 else None
+    want_codes, want_scales = _codecs.encode_blocks(
+        f.name, value, first, 128, f.scale_target, f.zero_bound, rounding)
+    if f.packed:
+        want_codes = _codecs.pack_nibbles(want_codes)
+    monkeypatch.setattr(_formats, "_CHUNK", 256)
+    stored = torch.full(f.storage_shape(value.shape), 0x55, dtype=f.storage)
+    scale = torch.full(want_scales.shape, 3.0)
+    f.encode(value, stored, scale, first, rounding)
+    assert torch.equal(stored.view(torch.uint8).reshape(-1),
+                       want_codes.view(torch.uint8).reshape(-1))
+    assert torch.equal(scale, want_scales)
+    decoded = f.decode(stored, scale, first)
+    whole = _codecs.decode_blocks(f.name, _codecs.unpack_nibbles(stored) if f.packed
+                                  else stored, scale, first, 128)
+    assert decoded.shape == value.shape
+    assert torch.equal(decoded.view(torch.int32), whole.view(torch.int32))

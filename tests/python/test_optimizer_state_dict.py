@@ -522,6 +522,20 @@ def test_initialize_state_resets_remainder(backend):
     opt.initialize_state(p, store_param_remainders=True)  # agrees with the config
 
 
+def test_replaced_state_is_freed_before_the_next_step(backend):
+    """initialize_state replaces a parameter's state tensors and leaves nothing holding
+    the old ones: the step's cached plan, which holds the storages it bound, was
+    keeping them alive beside their successors until the next step."""
+    import gc
+    import weakref
+
+    opt, params = stepped(Precision(param="fp32"), steps=2, seed=12)
+    old = [weakref.ref(opt.state[params[0]][name]) for name in ("exp_avg", "exp_avg_sq")]
+    opt.initialize_state(params[0])
+    gc.collect()
+    assert [ref() is None for ref in old] == [True, True]
+
+
 def test_state_dict_records_the_state_layout_and_carries_other_keys(backend):
     """S5.4 / S5.5: every group records its state layout; a key written into
     optimizer.state[p] from outside (Megatron writes "step") is exported as it is and
