@@ -321,10 +321,12 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
                   group["weight_decay"])
     betas = group["betas"]
     try:
-        beta_values = [_number(b) for b in betas]
-    except TypeError:
+        # Indexed, as torch reads them: a set or a dict would be iterated in an order
+        # of its own (a dict's keys, at that).
+        beta_values = [_number(betas[0]), _number(betas[1])] if len(betas) == 2 else []
+    except (TypeError, KeyError, IndexError):
         beta_values = []
-    if len(beta_values) != 2:
+    if len(beta_values) != 2 or isinstance(betas, (dict, str, bytes)):
         raise bad("Invalid betas (rule: a pair (beta1, beta2))", betas)
     for i, beta in enumerate(beta_values):
         if beta is None or not 0.0 <= beta < 1.0:

@@ -100,6 +100,10 @@ CONSTRUCTOR_ERRORS = [
      facts(r"Invalid weight_decay value.*True")),
     ("beta1-string", dict(betas=("0.9", 0.999)), ValueError,
      facts(r"Invalid beta parameter at index 0.*'0\.9'")),
+    # Unordered: which is beta1 would be the container's choice.
+    ("betas-set", dict(betas={0.9, 0.999}), ValueError, facts(r"Invalid betas \(rule: a pair")),
+    ("betas-dict", dict(betas={0.9: 0, 0.999: 1}), ValueError,
+     facts(r"Invalid betas \(rule: a pair")),
     # A flag is read by truth value: the string "False" would switch it on.
     ("bias_correction-string", dict(bias_correction="False"), ValueError,
      facts(r"bias_correction must be a bool.*'False'")),
