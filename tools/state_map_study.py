@@ -498,9 +498,10 @@ class StochasticFloatP2:
 
     def __init__(self, base: FloatP2, nearest_top=False):
         self.base = base
-        # ``@srt``: as FusedAdam's block4 rounds (S2.13): |x| from T / 2 up (what
-        # rounds to nearest into the top binade) is rounded to nearest, so a block's
-        # largest element keeps its scale's binade.
+        # ``@srt``: as FusedAdam's block4 rounded before 2026-12-05: |x| from T / 2 up
+        # (what rounds to nearest into the top binade) to nearest, so a block's largest
+        # element kept its scale's binade. ``@sr`` is its rule since (S2.13's canonical
+        # blocks store a block at half its scale, with the same values).
         self.nearest_from = base.target / 2 if nearest_top else math.inf
         suffix = "@srt" if nearest_top else "@sr"
         self.name, self.bits, self.signed = base.name + suffix, base.bits, base.signed
