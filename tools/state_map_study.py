@@ -40,9 +40,9 @@ that block's largest magnitude ``a``. Two scale rules:
    ``name@sr`` (any of these small binary floats, e.g. ``m=fe2m1@sr:128``) keeps the
    scale and rounds ``x`` stochastically between its two neighbouring entries,
    unbiased, from a counter-based hash of (seed, step, tensor, flat index): no torch
-   RNG (``StochasticFloatP2``); ``name@srt`` rounds as FusedAdam's block4 does
-   (S2.13): to nearest from ``T / 2`` up, so the block's largest element keeps its
-   scale's binade, stochastically below.
+   RNG (``StochasticFloatP2``; FusedAdam's block4 values since 2026-12-05, S2.13);
+   ``name@srt`` rounds as block4 did before: to nearest from ``T / 2`` up, so the
+   block's largest element keeps its scale's binade, stochastically below.
 
 Either rule: ``a`` not finite -> ``s`` = NaN, codes 0 (the whole block decodes to NaN:
 most maps have no NaN code to keep one element's); unsigned maps keep code 0 for an

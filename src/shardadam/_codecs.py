@@ -348,7 +348,7 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
                   zero_bound: float, rounding: Optional[int] = None):
     """``(codes, scales)`` of fp32 ``value`` (any shape) in per-block format ``name``
     (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched. ``rounding``:
-    a step key (``step_key``, ``square_step_key``) to round ``fp4-block`` or
+    a step key (``exp_avg_step_key``, ``square_step_key``) to round ``fp4-block`` or
     ``ufp4-block`` codes stochastically (S2.13)."""
     flat = value.reshape(-1).float()
     n = flat.numel()

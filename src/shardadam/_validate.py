@@ -326,7 +326,7 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
         beta_values = [_number(betas[0]), _number(betas[1])] if len(betas) == 2 else []
     except (TypeError, KeyError, IndexError):
         beta_values = []
-    if len(beta_values) != 2 or isinstance(betas, (dict, str, bytes)):
+    if len(beta_values) != 2 or isinstance(betas, (Mapping, str, bytes)):
         raise bad("Invalid betas (rule: a pair (beta1, beta2))", betas)
     for i, beta in enumerate(beta_values):
         if beta is None or not 0.0 <= beta < 1.0:

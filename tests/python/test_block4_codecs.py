@@ -134,21 +134,49 @@ def test_random_blocks_survive_decode_then_encode(fmt, block):
     assert_bitwise_equal(again_scales, scales, f"{fmt.name} random scales")
 
 
+def canonical_cases(g: torch.Tensor, first: int, block: int, gen) -> torch.Tensor:
+    """``g`` with its blocks (of the whole parameter) made into the cases of S2.13's
+    canonical rule, one step from zero moments: one element whose exp_avg is in (3.5,
+    3.55) times its scale, or whose exp_avg_sq is in (10, 10.2) times its own (each may
+    round down out of the top binade, the rest of the block far below), or a lone value
+    at 2^-126's scale that may round to 0."""
+    g = g.clone()
+    c1, c2 = torch.tensor(1 - 0.9).item(), torch.tensor(1 - 0.999).item()
+    for b, start in enumerate(range(-(first % block), g.numel(), block)):
+        part = g[max(start, 0):start + block]
+        u = torch.rand((), generator=gen).item()
+        if b % 4 in (0, 2):
+            largest = (3.5 + 0.05 * u) / c1 * 2.0 ** -8
+        elif b % 4 == 1:
+            largest = math.sqrt((10.0 + 0.2 * u) * 2.0 ** -20 / c2)
+        else:
+            part.zero_()
+            part[0] = 3.0e-38
+            continue
+        part *= 0.5 * largest / part.abs().max()  # the rest of the block far below
+        part[0] = largest
+    return g
+
+
 @pytest.mark.skipif(not have_core(), reason="C++ extension is not built")
 @pytest.mark.parametrize("rounding,key", [(0, 0), (1, 0x5EED), (1, 2**32 - 1)])
 @pytest.mark.parametrize("first,rows,block", [(0, 8, 128), (2 * 96, 31, 256)])
-def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
+@pytest.mark.parametrize("canonical", [False, True], ids=["spread", "canonical-cases"])
+def test_torch_codec_equals_the_core(first, rows, block, rounding, key, canonical):
     """One core step from zero moments stores (1-beta1)g and (1-beta2)g^2 (S3.6) packed:
     bitwise what the torch codec makes of those fp32 values, both moments rounded to
-    nearest or stochastically (S2.13) with the slot's rounding_key."""
+    nearest or stochastically (S2.13) with the slot's rounding_key; also where blocks
+    are stored at half their scale, or at 1, by S2.13's canonical rule."""
     from shardadam import _C
 
     for fmt in (FP4B, UFP4B):
         if not _formats.available(fmt):
             pytest.skip(f"this build of shardadam._C has no {fmt.name}")
-    n = rows * 96
+    n = rows * 96 * (4 if canonical else 1)  # canonical: enough blocks of each case
     gen = torch.Generator().manual_seed(n)
     g = spread_values(n, n + 1, square=False)
+    if canonical:
+        g = canonical_cases(g, first, block, gen)
     param = torch.randn(n, generator=gen)
     m, v = torch.zeros(n // 2, dtype=torch.uint8), torch.zeros(n // 2, dtype=torch.uint8)
     count = _codecs.block_count(first, n, block)
@@ -160,6 +188,7 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
     _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, step, 2)
     # Bias corrections change only the weight; the moments from zero are (1 - beta) g.
     c1, c2 = torch.tensor(1 - 0.9), torch.tensor(1 - 0.999)
+    changed = {}
     for stored, scales, f, u in ((m, m_scales, FP4B, c1 * g), (v, v_scales, UFP4B,
                                                               (c2 * g) * g)):
         stream = _codecs.exp_avg_step_key if f is FP4B else _codecs.square_step_key
@@ -169,9 +198,19 @@ def test_torch_codec_equals_the_core(first, rows, block, rounding, key):
         assert_bitwise_equal(stored, _codecs.pack_nibbles(codes), f"{f.name} from the core")
         assert_bitwise_equal(scales, want, f"{f.name} scales from the core")
         oracle_codes, oracle_scales = block4_oracle(f.name, u, first, block)
-        assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
         if not rounding:  # the stochastic rules' own oracles: test_*stochastic_encode_*
+            assert_bitwise_equal(scales, oracle_scales, f"{f.name} scales: the core vs S2.12")
             assert_bitwise_equal(codes, oracle_codes, f"{f.name} codes: codec vs S2.12")
+        else:  # S2.12's scales, or canonical ones: half of them, or 1 where all codes are 0
+            ok = (scales == oracle_scales) | (scales == oracle_scales / 2) | (
+                (scales == 1) & (oracle_scales == 2.0 ** -126))
+            assert bool(ok.all()), f"{f.name} scales: the core vs S2.12 and S2.13"
+            if canonical and rounding:
+                changed[f.name] = [int((scales == oracle_scales / 2).sum()),
+                                   int(((scales == 1) & (oracle_scales != 1)).sum())]
+    if canonical and rounding:  # the data reaches both canonical cases (fp4: both)
+        assert changed["fp4-block"][0] > 0 and changed["fp4-block"][1] > 0, changed
+        assert changed["ufp4-block"][0] > 0, changed
 
 
 # --------------------------------------------------------------------------- S2.13

@@ -215,7 +215,7 @@ BLOCK_FORMATS = [f for f in FORMATS if f.scale == "block"]
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("first,rows", [(0, 24), (2 * 51, 23), (384, 12)])
+@pytest.mark.parametrize("first,rows", [(0, 24), (2 * 51, 23), (384, 12), (256, 16)])
 def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
     """A per-block format's torch encode and decode step through a tensor in chunks cut
     on the whole parameter's block boundaries (their temporaries stay bounded): the
@@ -226,10 +226,12 @@ def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
     f = fmt.with_block(128)
     gen = torch.Generator().manual_seed(rows)
     value = torch.randn(rows, 64, generator=gen)
-    value[3:9] = 0.0  # whole zero blocks
-    value[10, 5] = -0.0
     if fmt.name.startswith("u"):
         value = value * value
+    value[3:9] = 0.0  # whole zero blocks and chunks
+    value[10, 5] = -0.0
+    if not fmt.name.startswith("u"):
+        value[8:12] = -0.0  # whole chunks of -0.0 (E4M3 and E2M1 keep its sign)
     rounding = _codecs.exp_avg_step_key(3, 7) if fmt.item_bits == 4 else None
     want_codes, want_scales = _codecs.encode_blocks(
         f.name, value, first, 128, f.scale_target, f.zero_bound, rounding)
