@@ -229,6 +229,10 @@ def add_arguments(parser):
                         help=f"embedding width (default {FULL.dim})")
     parser.add_argument("--batch", type=_positive_int, default=FULL.batch,
                         help=f"tokens per step (default {FULL.batch})")
+    parser.add_argument("--beta2", type=_beta, default=FULL.betas[1],
+                        help=f"the second moment's decay (default {FULL.betas[1]}; e.g. "
+                             f"0.999, torch's and TE's default, where a second moment "
+                             f"rounded to nearest in 8 or fewer bits stops decaying)")
     parser.add_argument("--seed", type=_seed, default=FULL.seed,
                         help=f"seed of the weights, the permutation and the batches, below "
                              f"2**32 (default {FULL.seed})")
@@ -255,6 +259,16 @@ def _positive_int(text):
 
 def _positive_int_or_zero(text):
     return _whole_number_at_least(0, text)
+
+
+def _beta(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
 
 
 def _seed(text):
@@ -298,7 +312,8 @@ def run(args):
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     workload = replace(FULL, steps=args.steps, seed=args.seed, vocab=args.vocab,
-                       dim=args.dim, batch=args.batch, last=min(FULL.last, args.steps))
+                       dim=args.dim, batch=args.batch, last=min(FULL.last, args.steps),
+                       betas=(FULL.betas[0], args.beta2))
     if args.optimizer == "adamw":
         make = adamw_factory
     elif args.optimizer in peers.PEERS:

@@ -136,6 +136,22 @@ def test_command_block8(tmp_path, capsys):
     assert figures["state_bytes_per_param"] == 4.03125
 
 
+def test_command_beta2(tmp_path, capsys):
+    """--beta2 sets the second moment's decay (the workload's betas, in the header and
+    the JSON) and changes the run."""
+    runs = {}
+    for beta2 in ("0.95", "0.999"):
+        out = tmp_path / f"{beta2}.json"
+        assert main(["rare-tokens", "--vocab", "512", "--dim", "32", "--batch", "256",
+                     "--steps", "3", "--beta2", beta2, "--threads", "1", "--quiet",
+                     "--json", str(out)]) == 0
+        assert f"betas (0.9, {beta2})" in capsys.readouterr().out
+        runs[beta2] = json.loads(out.read_text())
+    assert runs["0.999"]["workload"]["betas"] == [0.9, 0.999]
+    assert runs["0.95"]["losses"][0] == runs["0.999"]["losses"][0]  # before any step
+    assert runs["0.95"]["losses"][1:] != runs["0.999"]["losses"][1:]
+
+
 def test_command_refuses_state_flags_for_adamw(capsys):
     assert main(["rare-tokens", "--optimizer", "adamw", "--exp-avg", "fp8"]) == 2
     assert "takes no state" in capsys.readouterr().err
@@ -150,12 +166,14 @@ def test_command_refuses_state_flags_for_adamw(capsys):
     (["--seed", "-1"], "--seed: must be at least 0, got -1"),
     (["--threads", "-1"], "--threads: must be at least 1, got -1"),
     (["--steps", "0"], "--steps: must be at least 1, got 0"),
+    (["--beta2", "1"], "--beta2: must be in [0, 1), got 1.0"),
+    (["--beta2", "x"], "--beta2: expected a number, got 'x'"),
     (["--json", "/nonexistent-folder/result.json"], "no such folder"),
 ])
 def test_command_refuses_bad_settings_before_training(flags, message, capsys):
     """The optimizer's own checks and the output path, before minutes of training;
     each bound named as it is (argparse's own refusals exit)."""
-    refused_by_argparse = flags[0] in ("--seed", "--threads", "--steps")
+    refused_by_argparse = flags[0] in ("--seed", "--threads", "--steps", "--beta2")
     with pytest.raises(SystemExit) if refused_by_argparse else contextlib.nullcontext():
         assert main(["rare-tokens", *flags]) == 2
     out, err = capsys.readouterr()
