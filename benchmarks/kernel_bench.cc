@@ -39,6 +39,7 @@
 
 #include "kernels.h"  // internal::CompiledTargets, SetTargetForTest
 #include "shardadam/adam.h"
+#include "stochastic_blocks.h"  // RoundsStochastically: as FusedAdam rounds
 
 namespace shardadam {
 namespace {
@@ -254,9 +255,10 @@ struct Case {
     slot.exp_avg_sq_dtype = preset.exp_avg_sq;
     slot.exp_avg_sq_scale = exp_avg_sq_scales.data();
     slot.scale_block = preset.scale_block;
-    // 4-bit moments round stochastically, as FusedAdam's block4 steps them (S2.13).
+    // 4-bit moments and block8's exp_avg_sq round stochastically, as FusedAdam
+    // steps them (S2.13).
     const auto rounding = [](DType t) {
-      return FormatOf(t).item_bits == 4 ? Rounding::kStochastic : Rounding::kNearest;
+      return RoundsStochastically(t) ? Rounding::kStochastic : Rounding::kNearest;
     };
     slot.exp_avg_rounding = rounding(preset.exp_avg);
     slot.exp_avg_sq_rounding = rounding(preset.exp_avg_sq);

@@ -527,12 +527,12 @@ HWY_INLINE void KeepBlockPair(const FusedPair& p, void* param, void* master, siz
 }
 
 // Stores a pair of new moment values as codes of `Codes` given 1 / scale:
-// rounded stochastically where `rounding` asks (4-bit codes only; ha, hb: the
-// pair's PairIndexHash), else to nearest.
+// rounded stochastically where `rounding` asks (Codes::kStochastic only; ha, hb:
+// the pair's PairIndexHash), else to nearest.
 template <class Codes, bool kEO>
 HWY_INLINE void StoreMomentPair(VF a, VF b, VF by, const internal::RoundingView* rounding,
                                 VU ha, VU hb, uint8_t* HWY_RESTRICT p) {
-  if constexpr (std::is_same_v<Codes, F4Codes> || std::is_same_v<Codes, UF4Codes>) {
+  if constexpr (Codes::kStochastic) {
     if (rounding != nullptr) {
       Codes::template StoreStochastic<kEO>(a, b, hn::Mul(a, by), hn::Mul(b, by),
                                            KeyedBits(rounding->key, ha),
@@ -574,10 +574,10 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
   const typename VecOps<kUnitBc2>::Consts c = MakeConsts<kUnitBc2>(k);
   alignas(64) float new_m[kMaxScaleBlock];
   alignas(64) float new_v[kMaxScaleBlock];
-  // A stochastically rounded param's PairIndexHash, kept for 4-bit moments'
-  // random bits (the same flat indices; 8-bit codes round to nearest).
+  // A stochastically rounded param's PairIndexHash, kept for the moments'
+  // random bits (the same flat indices; E4M3 codes round to nearest).
   constexpr bool kKeepHash = L::kWeight == Weight::kParamBF16Stochastic &&
-                             (MC::kBits == 4 || VC::kBits == 4);
+                             (MC::kStochastic || VC::kStochastic);
   alignas(64) uint32_t index_hash[kKeepHash ? kMaxScaleBlock : 1];
   // Where the random bits' flat indices start: both roundings hold the same one.
   const internal::RoundingView* const rounded = m_rounding ? m_rounding : v_rounding;
@@ -644,12 +644,12 @@ HWY_NOINLINE HWY_FLATTEN void FusedBlockSpan(const StepConstants& k, const void*
       StoreMomentPair<VC, kEO>(v0, v1, v_by, v_rounding, ha, hb, CodesAt<VC>(v, b + i));
     }
     // S2.13: codes rounded stochastically are stored as a decoded block encodes.
-    if constexpr (MC::kBits == 4) {
+    if constexpr (MC::kStochastic) {
       if (m_rounding != nullptr) {
         sm = internal::CanonicalBlockCodes(L::kExpAvg, FloatOf(am), sm, CodesAt<MC>(m, b), block);
       }
     }
-    if constexpr (VC::kBits == 4) {
+    if constexpr (VC::kStochastic) {
       if (v_rounding != nullptr) {
         sv = internal::CanonicalBlockCodes(L::kExpAvgSq, FloatOf(av), sv, CodesAt<VC>(v, b),
                                            block);
@@ -723,6 +723,7 @@ const internal::KernelTable* GetKernelTable() {
        EncodeScaled<UF4Codes>},
       EncodeStochastic<F4Codes>,
       EncodeStochastic<UF4Codes>,
+      EncodeStochastic<UF8Codes>,
       EncodeBF16Stochastic,
       {{UpdateBlock<false, false>, UpdateBlock<false, true>},
        {UpdateBlock<true, false>, UpdateBlock<true, true>}},

@@ -7,9 +7,9 @@
 #include <cmath>
 #include <cstring>
 
-#include "float4.h"
 #include "scale_rule.h"
 #include "spans.h"
+#include "stochastic_blocks.h"
 
 namespace shardadam {
 namespace internal {
@@ -32,32 +32,49 @@ constexpr ByteRanks MakeByteRanks() {
 }
 constexpr ByteRanks kByteRanks = MakeByteRanks();
 
-}  // namespace
-
-float CanonicalBlockCodes(DType dtype, float absmax, float s, uint8_t* codes, size_t n) {
+// The top StochasticRank of a block's n codes, or any rank from `enough` up.
+uint32_t TopRank(DType dtype, const uint8_t* codes, size_t n, uint32_t enough) {
+  uint32_t top = 0;
+  if (FormatOf(dtype).item_bits == 8) {  // E4M4: a code is its rank
+    for (size_t i = 0; i < n && top < enough; ++i) top = std::max<uint32_t>(top, codes[i]);
+    return top;
+  }
   const bool is_unsigned = dtype == DType::kUFloat4E3M1Block;
-  // Only a block whose largest element lies below the top binade's first value
-  // (E2M1 4, E3M1 12; a NaN compares false) can round down out of it.
-  if (!(absmax < (is_unsigned ? 12.0f : 4.0f) * s)) return s;
-  // The top binade's first rank: once a code reaches it, the scale stands.
-  const uint32_t enough = is_unsigned ? 13u : 6u;
   const size_t pairs = n / 2;  // an odd n's last code is a low nibble alone
-  uint32_t top = n % 2 == 1 ? Float4Rank(is_unsigned, codes[pairs] & 0xF) : 0u;
+  if (n % 2 == 1) top = Float4Rank(is_unsigned, codes[pairs] & 0xF);
   for (size_t i = 0; i < pairs && top < enough; ++i) {
     top = std::max<uint32_t>(top, kByteRanks.rank[is_unsigned][codes[i]]);
   }
-  const float canonical = CanonicalFloat4Scale(is_unsigned, top, s);
-  if (canonical < s) {
-    for (size_t i = 0; i < pairs; ++i) {
-      const uint8_t b = codes[i];
-      codes[i] = static_cast<uint8_t>(DoubledFloat4Code(is_unsigned, b & 0xF) |
-                                      (DoubledFloat4Code(is_unsigned, b >> 4) << 4));
-    }
-    if (n % 2 == 1) {
-      codes[pairs] = static_cast<uint8_t>((codes[pairs] & 0xF0) |
-                                          DoubledFloat4Code(is_unsigned, codes[pairs] & 0xF));
-    }
+  return top;
+}
+
+// Every code of the block doubled in value (DoubledBlockCode).
+void DoubleCodes(DType dtype, uint8_t* codes, size_t n) {
+  if (FormatOf(dtype).item_bits == 8) {
+    for (size_t i = 0; i < n; ++i) codes[i] = DoubledBlockCode(dtype, codes[i]);
+    return;
   }
+  const size_t pairs = n / 2;
+  for (size_t i = 0; i < pairs; ++i) {
+    const uint8_t b = codes[i];
+    codes[i] = static_cast<uint8_t>(DoubledBlockCode(dtype, b & 0xF) |
+                                    (DoubledBlockCode(dtype, b >> 4) << 4));
+  }
+  if (n % 2 == 1) {
+    codes[pairs] = static_cast<uint8_t>((codes[pairs] & 0xF0) |
+                                        DoubledBlockCode(dtype, codes[pairs] & 0xF));
+  }
+}
+
+}  // namespace
+
+float CanonicalBlockCodes(DType dtype, float absmax, float s, uint8_t* codes, size_t n) {
+  // Only a block whose largest element lies below the first value that keeps its
+  // scale can round down out of the top binade (a NaN compares false).
+  if (!(absmax < KeepsScaleValue(dtype) * s)) return s;
+  const uint32_t top = TopRank(dtype, codes, n, KeepsScaleRank(dtype));
+  const float canonical = CanonicalBlockScale(dtype, top, s);
+  if (canonical < s) DoubleCodes(dtype, codes, n);
   return canonical;
 }
 

@@ -112,7 +112,8 @@ constexpr uint32_t kLoopConstantBits[] = {
     0x3E000000u, 0x3E7FFFFFu, 0x3F000000u, 0x3F7FFFFFu,    // the 4-bit steps' origins
     0x40DFFFFFu, 0x41A00000u,                              // the NaN codes' bounds
     0x4B000000u, 0x4C000000u,                              // 2^23, 2^25
-    0x7FEB352Du, 0x846CA68Bu};                             // Mix32's multipliers
+    0x7FEB352Du, 0x846CA68Bu,                              // Mix32's multipliers
+    0x7FFFFu, 0xFEu, 0x3C000000u, 0x3C7FFFFFu, 0x43F40000u, 0x4E000000u};  // E4M4's
 constexpr size_t kNumLoopConstants = sizeof(kLoopConstantBits) / sizeof(uint32_t);
 constexpr size_t kLoopConstantLanes = HWY_MAX_BYTES / sizeof(uint32_t);
 struct LoopConstantTable {
@@ -471,23 +472,33 @@ HWY_INLINE VU F32ToF4(VF x) {
   return SignedF4(bits, abs, SmallFloatCode<0x3F800000u, 0x0B000000u, 22>(abs));
 }
 
+// stochastic_steps.h StochasticSteps on every lane, for a format whose first
+// normal value has fp32 bits kNormal and code kNormalCode, which drops kDrop
+// mantissa bits, and whose fixed steps below kNormal are counted by |x| times the
+// fp32 with bits kUnits (2^kDrop over the step), truncated: under 2^23, so the
+// conversion truncates exactly as the reference's cast.
+template <uint32_t kNormal, uint32_t kNormalCode, int kDrop, uint32_t kUnits>
+HWY_INLINE VU StochasticStepsV(VU abs, VU random) {
+  const DF df;
+  const DU du;
+  // Steps of 2^kDrop from 0: the bits above kNormal plus its code's steps.
+  const VU normal = hn::Sub(abs, LoopConstant<kNormal - (kNormalCode << kDrop)>());
+  const VF units = hn::BitCast(df, LoopConstant<kUnits>());
+  const VU small = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), units)));
+  const VU steps = hn::IfThenElse(AbsAbove<kNormal - 1>(abs), normal, small);
+  return hn::ShiftRight<kDrop>(hn::Add(steps, hn::And(random, LoopConstant<(1u << kDrop) - 1>())));
+}
+
 // F32ToF4 rounded stochastically with 22 of the bits of `random`, as
 // float4.h EncodeFloat4E2M1Stochastic (S2.13): from 1 up the fp32 bits above
 // 1.0 plus the random bits count codes; below 1, |x| * 2^23 truncated does;
 // from 6 up F32ToF4's nearest (6, then the NaN code from 7).
 HWY_INLINE VU F32ToF4Stochastic(VF x, VU random) {
-  const DF df;
   const DU du;
   const VU bits = hn::BitCast(du, x);
   const VU abs = hn::And(bits, LoopConstant<0x7FFFFFFFu>());
-  // Steps of 2^22 from 0: the bits above 1.0 plus code 2's two steps (at most
-  // code 7 below 6); below 1, |x| * 2^23 truncated (under 2^23, so the
-  // conversion truncates exactly as the reference's cast).
-  const VU normal = hn::Sub(abs, LoopConstant<0x3F000000u>());
-  const VF two_23 = hn::BitCast(df, LoopConstant<0x4B000000u>());
-  const VU halves = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_23)));
-  const VU steps = hn::IfThenElse(AbsAbove<0x3F7FFFFFu>(abs), normal, halves);  // >= 1
-  const VU mag = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
+  // From 1.0 (code 2) up, at most code 7 below 6; below 1, |x| * 2^23.
+  const VU mag = StochasticStepsV<0x3F800000u, 2u, 22, 0x4B000000u>(abs, random);
   // From 6 up the code of 6 (what [6, 7) rounds to), and SignedF4 makes 7 and up
   // the NaN code.
   return SignedF4(bits, abs, hn::Min(mag, LoopConstant<7u>()));
@@ -526,18 +537,26 @@ HWY_INLINE VU F32ToUF4(VF x, VF u) {
 // truncated does; from 16 up F32ToUF4's nearest (16 up to 20, then the NaN
 // code). Zero-free on u as F32ToUF4.
 HWY_INLINE VU F32ToUF4Stochastic(VF x, VF u, VU random) {
-  const DF df;
   const DU du;
   const VU abs = hn::And(hn::BitCast(du, x), LoopConstant<0x7FFFFFFFu>());
-  // As F32ToF4Stochastic's steps, from 0.25 (at most code 14 below 16); below
-  // 0.25, |x| * 2^25 truncated.
-  const VU normal = hn::Sub(abs, LoopConstant<0x3E000000u>());
-  const VF two_25 = hn::BitCast(df, LoopConstant<0x4C000000u>());
-  const VU eighths = hn::BitCast(du, TruncateInRange(hn::Mul(hn::BitCast(df, abs), two_25)));
-  const VU steps = hn::IfThenElse(AbsAbove<0x3E7FFFFFu>(abs), normal, eighths);  // >= 0.25
-  VU code = hn::ShiftRight<22>(hn::Add(steps, hn::And(random, LoopConstant<0x3FFFFFu>())));
+  // From 0.25 (code 2) up, at most code 14 below 16; below 0.25, |x| * 2^25.
+  VU code = StochasticStepsV<0x3E800000u, 2u, 22, 0x4C000000u>(abs, random);
   code = hn::Min(ZeroFree(code, u), LoopConstant<14u>());  // from 16 up: 16
   return IncrementWhere(AbsAbove<0x41A00000u>(abs), code);  // > 20, inf, NaN: 15
+}
+
+// F32ToUF8 rounded stochastically with 19 of the bits of `random`, as
+// ufloat8.h EncodeUFloat8E4M4Stochastic (S2.13): from 2^-6 up the fp32 bits
+// above 2^-6 plus the random bits count codes, 16 a binade; below 2^-6, |x| *
+// 2^29 truncated does; from 480 up F32ToUF8's nearest (480 up to 488, then the
+// NaN code). Zero-free on u as F32ToUF8.
+HWY_INLINE VU F32ToUF8Stochastic(VF x, VF u, VU random) {
+  const DU du;
+  const VU abs = hn::And(hn::BitCast(du, x), LoopConstant<0x7FFFFFFFu>());
+  // From 2^-6 (code 16) up, at most code 0xFE below 480; below 2^-6, |x| * 2^29.
+  VU code = StochasticStepsV<0x3C800000u, 16u, 19, 0x4E000000u>(abs, random);
+  code = hn::Min(ZeroFree(code, u), LoopConstant<0xFEu>());  // from 480 up: 480
+  return IncrementWhere(AbsAbove<0x43F40000u>(abs), code);  // > 488, inf, NaN: 0xFF
 }
 
 // counter_hash.h's Mix32 on every lane, in two parts: MixOpen stops before the
@@ -951,6 +970,7 @@ float* DecodeF16Scaled(const void* src, const void* /*aux*/, size_t n,
 struct F8Codes {
   static constexpr size_t kBits = 8;
   static constexpr bool kHasEvenOdd = false;
+  static constexpr bool kStochastic = false;  // no StoreStochastic
   static constexpr float kRawFactor = kF8RawFactor;
   template <bool kEO = false>
   static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadF8x2Raw(p, a, b); }
@@ -962,12 +982,19 @@ struct F8Codes {
 struct UF8Codes {
   static constexpr size_t kBits = 8;
   static constexpr bool kHasEvenOdd = false;
+  static constexpr bool kStochastic = true;
   static constexpr float kRawFactor = kF8RawFactor;
   template <bool kEO = false>
   static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) { LoadUF8x2Raw(p, a, b); }
   template <bool kEO = false>
   static void Store(VF a, VF b, VF a_over_s, VF b_over_s, uint8_t* HWY_RESTRICT p) {
     StoreUF8x2(a, b, a_over_s, b_over_s, p);
+  }
+  // Rounded stochastically (S2.13) with the pair's random bits ra, rb.
+  template <bool kEO = false>
+  static void StoreStochastic(VF a, VF b, VF a_over_s, VF b_over_s, VU ra, VU rb,
+                              uint8_t* HWY_RESTRICT p) {
+    StoreNarrowU8(F32ToUF8Stochastic(a_over_s, a, ra), F32ToUF8Stochastic(b_over_s, b, rb), p);
   }
 };
 // The 4-bit ones also pair their codes in even/odd order (kEO); `Map` names
@@ -977,6 +1004,7 @@ struct NibbleCodes {
   using Map = MapT;
   static constexpr size_t kBits = 4;
   static constexpr bool kHasEvenOdd = true;
+  static constexpr bool kStochastic = true;  // F4Codes and UF4Codes: StoreStochastic
   static constexpr float kRawFactor = 1.0f;
   template <bool kEO = false>
   static void Load(const uint8_t* HWY_RESTRICT p, VF& a, VF& b) {
@@ -1170,7 +1198,7 @@ void EncodeScaled(const float* HWY_RESTRICT x, size_t n, const internal::ScaleVi
 }
 
 // internal::StochasticEncodeFn: EncodeScaled<Codes> rounded stochastically
-// (F4Codes, UF4Codes).
+// (F4Codes, UF4Codes, UF8Codes).
 template <class Codes>
 void EncodeStochastic(const float* HWY_RESTRICT x, size_t n,
                       const internal::ScaleView& scale,
@@ -1184,7 +1212,7 @@ void EncodeStochastic(const float* HWY_RESTRICT x, size_t n,
     VU ha, hb;
     PairIndexHash<false>(static_cast<uint64_t>(rounding.index) + i, ha, hb);
     Codes::StoreStochastic(a, b, hn::Div(a, s), hn::Div(b, s), KeyedBits(rounding.key, ha),
-                           KeyedBits(rounding.key, hb), out + i / 2);
+                           KeyedBits(rounding.key, hb), out + i * Codes::kBits / 8);
   }
 }
 

@@ -12,6 +12,7 @@
 #include "host_device.h"
 #include "scale_rule.h"  // BitsOf, FloatOf, BlockScaleFromAbsMaxBits
 #include "shardadam/formats.h"
+#include "stochastic_steps.h"
 
 namespace shardadam {
 
@@ -54,27 +55,18 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1(float f) {
 }
 
 // f as a signed E2M1 code rounded stochastically (S2.13) with 22 of the bits of
-// `random`: |f| between adjacent values lo <= |f| < hi goes to hi with
-// probability (|f| - lo) / (hi - lo), so a value on the grid encodes to itself.
-// From 1 up the steps are linear in the fp32 bits, so the bits' distance above
-// 1.0 plus 22 random bits, shifted down by 22, counts codes above code 2
-// exactly. Below 1 (step 0.5) |f| * 2^23 is truncated first: a half-ulp is
-// lost in [0.5, 1), and magnitudes below 2^-23 always give 0. From 6 (the
-// largest value) up f is rounded to nearest, as EncodeFloat4E2M1: 6 below 7,
-// the NaN code from 7. A block's largest element may round down out of the top
-// binade; CanonicalFloat4Scale says how the block is then stored.
+// `random` (StochasticSteps: from 1 up the steps are linear in the fp32 bits;
+// below 1 |f| * 2^23 is truncated first, so magnitudes below 2^-23 always give
+// 0; a value on the grid encodes to itself). From 6 (the largest value) up f is
+// rounded to nearest, as EncodeFloat4E2M1: 6 below 7, the NaN code from 7. A
+// block's largest element may round down out of the top binade;
+// CanonicalFloat4Scale says how the block is then stored.
 SHARDADAM_HOST_DEVICE inline uint8_t EncodeFloat4E2M1Stochastic(float f, uint32_t random) {
   const uint32_t bits = BitsOf(f);
   const uint32_t abs = bits & 0x7FFFFFFFu;
   if (abs >= 0x40C00000u) return EncodeFloat4E2M1(f);  // 6.0f; NaNs' bits are above it
-  const uint32_t r = random & 0x3FFFFFu;
-  uint32_t magnitude;
-  if (abs >= 0x3F800000u) {
-    magnitude = 2u + ((abs - 0x3F800000u + r) >> 22);  // at most 7 (the value 6)
-  } else {
-    magnitude = (static_cast<uint32_t>(FloatOf(abs) * 8388608.0f) + r) >> 22;
-  }
-  return SignedFloat4E2M1(bits, magnitude);
+  // From 1.0 (code 2) up, at most 7 (the value 6); below, steps of 0.5: 2^22 / 0.5.
+  return SignedFloat4E2M1(bits, StochasticSteps<0x3F800000u, 2u, 22>(abs, 8388608.0f, random));
 }
 
 // E = (c >> 1) & 3, M = c & 1: E = 0 is M * 0.5, E >= 1 is (2 + M) * 2^(E - 2);
@@ -129,13 +121,8 @@ SHARDADAM_HOST_DEVICE inline uint8_t EncodeUFloat4E3M1Stochastic(float u, float 
   const uint32_t abs = BitsOf(f) & 0x7FFFFFFFu;
   if (abs >= 0x41800000u) return EncodeUFloat4E3M1(f);  // 16.0f; NaNs' bits are above it
   if (u == 0.0f) return 0;
-  const uint32_t r = random & 0x3FFFFFu;
-  uint32_t code;
-  if (abs >= 0x3E800000u) {
-    code = 2u + ((abs - 0x3E800000u + r) >> 22);  // at most 14 (the value 16)
-  } else {
-    code = (static_cast<uint32_t>(FloatOf(abs) * 33554432.0f) + r) >> 22;
-  }
+  // From 0.25 (code 2) up, at most 14 (the value 16); below, steps of 0.125.
+  const uint32_t code = StochasticSteps<0x3E800000u, 2u, 22>(abs, 33554432.0f, random);
   return static_cast<uint8_t>(code == 0 ? 1u : code);
 }
 

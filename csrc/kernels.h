@@ -87,16 +87,17 @@ struct RoundingView {
   uint32_t key = 0;
   int64_t index = 0;
 };
-// EncodeFn for a signed E2M1 exp_avg or an unsigned E3M1 exp_avg_sq rounded
-// stochastically (scaled per block), or for a bf16 param (scale ignored).
+// EncodeFn for a signed E2M1 exp_avg or an unsigned E3M1 or E4M4 exp_avg_sq
+// rounded stochastically (scaled per block), or for a bf16 param (scale ignored).
 using StochasticEncodeFn = void (*)(const float* x, size_t n, const ScaleView& scale,
                                     const RoundingView& rounding, void* dst);
-// S2.13's canonical block: the `n` packed 4-bit codes at `codes` (elements 0 and
-// 1 in its first byte) of one block of `dtype` (fp4-block or ufp4-block) just
-// rounded stochastically at scale `s` from values whose largest magnitude is
-// `absmax`. Returns the scale the block is stored with, having doubled its codes
-// where that is s / 2 (float4.h CanonicalFloat4Scale). Out of line: most blocks
-// return at its first comparison (block_spans.cc).
+// S2.13's canonical block: the `n` codes at `codes` (4-bit ones packed, elements
+// 0 and 1 in its first byte) of one block of `dtype` (fp4-block, ufp4-block or
+// ufp8-block) just rounded stochastically at scale `s` from values whose largest
+// magnitude is `absmax`. Returns the scale the block is stored with, having
+// doubled its codes where that is s / 2 (stochastic_blocks.h
+// CanonicalBlockScale). Out of line: most blocks return at its first comparison
+// (block_spans.cc).
 float CanonicalBlockCodes(DType dtype, float absmax, float s, uint8_t* codes, size_t n);
 // One Adam step over `n` elements of fp32 blocks, written back in place.
 using UpdateFn = void (*)(const StepConstants& k, const float* g, float* w,
@@ -139,7 +140,7 @@ using FusedMeasureFn = void (*)(const StepConstants& k, const void* grad,
 // scales, which replace the old ones in m_scales / v_scales (one per block).
 // Every old scale folds into its decoder (plan.h FusedDecoderFolds).
 // A non-null `m_rounding` (signed E2M1 exp_avg only) rounds m stochastically,
-// a non-null `v_rounding` (unsigned E3M1 exp_avg_sq only) v, and
+// a non-null `v_rounding` (unsigned E3M1 or E4M4 exp_avg_sq only) v, and
 // `param_rounding` (the kParamBF16Stochastic layouts' only, never null there)
 // the param, each index that of element 0 (the same index in all three).
 using FusedBlockFn = void (*)(const StepConstants& k, const void* grad, void* param,
@@ -175,6 +176,7 @@ struct KernelTable {
   EncodeFn encode[kNumCodecs];
   StochasticEncodeFn encode_f4_stochastic;
   StochasticEncodeFn encode_uf4_stochastic;
+  StochasticEncodeFn encode_uf8_stochastic;
   StochasticEncodeFn encode_bf16_stochastic;
   // [adam_w_mode][bias_correction2_sqrt == 1: that division is skipped]
   UpdateFn update[2][2];

@@ -118,7 +118,9 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
     p.m_rounding = {ExpAvgStepKey(s.rounding_key, step), s.first_index};
   }
   if (s.exp_avg_sq_rounding == Rounding::kStochastic) {
-    p.encode_v_stochastic = kt.encode_uf4_stochastic;
+    p.encode_v_stochastic = s.exp_avg_sq_dtype == DType::kUFloat8E4M4Block
+                                ? kt.encode_uf8_stochastic
+                                : kt.encode_uf4_stochastic;
     p.v_rounding = {SquareStepKey(s.rounding_key, step), s.first_index};
   }
   if (s.param_rounding == Rounding::kStochastic) {

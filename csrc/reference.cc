@@ -13,6 +13,7 @@
 #include "counter_hash.h"  // shared with the CUDA kernels
 #include "element.h"
 #include "float4.h"   // shared with the CUDA kernels
+#include "stochastic_blocks.h"  // shared with the CUDA kernels
 #include "ufloat8.h"  // shared with the CUDA kernels
 
 namespace shardadam {
@@ -81,8 +82,8 @@ float LoadState(const TensorSlot& t, const void* buffer, DType dtype, const floa
 }
 
 // Stores the fp32 values `u` as a moment or master of `t` with fresh scales
-// (S2.3, S2.9); a non-null `stochastic_key` (the step's key, fp4-block or
-// ufp4-block only) rounds them stochastically (S2.13).
+// (S2.3, S2.9); a non-null `stochastic_key` (the step's key; fp4-block,
+// ufp4-block or ufp8-block only) rounds them stochastically (S2.13).
 void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
                 DType dtype, float* scale, const uint32_t* stochastic_key = nullptr) {
   const int64_t numel = static_cast<int64_t>(u.size());
@@ -94,21 +95,19 @@ void StoreState(const TensorSlot& t, const std::vector<float>& u, void* buffer,
       if (stochastic_key == nullptr) {
         for (int64_t i = begin; i < end; ++i) StoreBlockElement(buffer, dtype, i, u[i], s);
       } else {
-        const bool is_unsigned = dtype == DType::kUFloat4E3M1Block;
         uint32_t top = 0;
         for (int64_t i = begin; i < end; ++i) {
           const uint32_t bits =
               RandomBits(*stochastic_key, static_cast<uint64_t>(t.first_index + i));
-          const uint8_t code = is_unsigned ? EncodeUFloat4E3M1Stochastic(u[i], s, bits)
-                                           : EncodeFloat4E2M1Stochastic(u[i] / s, bits);
+          const uint8_t code = EncodeStochasticCode(dtype, u[i], s, bits);
           SetCode(buffer, dtype, i, code);
-          top = std::max(top, Float4Rank(is_unsigned, code));
+          top = std::max(top, StochasticRank(dtype, code));
         }
         // S2.13: stored as its decoded values would encode again.
-        const float canonical = CanonicalFloat4Scale(is_unsigned, top, s);
+        const float canonical = CanonicalBlockScale(dtype, top, s);
         if (canonical < s) {
           for (int64_t i = begin; i < end; ++i) {
-            SetCode(buffer, dtype, i, DoubledFloat4Code(is_unsigned, CodeAt(buffer, dtype, i)));
+            SetCode(buffer, dtype, i, DoubledBlockCode(dtype, CodeAt(buffer, dtype, i)));
           }
         }
         s = canonical;

@@ -2,8 +2,11 @@
 // codecs, scales, remainders, Convert, MeasureScale and the Adam step. It is
 // the oracle the tests compare the SIMD kernels against bit for bit, so it
 // favours plain, obviously correct code over speed and shares nothing with the
-// kernels except the per-element formula in element.h. It validates nothing:
-// callers pass slots that shardadam::AdamStep would accept.
+// SIMD kernels except the per-element formula in element.h. With the CUDA
+// kernels it also shares the host-device scalar codecs of the block formats and
+// stochastic rounding (ufloat8.h, float4.h, counter_hash.h, bf16_stochastic.h),
+// which codec_test.cc checks against their definitions code by code. It
+// validates nothing: callers pass slots that shardadam::AdamStep would accept.
 #ifndef SHARDADAM_REFERENCE_H_
 #define SHARDADAM_REFERENCE_H_
 

@@ -194,7 +194,7 @@ bool CheckRoundingCode(int64_t i, const char* field, Rounding rounding, Error* e
 }
 
 // The states' roundings: stochastic rounding exists for a signed E2M1 exp_avg
-// and an unsigned E3M1 exp_avg_sq (S2.13), and for a bf16 param that is the
+// and an unsigned E3M1 or E4M4 exp_avg_sq (S2.13), and for a bf16 param that is the
 // weight's only copy (S2.14), whose bits are keyed by first_index as a block's are.
 bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
   if (!CheckRoundingCode(i, "exp_avg_rounding", s.exp_avg_rounding, error) ||
@@ -210,11 +210,12 @@ bool CheckRounding(int64_t i, const TensorSlot& s, Error* error) {
                        Code(s.exp_avg_dtype), DTypeName(s.exp_avg_dtype)));
   }
   if (s.exp_avg_sq_rounding == Rounding::kStochastic &&
-      s.exp_avg_sq_dtype != DType::kUFloat4E3M1Block) {
+      s.exp_avg_sq_dtype != DType::kUFloat4E3M1Block &&
+      s.exp_avg_sq_dtype != DType::kUFloat8E4M4Block) {
     return Fail(error, i,
                 Format("exp_avg_sq_rounding 1 (stochastic) is not allowed for an "
                        "exp_avg_sq_dtype %d (%s) exp_avg_sq; stochastic rounding needs "
-                       "ufp4-block",
+                       "ufp4-block or ufp8-block",
                        Code(s.exp_avg_sq_dtype), DTypeName(s.exp_avg_sq_dtype)));
   }
   if (s.param_rounding != Rounding::kStochastic) return true;

@@ -86,7 +86,7 @@ struct BlockLane {
   float m[kMaxPerLane];
   float v[kMaxPerLane];
   uint32_t best[2];  // AbsBits maxima of the new m and v over the lane's elements
-  // The highest Float4Rank of the lane's m and v codes rounded stochastically
+  // The highest StochasticRank of the lane's m and v codes rounded stochastically
   // (S2.13; 0 for a stream rounded to nearest), set by StoreBlockLane.
   uint32_t top[2];
 };
@@ -157,7 +157,6 @@ SHARDADAM_HOST_DEVICE inline Scales NewBlockScales(const DeviceSlot& t, const ui
 SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j, int lane,
                                                  const Scales& now, BlockLane& in) {
   const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
-  const bool m_unsigned = t.exp_avg_dtype == static_cast<uint8_t>(DType::kUFloat4E3M1Block);
   in.top[0] = in.top[1] = 0;
 #pragma unroll
   for (int k = 0; k < kMaxPerLane; ++k) {
@@ -167,11 +166,13 @@ SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j,
     EncodeBlockMoments(t, now, i, in.m[k], in.v[k], codes);
     WriteMomentCodes(t, i, codes);
     if (t.m_stochastic) {
-      const uint32_t rank = Float4Rank(m_unsigned, static_cast<uint8_t>(codes.m));
+      const uint32_t rank =
+          StochasticRank(static_cast<DType>(t.exp_avg_dtype), static_cast<uint8_t>(codes.m));
       in.top[0] = in.top[0] > rank ? in.top[0] : rank;
     }
     if (t.v_stochastic) {
-      const uint32_t rank = Float4Rank(true, static_cast<uint8_t>(codes.v));
+      const uint32_t rank = StochasticRank(static_cast<DType>(t.exp_avg_sq_dtype),
+                                           static_cast<uint8_t>(codes.v));
       in.top[1] = in.top[1] > rank ? in.top[1] : rank;
     }
   }
@@ -180,7 +181,8 @@ SHARDADAM_HOST_DEVICE inline void StoreBlockLane(const DeviceSlot& t, int64_t j,
 // S2.13's canonical block, after the group's `top` (the maxima of its lanes'
 // BlockLane::top): where a stochastically rounded block's largest element rounded
 // down out of the top binade, lane `lane` doubles its codes of that stream, and
-// `now` gets the scale the block is stored with (float4.h CanonicalFloat4Scale).
+// `now` gets the scale the block is stored with (stochastic_blocks.h
+// CanonicalBlockScale).
 SHARDADAM_HOST_DEVICE inline void CanonicalBlockLane(const DeviceSlot& t, int64_t j, int lane,
                                                      const uint32_t top[2], Scales& now) {
   const bool stochastic[2] = {t.m_stochastic, t.v_stochastic};
@@ -189,11 +191,12 @@ SHARDADAM_HOST_DEVICE inline void CanonicalBlockLane(const DeviceSlot& t, int64_
   const int per_lane = t.scale_block / LanesPerScaleBlock(t.scale_block);
   for (int s = 0; s < 2; ++s) {
     if (!stochastic[s]) continue;
-    const bool is_unsigned = dtypes[s] == static_cast<uint8_t>(DType::kUFloat4E3M1Block);
+    const DType dtype = static_cast<DType>(dtypes[s]);
     float& scale = now.s[s == 0 ? kM : kV];
-    const float canonical = CanonicalFloat4Scale(is_unsigned, top[s], scale);
+    const float canonical = CanonicalBlockScale(dtype, top[s], scale);
     if (canonical < scale) {
-      // A pair at a time: WriteCode's even element clears its odd one's nibble.
+      // A pair at a time: for 4-bit codes WriteCode's even element clears its odd
+      // one's nibble.
       for (int k = 0; k < per_lane; k += 2) {
         const int64_t i = BlockElement(t, j, lane, k);  // even; i + 1 its pair
         uint32_t code[2] = {0, 0};
@@ -203,7 +206,7 @@ SHARDADAM_HOST_DEVICE inline void CanonicalBlockLane(const DeviceSlot& t, int64_
         for (int h = 0; h < 2; ++h) {
           if (i + h < 0 || i + h >= t.numel) continue;
           WriteCode(buffers[s], dtypes[s], i + h,
-                    DoubledFloat4Code(is_unsigned, static_cast<uint8_t>(code[h])));
+                    DoubledBlockCode(dtype, static_cast<uint8_t>(code[h])));
         }
       }
     }

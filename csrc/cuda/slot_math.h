@@ -17,6 +17,7 @@
 #include "element.h"
 #include "shardadam/adam.h"
 #include "scale_rule.h"
+#include "stochastic_blocks.h"
 
 namespace shardadam {
 namespace cuda {
@@ -342,12 +343,12 @@ SHARDADAM_HOST_DEVICE inline void EncodeMoments(const DeviceSlot& t, const Scale
 SHARDADAM_HOST_DEVICE inline void EncodeBlockMoments(const DeviceSlot& t, const Scales& now,
                                                       int64_t i, float m, float v, Codes& c) {
   const uint64_t index = static_cast<uint64_t>(t.first_index + i);
-  c.m = t.m_stochastic
-            ? EncodeFloat4E2M1Stochastic(m / now.s[kM], RandomBits(t.m_key, index))
-            : EncodeState(m, t.exp_avg_dtype, now.s[kM]);
-  c.v = t.v_stochastic
-            ? EncodeUFloat4E3M1Stochastic(v, now.s[kV], RandomBits(t.v_key, index))
-            : EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
+  c.m = t.m_stochastic ? EncodeStochasticCode(static_cast<DType>(t.exp_avg_dtype), m,
+                                               now.s[kM], RandomBits(t.m_key, index))
+                       : EncodeState(m, t.exp_avg_dtype, now.s[kM]);
+  c.v = t.v_stochastic ? EncodeStochasticCode(static_cast<DType>(t.exp_avg_sq_dtype), v,
+                                               now.s[kV], RandomBits(t.v_key, index))
+                       : EncodeState(v, t.exp_avg_sq_dtype, now.s[kV]);
 }
 
 // Local element i's codes.

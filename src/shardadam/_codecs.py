@@ -253,6 +253,23 @@ def ufp4_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
     return torch.where(magnitude_bits >= 0x41800000, ufp4_encode(x, u), code)
 
 
+def ufp8_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
+                           random: torch.Tensor) -> torch.Tensor:
+    """Unsigned E4M4 codes of fp32 ``|x|`` rounded stochastically with 19 of the
+    ``random`` bits (S2.13): from 2^-6 up the fp32 bits above 2^-6 plus the random
+    bits count codes, 16 a binade; below 2^-6, ``|x| · 2^29`` truncated does; from 480
+    up ``ufp8_encode``'s nearest (480 up to 488, and above it, inf and NaN the NaN
+    code). Zero-free on ``u`` as ``ufp8_encode``'s callers."""
+    magnitude_bits = x.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    r = random & 0x7FFFF
+    normal = 16 + ((magnitude_bits - 0x3C800000 + r) >> 19)
+    below = torch.nan_to_num(x.abs(), nan=0.0).clamp(max=2.0 ** -6)
+    small = ((below * 536870912.0).to(torch.int64) + r) >> 19
+    code = torch.where(magnitude_bits >= 0x3C800000, normal, small)
+    code = torch.where((code == 0) & (u != 0), 1, code).to(torch.uint8)
+    return torch.where(magnitude_bits >= 0x43F00000, ufp8_encode(x), code)
+
+
 def bf16_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
     """bf16 of fp32 ``x`` rounded stochastically with the high 16 of the ``random`` bits
     (S2.14): they are added to the fp32 bits, whose high half is kept; a NaN is made
@@ -348,8 +365,8 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
                   zero_bound: float, rounding: Optional[int] = None):
     """``(codes, scales)`` of fp32 ``value`` (any shape) in per-block format ``name``
     (S2.9 / S2.10): codes uint8 flat, scales fp32 one per block touched. ``rounding``:
-    a step key (``exp_avg_step_key``, ``square_step_key``) to round ``fp4-block`` or
-    ``ufp4-block`` codes stochastically (S2.13)."""
+    a step key (``exp_avg_step_key``, ``square_step_key``) to round ``fp4-block``,
+    ``ufp4-block`` or ``ufp8-block`` codes stochastically (S2.13)."""
     flat = value.reshape(-1).float()
     n = flat.numel()
     count = block_count(first, n, block)
@@ -372,23 +389,29 @@ def encode_blocks(name: str, value: torch.Tensor, first: int, block: int, target
         codes = fp4_encode_stochastic(x, bits)
     elif name == "ufp4-block":
         codes = ufp4_encode_stochastic(x, flat, bits)
+    elif name == "ufp8-block":
+        codes = ufp8_encode_stochastic(x, flat, bits)
     else:
         raise ValueError(f"no stochastic rounding for per-block format {name!r}")
     return _canonical(name, codes, scales, where, lead, count, block, target, zero_bound)
 
 
 def _canonical(name, codes, scales, where, lead, count, block, target, zero_bound):
-    """S2.13: stochastically rounded 4-bit ``codes`` and their ``scales`` as encoding
-    their decoded values again would store them: a block whose largest element rounded
-    down out of the top binade takes half its scale and codes of twice the values
-    (``fp4-block`` 3 becomes 6, ``ufp4-block`` 8 becomes 16); one whose codes are all 0
-    (an ``fp4-block`` at the smallest scale) takes scale 1."""
+    """S2.13: stochastically rounded ``codes`` and their ``scales`` as encoding their
+    decoded values again would store them: a block whose largest element rounded down
+    out of the top binade takes half its scale and codes of twice the values
+    (``fp4-block`` 3 becomes 6, ``ufp4-block`` 8 becomes 16, ``ufp8-block`` 240 becomes
+    480); one whose codes are all 0 (an ``fp4-block`` at the smallest scale) takes
+    scale 1."""
     magnitude = _values_of(name, codes).abs()  # NaN codes stay NaN
     padded = magnitude.new_zeros(count * block)
     padded[lead:lead + codes.numel()] = magnitude
     largest = torch.amax(padded.view(count, block), dim=1) * scales  # exact
     canonical = block_scales(largest, target, zero_bound, OVERFLOW_BOUNDS[name])
     halved = (canonical < scales)[where]
+    if name == "ufp8-block":  # E = 0 doubles M (reaching E = 1 from 8), else E + 1
+        doubled = torch.where(codes < 16, 2 * codes.long(), codes.long() + 16)
+        return torch.where(halved, doubled.to(torch.uint8), codes), canonical
     mag = codes & (0xF if name == "ufp4-block" else 0x7)
     doubled = torch.where(mag == 0, 0, torch.where(mag == 1, 2, mag + 2)) | (codes - mag)
     return torch.where(halved, doubled.to(torch.uint8), codes), canonical

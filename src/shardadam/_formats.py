@@ -175,8 +175,8 @@ class Format:
         a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
         ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
         itself (fp32 updated in place) there is nothing to do. ``rounding``: a step key
-        to round a 4-bit moment (``fp4-block``, ``ufp4-block``) stochastically (S2.13),
-        else to nearest."""
+        to round a per-block moment (``fp4-block``, ``ufp4-block``, ``ufp8-block``)
+        stochastically (S2.13), else to nearest."""
         if self.scale == "block":
             flat = value.reshape(-1)
             out = stored.view(-1) if stored.is_contiguous() else stored.reshape(-1).clone()

@@ -81,8 +81,9 @@ class Entry:
             elif spec.name == "exp_avg_sq":
                 self.exp_avg_sq, self.exp_avg_sq_format = stored, spec.format
                 self.exp_avg_sq_scale = scale
-                # So does a 4-bit exp_avg_sq (S2.12, S2.13).
-                self.exp_avg_sq_rounding = int(spec.format.name == "ufp4-block")
+                # So does a per-block exp_avg_sq, 4-bit or 8-bit (S2.10, S2.13).
+                self.exp_avg_sq_rounding = int(spec.format.name in ("ufp4-block",
+                                                                    "ufp8-block"))
             else:
                 self.master, self.master_format = stored, spec.format
                 self.master_scale = scale

@@ -155,6 +155,17 @@ inline std::vector<BlockConfig> BlockConfigs() {
                      kSR, kSR, kShardRoundingKey, kSR});
   configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock4, true,
                      kNear, kNear, kShardRoundingKey, kSR});
+  // And block8 as FusedAdam steps it (the unsigned E4M4 exp_avg_sq rounded
+  // stochastically) beside every weight, and beside a bf16 param with no master
+  // rounded stochastically too.
+  for (bool adam_w : {true, false}) {
+    for (const auto& w : weights) {
+      configs.push_back({w.param, DType::kBFloat16, w.master, kBlock8, kUBlock8, adam_w, kNear,
+                         kNear, kShardRoundingKey, kSR});
+    }
+  }
+  configs.push_back({DType::kBFloat16, DType::kFloat32, DType::kNone, kBlock8, kUBlock8, true,
+                     kNear, kSR, kShardRoundingKey, kSR});
   return configs;
 }
 

@@ -249,6 +249,18 @@ std::vector<BlockConfig> Configs() {
                        adam_w, kSR, kNear, kSR});
     configs.push_back({DType::kBFloat16, DType::kFloat32, DType::kNone, kBlock4, kUBlock4,
                        adam_w, kSR, kSR, kSR});
+    // Block8 as FusedAdam steps it (its unsigned E4M4 exp_avg_sq rounded
+    // stochastically) beside fp32 params, bf16 params + fp32 master, bf16 params
+    // + remainders with bf16 gradients and bf16 params with no master rounded
+    // stochastically (the param's index hash kept for the moment's bits).
+    configs.push_back({DType::kFloat32, DType::kFloat32, DType::kNone, kBlock8, kUBlock8,
+                       adam_w, kNear, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kFloat32, DType::kFloat32, kBlock8, kUBlock8,
+                       adam_w, kNear, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8,
+                       kUBlock8, adam_w, kNear, kNear, kSR});
+    configs.push_back({DType::kBFloat16, DType::kBFloat16, DType::kNone, kBlock8, kUBlock8,
+                       adam_w, kNear, kSR, kSR});
   }
   return configs;
 }
@@ -847,7 +859,7 @@ TEST(BlockValidationTest, BadGeometryAndScalesAreRefusedNamingTheRule) {
       {"stochastic fp8-block exp_avg_sq", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_sq_rounding = Rounding::kStochastic; },
        "exp_avg_sq_rounding 1 (stochastic) is not allowed for an exp_avg_sq_dtype 6 "
-       "(fp8-block) exp_avg_sq; stochastic rounding needs ufp4-block"},
+       "(fp8-block) exp_avg_sq; stochastic rounding needs ufp4-block or ufp8-block"},
       {"unknown exp_avg_sq rounding", [](BlockTensor*, TensorSlot* s) {
          s->exp_avg_sq_dtype = kUBlock4; s->exp_avg_sq_rounding = static_cast<Rounding>(-1); },
        "exp_avg_sq_rounding -1 is not a rounding; expected 0 (nearest) or 1 (stochastic)"},

@@ -21,7 +21,9 @@
 #include "kernels.h"
 #include "reference.h"
 #include "shardadam/adam.h"
+#include "stochastic_blocks.h"
 #include "test_util.h"
+#include "ufloat8.h"
 
 namespace shardadam {
 namespace testing {
@@ -589,15 +591,15 @@ void ExpectStochasticEncoderMatchesReference(
   std::vector<float> inputs = InputsWithGrid(format);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
-  for (int i = 0; i < 4096; ++i) {
-    inputs.push_back(std::ldexp(unit(rng), static_cast<int>(rng() % 14) - 10));
+  for (int i = 0; i < 4096; ++i) {  // every binade of the 4-bit and 8-bit maps
+    inputs.push_back(std::ldexp(unit(rng), static_cast<int>(rng() % 24) - 14));
   }
   ForEachTarget([&] {
     const internal::KernelTable& kt = internal::ActiveKernels();
     std::vector<float> x = inputs;
     const size_t n = (x.size() + kt.pair - 1) / kt.pair * kt.pair;
     x.resize(n, 0.0f);
-    std::vector<uint8_t> codes(n / 2);
+    std::vector<uint8_t> codes(static_cast<size_t>(BufferBytes(dtype, n)));
     const struct {
       float scale;
       uint32_t key;
@@ -633,6 +635,98 @@ TEST(SimdCodecTest, StochasticUnsignedE3M1MatchesReference) {
   ExpectStochasticEncoderMatchesReference(DType::kUFloat4E3M1Block, kUFloat4Format,
                                           &internal::KernelTable::encode_uf4_stochastic,
                                           EncodeUFloat4E3M1Stochastic);
+}
+
+TEST(SimdCodecTest, StochasticUnsignedE4M4MatchesReference) {
+  ExpectStochasticEncoderMatchesReference(DType::kUFloat8E4M4Block, kUFloat8Format,
+                                          &internal::KernelTable::encode_uf8_stochastic,
+                                          EncodeUFloat8E4M4Stochastic);
+}
+
+// The unsigned E4M4 encoder at scale 1, rounded stochastically.
+uint8_t UnsignedE4M4Stochastic(float x, uint32_t random) {
+  return EncodeUFloat8E4M4Stochastic(x, 1.0f, random);
+}
+
+// Block8's exp_avg_sq (S2.13): every code stores itself whatever the bits; from
+// 480 up the nearest code (480), above 488, inf and NaN the NaN code; 0 is code
+// 0 and any other magnitude at least code 1 (zero-free); the sign is ignored.
+TEST(StochasticRoundingTest, UnsignedE4M4GridValuesAndEdgesIgnoreTheBits) {
+  std::mt19937 rng(3);
+  std::vector<uint32_t> bits = {0u, 0x7FFFFu, 0x80000u, 0xFFFFFFFFu};
+  for (int k = 0; k < 64; ++k) bits.push_back(rng());
+  for (uint32_t r : bits) {
+    for (int code = 0; code < 0xFF; ++code) {
+      const float x = DecodeUFloat8E4M4(static_cast<uint8_t>(code));
+      ASSERT_EQ(UnsignedE4M4Stochastic(x, r), code) << r;
+      ASSERT_EQ(UnsignedE4M4Stochastic(-x, r), code) << r;
+    }
+    for (float x : {std::nextafter(480.0f, 481.0f), 484.0f, 488.0f}) {
+      EXPECT_EQ(UnsignedE4M4Stochastic(x, r), 0xFE) << x;  // 480
+    }
+    EXPECT_EQ(UnsignedE4M4Stochastic(std::nextafter(488.0f, 489.0f), r), 0xFF);
+    EXPECT_EQ(UnsignedE4M4Stochastic(INFINITY, r), 0xFF);
+    EXPECT_EQ(UnsignedE4M4Stochastic(NAN, r), 0xFF);
+    EXPECT_EQ(UnsignedE4M4Stochastic(-0.0f, r), 0);
+    EXPECT_EQ(UnsignedE4M4Stochastic(FloatOf(1), r), 1);
+    EXPECT_EQ(EncodeUFloat8E4M4Stochastic(FloatOf(1), 1024.0f, r), 1);  // underflowed
+    // Below 480 a value between two codes stores one of them.
+    const uint8_t top = UnsignedE4M4Stochastic(470.0f, r);  // 464 or 480
+    EXPECT_TRUE(top == 0xFD || top == 0xFE) << r;
+    const uint8_t low = UnsignedE4M4Stochastic(0.0015f, r);  // 1 or 2 units of 2^-10
+    EXPECT_TRUE(low == 1 || low == 2) << r;
+  }
+}
+
+// Unbiased from the smallest non-zero value up to 480, where rounding to
+// nearest is not: under beta2 = 0.999 a value decays in expectation, where
+// rounded to nearest 0.999 * x goes back to x at every code (S2.10's limit,
+// the reason S2.13 rounds it stochastically).
+TEST(StochasticRoundingTest, UnsignedE4M4MeanOfManyCodesIsTheValue) {
+  const F4Encoder stochastic = UnsignedE4M4Stochastic;
+  const F4Encoder nearest = [](float x, uint32_t) { return EncodeUFloat8E4M4(x); };
+  const F4Encoder biased = [](float x, uint32_t r) {
+    return UnsignedE4M4Stochastic(x, r | 0x40000u);
+  };
+  std::vector<double> grid;
+  for (int code = 0; code < 0xFF; ++code) {
+    grid.push_back(DecodeUFloat8E4M4(static_cast<uint8_t>(code)));
+  }
+  constexpr int kN = 1 << 16;
+  for (float x : {0.0013f, 0.007f, 0.02f, 0.3f, 1.01f, 3.3f, 77.7f, 250.0f, 470.0f}) {
+    const auto bias = [&](F4Encoder encode) {
+      return BiasInStandardErrors(encode, DecodeUFloat8E4M4, grid, x, kN);
+    };
+    EXPECT_LT(bias(stochastic), 5.0) << x;
+    EXPECT_GT(bias(nearest), 5.0) << x;
+    EXPECT_GT(bias(biased), 5.0) << x;
+  }
+  for (int code = 2; code < 0xFF; code += 7) {  // every decay moves, 480's too
+    const float decayed = 0.999f * DecodeUFloat8E4M4(static_cast<uint8_t>(code));
+    EXPECT_EQ(EncodeUFloat8E4M4(decayed), code);
+    EXPECT_LT(BiasInStandardErrors(stochastic, DecodeUFloat8E4M4, grid, decayed, kN), 5.0)
+        << code;
+  }
+}
+
+// S2.13's canonical E4M4 block: a largest element rounded down to 240 or below
+// (from (244, 248)) takes half the scale; every code of the block doubled keeps
+// its value at half the scale.
+TEST(StochasticRoundingTest, CanonicalScaleOfStochasticE4M4Blocks) {
+  const float s = 0x1p-3f;
+  for (uint32_t top : {0xEFu, 0xF0u, 0xFEu}) EXPECT_EQ(CanonicalUFloat8Scale(top, s), s);
+  EXPECT_EQ(CanonicalUFloat8Scale(0xEEu, s), s / 2);  // 240
+  EXPECT_EQ(CanonicalUFloat8Scale(0xFFu, 1.0f), 1.0f);  // a NaN code
+  EXPECT_EQ(CanonicalUFloat8Scale(0xEEu, 0x1p-126f), 0x1p-126f);  // the smallest scale
+  EXPECT_EQ(KeepsScaleRank(DType::kUFloat8E4M4Block), 0xEFu);
+  EXPECT_EQ(KeepsScaleValue(DType::kUFloat8E4M4Block), 248.0f);
+  EXPECT_EQ(KeepsScaleValue(DType::kUFloat4E3M1Block), 12.0f);
+  EXPECT_EQ(KeepsScaleValue(DType::kFloat4E2M1Block), 4.0f);
+  for (int code = 0; code <= 0xEE; ++code) {
+    const auto c = static_cast<uint8_t>(code);
+    EXPECT_EQ(DecodeUFloat8E4M4(DoubledUFloat8Code(c)), 2 * DecodeUFloat8E4M4(c)) << code;
+    EXPECT_EQ(DoubledBlockCode(DType::kUFloat8E4M4Block, c), DoubledUFloat8Code(c));
+  }
 }
 
 // S2.14: a bf16 param rounded stochastically. The param stream's key is

@@ -399,8 +399,9 @@ def test_fused_adam_keys_each_parameter_by_its_group_and_position(backend):
                                      f"group {g} param {i} {name} scales")
 
 
-@pytest.mark.parametrize("fmt,low,high", [(FP4B, 3.5, 4.0), (UFP4B, 10.0, 12.0)],
-                         ids=["fp4-block", "ufp4-block"])
+@pytest.mark.parametrize("fmt,low,high", [(FP4B, 3.5, 4.0), (UFP4B, 10.0, 12.0),
+                                           (_formats.UFP8_BLOCK, 244.0, 248.0)],
+                         ids=["fp4-block", "ufp4-block", "ufp8-block"])
 def test_stochastic_blocks_store_as_their_decoded_values_encode(fmt, low, high):
     """S2.13's canonical blocks: rounded stochastically, a block's largest element in
     (low, high) (just below the top binade at its scale) may round down out of it; the

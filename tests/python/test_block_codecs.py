@@ -226,3 +226,45 @@ def test_torch_codec_equals_the_core(name, first, n, block):
         decoded = f.with_block(block).decode(stored, scales, first)
         assert_bitwise_equal(decoded, _codecs.decode_blocks(f.name, codes, want, first,
                                                             block), "decode")
+
+
+@pytest.mark.skipif(not have_core(), reason="C++ extension is not built")
+@pytest.mark.parametrize("key", [0x5EED, 2**32 - 1])
+@pytest.mark.parametrize("first,n,block", [(0, 1024 * 16, 128), (77, 3000 * 8, 256)])
+def test_stochastic_exp_avg_sq_torch_codec_equals_the_core(first, n, block, key):
+    """Block8's exp_avg_sq as FusedAdam rounds it (stochastically, S2.13), one core
+    step from zero moments: bitwise what the torch codec makes of (1-beta2)g^2 with
+    the slot's rounding_key, also in blocks whose largest element lies in (244, 248)
+    times its scale, which may round down out of the top binade and then are stored
+    at half the scale (S2.13's canonical blocks): both kinds occur."""
+    from shardadam import _C
+
+    gen = torch.Generator().manual_seed(n)
+    c2 = torch.tensor(1 - 0.999)
+    g = spread_values(n, n + 1)
+    for start in range(-(first % block), n, 2 * block):  # every other block: a case
+        part = g[max(start, 0):start + block]
+        top = math.sqrt((244.0 + 4.0 * torch.rand((), generator=gen).item()) * 2.0 ** -20
+                        / c2.item())
+        part *= 0.5 * top / part.abs().max()
+        part[0] = top
+    param = torch.randn(n, generator=gen)
+    m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    count = _codecs.block_count(first, n, block)
+    m_scales, v_scales = torch.ones(count), torch.ones(count)
+    row = [n, param.data_ptr(), 1, g.data_ptr(), 1, m.data_ptr(), FP8B.tag,
+           m_scales.data_ptr(), v.data_ptr(), UFP8B.tag, v_scales.data_ptr(), 0, 0, 0,
+           first, block, 0, key, 0, 1]  # exp_avg_sq rounded stochastically
+    step = 5
+    _C.adam_step(row, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, step, 2)
+    u = (c2 * g) * g
+    codes, want = _codecs.encode_blocks(UFP8B.name, u, first, block, UFP8B.scale_target,
+                                        UFP8B.zero_bound, _codecs.square_step_key(key, step))
+    assert_bitwise_equal(v, codes, "ufp8-block codes from the core")
+    assert_bitwise_equal(v_scales, want, "ufp8-block scales from the core")
+    _, rule = ufp8_block_oracle(u, first, block)  # S2.10's scales, or half of them
+    assert bool(((v_scales == rule) | (v_scales == rule / 2)).all())
+    assert 0 < int((v_scales == rule / 2).sum()) < count, "both kinds of block"
+    nearest, _ = _codecs.encode_blocks(UFP8B.name, u, first, block, UFP8B.scale_target,
+                                       UFP8B.zero_bound)
+    assert not torch.equal(v, nearest), "rounded to nearest"

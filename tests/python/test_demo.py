@@ -293,10 +293,11 @@ def test_bf16_sr_block8_preset():
     from shardadam.demo.config import PRESETS
 
     params = {}
-    for name in ("bf16-sr-block8", "bf16-block8"):
+    for name, rounding in (("bf16-sr-block8", "stochastic"), ("bf16-block8", "nearest")):
         preset = PRESETS[name]
         p = torch.nn.Parameter(torch.ones(4, 256, dtype=getattr(torch, preset.param_dtype)))
         opt = FusedAdam([p], lr=1e-3, **preset.fused_adam_kwargs())
+        assert opt.param_rounding == rounding
         assert "master_param" not in opt.state[p]
         stored = sum(t.numel() * t.element_size() for t in opt.state[p].values())
         scales = sum(t.numel() * t.element_size() for t in opt._scales[p].values())
@@ -304,6 +305,5 @@ def test_bf16_sr_block8_preset():
         p.grad = torch.ones_like(p)
         opt.step()
         params[name] = p.detach()
-    assert opt.param_rounding == "nearest" and torch.equal(params["bf16-block8"],
-                                                           torch.ones(4, 256))
+    assert torch.equal(params["bf16-block8"], torch.ones(4, 256))
     assert not torch.equal(params["bf16-sr-block8"], params["bf16-block8"])

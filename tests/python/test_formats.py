@@ -220,7 +220,9 @@ def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
     """A per-block format's torch encode and decode step through a tensor in chunks cut
     on the whole parameter's block boundaries (their temporaries stay bounded): the
     same codes and scales as the whole tensor at once, zero chunks included (stored as
-    code 0, scale 1, without encoding; -0.0 still encoded), stochastic codes too."""
+    code 0, scale 1, without encoding; -0.0 still encoded, which only fp8-block's codes
+    can tell apart: E4M3 keeps its sign, E2M1 stores it as code 0), stochastic codes
+    too."""
     from shardadam import _codecs
 
     f = fmt.with_block(128)
@@ -231,7 +233,7 @@ def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
     value[3:9] = 0.0  # whole zero blocks and chunks
     value[10, 5] = -0.0
     if not fmt.name.startswith("u"):
-        value[8:12] = -0.0  # whole chunks of -0.0 (E4M3 and E2M1 keep its sign)
+        value[8:12] = -0.0  # whole chunks of -0.0 (E4M3 keeps its sign; E2M1 has code 0)
     rounding = _codecs.exp_avg_step_key(3, 7) if fmt.item_bits == 4 else None
     want_codes, want_scales = _codecs.encode_blocks(
         f.name, value, first, 128, f.scale_target, f.zero_bound, rounding)

@@ -53,7 +53,10 @@ MAX_EXAMPLES = max(1, round(2500 * float(os.environ.get("SHARDADAM_FUZZ_EXAMPLES
 
 PARAM_PRESETS = ("fp32", "fp16", "bf16", "fp16+bf16")
 GRAD_PRESETS = ("same", "fp32", "fp16", "bf16")
-MOMENT_PRESETS = MOMENT_FORMATS  # every declared format (_optimizer_testing)
+# Every moment format chosen by a dtype (_optimizer_testing). The per-block formats
+# (moment_format=) are fuzzed by tests/fuzz/adam_fuzz.cc against the C++ reference, and
+# their steps checked against float64 and the torch path in test_block_moments_*.py.
+MOMENT_PRESETS = MOMENT_FORMATS
 MASTER_PRESETS = ("none",) + MASTER_FORMATS
 PATTERNS = ("normal", "zeros", "huge", "tiny", "subnormal", "spread", "none")
 

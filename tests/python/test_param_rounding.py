@@ -44,9 +44,10 @@ def bf16_below_and_gap(x: float) -> tuple:
 def test_stochastic_params_track_float64_adamw(steps):
     """2^16 copies of one weight, 1.0, under the same gradient: each Adam step moves it
     by about lr = 1e-3, below half a bf16 step (2^-9). Rounded to nearest the weight
-    never moves; rounded stochastically every stored value is one of the two bf16
-    values around the float64 AdamW weight, and their mean is that weight within five
-    standard errors of the rounding (independent per step and element)."""
+    never moves; rounded stochastically, after one step every stored value is one of
+    the two bf16 values around the float64 AdamW weight, and after one or 20 steps
+    their mean is that weight within five standard errors of the rounding
+    (independent per step and element)."""
     n = 1 << 16
     reference = torch.nn.Parameter(torch.ones(1, dtype=torch.float64))
     adamw = torch.optim.AdamW([reference], weight_decay=0.0, **HYPER)

@@ -114,9 +114,10 @@ struct TensorSlot {
   // then read even when no state is per-block scaled.
   Rounding param_rounding = Rounding::kNearest;
   // exp_avg_sq's rounding: kStochastic only with exp_avg_sq_dtype
-  // kUFloat4E3M1Block, where rounding to nearest never lets a value decay by
-  // beta2 (0.95 * x rounds back to x at every code). Its bits come from
-  // rounding_key (a third stream), the step and first_index + i.
+  // kUFloat4E3M1Block or kUFloat8E4M4Block, where rounding to nearest never
+  // lets a value decay by beta2 near 1 (E3M1: 0.95 * x rounds back to x at
+  // every code; E4M4 from about 0.97 up). Its bits come from rounding_key (a
+  // third stream), the step and first_index + i.
   Rounding exp_avg_sq_rounding = Rounding::kNearest;
 };
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import distribute_tensor
 import _dist_cases
 from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
 from _optimizer_testing import block8_decode, fp8_block_oracle, ufp8_block_oracle
+from shardadam import _codecs, _formats
 
 BLOCK = 128
 SHAPES = {"0.weight": (6, 2 * BLOCK), "1.weight": (12, BLOCK)}  # whole blocks per row
@@ -213,13 +214,23 @@ def block8_mesh_rule(ctx, case):
 
     def check():
         # S2.9 / S2.10 worked out in the test: blocks keyed from f, float64 scales; the
-        # moments from zero are the core's fp32 constants times g (S3.6).
+        # moments from zero are the core's fp32 constants times g (S3.6). exp_avg_sq is
+        # rounded stochastically (S2.13) with the bits of flat indices from f (the
+        # parameter's rounding_key 0, step 1): the codec's codes, the rule's scales or,
+        # for a canonical block, half of them.
         for name, want, oracle, fmt in (
                 ("exp_avg", torch.tensor(1 - 0.9) * local_g, fp8_block_oracle, "fp8-block"),
                 ("exp_avg_sq", (torch.tensor(1 - 0.95) * local_g) * local_g,
                  ufp8_block_oracle, "ufp8-block")):
             assert opt._formats[p][name].name == fmt, (case.detail, name)
             codes, scales = oracle(want.reshape(-1), first, BLOCK)
+            if name == "exp_avg_sq":
+                f = _formats.UFP8_BLOCK
+                rule = scales
+                codes, scales = _codecs.encode_blocks(f.name, want.reshape(-1), first, BLOCK,
+                                                      f.scale_target, f.zero_bound,
+                                                      _codecs.square_step_key(0, 1))
+                assert bool(((scales == rule) | (scales == rule / 2)).all()), case.detail
             got = opt.state[p][name].to_local()
             assert_bitwise(got.reshape(-1), codes, f"{case.detail}: {name} codes at f={first}")
             assert_bitwise(opt._scales[p][name], scales, f"{case.detail}: {name} scales")
