@@ -5,8 +5,9 @@
 // formats, block moments beside unscaled ones and beside the other width's, block
 // sizes 128..4096, shards whose first and last blocks are partial (4-bit: even
 // first indices, odd counts with a padding nibble), zero, tiny, huge and
-// non-finite blocks, block4 with exp_avg and exp_avg_sq rounded stochastically (S2.13), bf16
-// params without master rounded stochastically (S2.14). What is left to a GPU
+// non-finite blocks, block4 with exp_avg and exp_avg_sq rounded stochastically and
+// block8 with its exp_avg_sq so (S2.13), bf16 params without master rounded
+// stochastically (S2.14). What is left to a GPU
 // is the launch (tests/cpp/cuda/adam_cuda_test.cc).
 #include <algorithm>
 #include <cmath>
