@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "element.h"  // MakeStepConstants
+
 namespace shardadam {
 namespace internal {
 namespace {
@@ -80,6 +82,34 @@ bool CheckBeta(const char* name, double value, Error* error) {
   if (!std::isfinite(value) || value < 0.0 || value >= 1.0) {
     return Fail(error, -1,
                 Format("%s %.9g is outside [0, 1)", name, value));
+  }
+  return true;
+}
+
+// The fp32 constants the step uses (element.h MakeStepConstants, S3.6) are
+// finite: a hyper-parameter past fp32's range (lr = 1e39, or lr / c1 or
+// lr * weight_decay beyond FLT_MAX) would turn every weight it touches to inf or
+// NaN. A device-memory lr is read when the kernels run, so it is not checked.
+bool CheckStepConstants(const StepParams& params, Error* error) {
+  if (params.lr_in_device_memory != nullptr) return true;
+  const StepConstants k = MakeStepConstants(params);
+  const struct {
+    const char* name;
+    float value;
+  } used[] = {
+      {"lr / (1 - beta1^step)", k.step_size},
+      {params.adam_w_mode ? "1 - lr * weight_decay" : "weight_decay",
+       params.adam_w_mode ? k.decay : k.weight_decay},
+      {"eps", k.eps},
+  };
+  for (const auto& c : used) {
+    if (!std::isinf(c.value)) continue;
+    return Fail(error, -1,
+                Format("%s is beyond fp32's range at step %" PRId64 " (lr %.9g, beta1 "
+                       "%.9g, weight_decay %.9g, eps %.9g; rule: each fp32 constant of "
+                       "the step is finite)",
+                       c.name, params.step, params.lr, params.beta1, params.weight_decay,
+                       params.eps));
   }
   return true;
 }
@@ -482,6 +512,7 @@ bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& para
                 Format("step %" PRId64 " is less than 1; steps are counted from 1",
                        params.step));
   }
+  if (!CheckStepConstants(params, error)) return false;
   return CheckSlots(slots, count, scale_values, error);
 }
 

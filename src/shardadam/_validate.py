@@ -335,6 +335,24 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
+def check_step_constants(hyper, constants: dict, group_index: int) -> None:
+    """The fp32 constants a group's step uses (``constants``: ``_torch_path.
+    step_constants(hyper)``) are finite (S3.6), as the core checks them: a finite
+    hyper-parameter past fp32's range (lr = 1e39, or lr / c1 or lr * weight_decay
+    beyond its largest value) would turn every weight it touches to inf or NaN."""
+    used = (("lr / (1 - beta1^step)", "step_size"),
+            ("1 - lr * weight_decay", "decay") if hyper.adam_w_mode
+            else ("weight_decay", "weight_decay"),
+            ("eps", "eps"))
+    for name, key in used:
+        if math.isinf(constants[key]):
+            raise fail(ValueError, f"{name} is beyond fp32's range at step {hyper.step} "
+                                   f"(lr {hyper.lr!r}, beta1 {hyper.beta1!r}, weight_decay "
+                                   f"{hyper.weight_decay!r}, eps {hyper.eps!r}; rule: each "
+                                   f"fp32 constant of the step is finite, S3.6)",
+                       group=group_index)
+
+
 # The largest step counter: the core counts the step it takes, one more, in an int64.
 MAX_STEP = 2**63 - 2
 

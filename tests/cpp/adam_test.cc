@@ -301,6 +301,32 @@ TEST(AdamSemanticsTest, ZeroLrMovesMomentsOnly) {
   });
 }
 
+// S3.6: the step's fp32 constants may reach FLT_MAX; the first double that rounds
+// past it (FLT_MAX plus half its ulp, a tie that rounds to the even 2^128) is
+// refused, and lr / c1 is judged at the step it is taken.
+TEST(AdamSemanticsTest, StepConstantsUpToFp32sLargestArePassed) {
+  const Config config = {DType::kFloat32, DType::kFloat32, DType::kFloat32,
+                         DType::kFloat32, DType::kNone,    true};
+  std::mt19937 rng(31);
+  const Tensor t = MakeTensor(config, 16, &rng);
+  const double half_ulp = std::ldexp(1.0, 103);
+  const auto status = [&](double lr, bool bias_correction, int64_t step) {
+    Tensor got = t;
+    TensorSlot slot = got.Slot();
+    StepParams params;
+    params.lr = lr;
+    params.bias_correction = bias_correction;
+    params.step = step;
+    return AdamStep(&slot, 1, params, 1, nullptr);
+  };
+  EXPECT_EQ(status(FLT_MAX, false, 1), Status::kOk);
+  EXPECT_EQ(status(FLT_MAX + half_ulp / 2, false, 1), Status::kOk);  // rounds down
+  EXPECT_EQ(status(FLT_MAX + half_ulp, false, 1), Status::kInvalidArgument);
+  // 1e38 / (1 - 0.9^t): past FLT_MAX at step 1, about 1e38 by step 200.
+  EXPECT_EQ(status(1e38, true, 1), Status::kInvalidArgument);
+  EXPECT_EQ(status(1e38, true, 200), Status::kOk);
+}
+
 // S3.7: a bf16 param with an fp32 master (or a remainder) carries exactly the
 // fp32 run's weights, and the param is the master rounded to bf16.
 TEST(AdamSemanticsTest, Bf16WithMasterTracksFp32RunBitwise) {
@@ -663,6 +689,26 @@ std::vector<ErrorCase> ErrorCases() {
   param_case("beta1_negative", "beta1", [](StepParams* p) { p->beta1 = -0.1; });
   param_case("beta2_above_one", "beta2", [](StepParams* p) { p->beta2 = 1.5; });
   param_case("beta2_nan", "beta2", [](StepParams* p) { p->beta2 = NAN; });
+  // Finite hyper-parameters whose fp32 step constants are not (S3.6).
+  param_case("lr_beyond_fp32", "lr / (1 - beta1^step) is beyond fp32's range",
+             [](StepParams* p) { p->lr = 1e39; });
+  param_case("step_size_beyond_fp32", "lr / (1 - beta1^step) is beyond fp32's range",
+             [](StepParams* p) {
+               p->lr = 1e38;  // finite in fp32, but not lr / (1 - 0.9)
+               p->step = 1;
+             });
+  param_case("decay_beyond_fp32", "1 - lr * weight_decay is beyond fp32's range",
+             [](StepParams* p) {
+               p->lr = 10.0;
+               p->weight_decay = 1e38;  // finite in fp32, but not 1 - lr * weight_decay
+             });
+  param_case("l2_weight_decay_beyond_fp32", "weight_decay is beyond fp32's range",
+             [](StepParams* p) {
+               p->adam_w_mode = false;
+               p->weight_decay = 1e39;
+             });
+  param_case("eps_beyond_fp32", "eps is beyond fp32's range",
+             [](StepParams* p) { p->eps = 1e39; });
   param_case("step_zero", "step", [](StepParams* p) { p->step = 0; });
   param_case("step_negative", "step", [](StepParams* p) { p->step = -2; });
   return cases;

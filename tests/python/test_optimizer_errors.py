@@ -353,6 +353,67 @@ def test_gradient_sharing_a_written_buffer_changes_nothing(aliased, backend):
     assert_unchanged(opt, before, "optimizer after a refused step")
 
 
+# Finite hyper-parameters whose fp32 step constants are not (S3.6): what each sets, in
+# the group before a step, and the constant the refusal names.
+FP32_RANGE_CASES = {
+    "lr": (dict(lr=1e39), r"lr / \(1 - beta1\^step\) is beyond fp32's range at step 2"),
+    # 1e38 is finite in fp32; lr / (1 - 0.9^2) = 5.3e38 is not.
+    "step-size": (dict(lr=1e38), r"lr / \(1 - beta1\^step\) is beyond fp32's range"),
+    "decay": (dict(lr=10.0, weight_decay=1e38), r"1 - lr \* weight_decay is beyond"),
+    "l2-weight-decay": (dict(weight_decay=1e39, adam_w_mode=False),
+                        r"(?<!\* )weight_decay is beyond fp32's range"),
+    "eps": (dict(eps=1e39), r"eps is beyond fp32's range"),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("case", sorted(FP32_RANGE_CASES))
+def test_step_whose_fp32_constants_overflow_is_refused(case, backend):
+    """S3.6 (beyond): torch's fused AdamW takes lr = 1e39 and writes inf; a step whose
+    fp32 constants are not finite is refused before anything is written, naming the
+    group and the constant, on both paths (and by the core itself, adam_test)."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    settings, named = FP32_RANGE_CASES[case]
+    settings = dict(settings)
+    generator = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(6, generator=generator)) for _ in range(2)]
+    opt = fused_adam()([dict(params=params[:1]), dict(params=params[1:])],
+                       master_weights=False)
+    for p in params:
+        p.grad = torch.randn(6, generator=generator)
+    with backend_context(backend):
+        opt.step()
+        mode = settings.pop("adam_w_mode", None)
+        if mode is not None:
+            opt.adam_w_mode = mode
+        opt.param_groups[1].update(settings)  # as a scheduler would
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=facts(r"group\W*1\b", named, "rule: ")):
+            opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_step_size_is_judged_at_the_step_taken(backend):
+    """lr / c1 shrinks towards lr as c1 = 1 - beta1^t grows: an lr refused at step 2
+    (5.3e38 in fp32) steps at step 200, and without bias correction from the start."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.zeros(4)
+    opt = fused_adam()([param], lr=1e38)
+    with backend_context(backend):
+        with pytest.raises(ValueError, match="beyond fp32's range at step 1"):
+            opt.step()
+        opt.param_groups[0]["step"] = 199
+        opt.step()
+        assert opt.param_groups[0]["step"] == 200
+        opt.param_groups[0].update(step=0, bias_correction=False)
+        opt.step()
+    assert torch.equal(param.detach(), torch.zeros(4))  # zero gradients move nothing
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_refused_step_after_a_configuration_change_changes_nothing(backend):
     """S3.1 also when the step would first create state: with `master_weights`
