@@ -27,7 +27,7 @@ def _f32(value: float) -> float:
 def step_constants(hyper) -> dict:
     """The per-step scalars of csrc/element.h ``MakeStepConstants``, as fp32 values."""
     t = float(hyper.step)
-    c1 = 1.0 - math.pow(hyper.beta1, t) if hyper.bias_correction else 1.0
+    c1 = _validate.bias_correction1(hyper)
     c2 = 1.0 - math.pow(hyper.beta2, t) if hyper.bias_correction else 1.0
     return {
         "beta1": _f32(hyper.beta1), "one_minus_beta1": _f32(1.0 - hyper.beta1),

@@ -335,22 +335,33 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
     return lr, beta_values[0], beta_values[1], eps, wd
 
 
-def check_step_constants(hyper, constants: dict, group_index: int) -> None:
-    """The fp32 constants a group's step uses (``constants``: ``_torch_path.
-    step_constants(hyper)``) are finite (S3.6), as the core checks them: a finite
-    hyper-parameter past fp32's range (lr = 1e39, or lr / c1 or lr * weight_decay
-    beyond its largest value) would turn every weight it touches to inf or NaN."""
-    used = (("lr / (1 - beta1^step)", "step_size"),
-            ("1 - lr * weight_decay", "decay") if hyper.adam_w_mode
-            else ("weight_decay", "weight_decay"),
-            ("eps", "eps"))
-    for name, key in used:
-        if math.isinf(constants[key]):
+def bias_correction1(hyper) -> float:
+    """``c1 = 1 - beta1^t`` of S3.6 in double (1 without bias correction), as
+    csrc/element.h ``BiasCorrection1``."""
+    return 1.0 - math.pow(hyper.beta1, float(hyper.step)) if hyper.bias_correction else 1.0
+
+
+# The smallest double that rounds to inf in fp32: FLT_MAX plus half its ulp (the tie
+# rounds to the even 2^128).
+_FP32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def check_step_constants(hyper, group_index: int) -> None:
+    """The fp32 constants a group's step uses (S3.6: lr / c1, eps, and 1 - lr * wd or
+    wd), each computed in double and rounded to fp32, are finite, as the core checks
+    them: a finite hyper-parameter past fp32's range (lr = 1e39, or lr / c1 beyond its
+    largest value) would turn every weight it touches to inf or NaN."""
+    lr, wd = hyper.lr, hyper.weight_decay
+    used = (("lr / (1 - beta1^step)", lr / bias_correction1(hyper)),
+            ("1 - lr * weight_decay", 1.0 - lr * wd) if hyper.adam_w_mode
+            else ("weight_decay", wd),
+            ("eps", hyper.eps))
+    for name, value in used:
+        if abs(value) >= _FP32_OVERFLOW:
             raise fail(ValueError, f"{name} is beyond fp32's range at step {hyper.step} "
-                                   f"(lr {hyper.lr!r}, beta1 {hyper.beta1!r}, weight_decay "
-                                   f"{hyper.weight_decay!r}, eps {hyper.eps!r}; rule: each "
-                                   f"fp32 constant of the step is finite, S3.6)",
-                       group=group_index)
+                                   f"(lr {lr!r}, beta1 {hyper.beta1!r}, weight_decay "
+                                   f"{wd!r}, eps {hyper.eps!r}; rule: each fp32 constant "
+                                   f"of the step is finite, S3.6)", group=group_index)
 
 
 # The largest step counter: the core counts the step it takes, one more, in an int64.

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step_hooks,
-               _torch_path, _validate)
+               _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
@@ -419,7 +419,7 @@ class FusedAdam(torch.optim.Optimizer):
         hyper = _backend.Hyper(lr, beta1, beta2, eps, weight_decay, bool(adam_w_mode),
                                bool(group["bias_correction"]), step + 1)  # S3.6
         if not isinstance(lr, torch.Tensor):  # a device lr is read by the kernels only
-            _validate.check_step_constants(hyper, _torch_path.step_constants(hyper), index)
+            _validate.check_step_constants(hyper, index)
         decoupled = self.use_decoupled_grad
         if type(decoupled) is not bool:  # S1.5: Megatron sets it after construction
             _validate.check_flag("use_decoupled_grad", decoupled)

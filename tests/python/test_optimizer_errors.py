@@ -415,6 +415,27 @@ def test_step_size_is_judged_at_the_step_taken(backend):
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_constants_up_to_fp32s_largest_value_step(backend):
+    """The rule is fp32's own rounding: a double below FLT_MAX + half its ulp rounds to
+    FLT_MAX and steps; that tie rounds to 2^128 (even), inf, and is refused."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    flt_max = float(torch.finfo(torch.float32).max)
+    half_ulp = 2.0**103
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.zeros(4)
+    opt = fused_adam()([param], bias_correction=False)  # lr / c1 is lr
+    with backend_context(backend):
+        for lr in (flt_max, flt_max + half_ulp / 2):
+            opt.param_groups[0]["lr"] = lr
+            opt.step()
+        opt.param_groups[0]["lr"] = flt_max + half_ulp
+        with pytest.raises(ValueError, match=r"lr / \(1 - beta1\^step\) is beyond"):
+            opt.step()
+    assert opt.param_groups[0]["step"] == 2
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_refused_step_after_a_configuration_change_changes_nothing(backend):
     """S3.1 also when the step would first create state: with `master_weights`
     switched on, a gradient sharing a parameter's memory is refused before the masters
