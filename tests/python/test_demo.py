@@ -243,6 +243,39 @@ def _processes_with(marker):
     return found
 
 
+def test_failure_is_blamed_on_the_rank_that_failed_first(tmp_path):
+    """A failed rank's peers fail milliseconds later on the lost connection, and the
+    launcher may see their exits first (it waits on them in rank order): the report
+    names the rank whose recorded failure came first; a rank that died without a
+    record counts from when its exit was seen."""
+    from types import SimpleNamespace
+
+    from shardadam.demo import launcher
+
+    config = {"results": str(tmp_path), "phase": "adamw"}
+
+    def record(rank, when, why):
+        (tmp_path / f"adamw-rank{rank}.error").write_text(f"{when!r}\n{why}")
+
+    ranks = [SimpleNamespace(exitcode=1), SimpleNamespace(exitcode=1),
+             SimpleNamespace(exitcode=None)]
+    record(0, 100.020, "RuntimeError: Connection reset by peer")
+    record(1, 100.001, "RuntimeError: injected failure on rank 1 at step 2")
+    assert launcher._first_failure(ranks, config, seen_rank=0, seen_at=100.05) == 1
+    message = launcher._failure_message(config, 1, 3, ranks[1])
+    assert message.startswith("rank 1 of 3 failed in the adamw phase (exit code 1): "
+                              "RuntimeError: injected failure on rank 1 at step 2;")
+    # Rank 1 killed before it could record: seen to exit before rank 0's record.
+    (tmp_path / "adamw-rank1.error").unlink()
+    ranks[1].exitcode = -9
+    assert launcher._first_failure(ranks, config, seen_rank=1, seen_at=100.010) == 1
+    assert launcher._first_failure(ranks, config, seen_rank=1, seen_at=100.030) == 0
+    assert "(killed by SIGKILL): no error recorded" in launcher._failure_message(
+        config, 1, 3, ranks[1])
+    # An unrecorded death not the one seen has no time: any recorded failure is first.
+    assert launcher._first_failure(ranks, config, seen_rank=0, seen_at=100.05) == 0
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to list processes")
 def test_crashed_rank_stops_every_rank(tmp_path):
     marker = f"SHARDADAM_DEMO_TEST={uuid.uuid4().hex}"

@@ -12,18 +12,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
 import time
 import traceback
 
 WORLD_SIZE = 2
 _TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local_params(case, mesh, rank):
@@ -46,7 +40,7 @@ def _local_params(case, mesh, rank):
     return dtensors, plain
 
 
-def _rank_main(rank, port, case, reps, warmup, settle_s, queue):
+def _rank_main(rank, store, case, reps, warmup, settle_s, queue):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -54,10 +48,10 @@ def _rank_main(rank, port, case, reps, warmup, settle_s, queue):
     from . import contenders, memory
 
     os.dup2(2, 1)  # gloo's connection messages go to stdout: keep the table clean
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=WORLD_SIZE,
                                 timeout=datetime.timedelta(seconds=_TIMEOUT_S))
         mesh = init_device_mesh("cpu", (WORLD_SIZE,))
         dtensors, plain = _local_params(case, mesh, rank)
@@ -101,21 +95,24 @@ def run(case, reps: int, warmup: int, settle_s: float) -> dict:
 
     ctx = mp.get_context("spawn")  # fresh interpreters: no forked torch thread pools
     queue = ctx.Queue()
-    port = _free_port()
-    ranks = [ctx.Process(target=_rank_main,
-                         args=(r, port, case, reps, warmup, settle_s, queue))
-             for r in range(WORLD_SIZE)]
-    for p in ranks:
-        p.start()
-    try:
-        message = queue.get(timeout=_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - queue.Empty, or a rank that died silently
-        message = {"error": "ranks did not report in time"}
-    for p in ranks:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    # A file store in a private folder: a free port picked here could be taken before
+    # the ranks, seconds of imports later, bind it.
+    with tempfile.TemporaryDirectory(prefix="shardadam-bench-") as folder:
+        store = os.path.join(folder, "store")
+        ranks = [ctx.Process(target=_rank_main,
+                             args=(r, store, case, reps, warmup, settle_s, queue))
+                 for r in range(WORLD_SIZE)]
+        for p in ranks:
+            p.start()
+        try:
+            message = queue.get(timeout=_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - queue.Empty, or a rank that died silently
+            message = {"error": "ranks did not report in time"}
+        for p in ranks:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
     if "error" in message:
         return {name: {"error": message["error"]} for name in case.contenders}
     gathered = message["ok"]

@@ -6,11 +6,14 @@ CPU each on a 2-core machine). They meet through a ``FileStore`` in the run's pr
 temporary folder, so concurrent demos never share a rendezvous.
 
 Nothing is left behind: the first rank that exits non-zero stops the phase and every
-other rank is killed; a phase that outlives its deadline is killed; each rank asks the
+other rank is killed (the report names the rank that failed first, by the time each
+recorded, not the first exit seen: its peers fail a few milliseconds later on the lost
+connection, and exits are seen in rank order); a phase that outlives its deadline is killed; each rank asks the
 kernel to kill it if the fork server goes away, and the fork server exits with this
 process.
 """
 
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -114,17 +117,43 @@ def _watch(processes, config, world_size, deadline_s):
             process = processes[rank]
             process.join()
             if process.exitcode != 0:
+                seen_at = time.monotonic()
                 time.sleep(_GRACE_S)  # let the peers notice and write their logs
-                raise RankFailure(_failure_message(config, rank, world_size, process))
+                first = _first_failure(processes, config, rank, seen_at)
+                raise RankFailure(_failure_message(config, first, world_size,
+                                                   processes[first]))
+
+
+def _recorded_error(config, rank):
+    """``(when, why)`` from the rank's error file (worker.main), or None."""
+    try:
+        with open(os.path.join(config["results"],
+                               f"{config['phase']}-rank{rank}.error")) as f:
+            when, why = f.read().split("\n", 1)
+        return float(when), why.strip()
+    except (OSError, ValueError):
+        return None
+
+
+def _first_failure(processes, config, seen_rank, seen_at):
+    """The failed rank whose failure came first: by the time each recorded; one that
+    died without recording counts from when it was seen to exit (``seen_rank`` at
+    ``seen_at``), or last."""
+    def failed_at(rank):
+        recorded = _recorded_error(config, rank)
+        if recorded is not None:
+            return recorded[0]
+        return seen_at if rank == seen_rank else math.inf
+
+    failed = [rank for rank, process in enumerate(processes)
+              if process.exitcode not in (None, 0)]
+    return min(failed, key=lambda rank: (failed_at(rank), rank))
 
 
 def _failure_message(config, rank, world_size, process):
     results, phase = config["results"], config["phase"]
-    try:
-        with open(os.path.join(results, f"{phase}-rank{rank}.error")) as f:
-            reason = f.read().strip()
-    except OSError:
-        reason = "no error recorded: the process died"
+    recorded = _recorded_error(config, rank)
+    reason = recorded[1] if recorded else "no error recorded: the process died"
     log = os.path.join(results, f"{phase}-rank{rank}.log")
     where = f"log: {log}" if os.path.exists(log) else "it ended before opening its log"
     return (f"rank {rank} of {world_size} failed in the {phase} phase "

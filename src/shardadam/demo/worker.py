@@ -210,8 +210,8 @@ def _init_process_group(rank, world_size, store_path, config, log):
 
 
 def main(rank, world_size, store_path, config):
-    """Rank entry point; exits non-zero (with the reason in ``<phase>-rank<r>.error``)
-    on any failure."""
+    """Rank entry point; exits non-zero on any failure, with ``<phase>-rank<r>.error``
+    holding when it failed (``time.monotonic()``, one clock for every process) and why."""
     results, phase = config["results"], config["phase"]
     log = open(os.path.join(results, f"{phase}-rank{rank}.log"), "w", buffering=1)
     os.dup2(log.fileno(), 2)
@@ -228,8 +228,9 @@ def main(rank, world_size, store_path, config):
             json.dump(figures, f)
         dist.destroy_process_group()
     except BaseException as error:  # noqa: BLE001 - report every way a rank can end
+        failed_at = time.monotonic()
         traceback.print_exc()
         with open(os.path.join(results, f"{phase}-rank{rank}.error"), "w") as f:
-            f.write(f"{type(error).__name__}: {error}".splitlines()[0])
+            f.write(f"{failed_at!r}\n" + f"{type(error).__name__}: {error}".splitlines()[0])
         sys.stderr.flush()
         os._exit(1)  # skip teardown that could wait on peers that are gone

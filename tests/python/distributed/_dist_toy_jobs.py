@@ -46,6 +46,7 @@ def hang(ctx):
 
 def crash(ctx):
     def die():
+        dist.barrier()  # both ranks are in the case (and done with the one before)
         if ctx.rank == 1:
             print("rank 1 exits with status 3", flush=True)
             os._exit(3)

@@ -138,6 +138,11 @@ def _context():
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
             forkserver.ensure_running()
+            # ensure_running returns before the preload ends; the first child forks
+            # after it, so this one waits for the imports here, not in a job's time.
+            warm_up = _mp_context.Process(target=os.getpid, name="fork-server-warm-up")
+            warm_up.start()
+            warm_up.join()
         finally:
             if saved is None:
                 del os.environ["OMP_NUM_THREADS"]

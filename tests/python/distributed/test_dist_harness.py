@@ -98,7 +98,9 @@ def test_planned_death_that_does_not_happen_fails_the_job(tmp_path):
     result = _launch.launch("_dist_toy_jobs:planned_death", 2, str(tmp_path), timeout_s=120,
                             params={"pg_timeout_s": 3, "die": False, "case_after": True},
                             expect_exit={1: -signal.SIGKILL})
-    assert result.failure is not None and "unexpected status" in result.failure
+    # Both ranks then fail; how the job's failure words their exits depends on whether
+    # they end within the harness's grace period of each other, so it is not checked.
+    assert result.failure is not None
     assert "'dies' failed on rank(s) [1]" in result.case_failure("dies")
     assert "meant to die in this case, but the case returned" in result.case_failure("dies")
     assert "no case can run after that" in result.failure
