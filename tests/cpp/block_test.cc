@@ -785,29 +785,36 @@ TEST(BlockScaleRuleTest, MatchesItsDefinitionInEveryBinade) {
 }
 
 // S2.12: after an odd count of 4-bit codes the last byte's high nibble is
-// padding, written 0 by the core as by the reference, also when the zero input
-// behind it updates to NaN (an infinite L2 decay times a zero weight).
+// padding, written 0 by the core as by the reference, also when the element
+// beside it updates to NaN (an infinite gradient: m and v inf, inf / inf).
 TEST(BlockPaddingTest, PaddingNibbleIsWrittenZero) {
   const BlockConfig c = {DType::kBFloat16, DType::kBFloat16, DType::kFloat32, kBlock4, kUBlock4,
                          false};
-  for (double decay : {0.01, 1e300}) {
+  for (bool infinite : {false, true}) {
     BlockTensor t = MakeShard(c, 0, 43, 128);
     FillGrad(&t, 1);
+    if (infinite) {
+      t.grad[84] = 0x80;  // element 42's bf16 gradient: +inf, 0x7F80
+      t.grad[85] = 0x7F;
+    }
     t.exp_avg.back() = 0xA0;  // junk in the padding nibbles
     t.exp_avg_sq.back() = 0xB0;
     StepParams params;
     params.adam_w_mode = false;
-    params.weight_decay = decay;
+    params.weight_decay = 0.01;
     BlockTensor want = t;
     TensorSlot want_slot = want.Slot();
     ref::AdamStep(&want_slot, 1, params);
+    // The case is what it says: element 42's weight (bf16) became NaN beside the padding.
+    const int bits42 = want.param[84] | want.param[85] << 8;
+    EXPECT_EQ((bits42 & 0x7FFF) > 0x7F80, infinite) << std::hex << bits42;
     ForEachTarget([&] {
       BlockTensor got = t;
       TensorSlot slot = got.Slot();
       ASSERT_EQ(AdamStep(&slot, 1, params, 1, nullptr), Status::kOk);
-      EXPECT_EQ(got.exp_avg[21] >> 4, 0) << "decay " << decay;
-      EXPECT_EQ(got.exp_avg_sq[21] >> 4, 0) << "decay " << decay;
-      EXPECT_TRUE(SameTensor(want, got)) << "decay " << decay;
+      EXPECT_EQ(got.exp_avg[21] >> 4, 0) << "infinite " << infinite;
+      EXPECT_EQ(got.exp_avg_sq[21] >> 4, 0) << "infinite " << infinite;
+      EXPECT_TRUE(SameTensor(want, got)) << "infinite " << infinite;
     });
   }
 }
