@@ -6,11 +6,11 @@ CPU each on a 2-core machine). They meet through a ``FileStore`` in the run's pr
 temporary folder, so concurrent demos never share a rendezvous.
 
 Nothing is left behind: the first rank that exits non-zero stops the phase and every
-other rank is killed (the report names the rank that failed first, by the time each
-recorded, not the first exit seen: its peers fail a few milliseconds later on the lost
-connection, and exits are seen in rank order); a phase that outlives its deadline is killed; each rank asks the
+other rank is killed; a phase that outlives its deadline is killed; each rank asks the
 kernel to kill it if the fork server goes away, and the fork server exits with this
-process.
+process. The report names the rank that failed first by the time each recorded, not
+the first exit seen: its peers fail milliseconds later on the lost connection, and
+exits seen together are taken in rank order.
 """
 
 import math
