@@ -123,7 +123,9 @@ struct TensorSlot {
 
 // Hyper-parameters of one step, shared by every tensor of the call (one param group).
 // Validated before anything is written: every value finite, lr, eps and
-// weight_decay >= 0, both betas in [0, 1), step >= 1.
+// weight_decay >= 0, both betas in [0, 1), step >= 1, and the fp32 constants the
+// step uses finite: lr / (1 - beta1^step), eps, and 1 - lr * weight_decay
+// (adam_w_mode) or weight_decay (L2), each computed in double and rounded.
 struct StepParams {
   double lr = 1e-3;             // 0 is a real step: the moments still move
   double beta1 = 0.9;
