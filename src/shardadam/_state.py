@@ -489,6 +489,12 @@ def _scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
         return None
     scale = scales.get(spec.name) if scales else None
     if fmt.scale == "tensor":
+        if scale is None:
+            # Scales and formats are recorded per parameter object, beside its state:
+            # a state moved to another parameter by hand leaves them behind.
+            return (f"holds {fmt.label} values but no scale was recorded for them "
+                    f"(rule S2.3: scaled values mean nothing without their scale; set "
+                    f"a moved state with set_scaled_state or load_state_dict)")
         # Read where the host holds it (device scales are the kernels', unchecked).
         if (isinstance(scale, torch.Tensor) and scale.numel() == 1
                 and not _dtensor.is_dtensor(scale) and scale.device.type == "cpu"

@@ -177,7 +177,6 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
-        self._forget_dropped()
         planned = []  # every new entry is planned (and checked) before anything changes
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
@@ -197,6 +196,9 @@ class FusedAdam(torch.optim.Optimizer):
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
                 planned = [self._planned_entry(param, config, index, i, named)
                            for i, param in enumerate(tensors)]
+        # Only once the group passed: a refused one changes nothing, not even the
+        # records of a state taken out by hand to be put back.
+        self._forget_dropped()
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         group.setdefault("step", 0)

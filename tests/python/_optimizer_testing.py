@@ -708,6 +708,10 @@ def snapshot(opt, extra_params=()):
                         if k.endswith("_scale")})
                    for p in params if p in opt.state],
         "scale_keys": [id(p) for p in getattr(opt, "_scales", {})],
+        # The formats states were stored in and the masters that follow their
+        # parameters (S1.6), recorded per parameter beside the state.
+        "formats": [(id(p), dict(f)) for p, f in getattr(opt, "_formats", {}).items()],
+        "seeded_keys": [id(p) for p in getattr(opt, "_seeded", {})],
         "groups": [{k: (_clone(v) if k != "params" else [id(q) for q in v])
                     for k, v in group.items()} for group in opt.param_groups],
     }
@@ -741,6 +745,8 @@ def assert_unchanged(opt, before, what="optimizer"):
     assert after["state_keys"] == before["state_keys"], \
         f"{what}: optimizer.state keys changed"
     assert after["scale_keys"] == before["scale_keys"], f"{what}: scale entries changed"
+    assert after["formats"] == before["formats"], f"{what}: recorded formats changed"
+    assert after["seeded_keys"] == before["seeded_keys"], f"{what}: seeded masters changed"
     for (p, old), (q, new) in zip(before["scales"], after["scales"]):
         assert p is q
         assert sorted(new) == sorted(old), f"{what}: scales {sorted(new)} != {sorted(old)}"

@@ -657,6 +657,66 @@ def test_add_param_group_rejects_unsupported_params(kind):
     assert extra not in opt.state
 
 
+def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out():
+    """A state taken out of ``optimizer.state`` by hand and put back continues as if it
+    never left, also when an ``add_param_group`` in between was refused: the group is
+    checked before the records of states no longer held (formats, scales) are dropped."""
+    def run(refused_call):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+        opt = fused_adam()([param], lr=1e-2, moment_format="block8")
+        for _ in range(2):
+            param.grad = torch.full((4, 256), 1e-3)
+            opt.step()
+        held = opt.state.pop(param)
+        if refused_call:
+            extra = torch.nn.Parameter(torch.zeros(3))
+            before = snapshot(opt, [extra])
+            with pytest.raises(ValueError, match=r"Invalid learning rate"):
+                opt.add_param_group(dict(params=[extra], lr=-1.0))
+            assert_unchanged(opt, before)
+        opt.state[param] = held
+        opt.step()
+        return param.detach().clone(), opt.state_dict()["state"][0]
+
+    (want, want_state), (got, got_state) = run(False), run(True)
+    assert_bitwise_equal(got, want, "param")
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(got_state[name], want_state[name], name)
+
+
+@pytest.mark.parametrize("preset", ["block8", "block4", "fp8", "fp16"])
+def test_state_moved_to_another_parameter_by_hand_is_refused(preset):
+    """S2.3 / S2.11: scales and formats are recorded per parameter object; a scaled state
+    moved by hand onto a new Parameter arrives without them, and its codes mean nothing.
+    Refused (step, state_dict, get_unscaled_state), naming the parameter and the state,
+    nothing changed; set_scaled_state is the way to move it."""
+    options = {"block8": dict(moment_format="block8"), "block4": dict(moment_format="block4"),
+               "fp8": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+               "fp16": dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)}
+    old = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+    opt = fused_adam()([old], lr=1e-2, **options[preset])
+    old.grad = torch.full((4, 256), 1e-3)
+    opt.step()
+    want = {name: opt.get_unscaled_state(old, name) for name in ("exp_avg", "exp_avg_sq")}
+    new = torch.nn.Parameter(old.detach().clone())
+    new.grad = old.grad
+    opt.param_groups[0]["params"][0] = new
+    opt.state[new] = opt.state.pop(old)
+    before = snapshot(opt)
+    # Without its record a 4-bit state's packed codes read as per-tensor fp8 of half
+    # the parameter's shape: refused on the shape, before the scale is looked at.
+    moved = (r"has local shape \(4, 128\)" if preset == "block4" else
+             r"no scale was recorded.*rule S2\.3")
+    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(new, "exp_avg")):
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), "state 'exp_avg", moved)):
+            call()
+        assert_unchanged(opt, before)
+    for name, value in want.items():  # the supported way
+        opt.set_scaled_state(new, name, value)
+    opt.step()
+    assert torch.isfinite(new).all() and (new - old).abs().max() < 2e-2  # about lr
+
+
 def test_add_param_group_rejects_bad_hyper_parameters():
     opt = fused_adam()(make_params())
     extra = torch.nn.Parameter(torch.randn(2))
