@@ -180,7 +180,7 @@ class GroupPlan:
 class _Held:
     """The state objects a bound plan read, where it found them, and the memory the core
     is given: the plan is current while every one is still the object found under its
-    name and still has that memory. Objects can be replaced (``optimizer.state[p][name] =
+    name and still has that memory and geometry. Objects can be replaced (``optimizer.state[p][name] =
     t``, ``optimizer.state[p] = {...}``, ``initialize_state``), and memory can move in
     place (``t.data = ...``, ``share_memory_()``, which torch.multiprocessing applies to
     every CPU tensor it sends), scales included.
@@ -210,6 +210,9 @@ class _Held:
                         for t in (e.exp_avg, e.exp_avg_sq, e.master, e.exp_avg_scale,
                                   e.exp_avg_sq_scale, e.master_scale) if t is not None]
         self.pointers = list(map(_Tensor.data_ptr, self.storage))
+        # resize_ / as_strided_ / t_ keep the memory and change the geometry.
+        self.shapes = list(map(_Tensor.size, self.storage))
+        self.strides = list(map(_Tensor.stride, self.storage))
         # A DTensor state's local tensor may be swapped inside the same DTensor object.
         self.wrapped = [t for t in self.objects if _dtensor.is_dtensor(t)]
         self.wrapped_locals = list(map(_local_tensor_of, self.wrapped))
@@ -239,7 +242,9 @@ class _Held:
         return (found is not None and all(map(operator.is_, found, self.objects))
                 and all(map(operator.is_, map(_local_tensor_of, self.wrapped),
                             self.wrapped_locals))
-                and list(map(_Tensor.data_ptr, self.storage)) == self.pointers)
+                and list(map(_Tensor.data_ptr, self.storage)) == self.pointers
+                and list(map(_Tensor.size, self.storage)) == self.shapes
+                and list(map(_Tensor.stride, self.storage)) == self.strides)
 
 
 def _positions(container: dict, params: list) -> list:

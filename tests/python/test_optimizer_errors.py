@@ -717,6 +717,26 @@ def test_state_moved_to_another_parameter_by_hand_is_refused(preset):
     assert torch.isfinite(new).all() and (new - old).abs().max() < 2e-2  # about lr
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_state_resized_in_place_after_a_step_is_refused(backend):
+    """A step reuses the last one's plan while every state keeps its object and memory;
+    resize_ keeps both and changes the shape, so the geometry is compared too: the next
+    step checks the state again and refuses it, nothing changed."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+    opt = fused_adam()([param], lr=1e-2, moment_format="block8")
+    with backend_context(backend):
+        param.grad = torch.full((4, 256), 1e-3)
+        opt.step()
+        opt.state[param]["exp_avg_sq"].resize_(2, 256)  # the same memory, half the rows
+        before = snapshot(opt)
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), "state 'exp_avg_sq' has "
+                                                     r"local shape \(2, 256\)")):
+            opt.step()
+    assert_unchanged(opt, before)
+
+
 def test_add_param_group_rejects_bad_hyper_parameters():
     opt = fused_adam()(make_params())
     extra = torch.nn.Parameter(torch.randn(2))
