@@ -363,7 +363,10 @@ def by_label(label: str) -> Format:
     if not block:
         return _BY_NAME[name]
     low, high = SCALE_BLOCK_RANGE
-    if (not block.isdigit() or not low <= int(block) <= high or int(block) & (int(block) - 1)
+    # Only the label state_dict() writes: ASCII digits, no leading zero ("0256" and
+    # other scripts' digits pass str.isdigit and int()).
+    if (not (block.isascii() and block.isdigit()) or str(int(block)) != block
+            or not low <= int(block) <= high or int(block) & (int(block) - 1)
             or _BY_NAME[name].scale != "block"):
         raise KeyError(label)
     return _blocked(name, int(block))

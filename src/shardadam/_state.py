@@ -488,6 +488,9 @@ def _scale_error(stored: torch.Tensor, spec: StateSpec, scales: Optional[dict],
     if fmt is None or not fmt.scaled:
         return None
     scale = scales.get(spec.name) if scales else None
+    if isinstance(scale, torch.Tensor) and scale.is_meta:
+        return (f"holds {fmt.label} values whose scale is a meta tensor (rule S2.3, S2.11: "
+                f"a scale is a finite value > 0, and a meta tensor holds none)")
     if fmt.scale == "tensor":
         if scale is None:
             # Scales and formats are recorded per parameter object, beside its state:

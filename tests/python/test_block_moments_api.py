@@ -592,7 +592,11 @@ def test_recorded_layouts_read_back():
                 "exp_avg=fp8-block:64 exp_avg_sq=ufp8-block:64 master=none",
                 "exp_avg=fp8-block:8192 exp_avg_sq=ufp8-block:8192 master=none",
                 "exp_avg=fp8-block:384 exp_avg_sq=ufp8-block:384 master=none",
-                "exp_avg=fp8-block:512 exp_avg_sq=fp8-block:512 master=none"):
+                "exp_avg=fp8-block:512 exp_avg_sq=fp8-block:512 master=none",
+                # not as state_dict() writes them: a leading zero, other digits
+                "exp_avg=fp8-block:0256 exp_avg_sq=ufp8-block:0256 master=none",
+                "exp_avg=fp8-block:\u0662\u0665\u0666 exp_avg_sq=ufp8-block:\u0662\u0665\u0666 "
+                "master=none"):
         with pytest.raises(ValueError, match="is not a state layout"):
             StateConfig.from_record(bad)
 

@@ -737,6 +737,26 @@ def test_state_resized_in_place_after_a_step_is_refused(backend):
     assert_unchanged(opt, before)
 
 
+@pytest.mark.parametrize("preset", ["block8", "fp8"])
+def test_meta_scale_put_in_by_hand_is_refused(preset):
+    """A scale replaced by a meta tensor has no value to decode with: refused naming the
+    parameter, the state and the rule (it was torch's bare "item() on meta tensors")."""
+    options = (dict(moment_format="block8") if preset == "block8"
+               else dict(exp_avg_dtype=torch.uint8))
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+    opt = fused_adam()([param], lr=1e-2, **options)
+    param.grad = torch.full((4, 256), 1e-3)
+    opt.step()
+    shape = opt._scales[param]["exp_avg"].shape
+    opt._scales[param]["exp_avg"] = torch.ones(shape, device="meta")
+    before = snapshot(opt)
+    for call in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), "state 'exp_avg'",
+                                                     "scale is a meta tensor", "rule S2")):
+            call()
+        assert_unchanged(opt, before)
+
+
 def test_add_param_group_rejects_bad_hyper_parameters():
     opt = fused_adam()(make_params())
     extra = torch.nn.Parameter(torch.randn(2))
