@@ -180,10 +180,11 @@ class GroupPlan:
 class _Held:
     """The state objects a bound plan read, where it found them, and the memory the core
     is given: the plan is current while every one is still the object found under its
-    name and still has that memory and geometry. Objects can be replaced (``optimizer.state[p][name] =
-    t``, ``optimizer.state[p] = {...}``, ``initialize_state``), and memory can move in
-    place (``t.data = ...``, ``share_memory_()``, which torch.multiprocessing applies to
-    every CPU tensor it sends), scales included.
+    name and still has that memory, shape and strides. Objects can be replaced
+    (``optimizer.state[p][name] = t``, ``optimizer.state[p] = {...}``,
+    ``initialize_state``), memory can move in place (``t.data = ...``, ``share_memory_()``,
+    which torch.multiprocessing applies to every CPU tensor it sends), and its geometry
+    change in place (``resize_``, ``as_strided_``), scales included.
 
     This runs at every step, so it is written as C-level ``map``s and looks nothing up by
     parameter (hashing a tensor runs Python code): it remembers where each parameter's
@@ -210,7 +211,6 @@ class _Held:
                         for t in (e.exp_avg, e.exp_avg_sq, e.master, e.exp_avg_scale,
                                   e.exp_avg_sq_scale, e.master_scale) if t is not None]
         self.pointers = list(map(_Tensor.data_ptr, self.storage))
-        # resize_ / as_strided_ / t_ keep the memory and change the geometry.
         self.shapes = list(map(_Tensor.size, self.storage))
         self.strides = list(map(_Tensor.stride, self.storage))
         # A DTensor state's local tensor may be swapped inside the same DTensor object.
