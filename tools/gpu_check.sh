@@ -311,23 +311,28 @@ fi
 [[ $QUICK == 1 ]] && finish
 # The CPU core on this host's cores: every bf16-gradient preset of kernel_bench
 # (bf16 params with a master, remainders or none; bf16, fp8, block8 and block4
-# moments), 7M elements at 1 to 16 threads, and the block presets at 56M on 16
-# threads (less of each thread's time in starting); each table in cpu_tables.log,
+# moments), 7M elements at 1 to 16 threads, the block presets at 56M on 16
+# threads (less of each thread's time in starting) and on one thread in cache (their
+# ceiling where instructions bind: 16 times that rate); each table in cpu_tables.log,
 # the per-block rows in the output, the JSONs merged into one file.
 # shellcheck disable=SC2016  # expanded by the inner shell
 stage cpu_threads 120 0 30 -- bash -c '
   set -eo pipefail
   binary=$(find "$1" -type f -name kernel_bench -perm -u+x | head -n1)
-  run() {  # NAME NUMEL THREADS PRESET
-    "$binary" --numel "$2" --reps 7 --threads "$3" --preset "$4" --json "$WORK_DIR/kb$1.json" \
+  run() {  # NAME NUMEL THREADS PRESET [REPS]
+    "$binary" --numel "$2" --reps "${5:-7}" --threads "$3" --preset "$4" \
+      --json "$WORK_DIR/kb$1.json" \
       | tee -a "$LOG" | grep -E -- "-block" | sed "s/^/$1 /"
   }
   WORK_DIR=$2 LOG=$5
   for threads in 1 2 4 8 16; do run "t$threads" 7000000 "$threads" "g=bf16"; done
   run t16-56M 56000000 16 "-block"
+  # One thread in cache: times 16, the block kernels ceiling on this host (the bench
+  # lowbit cases kernel_bench-ceiling), to set against the 16-thread probe.
+  run t1-cache 262144 1 "-block" 100
   "$3" - "$2" "$4" <<"PY"
 import json, sys
-names = [f"t{t}" for t in (1, 2, 4, 8, 16)] + ["t16-56M"]
+names = [f"t{t}" for t in (1, 2, 4, 8, 16)] + ["t16-56M", "t1-cache"]
 runs = {n: json.load(open(f"{sys.argv[1]}/kb{n}.json")) for n in names}
 json.dump(runs, open(sys.argv[2], "w"), indent=1)
 PY

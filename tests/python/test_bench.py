@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardadam import peers
-from shardadam.bench import cases, contenders, multipass, timing
+from shardadam.bench import cases, cli, contenders, multipass, timing
 
 # Every case kind with the contenders it must report (probes included).
 _FP32 = {"shardadam", "torch-fused", "torch-foreach", "torch-default", "deepspeed",
@@ -192,6 +192,31 @@ def test_paired_ratios_pair_repetitions_of_one_round(tiny_run):
     assert paired > 0
     assert any("core" in r["paired_ratio_to"] for r in data["results"]
                if r["kind"] == "training")
+
+
+def test_lowbit_ceiling_is_one_thread_in_cache_times_the_threads(tiny_run):
+    """runner.CEILING: kernel_bench's bare kernel on one thread over a tensor that stays
+    in cache, as the time the case's elements would take on every thread at that rate;
+    a yardstick like the probes, so no contender's ratios name it."""
+    _, data, _ = tiny_run
+    if data["meta"]["kernel_bench"] is None:
+        pytest.skip("benchmarks/kernel_bench is not built")
+    results = data["results"]
+    ceilings = {r["case"]: r for r in results if r["contender"] == "kernel_bench-ceiling"}
+    assert set(ceilings) == {f"lowbit/{name}" for name in _LOWBIT}
+    for case, record in ceilings.items():
+        assert record["status"] == "ok" and record["samples"] is None, case
+        assert record["cache_numel"] == cli._CACHE_NUMEL, case
+        for key in ("median", "min", "max"):
+            assert record["seconds"][key] == pytest.approx(
+                record["cache_seconds"][key] * record["numel"]
+                / (record["threads"] * record["cache_numel"]), rel=1e-12), (case, key)
+        probe = next(r for r in results if r["case"] == case and r["contender"] == "probe")
+        assert record["fraction_of_probe"] == pytest.approx(
+            probe["seconds"]["median"] / record["seconds"]["median"], rel=1e-12), case
+    for record in results:
+        assert "kernel_bench-ceiling" not in record["ratio_to"], record["contender"]
+        assert "kernel_bench-ceiling" not in record["paired_ratio_to"], record["contender"]
 
 
 def test_optimizer_state_bytes_follow_the_layout(tiny_run):

@@ -1,7 +1,9 @@
 """``python -m shardadam bench``: arguments and the order of a run.
 
 1. ``kernel_bench`` (the C++ benchmark, when built) at the large cases' size: its probe
-   is a second, C++ ceiling for the same access pattern.
+   is a second, C++ ceiling for the same access pattern. For the lowbit cases, their
+   presets at their size, and on one thread in cache: the step's own ceiling where
+   instructions bind it (``runner.CEILING``).
 2. Each case: every contender and the probe, interleaved, on identical tensors.
 3. Peak extra memory of one step, one fresh subprocess per contender.
 4. Table on stdout, ``--json`` and ``--png``.
@@ -21,6 +23,13 @@ from .timing import SETTLE_S
 
 _KINDS = ("large", "training", "transformer", "many", "dtensor", "lowbit")
 _MEMORY_JOBS = 2  # memory subprocesses at a time
+# The lowbit cases' ceiling (runner.CEILING): kernel_bench's block presets on one
+# thread over 262,144 elements (3.5 MiB for block8 + remainders: in L3), back to back
+# so the core stays busy. On a Zen 3 VM their rate was the same from 32,768 elements
+# (in L2) to 262,144; long calls keep the per-call overhead out of it.
+_BLOCK_PRESETS = "-block"
+_CACHE_NUMEL = 262_144
+_CACHE_REPS = 100
 
 
 def _float_in(low, high, *, low_open=False):
@@ -182,21 +191,34 @@ def run(args) -> int:
     meta = _meta(args, mode, threads, size)
     selected = cases.build_cases(mode, args.scale, args.cases)
 
-    kernel_rows = None
+    kernel_rows, ceiling_rows = {}, {}
     large = [c for c in selected if c.kind in ("large", "training")]
-    path = None if args.no_kernel_bench or not large else probe.find_kernel_bench()
+    lowbit = [c for c in selected if c.kind == "lowbit"]
+    path = None if args.no_kernel_bench or not (large or lowbit) else \
+        probe.find_kernel_bench()
     meta["kernel_bench"] = path
-    if path:
-        _log(f"kernel_bench: {path} --numel {large[0].numel}")
-        kernel_rows = probe.kernel_bench_figures(path, large[0].numel, size["reps"], threads,
-                                                 size["settle_s"])
-        if "error" in kernel_rows:
-            meta["kernel_bench_error"] = kernel_rows.pop("error")
+
+    def kernel_bench(rows, numel, reps, threads, settle_s, preset=None):
+        _log(f"kernel_bench: {path} --numel {numel} --threads {threads}"
+             + (f" --preset {preset}" if preset else ""))
+        found = probe.kernel_bench_figures(path, numel, reps, threads, settle_s, preset)
+        if "error" in found:
+            meta.setdefault("kernel_bench_errors", []).append(found.pop("error"))
+        rows.update(found)
+
+    if path and large:
+        kernel_bench(kernel_rows, large[0].numel, size["reps"], threads, size["settle_s"])
+    if path and lowbit:
+        # The block presets at the lowbit cases' size (they run only there), and their
+        # ceiling: one thread on a tensor that stays in cache, back to back.
+        kernel_bench(kernel_rows, lowbit[0].numel, size["reps"], threads, size["settle_s"],
+                     _BLOCK_PRESETS)
+        kernel_bench(ceiling_rows, _CACHE_NUMEL, _CACHE_REPS, 1, 0.0, _BLOCK_PRESETS)
 
     records = []
     for case in selected:
         _log(f"timing {case.id}: {len(case.shapes)} tensors, {case.numel} elements")
-        records += runner.time_case(case, size, threads, kernel_rows)
+        records += runner.time_case(case, size, threads, kernel_rows, ceiling_rows)
 
     peaks = {}
     if not args.no_memory:

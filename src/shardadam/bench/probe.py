@@ -101,13 +101,16 @@ def find_kernel_bench():
     return None
 
 
-def kernel_bench_figures(path, numel, reps, threads, settle_s, timeout_s=600):
+def kernel_bench_figures(path, numel, reps, threads, settle_s, preset=None, timeout_s=600):
     """``{preset label: row}`` from one kernel_bench run (probe and bare C++ kernel
-    seconds, each after ``settle_s`` idle), or ``{"error": why}``."""
+    seconds, each after ``settle_s`` idle; only the presets whose label contains
+    ``preset`` when given), or ``{"error": why}``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "kernel_bench.json")
         command = [path, "--numel", str(numel), "--reps", str(reps), "--threads",
                    str(threads), "--settle-ms", repr(settle_s * 1e3), "--json", out]
+        if preset is not None:
+            command += ["--preset", preset]
         try:
             subprocess.run(command, check=True, capture_output=True, timeout=timeout_s)
             with open(out) as f:

@@ -12,6 +12,8 @@ from .probe import Probe
 
 PROBES = ("probe", "kernel_bench-probe")
 KERNEL_BENCH_ROWS = {"kernel_bench-probe": "probe_s", "kernel_bench-kernel": "kernel_s"}
+CEILING = "kernel_bench-ceiling"
+YARDSTICKS = PROBES + (CEILING,)  # not contenders: nothing is compared with them
 
 
 def _base_record(case, contender, threads, ranks=1):
@@ -105,13 +107,36 @@ def _kernel_bench_records(case, rows, threads):
     return records
 
 
-def time_case(case, size, threads, kernel_rows=None) -> list:
+def _ceiling_record(case, row, threads):
+    """How fast the step could go on this CPU if memory cost nothing: ``threads`` times
+    the bare kernel's rate on one thread over a tensor that stays in its caches
+    (kernel_bench, the case's preset), as the time the case's elements would take.
+    Perfect scaling and no memory traffic make it an upper bound: a fraction of the
+    probe above the ceiling's is out of reach here, the step's instructions bind it."""
+    record = _base_record(case, CEILING, threads)
+    # The case's elements at threads * (row's elements per second), for each statistic.
+    per_second = case.numel / (threads * row["numel"])
+    seconds = {key: row["kernel_s"][key] * per_second for key in ("median", "min", "max")}
+    record.update(description=(f"{threads} x one thread's rate on {row['numel']} elements "
+                               "in cache (kernel_bench): the step's upper bound here"),
+                  seconds=seconds, reps=None, cache_numel=row["numel"],
+                  cache_seconds=row["kernel_s"],
+                  elements_per_s=case.numel / seconds["median"],
+                  gb_per_s=case.numel * case.preset.minimum_bytes / seconds["median"] / 1e9)
+    return record
+
+
+def time_case(case, size, threads, kernel_rows=None, ceiling_rows=None) -> list:
+    """``kernel_rows``: kernel_bench's figures ({preset label: row}) at the cases'
+    sizes; ``ceiling_rows``: the same on one thread over a cache-resident tensor."""
     if case.kind == "dtensor":
         records = _time_distributed(case, size)
     else:
         records = _time_local(case, size, threads)
         if kernel_rows:
             records += _kernel_bench_records(case, kernel_rows, threads)
+        if ceiling_rows and case.preset.label in ceiling_rows:
+            records.append(_ceiling_record(case, ceiling_rows[case.preset.label], threads))
     _relate(records, with_probe=case.kind in ("large", "lowbit"))
     return records
 
@@ -132,9 +157,9 @@ def _relate(records, with_probe):
         # ratio_to[other] = other's median / this median: > 1 means this one is faster.
         record["ratio_to"] = {name: other["seconds"]["median"] / median
                               for name, other in timed.items()
-                              if name != record["contender"] and name not in PROBES}
+                              if name != record["contender"] and name not in YARDSTICKS}
         paired = [name for name, other in timed.items()
-                  if name != record["contender"] and name not in PROBES
+                  if name != record["contender"] and name not in YARDSTICKS
                   and _same_repetitions(record, other)]
         record["paired_ratio_to"] = {
             name: timing.paired_ratio(timed[name]["samples"], record["samples"])
