@@ -270,6 +270,14 @@ def ufp8_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
     return torch.where(magnitude_bits >= 0x43F00000, ufp8_encode(x), code)
 
 
+def bf16_encode(x: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 ``x`` rounded to nearest even (S2.4), a NaN made quiet with its sign
+    and top payload bits, as the core stores it: torch's CPU conversion stores every NaN
+    as 0xFFFF, a NaN of the other sign for a positive one."""
+    quiet = ((x.contiguous().view(torch.int32) | 0x00400000) >> 16).to(torch.int16)
+    return torch.where(torch.isnan(x), quiet.view(torch.bfloat16), x.to(torch.bfloat16))
+
+
 def bf16_encode_stochastic(x: torch.Tensor, random: torch.Tensor) -> torch.Tensor:
     """bf16 of fp32 ``x`` rounded stochastically with the high 16 of the ``random`` bits
     (S2.14): they are added to the fp32 bits, whose high half is kept; a NaN is made

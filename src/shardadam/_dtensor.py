@@ -165,7 +165,8 @@ class _Plain:
 
     def state_error(self, stored) -> Optional[str]:
         if is_dtensor(stored):
-            return f"is {describe(stored)} but the parameter is a plain tensor"
+            return (f"is {describe(stored)} but the parameter is a plain tensor (rule "
+                    f"S3.3: a plain parameter's states are plain)")
         return None
 
     def first_index(self, local: torch.Tensor) -> int:
@@ -470,7 +471,8 @@ def value_layout_error(param: torch.Tensor, value: torch.Tensor) -> Optional[str
     if is_dtensor(value):
         if not is_dtensor(param):
             return (f"the value is {describe(value)} but the parameter is a plain tensor "
-                    f"of shape {list(param.shape)}")
+                    f"of shape {list(param.shape)} (rule S5.3: a plain parameter takes a "
+                    f"plain value, its local part)")
         layout = Layout(param)
         if not layout.fits(value):
             return (f"the value is {describe(value)} but the parameter is "

@@ -218,6 +218,8 @@ class Format:
         return value, None
 
     def _to_codes(self, values: torch.Tensor) -> torch.Tensor:
+        if self.codes == torch.bfloat16:
+            return _codecs.bf16_encode(values)  # NaN's sign kept (S2.4)
         if self.codes == self.storage:
             return values  # copy_ into the storage rounds as .to() does
         return values.to(self.codes).view(self.storage)

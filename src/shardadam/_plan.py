@@ -155,10 +155,12 @@ class GroupPlan:
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
                 and self.held.unchanged())
 
-    def bind(self, seeded: dict) -> None:
+    def bind(self, seeded: dict, owner) -> None:
         """Create or convert each parameter's state to match the configuration, then
         remember the storage. ``seeded``: the optimizer's masters that follow their
-        parameter (S1.6), kept current. Runs after validation: this is a mutation."""
+        parameter (S1.6), kept current; ``owner``: the optimizer, which the scaled states
+        stored are claimed by (``_stored_by``). Runs after validation: this is a
+        mutation."""
         state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
             specs = self.config.specs_of(entry.local, entry.layout)
@@ -167,7 +169,7 @@ class GroupPlan:
                                        seeded=entry.param in seeded)
             if not writes.empty():  # leave a settled entry alone
                 _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
-                                   entry.layout)
+                                   entry.layout, owner)
                 _state.mark_seeded(seeded, entry.param, writes)
             entry.bind(specs, state[entry.param], scales.get(entry.param),
                        self.config.param_rounding)
@@ -253,9 +255,10 @@ def _positions(container: dict, params: list) -> list:
     return [where[id(p)] for p in params]
 
 
-def build_plan(group: dict, group_index: int, config, state, scales,
-               formats) -> GroupPlan:
-    """A new plan for ``group`` after checking its parameters and existing state.
+def build_plan(group: dict, group_index: int, config, state, scales, formats,
+               owner) -> GroupPlan:
+    """A new plan for ``group`` after checking its parameters and existing state
+    (``owner``: the optimizer whose state it is).
 
     Reads only: raises before anything is written.
     """
@@ -271,7 +274,8 @@ def build_plan(group: dict, group_index: int, config, state, scales,
         existing = state.get(entry.param)
         error = _state.consistency_error(config.specs_of(entry.local, entry.layout),
                                          existing, entry.local, entry.layout,
-                                         scales.get(entry.param), formats.get(entry.param))
+                                         scales.get(entry.param), formats.get(entry.param),
+                                         owner, entry.param)
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
                                  name=_validate.param_name(group, entry.index))

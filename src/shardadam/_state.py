@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _dtensor, _formats
+from . import _dtensor, _formats, _stored_by
 from ._formats import Format
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -380,17 +380,20 @@ def entry_from_values(specs: tuple, values: dict, param: torch.Tensor) -> EntryW
 
 
 def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch.Tensor,
-                layout) -> None:
+                layout, owner) -> None:
     """Apply what ``plan_entry`` / ``entry_from_values`` prepared for ``param``: storage
-    into ``state[param]`` (wrapped in the parameter's layout) and its format into
-    ``formats[param]``, scales into ``scales[param]``, then the parameter's new bf16
-    bits into its local tensor."""
+    into ``state[param]`` (wrapped in the parameter's layout; a scaled one claimed as
+    ``owner``'s, ``_stored_by``) and its format into ``formats[param]``, scales into
+    ``scales[param]``, then the parameter's new bf16 bits into its local tensor."""
     entry = state[param]
     for name, stored in writes.stored.items():
         if stored is None:
             entry.pop(name, None)
         else:
-            entry[name] = layout.of(writes.formats[name]).wrap(stored)
+            fmt = writes.formats[name]
+            entry[name] = layout.of(fmt).wrap(stored)
+            if fmt.scaled:
+                _stored_by.claim(entry[name], owner, param, name, fmt.label)
     entry.update(writes.extra)
     _update(formats, param, {name: writes.formats.get(name) for name in writes.stored})
     _update(scales, param, writes.scales)
@@ -416,14 +419,71 @@ def _update(container: dict, param, changes: dict) -> None:
         del container[param]
 
 
+def claim_all(state, formats: dict, owner) -> None:
+    """Claims every scaled state in ``state`` as ``owner``'s (``_stored_by``): an
+    optimizer restored from its pickled state (or ``copy.copy``) holds them with the
+    scales restored beside them."""
+    for param, entry in state.items():
+        if not isinstance(param, torch.Tensor) or not isinstance(entry, dict):
+            continue
+        for name in STATE_NAMES:
+            stored = entry.get(name)
+            if isinstance(stored, torch.Tensor):
+                fmt = stored_format(_dtensor.to_local(stored), formats.get(param), name)
+                if fmt is not None and fmt.scaled:
+                    _stored_by.claim(stored, owner, param, name, fmt.label)
+
+
+def origin_error(specs: tuple, entry: Optional[dict], formats: Optional[dict], owner,
+                 key) -> Optional[str]:
+    """A sentence if a state of ``entry`` (``key``'s in ``owner``) holds what cannot be
+    read as its values: scaled values an optimizer stored at another place (their scales
+    stayed there, ``_stored_by``), a dtype no format of that state has, or a scaled
+    format other than the one whose scales are recorded for it (S2.2, S2.3)."""
+    for spec in specs:
+        stored = (entry or {}).get(spec.name)
+        if stored is None:
+            continue
+        error = _origin_error(stored, spec.name, formats, owner, key)
+        if error is not None:
+            return _to_recreate(spec, error)
+    return None
+
+
+def _origin_error(stored, name: str, formats: Optional[dict], owner, key) -> Optional[str]:
+    moved = _stored_by.moved_error(stored, owner, key, name)
+    if moved is not None:
+        return moved
+    local = _dtensor.to_local(stored)
+    fmt = stored_format(local, formats, name)
+    if fmt is None:  # true values in a floating dtype no format has (fp64) pass
+        if local.is_floating_point():
+            return None
+        return (f"holds {local.dtype} values, a dtype no format of state {name!r} is "
+                f"stored in (rule S2.2)")
+    if not fmt.holds(name):
+        return (f"holds {local.dtype} values, which only {fmt.name} states are stored in, "
+                f"and state {name!r} is not one (rule S2.2)")
+    recorded = formats.get(name) if formats else None
+    if fmt.scaled and recorded is not None and recorded.scaled and recorded is not fmt:
+        return (f"holds {fmt.label} values, but the scales recorded for it are those of "
+                f"{recorded.label} values (rule S2.3: scaled values mean nothing without "
+                f"their own scales; set a replaced state with set_scaled_state)")
+    return None
+
+
 def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, layout,
-                      scales: Optional[dict] = None, formats: Optional[dict] = None):
+                      scales: Optional[dict], formats: Optional[dict], owner, key):
     """A sentence if ``entry`` holds a state that cannot belong to the local tensor
     ``param`` of a parameter with ``layout`` (S3.3: a DTensor parameter's states are
-    DTensors of its layout, a plain one's are plain), or per-block codes whose scales
-    (in ``scales``) are missing or unusable: without them the codes mean nothing."""
+    DTensors of its layout, a plain one's are plain): one origin_error refuses (``key``:
+    the parameter, ``owner``: its optimizer), or per-block codes whose scales (in
+    ``scales``) are missing or unusable: without them the codes mean nothing."""
     if not entry:
         return None
+    error = origin_error(specs, entry, formats, owner, key)
+    if error is not None:
+        return error
     for spec in specs:
         stored = entry.get(spec.name)
         if stored is None:

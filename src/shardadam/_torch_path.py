@@ -79,6 +79,8 @@ def _store_weight(entry, w, step: int) -> None:
             _codecs.param_step_key(entry.rounding_key, step), entry.first_index, w.numel(),
             w.device)).view(entry.local.shape)
     if param is not entry.local:
+        if entry.local.dtype == torch.bfloat16 and param.dtype == torch.float32:
+            param = _codecs.bf16_encode(param)  # NaN's sign kept (S2.4)
         entry.local.copy_(param)
     if fmt is not None:
         fmt.encode(value, entry.master, entry.master_scale)

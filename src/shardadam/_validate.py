@@ -594,9 +594,11 @@ def param_error(param) -> Optional[str]:
     if layout_error is not None:
         return layout_error
     if param.layout is not torch.strided:
-        return f"sparse parameters are not supported (layout {param.layout})"
+        return (f"sparse parameters are not supported (layout {param.layout}; rule S1.4: "
+                f"parameters are strided tensors, updated in place)")
     if param.dtype not in PARAM_TAGS:
-        return f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype}"
+        return (f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype} (rule "
+                f"S1.4)")
     local = _dtensor.to_local(param)
     if _overlaps_itself(local):
         return (f"elements of the parameter share memory (shape {list(local.shape)}, "

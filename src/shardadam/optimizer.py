@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step_hooks,
-               _validate)
+               _stored_by, _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
@@ -166,6 +166,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._seeded = dict(state.get("_seeded") or {})
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
+        _state.claim_all(self.state, self._formats, self)  # restored with their scales
         self._plans = []
         self._param_index = {}
         self._checked = {}
@@ -221,7 +222,8 @@ class FusedAdam(torch.optim.Optimizer):
         specs = config.specs_of(local, layout)
         entry, scales, formats = (self.state.get(param), self._scales.get(param),
                                   self._formats.get(param))
-        error = _state.undecodable_error(specs, entry, scales, formats) if entry else None
+        error = (_state.origin_error(specs, entry, formats, self, param)
+                 or _state.undecodable_error(specs, entry, scales, formats)) if entry else None
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group, param=index,
                                  name=_validate.param_name(named, index))
@@ -231,7 +233,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
-                           layout)
+                           layout, self)
         _state.mark_seeded(self._seeded, param, writes)
         # The plans (and the checks' record of the batches that passed) hold the
         # storages they bound: kept, a replaced state would stay alive beside its
@@ -335,7 +337,7 @@ class FusedAdam(torch.optim.Optimizer):
                     [b for _, _, batches in work for b in batches], self.state, self._scales)
                 with _making_state():
                     for plan in unbound:
-                        plan.bind(self._seeded)
+                        plan.bind(self._seeded, self)
             prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
                         for _, _, batches in work]
             # The core's own checks (buffers shared between tensors), for every group at
@@ -437,7 +439,7 @@ class FusedAdam(torch.optim.Optimizer):
         plan = self._plans[index]
         held = (self.state, self._scales, self._formats)
         if plan is None or not plan.is_current(group, config, *held):
-            plan = self._plans[index] = _plan.build_plan(group, index, config, *held)
+            plan = self._plans[index] = _plan.build_plan(group, index, config, *held, self)
         return plan
 
     # ------------------------------------------------------------------ grads
@@ -560,7 +562,8 @@ class FusedAdam(torch.optim.Optimizer):
         that no longer has its parameter's shape (``param.data`` given another: the
         export could not be loaded back)."""
         formats = self._formats.get(param)
-        error = (_state.misshapen_error(specs, entry, _dtensor.to_local(param), formats)
+        error = (_state.origin_error(specs, entry, formats, self, param)
+                 or _state.misshapen_error(specs, entry, _dtensor.to_local(param), formats)
                  or _state.undecodable_error(specs, entry, self._scales.get(param),
                                              formats))
         if error is not None:
@@ -592,9 +595,13 @@ class FusedAdam(torch.optim.Optimizer):
                                                       self._formats.get(param), local,
                                                       layout):
             # In place: the storage, its DTensor wrapper and every cached pointer to
-            # them stay valid.
+            # them stay valid. Scaled values written here with their scales are this
+            # place's now, wherever the tensor was stored before.
             _state.write_value(spec, value, _dtensor.to_local(entry[state_name]),
                                scales.get(state_name) if scales else None)
+            if spec.format.scaled:
+                _stored_by.claim(entry[state_name], self, param, state_name,
+                                 spec.format.label)
             return
         writes = _state.EntryWrites()
         writes.put(spec, value, local)
@@ -669,7 +676,7 @@ class FusedAdam(torch.optim.Optimizer):
         new_state, new_scales, new_formats = defaultdict(dict), {}, {}
         for param, local, layout, writes in prepared:
             _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
-                               layout)
+                               layout, self)
         seeded = {param: True for param, _, _, writes in prepared
                   if "master_param" in writes.seeded}
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.

@@ -264,8 +264,10 @@ def quantize_like_spec(values, fmt):
     values = values.detach().float()
     if fmt == "fp32":
         return values.clone(), None
-    if fmt == "bf16":
-        return values.to(torch.bfloat16), None
+    if fmt == "bf16":  # torch's rounding; a NaN quiet, with its sign and top payload
+        nan = ((values.view(torch.int32) | 0x00400000) >> 16).to(torch.int16)
+        return torch.where(torch.isnan(values), nan.view(torch.bfloat16),
+                           values.to(torch.bfloat16)), None
     s = expected_scale(values, fmt)
     quotient = values / torch.tensor(s, dtype=torch.float32)
     if fmt == "fp16":

@@ -20,8 +20,9 @@ the caller, e.g. GradScaler, and the step count advances as for any step, S2.8):
   corrupt finite elements of the same state tensor. This follows S2.3 to the letter;
   it is a hazard of the rule, not of the implementation, and is tested as such below.
   Other tensors keep their own scales and are not affected.
-* The NaN bit patterns (sign, payload) are not part of the policy: the C++ and torch
-  paths may produce differently signed NaNs, and only "is NaN" is checked here.
+* The NaN bit patterns (sign, payload) are not part of the policy, and only "is NaN"
+  is checked for the update's own NaNs. One rule is (S2.4): a NaN rounded to bf16
+  keeps its sign, on both paths alike (the last test).
 """
 
 import math
@@ -267,3 +268,63 @@ def test_scale_one_lets_large_finite_elements_overflow(backend, fmt):
     stored = clean.state[clean_params[0]]["exp_avg_sq"]
     big_code = stored.reshape(-1)[big:big + 1]
     assert torch.equal(big_code, code_of(torch.tensor([SCALE_TARGET[fmt]]), fmt))
+
+
+_NAN_BITS = (0x7FC00000, 0xFFC00000, 0x7FF00000, 0xFFF00000, 0x7F800001, 0xFF800001,
+             0x7FFFFFFF, 0xFFFFFFFF)
+
+
+def test_bf16_rounding_keeps_a_nans_sign():
+    """S2.4: NaN stays NaN with its sign. torch's CPU conversion to bf16 stores every NaN
+    as 0xFFFF (negative); the torch path's rounding (``_codecs.bf16_encode``) makes it
+    quiet with its sign and top payload bits, as the C++ core does (convert-inl.h
+    F32ToBF16), and rounds every other value as torch does."""
+    from shardadam import _codecs
+
+    finite = torch.tensor([1.0, -2.5, 3.0e38, -1e-40, 0.0, -0.0, math.inf, -math.inf,
+                           1.00390625, 1.01171875])
+    nans = torch.tensor(_NAN_BITS, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([finite, nans]).repeat(5)  # long enough for torch's vectorised loop
+    got = _codecs.bf16_encode(x).view(torch.int16).to(torch.int32) & 0xFFFF
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = torch.where(torch.isnan(x), (bits | 0x00400000) >> 16,
+                       x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF)
+    assert torch.equal(got.to(torch.int64), want)
+    assert torch.equal(got[torch.isnan(x)] >> 15, (bits[torch.isnan(x)] >> 31).to(got.dtype))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "block8"])
+@pytest.mark.parametrize("sign", [1, -1], ids=["+nan", "-nan"])
+def test_bf16_param_and_moments_keep_a_nans_sign_on_both_paths(sign, moments):
+    """A NaN loaded into one element's exp_avg is stored with its sign (bf16 moments: it
+    was torch's 0xFFFF) and reaches the fp32 master; the bf16 parameter (and bf16
+    moments) rounded from it store the same bits on the C++ and torch paths, a NaN of
+    the master's sign (the torch path stored 0xFFFF for a positive one)."""
+    from _optimizer_testing import backend_context, have_core
+
+    if not have_core():
+        pytest.skip("the C++ core is not built")
+    options = (dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+               if moments == "bf16" else dict(moment_format="block8"))
+    runs = {}
+    for backend in ("auto", "torch"):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 256).bfloat16())
+        opt = fused_adam()([param], lr=1e-2, master_weights=True, **options)
+        param.grad = torch.full((256,), 1e-3).bfloat16()
+        opt.step()
+        state = opt.state_dict()
+        state["state"][0]["exp_avg"][BAD] = math.copysign(math.nan, sign)
+        opt.load_state_dict(state)
+        loaded = opt.get_unscaled_state(param, "exp_avg")[BAD]
+        assert math.isnan(loaded.item()) and (loaded.view(torch.int32) < 0) == (sign < 0)
+        with backend_context(backend):
+            opt.step()
+        stored = [param.detach()] + ([opt.state[param]["exp_avg"]] if moments == "bf16"
+                                     else [])
+        runs[backend] = [t.view(torch.int16).clone() for t in stored]
+        master = opt.state[param]["master_param"][BAD]
+        assert math.isnan(master.item())
+        for t in runs[backend]:
+            assert (t[BAD] < 0) == (master.view(torch.int32) < 0), backend
+    for got, want in zip(runs["torch"], runs["auto"]):
+        assert torch.equal(got, want)

@@ -15,9 +15,11 @@ own load_state_dict size checks; KeyError for unknown state names, S5.2).
 """
 
 import copy
+import gc
 import math
 import re
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -688,8 +690,8 @@ def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out():
 def test_state_moved_to_another_parameter_by_hand_is_refused(preset):
     """S2.3 / S2.11: scales and formats are recorded per parameter object; a scaled state
     moved by hand onto a new Parameter arrives without them, and its codes mean nothing.
-    Refused (step, state_dict, get_unscaled_state), naming the parameter and the state,
-    nothing changed; set_scaled_state is the way to move it."""
+    Refused (step, state_dict, get_unscaled_state), naming the parameter, the state and
+    where its scales stayed, nothing changed; set_scaled_state is the way to move it."""
     options = {"block8": dict(moment_format="block8"), "block4": dict(moment_format="block4"),
                "fp8": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
                "fp16": dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)}
@@ -703,10 +705,7 @@ def test_state_moved_to_another_parameter_by_hand_is_refused(preset):
     opt.param_groups[0]["params"][0] = new
     opt.state[new] = opt.state.pop(old)
     before = snapshot(opt)
-    # Without its record a 4-bit state's packed codes read as per-tensor fp8 of half
-    # the parameter's shape: refused on the shape, before the scale is looked at.
-    moved = (r"has local shape \(4, 128\)" if preset == "block4" else
-             r"no scale was recorded.*rule S2\.3")
+    moved = r"stored for another parameter, whose scales stayed there.*rule S2\.3"
     for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(new, "exp_avg")):
         with pytest.raises(RuntimeError, match=facts(*at(0, 0), "state 'exp_avg", moved)):
             call()
@@ -715,6 +714,161 @@ def test_state_moved_to_another_parameter_by_hand_is_refused(preset):
         opt.set_scaled_state(new, name, value)
     opt.step()
     assert torch.isfinite(new).all() and (new - old).abs().max() < 2e-2  # about lr
+
+
+_SCALED_PRESETS = {"block8": dict(moment_format="block8"),
+                   "block4": dict(moment_format="block4"),
+                   "fp8": dict(exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8),
+                   "fp16": dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)}
+
+
+def _stepped_pair(preset):
+    """One optimizer over two parameters of different magnitudes, stepped once, so each
+    state's scales differ from the other parameter's."""
+    a = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+    b = torch.nn.Parameter(torch.linspace(-3, 2, 1024).reshape(4, 256))
+    opt = fused_adam()([a, b], lr=1e-2, **_SCALED_PRESETS[preset])
+    a.grad = torch.full((4, 256), 1e-3)
+    b.grad = torch.linspace(-5, 5, 1024).reshape(4, 256)
+    opt.step()
+    return opt, a, b
+
+
+@pytest.mark.parametrize("preset", sorted(_SCALED_PRESETS))
+@pytest.mark.parametrize("move", ["another optimizer", "swapped", "another state"])
+def test_scaled_state_moved_by_hand_within_or_between_optimizers_is_refused(preset, move):
+    """S2.3: scaled codes are read with the scales recorded where they were stored. Moved
+    by hand to another optimizer's same parameter (``new.state[p] = old.state[p]``, whose
+    fresh record says scale 1), swapped between two parameters, or put under the other
+    moment's name, they would be read with the wrong scales (block8 exp_avg 5e-4 read as
+    448): refused at step(), state_dict() and get_unscaled_state(), naming the parameter,
+    the state and where the scales stayed, nothing changed. state_dict() and
+    load_state_dict() then move the state, and the step continues as the source's."""
+    opt, a, b = _stepped_pair(preset)
+    target, name = opt, "exp_avg"
+    if move == "another optimizer":
+        target = fused_adam()([a], lr=1e-2, **_SCALED_PRESETS[preset])
+        target.state[a] = opt.state[a]
+        where = "stored in another optimizer"
+    elif move == "swapped":
+        opt.state[a], opt.state[b] = opt.state[b], opt.state[a]
+        where = "stored for another parameter"
+    else:
+        entry = opt.state[a]
+        entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg_sq"], entry["exp_avg"]
+        where = "stored as this parameter's 'exp_avg_sq'"
+    a.grad = torch.full((4, 256), 1e-3)
+    b.grad = torch.full((4, 256), 1e-3)
+    before = snapshot(target)
+    for call in (target.step, target.state_dict,
+                 lambda: target.get_unscaled_state(a, name)):
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), f"state '{name}'",
+                                                     re.escape(where),
+                                                     "scales stayed there", r"rule S2\.3")):
+            call()
+        assert_unchanged(target, before)
+    if move == "another optimizer":  # the supported way, from the optimizer that stored it
+        source = fused_adam()([a], lr=1e-2, **_SCALED_PRESETS[preset])
+        source.state[a] = opt.state[a]
+        with pytest.raises(RuntimeError, match="stored in another optimizer"):
+            source.state_dict()
+        target = fused_adam()([a], lr=1e-2, **_SCALED_PRESETS[preset])
+        target.load_state_dict(_single_param_dict(opt, 0))
+        want = {n: opt.get_unscaled_state(a, n) for n in ("exp_avg", "exp_avg_sq")}
+        for n, value in want.items():
+            assert_bitwise_equal(target.get_unscaled_state(a, n), value, n)
+
+
+def _single_param_dict(opt, index):
+    """``opt.state_dict()`` cut to its parameter ``index``, as a one-parameter dict."""
+    sd = opt.state_dict()
+    group = dict(sd["param_groups"][0], params=[0])
+    return {"state": {0: sd["state"][index]}, "param_groups": [group]}
+
+
+@pytest.mark.parametrize("preset", sorted(_SCALED_PRESETS))
+def test_scaled_state_replaced_by_its_copy_steps_as_before(preset):
+    """README: a state replaced in optimizer.state is used where it now is. A copy of a
+    scaled state (no optimizer stored it) is read with the scales recorded at its place,
+    so a state replaced by its own clone steps bitwise as the one it copies."""
+    runs = []
+    for replace in (False, True):
+        opt, a, b = _stepped_pair(preset)
+        if replace:
+            for entry in opt.state.values():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    entry[name] = entry[name].clone()
+        a.grad = torch.full((4, 256), -2e-3)
+        b.grad = torch.full((4, 256), 1e-2)
+        opt.step()
+        runs.append([t.detach().clone() for t in (a, b)]
+                    + [opt.state[p][n].clone() for p in (a, b)
+                       for n in ("exp_avg", "exp_avg_sq")])
+    for i, (want, got) in enumerate(zip(*runs)):
+        assert_bitwise_equal(got, want, f"tensor {i}")
+
+
+@pytest.mark.parametrize("options", [dict(moment_format="block8"), dict()],
+                         ids=["block8", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.bool])
+def test_state_in_a_dtype_no_format_of_it_has_is_refused(options, dtype):
+    """S2.2: a state put into optimizer.state in a dtype none of its formats is stored in
+    (codes viewed as int8, int32, bool; int16, which only a remainder master holds) has
+    no true value to read: refused (it was read as plain numbers, one step then moving
+    the parameter by 28 at lr 1e-3), naming the parameter, the state and the dtype,
+    nothing changed."""
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
+    opt = fused_adam()([param], lr=1e-3, **options)
+    param.grad = torch.full((4, 256), 1e-3)
+    opt.step()
+    opt.state[param]["exp_avg"] = torch.ones(4, 256).to(dtype)
+    before = snapshot(opt)
+    rule = "only remainder states" if dtype == torch.int16 else "no format of state 'exp_avg'"
+    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(param, "exp_avg")):
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), "state 'exp_avg'",
+                                                     re.escape(str(dtype)), rule,
+                                                     r"rule S2\.2")):
+            call()
+        assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("shape", [(256, 4), (4, 256)])
+def test_scaled_state_in_another_scaled_format_than_its_record_is_refused(shape):
+    """S2.3: an fp16 tensor put where block8 codes were recorded would be decoded with
+    the block scales (a vector of one scale per block, broadcast along the last
+    dimension, or torch's bare shape error): refused, naming both formats, nothing
+    changed; set_scaled_state stores one."""
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(shape))
+    opt = fused_adam()([param], lr=1e-3, moment_format="block8")
+    param.grad = torch.full(shape, 1e-3)
+    opt.step()
+    want = opt.get_unscaled_state(param, "exp_avg")
+    opt.state[param]["exp_avg"] = want.to(torch.float16)
+    before = snapshot(opt)
+    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(param, "exp_avg")):
+        with pytest.raises(RuntimeError, match=facts(
+                *at(0, 0), "state 'exp_avg'", "holds fp16 values",
+                re.escape("recorded for it are those of fp8-block:256"), r"rule S2\.3")):
+            call()
+        assert_unchanged(opt, before)
+    opt.set_scaled_state(param, "exp_avg", want)
+    assert_bitwise_equal(opt.get_unscaled_state(param, "exp_avg"), want, "exp_avg")
+
+
+def test_claims_on_stored_states_go_with_their_tensors():
+    """_stored_by holds its claims weakly: an optimizer's scaled states, once freed,
+    leave no claim behind (nothing keeps them or their parameters alive)."""
+    from shardadam import _stored_by
+
+    gc.collect()
+    count = len(_stored_by._CLAIMS)
+    opt, a, b = _stepped_pair("block8")
+    assert len(_stored_by._CLAIMS) == count + 4  # two moments of two parameters
+    refs = [weakref.ref(t) for t in (a, opt.state[a]["exp_avg"])]
+    del opt, a, b
+    gc.collect()
+    assert len(_stored_by._CLAIMS) == count
+    assert all(ref() is None for ref in refs)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -604,16 +604,19 @@ def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
 
 
 @pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])
-@pytest.mark.parametrize("route", ["plain", "template", "no-layout"])
-def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, route):
+@pytest.mark.parametrize("route", ["plain", "template", "dcp", "no-layout"])
+def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, route,
+                                                                        tmp_path):
     """A checkpoint saved without masters (state_layout master=none) loads into an
     optimizer that keeps them with each master taken from the loaded parameter (S5.5,
     as initialisation: S1.6), whatever it held: "plain" hands load_state_dict the
     checkpoint itself (no master_param), "template" this optimizer's own state dict
     with the checkpoint's values written in, as DCP leaves a key the checkpoint lacks
-    (its master_param is then the template's own, from another model), "no-layout"
-    the checkpoint without its state_layout, as torch's and TE's (without master
-    weights) hold no master."""
+    (its master_param is then the template's own, from another model), "dcp" the same
+    through torch's DCP in one process: its default planner refuses the template's
+    master_param, which the checkpoint lacks, and one that allows a partial load leaves
+    it (README), "no-layout" the checkpoint without its state_layout, as torch's and
+    TE's (without master weights) hold no master."""
     gen = torch.Generator().manual_seed(12)
     saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
     src = fused_adam()(saved_params, lr=1e-2)
@@ -636,6 +639,18 @@ def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, 
             loaded["param_groups"][0][key] = saved["param_groups"][0][key]
         for name in ("exp_avg", "exp_avg_sq"):
             loaded["state"][0][name] = saved["state"][0][name].clone()
+    elif route == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        dcp.save({"optim": saved}, checkpoint_id=tmp_path, no_dist=True)
+        with pytest.raises(CheckpointException, match=r"Missing key.*master_param"):
+            dcp.load({"optim": opt.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+        template = {"optim": opt.state_dict()}
+        dcp.load(template, checkpoint_id=tmp_path, no_dist=True,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        loaded = template["optim"]
     elif route == "no-layout":
         del saved["param_groups"][0]["state_layout"]
     params[0].data.copy_(saved_params[0].detach())  # the model's own load

@@ -1,0 +1,60 @@
+"""Which optimizer stored each scaled state tensor, for which parameter and state name.
+
+A scaled state's codes mean something only with the scales recorded beside them
+(``optimizer._scales[param][name]``, S2.3). Those records stay where they were written,
+so codes moved by hand (``new.state[p] = old.state[p]``, two parameters' states swapped,
+``exp_avg`` put under ``exp_avg_sq``) would be read with the scales of whatever was
+recorded at their new place. Every scaled tensor a FusedAdam stores is claimed here
+(weakly, by identity: tensors compare elementwise, so no ``WeakKeyDictionary``); one found
+at a place other than its claim's is refused. A tensor nobody claimed (a copy, one built
+by hand, one restored by pickle or ``deepcopy``) is read with the scales recorded where it
+now is, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Optional
+
+import torch
+
+# id(tensor) -> (weak reference to it, to its optimizer, to its parameter; state name,
+# format label)
+_CLAIMS: dict = {}
+
+
+def _release(key: int, ref: weakref.ref) -> None:
+    claim = _CLAIMS.get(key)
+    if claim is not None and claim[0] is ref:  # not a newer tensor at the same address
+        del _CLAIMS[key]
+
+
+def claim(stored: torch.Tensor, owner, param: torch.Tensor, name: str, label: str) -> None:
+    """Records that ``owner`` stored ``stored`` as ``param``'s ``name``, in the format
+    labelled ``label``."""
+    key = id(stored)
+    ref = weakref.ref(stored, functools.partial(_release, key))
+    _CLAIMS[key] = (ref, weakref.ref(owner), weakref.ref(param), name, label)
+
+
+def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,
+                name: str) -> Optional[str]:
+    """A sentence if ``stored`` (found as ``param``'s ``name`` in ``owner``) was stored
+    by an optimizer at another place, else None."""
+    held = _CLAIMS.get(id(stored))
+    if held is None or held[0]() is not stored:
+        return None
+    by, for_param, for_name, label = held[1](), held[2](), held[3], held[4]
+    if by is owner and for_param is param and for_name == name:
+        return None
+    if by is not owner:
+        where = "in another optimizer" if by is not None else "in an optimizer since freed"
+    elif for_param is not param:
+        where = "for another parameter"
+    else:
+        where = f"as this parameter's {for_name!r}"
+    return (f"holds the {label} values stored {where}, whose scales stayed there (rule "
+            f"S2.3: scaled values mean nothing without their own scales; move a state with "
+            f"state_dict() and load_state_dict(), or get_unscaled_state() and "
+            f"set_scaled_state())")
