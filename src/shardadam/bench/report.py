@@ -20,8 +20,9 @@ params, grads, moments and master); optimizer_state_bytes_per_param where the co
 is a torch optimizer (every tensor in its ``state``: moments, codes, scales, master
 copies). The lowbit cases' ``kernel_bench-ceiling`` (``runner.CEILING``) adds
 cache_numel and cache_seconds: kernel_bench's one-thread time over that many elements,
-which its seconds scale to the case's elements and threads. ``meta``: the run's settings, the CPU (model name, and in cpu_id its vendor,
-family, model, stepping and SIMD flags), the source's git commit, torch's version.
+which its seconds scale to the case's elements and threads. ``meta``: the run's
+settings, the CPU (model name, and in cpu_id its vendor, family, model, stepping and
+SIMD flags), the source's git commit, torch's version.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def write_json(path, meta, records) -> None:
 _COLORS = {"shardadam": "tab:blue", "torch-fused": "tab:orange",
            "torch-foreach": "tab:green", "deepspeed": "tab:purple",
            "multipass": "tab:red", "probe": "0.55", "kernel_bench-probe": "0.75",
-           "kernel_bench-kernel": "tab:cyan", "kernel_bench-ceiling": "0.35", "dtensor": "tab:blue", "plain": "tab:olive",
+           "kernel_bench-kernel": "tab:cyan", "kernel_bench-ceiling": "0.35",
+           "dtensor": "tab:blue", "plain": "tab:olive",
            "torchao-adamw8bit": "tab:brown", "torchao-adamw4bit": "tab:pink",
            "torchao-adamwfp8": "goldenrod", "bnb-adamw8bit": "tab:gray"}
 

@@ -115,8 +115,8 @@ def _ceiling_record(case, row, threads):
     probe above the ceiling's is out of reach here, the step's instructions bind it."""
     record = _base_record(case, CEILING, threads)
     # The case's elements at threads * (row's elements per second), for each statistic.
-    per_second = case.numel / (threads * row["numel"])
-    seconds = {key: row["kernel_s"][key] * per_second for key in ("median", "min", "max")}
+    factor = case.numel / (threads * row["numel"])
+    seconds = {key: row["kernel_s"][key] * factor for key in ("median", "min", "max")}
     record.update(description=(f"{threads} x one thread's rate on {row['numel']} elements "
                                "in cache (kernel_bench): the step's upper bound here"),
                   seconds=seconds, reps=None, cache_numel=row["numel"],
