@@ -111,6 +111,14 @@ bool CheckStepConstants(const StepParams& params, Error* error) {
                        c.name, params.step, params.lr, params.beta1, params.weight_decay,
                        params.eps));
   }
+  // Below half fp32's smallest subnormal a positive eps would be added as 0: a
+  // zero gradient on zero moments would then step 0 / 0 into NaN.
+  if (params.eps > 0.0 && k.eps == 0.0f) {
+    return Fail(error, -1,
+                Format("eps %.9g rounds to 0 in fp32, where the step adds it (rule: a "
+                       "positive eps stays positive in fp32, at least 2^-149; 0 means none)",
+                       params.eps));
+  }
   return true;
 }
 

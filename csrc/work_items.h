@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "thread_pool.h"
 
@@ -60,17 +61,18 @@ void AtomicMax(std::atomic<uint32_t>& target, uint32_t value);
 
 // Runs `run(index, scratch)` for every index below `count` on up to `threads`
 // threads (dynamic scheduling; the split never affects results). Each thread
-// gets its own `Scratch`.
+// gets its own `Scratch`, on the heap: the caller's thread runs items too, and its
+// stack may be small (musl's threads get 128 KiB; a Scratch is 64 KiB).
 template <class Scratch, class Fn>
 void RunItems(size_t count, int threads, const Fn& run) {
   if (count == 0) return;
   std::atomic<size_t> next{0};
   const std::function<void(int)> body = [&](int) {
-    Scratch scratch;
+    const auto scratch = std::make_unique<Scratch>();
     for (;;) {
       const size_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= count) break;
-      run(i, scratch);
+      run(i, *scratch);
     }
   };
   RunTeam(threads, body);

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import state_map_study as study  # noqa: E402
 
+from shardadam._arguments import whole_number_at_least  # noqa: E402
 from shardadam.demo.config import SIZES  # noqa: E402
 from shardadam.demo.corpus import build_corpus  # noqa: E402
 from shardadam.demo.data import VOCAB_SIZE, Batches  # noqa: E402
@@ -76,9 +77,9 @@ def main(argv=None):
     parser.add_argument("--runs", default="ref", help="specs separated by ';'")
     parser.add_argument("--small", default="m=e4m3s29:128,v=ufe4m4:128",
                         help="spec for the 1-D parameters (default: block8's maps)")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=whole_number_at_least(1), default=100)
+    parser.add_argument("--seed", type=whole_number_at_least(0), default=0)
+    parser.add_argument("--threads", type=whole_number_at_least(1), default=2)
     parser.add_argument("--out", default="runs/demo_map_study.jsonl")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -63,10 +63,32 @@ def run(name, steps):
     return errors
 
 
+OWN = ("adamw", "fp32", "bf16", "block8", "block4")
+
+
+def _optimizer(text):
+    if text not in OWN and text not in peers.PEERS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not one of {', '.join(OWN + tuple(peers.PEERS))}")
+    return text
+
+
+def _thousands(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1000 or value % 1000:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 1,000, got {value}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("optimizers", nargs="+")
-    parser.add_argument("--steps", type=int, default=6000, help="a multiple of 1,000")
+    parser.add_argument("optimizers", nargs="+", type=_optimizer,
+                        help=f"any of {', '.join(OWN)} and the peers' names")
+    parser.add_argument("--steps", type=_thousands, default=6000,
+                        help="a positive multiple of 1,000 (default 6000)")
     args = parser.parse_args()
     for name in args.optimizers:
         start = time.perf_counter()

@@ -49,6 +49,19 @@ def _parse(argv):
     unknown = set(args.presets.split(",")) - set(PRESETS)
     if unknown:
         parser.error(f"unknown preset(s) {sorted(unknown)}; choose from {list(PRESETS)}")
+    try:
+        args.world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
+    except ValueError:
+        parser.error(f"--world-sizes: expected comma-separated whole numbers, got "
+                     f"{args.world_sizes!r}")
+    import _soak
+
+    args.plan = _soak.Plan(presets=tuple(args.presets.split(",")), steps=args.steps,
+                           every=args.every, kills=args.kills, world_sizes=args.world_sizes,
+                           kill_window=args.kill_window, seed=args.seed)
+    error = _soak.plan_error(args.plan)  # before --out is made
+    if error is not None:
+        parser.error(error)
     args.out = args.out or os.path.join("runs", time.strftime("soak-%Y%m%d-%H%M%S"))
     if os.path.exists(args.out):
         parser.error(f"{args.out} exists; give a fresh folder")
@@ -100,13 +113,10 @@ def main(argv=None):
     args = _parse(argv)
     import _soak
 
-    plan = _soak.Plan(presets=tuple(args.presets.split(",")), steps=args.steps,
-                      every=args.every, kills=args.kills,
-                      world_sizes=tuple(int(w) for w in args.world_sizes.split(",")),
-                      kill_window=args.kill_window, seed=args.seed)
     os.makedirs(args.out)
     try:
-        report = _soak.soak(plan, os.path.abspath(args.out), log=lambda m: print(m, flush=True))
+        report = _soak.soak(args.plan, os.path.abspath(args.out),
+                            log=lambda m: print(m, flush=True))
     except _soak.SoakError as error:
         print(f"SOAK FAILED: {error}\n(everything is in {args.out})", file=sys.stderr)
         return 1

@@ -76,6 +76,7 @@ from fractions import Fraction
 import torch
 
 from shardadam import rare_tokens
+from shardadam._arguments import whole_number_at_least
 
 
 
@@ -1108,15 +1109,16 @@ def main(argv=None):
     parser.add_argument("--decay", action="store_true",
                         help="how each map stores moments that stop receiving gradient")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="proxy")
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--steps", type=whole_number_at_least(1), default=None)
     parser.add_argument("--runs", default="refs",
                         help="comma-separated group names or specs; separate specs "
                              "holding commas with ';' (m=e4m3:256,v=sqrt8:256;ref)")
     # One thread: on a shared 2-core machine two threads spent most of their time
     # waiting for each other (elementwise ops 100x slower than with one).
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=whole_number_at_least(1), default=1)
     parser.add_argument("--out", default="runs/state_map_study.jsonl")
-    parser.add_argument("--progress", type=int, default=50, help="print every N steps")
+    parser.add_argument("--progress", type=whole_number_at_least(1), default=50,
+                        help="print every N steps")
     parser.add_argument("--table", action="store_true", help="print the table of --out")
     parser.add_argument("--snapshots", default=None,
                         help="comma-separated steps: run torch AdamW and save its moments "
@@ -1127,6 +1129,8 @@ def main(argv=None):
                         help="comma-separated steps whose saved moments to measure every "
                              "map's one-step update error on")
     args = parser.parse_args(argv)
+    if args.table and not os.path.isfile(args.out):
+        parser.error(f"--table reads --out, and there is no file {args.out!r}")
     torch.set_num_threads(args.threads)
     if args.check:
         check()

@@ -320,24 +320,10 @@ class ScopedDevice {
   int previous_ = -1;
 };
 
-}  // namespace
-}  // namespace cuda
-
-int64_t CudaWorkspaceBytes(int64_t count) {
-  return count <= 0 ? 0 : count * 3 * static_cast<int64_t>(sizeof(uint32_t));
-}
-
-Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
-                    void* workspace, int64_t workspace_bytes, void* stream, int device,
-                    Error* error) {
-  using namespace cuda;  // NOLINT(build/namespaces): file-local brevity
-  // The step constants are computed here on the host: in the caller's mode an FTZ
-  // caller would flush a subnormal eps or weight decay that the CPU core keeps.
-  const internal::ScopedIeeeFloatMode ieee;
-  if (!internal::ValidateStep(slots, count, params, error, internal::ScaleValues::kSkip)) {
-    return Status::kInvalidArgument;
-  }
-  if (count == 0) return Status::kOk;
+// The slot rules AdamStepCuda adds to AdamStep's (adam_cuda.h), for slots that
+// passed AdamStep's: formats with a kernel, data aligned to its element size, and
+// the element limit of one launch.
+Status SlotRules(const TensorSlot* slots, int64_t count, Error* error) {
   for (int64_t i = 0; i < count; ++i) {
     const struct {
       const char* field;
@@ -370,6 +356,35 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
       return InvalidArgument(error, message, i);
     }
   }
+  return Status::kOk;
+}
+
+}  // namespace
+}  // namespace cuda
+
+Status CheckCudaStepSlots(const TensorSlot* slots, int64_t count, Error* error) {
+  const Status common = CheckStepSlots(slots, count, /*scales_in_device_memory=*/true, error);
+  if (common != Status::kOk || count <= 0) return common;
+  return cuda::SlotRules(slots, count, error);
+}
+
+int64_t CudaWorkspaceBytes(int64_t count) {
+  return count <= 0 ? 0 : count * 3 * static_cast<int64_t>(sizeof(uint32_t));
+}
+
+Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& params,
+                    void* workspace, int64_t workspace_bytes, void* stream, int device,
+                    Error* error) {
+  using namespace cuda;  // NOLINT(build/namespaces): file-local brevity
+  // The step constants are computed here on the host: in the caller's mode an FTZ
+  // caller would flush a subnormal eps or weight decay that the CPU core keeps.
+  const internal::ScopedIeeeFloatMode ieee;
+  if (!internal::ValidateStep(slots, count, params, error, internal::ScaleValues::kSkip)) {
+    return Status::kInvalidArgument;
+  }
+  if (count == 0) return Status::kOk;
+  const Status rules = SlotRules(slots, count, error);
+  if (rules != Status::kOk) return rules;
   const int64_t needed = CudaWorkspaceBytes(count);
   if (workspace == nullptr || workspace_bytes < needed ||
       reinterpret_cast<uintptr_t>(workspace) % alignof(uint32_t) != 0) {

@@ -344,6 +344,7 @@ def bias_correction1(hyper) -> float:
 # The smallest double that rounds to inf in fp32: FLT_MAX plus half its ulp (the tie
 # rounds to the even 2^128).
 _FP32_OVERFLOW = 2.0**128 - 2.0**103
+_FP32_HALF_SMALLEST = 2.0**-150  # and below, a double rounds to fp32's 0
 
 
 def check_step_constants(hyper, group_index: int) -> None:
@@ -362,6 +363,12 @@ def check_step_constants(hyper, group_index: int) -> None:
                                    f"(lr {lr!r}, beta1 {hyper.beta1!r}, weight_decay "
                                    f"{wd!r}, eps {hyper.eps!r}; rule: each fp32 constant "
                                    f"of the step is finite, S3.6)", group=group_index)
+    # At most half fp32's smallest subnormal (2^-150, a tie to even) rounds to 0: a
+    # zero gradient on zero moments would then step 0 / 0 into NaN.
+    if 0.0 < hyper.eps <= _FP32_HALF_SMALLEST:
+        raise fail(ValueError, f"eps {hyper.eps!r} rounds to 0 in fp32, where the step adds "
+                               f"it (rule: a positive eps stays positive in fp32, at least "
+                               f"2^-149; 0 means none, S3.6)", group=group_index)
 
 
 # The largest step counter: the core counts the step it takes, one more, in an int64.

@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
 from . import peers
+from ._arguments import whole_number_at_least, writable_file
 
 
 @dataclass(frozen=True)
@@ -239,26 +239,13 @@ def add_arguments(parser):
     parser.add_argument("--threads", type=_positive_int, default=None,
                         help="torch threads (default: torch's); results are bitwise "
                              "repeatable for a given count")
-    parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--json", default=None, type=writable_file(),
+                        help="also write the result here")
     parser.add_argument("--quiet", action="store_true", help="no per-step lines")
 
 
-def _whole_number_at_least(low, text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-    return value
-
-
-def _positive_int(text):
-    return _whole_number_at_least(1, text)
-
-
-def _positive_int_or_zero(text):
-    return _whole_number_at_least(0, text)
+_positive_int = whole_number_at_least(1)
+_positive_int_or_zero = whole_number_at_least(0)
 
 
 def _beta(text):
@@ -309,6 +296,11 @@ def run(args):
               "or parameter flags (it keeps its own state on fp32 parameters)",
               file=sys.stderr)
         return 2
+    if args.params == "fp32" and (args.master, args.param_rounding) != ("none", "nearest"):
+        print("shardadam rare-tokens: error: --master and --param-rounding apply to bf16 "
+              "parameters only (fp32 parameters are their own master, S2.1): add "
+              "--params bf16", file=sys.stderr)
+        return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     workload = replace(FULL, steps=args.steps, seed=args.seed, vocab=args.vocab,
@@ -338,11 +330,6 @@ def run(args):
         except (ValueError, RuntimeError) as error:
             print(f"shardadam rare-tokens: error: {error}", file=sys.stderr)
             return 2
-    if args.json is not None and not os.path.isdir(os.path.dirname(
-            os.path.abspath(args.json))):
-        print(f"shardadam rare-tokens: error: --json {args.json}: no such folder",
-              file=sys.stderr)
-        return 2
     label = describe(args)
     print(f"rare tokens: embedding + head {workload.vocab} x {workload.dim}, Zipf "
           f"{workload.exponent}, {workload.batch} tokens/step, {workload.steps} steps, "

@@ -709,6 +709,10 @@ std::vector<ErrorCase> ErrorCases() {
              });
   param_case("eps_beyond_fp32", "eps is beyond fp32's range",
              [](StepParams* p) { p->eps = 1e39; });
+  param_case("eps_rounding_to_zero_in_fp32", "eps 1e-50 rounds to 0 in fp32",
+             [](StepParams* p) { p->eps = 1e-50; });
+  param_case("eps_at_half_the_smallest_fp32", "rounds to 0 in fp32",  // a tie, to even: 0
+             [](StepParams* p) { p->eps = std::ldexp(1.0, -150); });
   param_case("step_zero", "step", [](StepParams* p) { p->step = 0; });
   param_case("step_negative", "step", [](StepParams* p) { p->step = -2; });
   return cases;

@@ -6,6 +6,7 @@
 // exp_avg rounded stochastically (S2.13), whose codes follow the key and step,
 // and a bf16 param with no master rounded stochastically beside it (S2.14).
 #include <gtest/gtest.h>
+#include <pthread.h>
 
 #include <cfloat>
 #include <cmath>
@@ -817,6 +818,57 @@ TEST(BlockPaddingTest, PaddingNibbleIsWrittenZero) {
       EXPECT_TRUE(SameTensor(want, got)) << "infinite " << infinite;
     });
   }
+}
+
+// The calling thread runs work items too, so a step must fit a small thread stack
+// (musl gives threads 128 KiB): the per-thread scratch is on the heap, and the
+// block kernel keeps only one block of moments (largest blocks here) on the stack.
+// Sanitizers' instrumented frames are far larger: skipped there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SHARDADAM_SANITIZED_STACK 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SHARDADAM_SANITIZED_STACK 1
+#endif
+#endif
+TEST(BlockThreadTest, StepsOnAThreadWithA128KiBStack) {
+#if defined(SHARDADAM_SANITIZED_STACK)
+  GTEST_SKIP() << "sanitizer frames do not fit a 128 KiB stack";
+#else
+  // block8 as FusedAdam stores it: exp_avg_sq rounded stochastically (S2.13).
+  const BlockConfig c = {DType::kBFloat16, DType::kBFloat16, DType::kInt16Remainder, kBlock8,
+                         kUBlock8, true, Rounding::kNearest, Rounding::kNearest,
+                         Rounding::kStochastic};
+  BlockTensor t = MakeShard(c, 0, 3 * 4096, 4096);
+  FillGrad(&t, 1);
+  StepParams params;
+  BlockTensor want = t;
+  TensorSlot want_slot = want.Slot();
+  ASSERT_EQ(AdamStep(&want_slot, 1, params, 1, nullptr), Status::kOk);
+  struct Call {
+    BlockTensor tensor;
+    StepParams params;
+    Status status = Status::kInvalidArgument;
+  } call{t, params};
+  pthread_attr_t attr;
+  ASSERT_EQ(pthread_attr_init(&attr), 0);
+  ASSERT_EQ(pthread_attr_setstacksize(&attr, 128 * 1024), 0);
+  pthread_t thread;
+  ASSERT_EQ(pthread_create(
+                &thread, &attr,
+                [](void* arg) -> void* {
+                  auto* call = static_cast<Call*>(arg);
+                  TensorSlot slot = call->tensor.Slot();
+                  call->status = AdamStep(&slot, 1, call->params, 1, nullptr);
+                  return nullptr;
+                },
+                &call),
+            0);
+  ASSERT_EQ(pthread_join(thread, nullptr), 0);
+  pthread_attr_destroy(&attr);
+  ASSERT_EQ(call.status, Status::kOk);
+  EXPECT_TRUE(SameTensor(want, call.tensor));
+#endif
 }
 
 // Geometry and scale slots are checked before anything is written.

@@ -73,10 +73,15 @@ def test_help_and_bad_arguments(capsys):
         assert flag in usage
     for flag, value in (("--scale", "0"), ("--scale", "inf"), ("--settle-ms", "nan"),
                         ("--settle-ms", "-5"), ("--json", "/nonexistent/b.json"),
-                        ("--png", "/nonexistent/b.png")):
+                        ("--png", "/nonexistent/b.png"),
+                        # checked before the run, not when the files are written after it
+                        ("--json", "/"), ("--png", "chart.svg")):
         with pytest.raises(SystemExit) as bad:
             main(["bench", flag, value])
         assert bad.value.code == 2 and flag in capsys.readouterr().err, (flag, value)
+    # One file for both outputs: the PNG would replace the JSON.
+    assert main(["bench", "--json", "out.png", "--png", "out.png"]) == 2
+    assert "--json and --png name the same file" in capsys.readouterr().err
 
 
 def test_table_is_printed(tiny_run):
@@ -237,6 +242,22 @@ def test_optimizer_state_bytes_follow_the_layout(tiny_run):
     assert held[("lowbit/bf16-remainder-block4", "shardadam-sr")] == pytest.approx(
         0.5 + 0.5 + 2 * 4 / 128)
     assert held[("large/fp32", "torch-fused")] == pytest.approx(8, abs=0.01)
+
+
+def test_a_failed_memory_measurement_is_shown_as_failed(tiny_run):
+    """A memory subprocess that failed leaves no figure: the table says "failed" where a
+    contender not measured shows "-" (its reason is in the JSON's memory_error)."""
+    from shardadam.bench import report
+
+    _, data, _ = tiny_run
+    record = next(dict(r) for r in data["results"]
+                  if r["contender"] == "shardadam" and r["kind"] == "large")
+    record.update(peak_extra_bytes=None, peak_extra_fraction_of_state=None,
+                  memory_error="Traceback ...\nNameError: x")
+    line = report.table([record]).splitlines()[-1]
+    assert "failed" in line and "shardadam" in line
+    del record["memory_error"]
+    assert "failed" not in report.table([record]).splitlines()[-1]
 
 
 def test_peak_memory_is_measured_per_contender(tiny_run):

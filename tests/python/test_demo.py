@@ -153,14 +153,17 @@ def _bad_input_cases(tmp_path):
         # bitsandbytes' optimizers do not step DTensor parameters.
         (["--also", "bnb-adamw8bit"], r"--also: 'bnb-adamw8bit' is not one of "),
         (["--also", "torchao-adamw8bit,torchao-adamw8bit"], r"--also: a name is given twice"),
+        # "" would write into the current folder, not a run folder of its own.
+        (["--out", ""], r"--out: expected a folder name, got an empty one"),
     ]
 
 
-@pytest.mark.parametrize("index", range(10), ids=["unknown-preset", "zero-ranks",
+@pytest.mark.parametrize("index", range(11), ids=["unknown-preset", "zero-ranks",
                                                    "zero-resume-ranks", "one-step",
                                                    "more-ranks-than-rows", "unwritable-out",
                                                    "seed-beyond-torch", "unknown-peer",
-                                                   "peer-without-dtensor", "peer-twice"])
+                                                   "peer-without-dtensor", "peer-twice",
+                                                   "empty-out"])
 def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     args, pattern = _bad_input_cases(tmp_path)[index]
     try:

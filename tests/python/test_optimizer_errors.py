@@ -365,6 +365,9 @@ FP32_RANGE_CASES = {
     "l2-weight-decay": (dict(weight_decay=1e39, adam_w_mode=False),
                         r"(?<!\* )weight_decay is beyond fp32's range"),
     "eps": (dict(eps=1e39), r"eps is beyond fp32's range"),
+    # A positive eps that fp32 stores as 0 (2^-150 is a tie, to even: 0).
+    "eps-zero": (dict(eps=1e-50), r"eps 1e-50 rounds to 0 in fp32"),
+    "eps-tie": (dict(eps=2.0**-150), r"rounds to 0 in fp32"),
 }
 
 
@@ -372,8 +375,9 @@ FP32_RANGE_CASES = {
 @pytest.mark.parametrize("case", sorted(FP32_RANGE_CASES))
 def test_step_whose_fp32_constants_overflow_is_refused(case, backend):
     """S3.6 (beyond): torch's fused AdamW takes lr = 1e39 and writes inf; a step whose
-    fp32 constants are not finite is refused before anything is written, naming the
-    group and the constant, on both paths (and by the core itself, adam_test)."""
+    fp32 constants are not finite, or whose positive eps fp32 stores as 0, is refused
+    before anything is written, naming the group and the constant, on both paths (and
+    by the core itself, adam_test)."""
     if backend == "auto" and not have_core():
         pytest.skip("the C++ core is not built")
     settings, named = FP32_RANGE_CASES[case]

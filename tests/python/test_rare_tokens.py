@@ -168,12 +168,16 @@ def test_command_refuses_state_flags_for_adamw(capsys):
     (["--steps", "0"], "--steps: must be at least 1, got 0"),
     (["--beta2", "1"], "--beta2: must be in [0, 1), got 1.0"),
     (["--beta2", "x"], "--beta2: expected a number, got 'x'"),
-    (["--json", "/nonexistent-folder/result.json"], "no such folder"),
+    (["--json", "/nonexistent-folder/result.json"], "cannot write into '/nonexistent-folder'"),
+    (["--json", "/"], "'/' is a folder, not a file"),
+    # The bf16 options on fp32 parameters would run under a label they do not apply to.
+    (["--master", "remainder"], "--master and --param-rounding apply to bf16 parameters"),
+    (["--param-rounding", "stochastic"], "apply to bf16 parameters only"),
 ])
 def test_command_refuses_bad_settings_before_training(flags, message, capsys):
     """The optimizer's own checks and the output path, before minutes of training;
     each bound named as it is (argparse's own refusals exit)."""
-    refused_by_argparse = flags[0] in ("--seed", "--threads", "--steps", "--beta2")
+    refused_by_argparse = flags[0] in ("--seed", "--threads", "--steps", "--beta2", "--json")
     with pytest.raises(SystemExit) if refused_by_argparse else contextlib.nullcontext():
         assert main(["rare-tokens", *flags]) == 2
     out, err = capsys.readouterr()

@@ -10,7 +10,8 @@
 //   Status::kInvalidArgument, describes the first broken rule in `Error` and has
 //   written nothing: no buffer, no scale slot.
 // - Bad input never throws. Only std::bad_alloc can leave a call, when memory
-//   runs out (a call allocates a few words per tensor).
+//   runs out (a call allocates a few words per tensor and 64 KiB of scratch per
+//   thread).
 // - The update runs on the calling thread plus up to num_threads - 1 workers:
 //   those of the OpenMP runtime already loaded into the process (PyTorch's),
 //   else of one process-wide pool, started on first use and recreated after
@@ -125,7 +126,8 @@ struct TensorSlot {
 // Validated before anything is written: every value finite, lr, eps and
 // weight_decay >= 0, both betas in [0, 1), step >= 1, and the fp32 constants the
 // step uses finite: lr / (1 - beta1^step), eps, and 1 - lr * weight_decay
-// (adam_w_mode) or weight_decay (L2), each computed in double and rounded.
+// (adam_w_mode) or weight_decay (L2), each computed in double and rounded; a
+// positive eps must not round to 0 in fp32 (at most 2^-150 does).
 struct StepParams {
   double lr = 1e-3;             // 0 is a real step: the moments still move
   double beta1 = 0.9;
@@ -205,7 +207,9 @@ void SetError(Error* error, int64_t tensor, const std::string& rule,
 // and > 0, data pointers non-null when numel > 0, buffers inside the address
 // space, no overlap within the slot), then overlaps between tensors. Not checkable
 // and so the caller's duty: that each pointer addresses as many bytes as numel
-// says, with the alignment above.
+// says. The data alignment above is not checked here (the CUDA backend checks it).
+// A call needs about 64 KiB of the calling thread's stack (it fits the 128 KiB a
+// musl thread gets): per-thread scratch is on the heap.
 Status AdamStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                 int num_threads, Error* error);
 
@@ -219,7 +223,8 @@ Status CheckStepSlots(const TensorSlot* slots, int64_t count,
                       bool scales_in_device_memory, Error* error);
 
 // Element-wise conversion between storage dtypes, bit-exact with torch's `.to()`
-// (round to nearest even, NaN kept). For fp16/fp8 destinations the value stored is
+// (round to nearest even) except for NaN, which keeps its sign and top payload
+// bits and is made quiet (torch's CPU conversion to bf16 stores every NaN as 0xFFFF). For fp16/fp8 destinations the value stored is
 // round(src / scale); for fp16/fp8 sources the value read is float(src) * scale.
 // Supported: any of fp32/fp16/bf16/fp8 to any other. kInt16Remainder is not a cast.
 // `numel` elements from `src` to `dst`; `scale` must be finite and > 0 when either

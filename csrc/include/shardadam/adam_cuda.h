@@ -50,6 +50,13 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                     void* workspace, int64_t workspace_bytes, void* stream, int device,
                     Error* error);
 
+// CheckStepSlots for AdamStepCuda: every slot rule of both, and the buffers shared
+// between tensors, writing nothing and reading no scale slot (they are on the
+// device). A caller that splits one step into several AdamStepCuda calls (one per
+// parameter group) checks all their slots with it first, so that a refusal leaves
+// every call unenqueued. Returns kOk or kInvalidArgument with `error` filled.
+Status CheckCudaStepSlots(const TensorSlot* slots, int64_t count, Error* error);
+
 // Whether AdamStepCuda steps states of format `dtype` (every format the CPU core
 // takes, except per-block scaled formats the kernels have no codec for yet, which
 // it refuses). Needs no device.

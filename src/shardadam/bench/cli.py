@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 
+from .._arguments import same_file_error, whole_number_at_least, writable_file
 from .timing import SETTLE_S
 
 _KINDS = ("large", "training", "transformer", "many", "dtensor", "lowbit")
@@ -46,23 +47,7 @@ def _float_in(low, high, *, low_open=False):
     return parse
 
 
-def _writable_file(text):
-    """argparse type: a file path whose folder exists and is writable, checked before
-    the run rather than after it."""
-    folder = os.path.dirname(os.path.abspath(text))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into {folder!r}")
-    return text
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive_int = whole_number_at_least(1)
 
 
 def _kinds(text):
@@ -79,9 +64,9 @@ def add_arguments(parser):
                         help="smaller tensors and fewer repetitions (~2 minutes on 2 "
                              "cores): 7M-element large cases, d_model 256, 7 reps. "
                              "Default: full (25M elements, d_model 512, 15 reps)")
-    parser.add_argument("--json", metavar="PATH", type=_writable_file,
+    parser.add_argument("--json", metavar="PATH", type=writable_file(),
                         help="write every result as JSON")
-    parser.add_argument("--png", metavar="PATH", type=_writable_file,
+    parser.add_argument("--png", metavar="PATH", type=writable_file(".png"),
                         help="draw the results as a PNG chart")
     parser.add_argument("--cases", type=_kinds, default=list(_KINDS), metavar="KINDS",
                         help=f"comma-separated subset of {','.join(_KINDS)} (default all)")
@@ -181,6 +166,10 @@ def run(args) -> int:
 
     from . import cases, memory, probe, report, runner
 
+    same = same_file_error({"--json": args.json, "--png": args.png})
+    if same is not None:
+        print(f"python -m shardadam bench: error: {same}", file=sys.stderr)
+        return 2
     mode = "quick" if args.quick else "full"
     size = cases.settings(mode)
     if args.reps:
@@ -240,6 +229,11 @@ def run(args) -> int:
                 for case_id, result in job.result().items():
                     peaks[(case_id, name)] = result
     runner.add_memory(records, peaks)
+    for record in records:  # a failed measurement is no measurement: say so
+        if "memory_error" in record:
+            lines = str(record["memory_error"]).strip().splitlines() or ["no reason given"]
+            _log(f"memory of {record['case']} {record['contender']} not measured: "
+                 f"{lines[-1]}")
 
     meta["load_average_end"] = list(os.getloadavg())
     print(f"shardadam bench ({mode}, scale {args.scale}): {meta['cpu']}, {threads} "

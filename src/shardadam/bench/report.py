@@ -75,6 +75,7 @@ def table(records) -> str:
             vs_ref = s["median"] / ref_median if ref_median else None
             extra = r["peak_extra_bytes"]
             fraction = r["peak_extra_fraction_of_state"]
+            missing = "failed" if "memory_error" in r else "-"  # its reason: the JSON
             lines.append(
                 f"{'':<28} {r['contender']:<20} {r['tensors']:>7} {r['numel']:>11} "
                 f"{s['median'] * 1e3:>10.2f} {spread:>17} "
@@ -84,7 +85,7 @@ def table(records) -> str:
                 f"{_fmt(vs_ref, '6.2f'):>6} "
                 f"{_fmt(r['paired_ratio_to'].get('core'), '5.2f'):>5} "
                 f"{_interval(r['paired_ratio_interval_to'].get('core')):>9} "
-                f"{_fmt(None if extra is None else extra / _MIB, '9.2f'):>9} "
+                f"{_fmt(None if extra is None else extra / _MIB, '9.2f', missing):>9} "
                 f"{_fmt(None if fraction is None else 100 * fraction, '7.3f'):>7} "
                 f"{_fmt(r.get('optimizer_state_bytes_per_param'), '9.3f'):>9}")
     return "\n".join(lines)
@@ -131,6 +132,9 @@ def write_png(path, meta, records) -> None:
                      "whiskers: min-max")
     peak = [100 * (r["peak_extra_fraction_of_state"] or 0) for r in timed]
     mem.barh(y, peak, color=colors)
+    for row, record in zip(y, timed):  # a failed measurement is no bar at 0
+        if "memory_error" in record:
+            mem.text(0, row, " not measured", va="center", fontsize=6, color="tab:red")
     mem.set_xlabel("peak extra memory of a step, % of params + grads + state")
     title = (f"shardadam bench ({meta['mode']}, scale {meta['scale']}): "
              f"{meta['threads']} threads, {meta['cpu']}, load avg at start "

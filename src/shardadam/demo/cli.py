@@ -99,11 +99,19 @@ def add_arguments(parser):
                              "beside shardadam's (comma-separated: "
                              f"{', '.join(peers.DTENSOR_PEERS)}; `make bench` installs "
                              "them)")
-    parser.add_argument("--out", default=None,
+    parser.add_argument("--out", default=None, type=_folder_name,
                         help="folder for demo.json, demo.png and the rank logs "
                              "(default runs/demo-<date>-<time> under the current folder)")
     # For the tests: make one rank fail at one step (RANK:STEP).
     parser.add_argument("--fail-at", default=None, help=argparse.SUPPRESS)
+
+
+def _folder_name(text):
+    """argparse type: a folder to create or fill (not "", which would be the current
+    folder under another name)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder name, got an empty one")
+    return text
 
 
 def _check(args):

@@ -507,6 +507,44 @@ TEST(CudaValidationTest, SmallWorkspaceIsRejected) {
   EXPECT_EQ(CudaWorkspaceBytes(0), 0);
 }
 
+// A step split into one call per group is checked whole first: CheckStepSlots
+// knows only AdamStep's rules, CheckCudaStepSlots AdamStepCuda's too (here a bf16
+// buffer aligned to 1 byte in the second group, which AdamStep takes).
+TEST(CudaValidationTest, CheckCudaStepSlotsAppliesTheBackendsOwnRules) {
+  alignas(16) uint16_t bf16[4][10] = {};
+  float buffers[4][8] = {};
+  TensorSlot s[2] = {Fp32Slot(buffers), Fp32Slot(buffers)};
+  s[1].numel = 4;
+  s[1].param = bf16[0];
+  s[1].grad = bf16[1];
+  s[1].exp_avg = reinterpret_cast<uint8_t*>(bf16[2]) + 1;  // odd address
+  s[1].exp_avg_sq = bf16[3];
+  s[1].param_dtype = s[1].grad_dtype = s[1].exp_avg_dtype = s[1].exp_avg_sq_dtype =
+      DType::kBFloat16;
+  s[1].master_dtype = DType::kNone;
+  s[0].numel = 4;  // the first group's buffers: no overlap with the second's
+  Error error;
+  EXPECT_EQ(CheckStepSlots(s, 2, true, &error), Status::kOk) << error.message;
+  EXPECT_EQ(CheckCudaStepSlots(s, 2, &error), Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 1);
+  EXPECT_NE(error.message.find("exp_avg is not aligned to its element size"),
+            std::string::npos)
+      << error.message;
+  // AdamStepCuda refuses the same slot for the same reason.
+  int workspace[8] = {};
+  EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), workspace, sizeof(workspace), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 1);
+  // Slots AdamStep refuses, CheckCudaStepSlots refuses with AdamStep's message.
+  s[1].exp_avg = bf16[2];
+  s[0].numel = -1;
+  EXPECT_EQ(CheckCudaStepSlots(s, 2, &error), Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 0);
+  s[0].numel = 4;
+  EXPECT_EQ(CheckCudaStepSlots(s, 2, &error), Status::kOk) << error.message;
+}
+
 // Per-block scaled states are stepped (so accepted), and their geometry is
 // validated as by AdamStep, before anything is enqueued.
 TEST(CudaValidationTest, PerBlockScaledStatesAreValidated) {

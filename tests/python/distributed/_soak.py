@@ -532,17 +532,31 @@ def _resources(sup, runs):
 # --------------------------------------------------------------------------------- soak
 
 
+def plan_error(plan):
+    """Why ``plan`` cannot run (a sentence), or None."""
+    if plan.steps < 1 or plan.every < 1 or plan.kills < 0:
+        return (f"steps and every must be at least 1 and kills at least 0, got steps "
+                f"{plan.steps}, every {plan.every}, kills {plan.kills}")
+    if not 0 < plan.kill_window < float("inf"):
+        return f"kill_window must be finite and > 0, got {plan.kill_window}"
+    if len(plan.world_sizes) < 2 or min(plan.world_sizes) < 1:
+        return f"two or more world sizes of at least 1 rank, got {plan.world_sizes}"
+    room = plan.kills * int(plan.kill_window * plan.every) + plan.every
+    if plan.steps <= room:
+        return (f"{plan.kills} kills within {plan.kill_window} intervals of {plan.every} "
+                f"steps need more than {room} steps, got {plan.steps}")
+    return None
+
+
 def soak(plan, root, log=print):
     """Runs the whole soak in ``root`` (a fresh folder); returns its report (a dict) or
     raises ``SoakError``."""
     from shardadam.demo.config import SIZES
     from shardadam.demo.corpus import build_corpus
 
-    room = plan.kills * int(plan.kill_window * plan.every) + plan.every
-    if plan.steps <= room or len(plan.world_sizes) < 2:
-        raise ValueError(f"{plan.kills} kills within {plan.kill_window} intervals of "
-                         f"{plan.every} steps need more than {room} steps, and two or "
-                         f"more world sizes")
+    error = plan_error(plan)
+    if error is not None:
+        raise ValueError(error)
     began = time.monotonic()
     os.makedirs(root, exist_ok=True)
     corpus = os.path.join(root, "corpus.txt")

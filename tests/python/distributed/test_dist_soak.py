@@ -64,3 +64,22 @@ def test_fds_threads_objects_and_rss_flat_after_warm_up(report):
     last = report["attempts"] - 1
     assert any(label.startswith(f"attempt {last} ") for label in judged), sorted(judged)
     assert not report["resource_problems"], "\n".join(report["resource_problems"])
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(steps=0), "steps and every must be at least 1"),
+    (dict(every=0), "steps and every must be at least 1"),
+    (dict(kills=-1), "kills at least 0"),
+    (dict(kill_window=float("nan")), "kill_window must be finite and > 0"),
+    (dict(world_sizes=(2,)), "two or more world sizes"),
+    (dict(world_sizes=(0, 2)), "two or more world sizes"),
+    (dict(steps=20), "4 kills within 1.5 intervals of 4 steps need more than 28 steps"),
+])
+def test_a_plan_that_cannot_run_is_refused_before_anything_starts(change, named):
+    """tools/soak.py reports these as usage errors before it makes its folder (they
+    were tracebacks, or with kills < 0 a PASS with no kill at all)."""
+    import dataclasses
+
+    assert _soak.plan_error(PLAN) is None
+    error = _soak.plan_error(dataclasses.replace(PLAN, **change))
+    assert error is not None and named in error, error
