@@ -27,7 +27,9 @@ def writable_file(suffix=None):
     def parse(text):
         path = os.path.abspath(text)
         folder = os.path.dirname(path)
-        if not text or os.path.isdir(path):
+        if not text:
+            raise argparse.ArgumentTypeError("expected a file name, got an empty one")
+        if os.path.isdir(path):
             raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise argparse.ArgumentTypeError(f"cannot write into {folder!r}")

@@ -224,8 +224,9 @@ Status CheckStepSlots(const TensorSlot* slots, int64_t count,
 
 // Element-wise conversion between storage dtypes, bit-exact with torch's `.to()`
 // (round to nearest even) except for NaN, which keeps its sign and top payload
-// bits and is made quiet (torch's CPU conversion to bf16 stores every NaN as 0xFFFF). For fp16/fp8 destinations the value stored is
-// round(src / scale); for fp16/fp8 sources the value read is float(src) * scale.
+// bits and is made quiet (torch's CPU conversion to bf16 stores every NaN as
+// 0xFFFF). For fp16/fp8 destinations the value stored is round(src / scale);
+// for fp16/fp8 sources the value read is float(src) * scale.
 // Supported: any of fp32/fp16/bf16/fp8 to any other. kInt16Remainder is not a cast.
 // `numel` elements from `src` to `dst`; `scale` must be finite and > 0 when either
 // end is scaled (ignored otherwise). src and dst may be the same buffer when both
