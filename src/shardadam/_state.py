@@ -123,12 +123,12 @@ class StateConfig(NamedTuple):
                 or (family[0] is None and (fields["exp_avg"] not in formats
                                            or fields["exp_avg_sq"] not in formats))):
             low, high = _formats.SCALE_BLOCK_RANGE
-            raise ValueError(f"{record!r} is not a state layout (rule S5.4: "
+            raise ValueError(f"{record!r} is not a state layout (rule: "
                              f"'exp_avg=F exp_avg_sq=F master=M', F one of "
                              f"{sorted(formats)} or a moment_format's pair "
                              f"{_formats.family_labels()} with B a power of two in "
-                             f"[{low}, {high}] written in decimal digits, S2.11, M one of "
-                             f"{sorted(masters)})")
+                             f"[{low}, {high}] in decimal digits (S2.11), M one of "
+                             f"{sorted(masters)}; S5.4)")
         master = masters[fields["master"]]
         # Remainders are chosen with an fp32 master dtype (S2.5); no master: the default.
         master_dtype = getattr(master, "argument", None) or _formats.FP32.argument
