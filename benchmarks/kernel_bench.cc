@@ -469,6 +469,11 @@ int main(int argc, char** argv) {
       std::printf("%s", kUsage);
       return 0;
     }
+    static const char* const kFlags[] = {"--numel", "--reps",      "--threads", "--json",
+                                         "--preset", "--settle-ms", "--target"};
+    if (std::find(std::begin(kFlags), std::end(kFlags), flag) == std::end(kFlags)) {
+      return Usage(("unknown flag " + flag).c_str());
+    }
     if (i + 1 == argc) return Usage(("missing value after " + flag).c_str());
     const char* value = argv[i + 1];
     if (flag == "--numel") {
@@ -493,8 +498,6 @@ int main(int argc, char** argv) {
       if (!PinTarget(value)) {
         return Usage(("--target wants one of: " + SupportedTargets()).c_str());
       }
-    } else {
-      return Usage(("unknown flag " + flag).c_str());
     }
   }
   if (std::none_of(std::begin(kPresets), std::end(kPresets), [&](const Preset& p) {

@@ -155,6 +155,15 @@ class FusedAdam(torch.optim.Optimizer):
         state["_seeded"] = self._seeded
         return state
 
+    def __copy__(self):
+        # copy.copy would share the state tensors, and the copy's __setstate__ would claim
+        # them: the original would then refuse its own state as another optimizer's.
+        raise TypeError(
+            "FusedAdam cannot be copied with copy.copy: a shallow copy shares the state "
+            "tensors, which one optimizer steps (rule S2.3: each scaled state is known as "
+            "its optimizer's); use copy.deepcopy(optimizer), or a new FusedAdam and "
+            "load_state_dict(optimizer.state_dict())")
+
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for name in ("moment_format", "moment_block_size"):  # older pickles lack them

@@ -363,3 +363,9 @@ def run(args):
                        "threads": torch.get_num_threads(),
                        "seconds": result.seconds}, f, indent=1)
     return 0
+
+
+if __name__ == "__main__":  # the same as `python -m shardadam rare-tokens`
+    from shardadam.__main__ import main
+
+    sys.exit(main(["rare-tokens", *sys.argv[1:]]))

@@ -402,6 +402,22 @@ def test_optimizer_object_copies_continue_bitwise(how, backend):
                                     f"{how}: step {step + 1} after the copy")
 
 
+def test_shallow_copy_is_refused(backend):
+    """copy.copy(opt) would share the state tensors and claim them for the copy, so the
+    original would refuse its own state: refused at once, and the original steps on."""
+    cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="fp16", master="rem")
+    opt, params = stepped(cfg, shapes=((6, 5), (3,)), steps=1, seed=8)
+    twin, twin_params = stepped(cfg, shapes=((6, 5), (3,)), steps=1, seed=8)
+    with pytest.raises(TypeError, match=r"copy\.copy.*rule S2\.3.*copy\.deepcopy"):
+        copy.copy(opt)
+    for opt_, params_ in ((opt, params), (twin, twin_params)):
+        generator = torch.Generator().manual_seed(40)
+        for p in params_:
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        opt_.step()
+    assert_same_optimizer_state(opt, twin, params, twin_params, "after a refused copy")
+
+
 @pytest.mark.parametrize("formats", ["recorded", "not-recorded"])
 def test_state_of_an_earlier_configuration_is_read_in_its_own_format(formats, backend):
     """S1.5: state stored under one configuration keeps its format until the next step

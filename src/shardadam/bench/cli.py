@@ -246,3 +246,9 @@ def run(args) -> int:
     if args.png:
         report.write_png(args.png, meta, records)
     return 0
+
+
+if __name__ == "__main__":  # the same as `python -m shardadam bench`
+    from shardadam.__main__ import main
+
+    sys.exit(main(["bench", *sys.argv[1:]]))

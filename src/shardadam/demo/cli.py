@@ -243,3 +243,9 @@ def run(args):
     print(f"wrote {json_path}\n      {png_path}\n      rank logs in "
           f"{os.path.join(args.out, 'logs')}")
     return 0 if figures["resume_check"]["passed"] else 1
+
+
+if __name__ == "__main__":  # the same as `python -m shardadam demo`
+    from shardadam.__main__ import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))
