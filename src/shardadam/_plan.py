@@ -27,6 +27,7 @@ from . import _dtensor, _state, _validate
 from ._formats import PARAM_TAGS
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided
 _grad_of = operator.attrgetter("grad")
 _local_tensor_of = operator.attrgetter("_local_tensor")
 
@@ -336,7 +337,9 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
         if grad is None:
             kinds.append(0)
             continue
-        if (type(grad) is not _Tensor or grad.shape != shape or not grad.is_contiguous()
+        # The layout first: sparse and mkldnn tensors have no is_contiguous or storage.
+        if (type(grad) is not _Tensor or grad.layout is not _STRIDED or grad.shape != shape
+                or not grad.is_contiguous()
                 or not (grad.is_cpu if is_cpu else grad.device == device)):
             return None
         kind = get_kind(grad.dtype)

@@ -28,6 +28,9 @@ from ._formats import Format
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # The param_groups key under which state_dict() records the state layout (S5.4).
 LAYOUT_KEY = "state_layout"
+# The field a group's record gains while it is at step 0 with moments set by hand (S5.4):
+# moments at step 0 are otherwise taken for those of a lost counter (S5.5).
+MOMENTS_SET_FIELD = "moments=set"
 
 
 class StateSpec(NamedTuple):
@@ -100,18 +103,26 @@ class StateConfig(NamedTuple):
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
 
-    def record(self) -> str:
+    def record(self, moments_set: bool = False) -> str:
         """The state layout in words, as checkpoints record it (S5.4), e.g.
-        ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``."""
+        ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``; ``moments_set`` adds
+        MOMENTS_SET_FIELD."""
         master = self.master_format()
         exp_avg, exp_avg_sq = self.moment_formats()
         return (f"exp_avg={exp_avg.label} exp_avg_sq={exp_avg_sq.label} "
-                f"master={'none' if master is None else master.name}")
+                f"master={'none' if master is None else master.name}"
+                + (f" {MOMENTS_SET_FIELD}" if moments_set else ""))
+
+    @staticmethod
+    def moments_set_in(record) -> bool:
+        """Whether a ``record()`` string says its moments were set at step 0 (S5.4)."""
+        return isinstance(record, str) and MOMENTS_SET_FIELD in record.split()
 
     @staticmethod
     def from_record(record) -> "StateConfig":
         """The configuration a ``record()`` string describes; ValueError if it is not one."""
-        fields = dict(item.partition("=")[::2] for item in str(record).split())
+        fields = dict(item.partition("=")[::2] for item in str(record).split()
+                      if item != MOMENTS_SET_FIELD)
         formats = {f.name: f for f in _formats.choices("moment")}
         masters = {f.name: f for f in _formats.FORMATS if "master" in f.roles}
         masters["none"] = None

@@ -483,7 +483,8 @@ def loaded_group_step(saved: dict, saved_state: dict, group_index: int) -> int:
 
 
 def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) -> None:
-    """A group loaded at step 0 holds zero moments (S5.5): moments that are not zero
+    """A group loaded with its own step 0 holds zero moments (S5.5), unless its recorded
+    layout says they were set by hand (``moments=set``, which the caller reads): others
     belong to an optimizer that has stepped, whose counter was lost. That happens to a
     torch Adam/AdamW checkpoint, which keeps its step per parameter, loaded through this
     optimizer's state dict as a template (DCP with ``allow_partial_load``, or torch's
@@ -497,11 +498,14 @@ def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) ->
             continue
         for name in ("exp_avg", "exp_avg_sq"):
             value = values.get(name)
+            # A sparse or mkldnn value is left to check_value, which refuses it by name.
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and not value.is_meta and bool(_dtensor.to_local(value).any())):
+                    and not value.is_meta and value.layout is torch.strided
+                    and bool(_dtensor.to_local(value).any())):
                 raise fail(ValueError, f"the loaded step is 0 but {name} of parameter key "
                                        f"{shown(key)} is not zero (rule S5.5: a group at step 0 "
-                                       f"has zero moments). A torch Adam/AdamW checkpoint "
+                                       f"has zero moments unless its state_layout says "
+                                       f"moments=set). A torch Adam/AdamW checkpoint "
                                        f"keeps its step per parameter, which a load through "
                                        f"this optimizer's state dict (DCP, "
                                        f"set_optimizer_state_dict) does not read: load it "
@@ -786,8 +790,8 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     if layout_error is not None:
         return layout_error
     if grad.layout is not torch.strided:
-        return (f"sparse gradients are not supported, got layout {grad.layout} (rule "
-                f"S3.2: a gradient is dense)")
+        return (f"gradient layout must be torch.strided (dense), got {grad.layout} (rule "
+                f"S3.2: a gradient is dense; sparse and mkldnn ones are not supported)")
     if grad.dtype not in PARAM_TAGS:
         return (f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype} (rule "
                 f"S3.4)")

@@ -134,6 +134,8 @@ class FusedAdam(torch.optim.Optimizer):
         # {param: True} for masters seeded from their parameter that have not stepped
         # since: they follow the parameter until its first step (S1.6).
         self._seeded = {}
+        # Groups (by index) at step 0 whose moments were set by hand (S5.4's moments=set).
+        self._moments_set = set()
         self._plans = []
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
@@ -153,6 +155,7 @@ class FusedAdam(torch.optim.Optimizer):
         state["_scales"] = self._scales
         state["_formats"] = self._formats
         state["_seeded"] = self._seeded
+        state["_moments_set"] = self._moments_set
         return state
 
     def __copy__(self):
@@ -173,6 +176,7 @@ class FusedAdam(torch.optim.Optimizer):
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
         self._seeded = dict(state.get("_seeded") or {})
+        self._moments_set = set(state.get("_moments_set") or ())
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
         _state.claim_all(self.state, self._formats, self)  # restored with their scales
@@ -200,16 +204,18 @@ class FusedAdam(torch.optim.Optimizer):
                          if params and all(isinstance(p, tuple) for p in params)
                          else param_group)
                 _validate.check_group_options(param_group, index)
+                _validate.check_step_counter(param_group, index)  # as step() would
                 placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
                           for i, p in enumerate(group["params"])}
                 _validate.check_params(tensors, index, named, placed)
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
                 planned = [self._planned_entry(param, config, index, i, named)
                            for i, param in enumerate(tensors)]
-        # Only once the group passed: a refused one changes nothing, not even the
-        # records of a state taken out by hand to be put back.
-        self._forget_dropped()
         super().add_param_group(param_group)
+        # Only once the group passed (torch's own checks too: a set, missing names): a
+        # refused one changes nothing, not even the records of a state taken out by
+        # hand to be put back.
+        self._forget_dropped()
         group = self.param_groups[-1]
         group.setdefault("step", 0)
         group[LAYOUT_KEY] = config.record()
@@ -600,6 +606,10 @@ class FusedAdam(torch.optim.Optimizer):
         entry, scales = self.state.get(param), self._scales.get(param)
         if state_name == "master_param":  # set by hand, it no longer follows (S1.6)
             self._seeded.pop(param, None)
+        else:  # moments before the first step: a checkpoint now must still load (S5.5)
+            g = self._locate(param)[0]
+            if self.param_groups[g].get("step", 0) == 0:
+                self._moments_set.add(g)
         if entry is not None and _state.entry_matches(spec, entry, scales,
                                                       self._formats.get(param), local,
                                                       layout):
@@ -626,9 +636,13 @@ class FusedAdam(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         config = self._checked_config()
-        record = config.record()
+        # Only a group still at step 0 keeps the mark of moments set by hand.
+        self._moments_set = {g for g in self._moments_set
+                             if self.param_groups[g].get("step", 0) == 0}
+        records = [config.record(g in self._moments_set)
+                   for g in range(len(self.param_groups))]
         param_groups, packed_state, start = [], {}, 0
-        for group in self.param_groups:
+        for group, record in zip(self.param_groups, records):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
             packed["params"] = list(range(start, start + len(group["params"])))
@@ -636,7 +650,7 @@ class FusedAdam(torch.optim.Optimizer):
             for index, param in zip(packed["params"], group["params"]):
                 packed_state[index] = self._exported_state(param, config)
             start += len(group["params"])
-        for group in self.param_groups:  # once every state was exported (S3.1)
+        for group, record in zip(self.param_groups, records):  # once all were exported
             group[LAYOUT_KEY] = record
         state_dict = {"state": packed_state, "param_groups": param_groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -680,7 +694,7 @@ class FusedAdam(torch.optim.Optimizer):
                 state_dict = result
         _validate.check_loaded_dict(state_dict, whole=True)
         saved_groups = deepcopy(state_dict["param_groups"])
-        prepared = self._prepare_load(state_dict, saved_groups)
+        prepared, presets = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
         new_state, new_scales, new_formats = defaultdict(dict), {}, {}
         for param, local, layout, writes in prepared:
@@ -689,10 +703,13 @@ class FusedAdam(torch.optim.Optimizer):
         seeded = {param: True for param, _, _, writes in prepared
                   if "master_param" in writes.seeded}
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
-        record = self._config().record()  # as _prepare_load checked it
+        self._moments_set = {g for g, (marked, saved) in enumerate(zip(presets, saved_groups))
+                             if marked and saved["step"] == 0}
+        config = self._config()  # as _prepare_load checked it
         self.param_groups = [dict(group, **saved, params=group["params"],
-                                  **{LAYOUT_KEY: record})
-                             for group, saved in zip(self.param_groups, saved_groups)]
+                                  **{LAYOUT_KEY: config.record(g in self._moments_set)})
+                             for g, (group, saved) in enumerate(zip(self.param_groups,
+                                                                    saved_groups))]
         self.state = new_state
         self._scales = new_scales
         self._formats = new_formats
@@ -702,15 +719,16 @@ class FusedAdam(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _prepare_load(self, state_dict: dict, saved_groups: list) -> list:
+    def _prepare_load(self, state_dict: dict, saved_groups: list) -> tuple:
         """Checks a state dict against this optimizer and builds every new state tensor
-        (in fresh storage). Reads only; raises on the first problem."""
+        (in fresh storage), and whether each group's moments were set at step 0 (S5.4).
+        Reads only; raises on the first problem."""
         where = _validate.CLASS_NAME
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{where}: loaded state dict has a different number of "
                              f"parameter groups ({len(saved_groups)} vs "
                              f"{len(self.param_groups)})")
-        own_steps, saved_layouts = [], []
+        own_steps, saved_layouts, presets = [], [], []
         for g, (group, saved, original) in enumerate(
                 zip(self.param_groups, saved_groups, state_dict["param_groups"])):
             if len(saved["params"]) != len(group["params"]):
@@ -727,7 +745,9 @@ class FusedAdam(torch.optim.Optimizer):
             for key in _validate.TORCH_OPTIONS:  # then dropped: not this optimizer's
                 saved.pop(key, None)
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
-            _validate.check_moments_of_step_0(saved, state_dict["state"], g)
+            presets.append(_state.StateConfig.moments_set_in(saved.get(LAYOUT_KEY)))
+            if own_steps[-1] and not presets[-1]:
+                _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
             merged = dict(group, **saved)
@@ -766,7 +786,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if (key not in saved_state and param in self._seeded
                         and "master_param" in writes.stored):
                     writes.seeded.add("master_param")  # a kept master still follows
-        return prepared
+        return prepared, presets
 
     @staticmethod
     def _initial_values(param, config) -> dict:

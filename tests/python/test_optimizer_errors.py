@@ -663,28 +663,36 @@ def test_add_param_group_rejects_unsupported_params(kind):
     assert extra not in opt.state
 
 
-def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out():
+@pytest.mark.parametrize("refused_by", ["this optimizer", "torch"])
+def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out(refused_by):
     """A state taken out of ``optimizer.state`` by hand and put back continues as if it
-    never left, also when an ``add_param_group`` in between was refused: the group is
-    checked before the records of states no longer held (formats, scales) are dropped."""
-    def run(refused_call):
+    never left, also when an ``add_param_group`` in between was refused, by this
+    optimizer's checks or by torch's own (a group without names beside named ones): the
+    records of states no longer held (formats, scales) are dropped only once the group
+    is in."""
+    refusals = {"this optimizer": (dict(lr=-1.0), r"Invalid learning rate"),
+                "torch": (dict(), r"with/without names")}
+
+    def run(refusal):
         param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
-        opt = fused_adam()([param], lr=1e-2, moment_format="block8")
+        opt = fused_adam()([("weight", param)], lr=1e-2, moment_format="block8")
         for _ in range(2):
             param.grad = torch.full((4, 256), 1e-3)
             opt.step()
         held = opt.state.pop(param)
-        if refused_call:
+        if refusal is not None:
             extra = torch.nn.Parameter(torch.zeros(3))
+            options, message = refusal
+            params = [extra] if refused_by == "torch" else [("extra", extra)]
             before = snapshot(opt, [extra])
-            with pytest.raises(ValueError, match=r"Invalid learning rate"):
-                opt.add_param_group(dict(params=[extra], lr=-1.0))
+            with pytest.raises(ValueError, match=message):
+                opt.add_param_group(dict(params=params, **options))
             assert_unchanged(opt, before)
         opt.state[param] = held
         opt.step()
         return param.detach().clone(), opt.state_dict()["state"][0]
 
-    (want, want_state), (got, got_state) = run(False), run(True)
+    (want, want_state), (got, got_state) = run(None), run(refusals[refused_by])
     assert_bitwise_equal(got, want, "param")
     for name in ("exp_avg", "exp_avg_sq"):
         assert_bitwise_equal(got_state[name], want_state[name], name)
@@ -926,6 +934,23 @@ def test_add_param_group_rejects_bad_hyper_parameters():
     assert extra not in opt.state
 
 
+@pytest.mark.parametrize("step", [-5, "7", 1.5, True, 2**63 - 1, torch.tensor(3)])
+def test_add_param_group_checks_the_groups_step(step):
+    """A group's counter is checked where the group comes in, as step() checks it
+    (S2.8), not first at the next step; the constructor's groups too."""
+    pattern = facts("FusedAdam", r"group\W*1\b", STEP_RANGE)
+    opt = fused_adam()(make_params())
+    extra = torch.nn.Parameter(torch.randn(2))
+    before = snapshot(opt, [extra])
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group(dict(params=[extra], step=step))
+    assert_unchanged(opt, before)
+    assert extra not in opt.state
+    with pytest.raises(ValueError, match=pattern):
+        fused_adam()([dict(params=[torch.nn.Parameter(torch.randn(2))]),
+                      dict(params=[extra], step=step)])
+
+
 @pytest.mark.parametrize("values", [
     dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0),
     dict(lr=0, betas=(0.0, 0.5), eps=0.0, weight_decay=0.1),
@@ -1048,6 +1073,14 @@ STEP_ERRORS = [
      RuntimeError, facts(*at(1, 1), "int32", r"rule S3\.4")),
     ("decoupled-grad-sparse", True, set_decoupled(torch.zeros(2, 2).to_sparse()),
      RuntimeError, facts(*at(1, 1), "(?i)sparse", r"rule S3\.2")),
+    # Layouts without is_contiguous or storage are refused before either is asked for.
+    ("decoupled-grad-sparse-csr", True, set_decoupled(torch.zeros(2, 2).to_sparse_csr()),
+     RuntimeError, facts(*at(1, 1), "torch.sparse_csr", r"rule S3\.2")),
+    ("decoupled-grad-sparse-bsr", True,
+     set_decoupled(torch.zeros(2, 2).to_sparse_bsr((1, 1))), RuntimeError,
+     facts(*at(1, 1), "torch.sparse_bsr", r"rule S3\.2")),
+    ("decoupled-grad-mkldnn", True, set_decoupled(torch.zeros(2, 2).to_mkldnn()),
+     RuntimeError, facts(*at(1, 1), "torch._mkldnn", r"rule S3\.2")),
     ("decoupled-grad-on-another-device", True,
      set_decoupled(torch.zeros(2, 2, device="meta")), RuntimeError,
      facts(*at(1, 1), "meta", r"rule S3\.4")),
@@ -1334,6 +1367,16 @@ def _meta_step_per_parameter(sd):
     sd["state"][2]["step"] = torch.empty((), device="meta")
 
 
+def _sparse_moment_at_step_0(sd):
+    """Group 0 at step 0 with zero moments, one of them a sparse CSR tensor: refused as
+    not dense, not by the step-0 check, which cannot read one."""
+    sd["param_groups"][0]["step"] = 0
+    for key in sd["param_groups"][0]["params"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            sd["state"][key][name] = torch.zeros_like(sd["state"][key][name])
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].to_sparse_csr()
+
+
 LOAD_ERRORS = [
     ("fewer-groups", _drop_group, ValueError,
      facts("FusedAdam", "(?i)number of parameter groups")),
@@ -1420,6 +1463,8 @@ LOAD_ERRORS = [
     ("state_layout-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
         "state_layout", torch.ones(3)),
      ValueError, facts(r"group\W*1\b", "state_layout must be a str", r"shape \[3\]")),
+    ("sparse-csr-moment-at-step-0", _sparse_moment_at_step_0, RuntimeError,
+     facts(*at(0, 0), "'exp_avg' must be dense", "torch.sparse_csr", r"rule S5\.3")),
     ("meta-state-value", lambda sd: sd["state"][2].__setitem__(
         "exp_avg", torch.zeros(6, device="meta")),
      RuntimeError, facts(*at(1, 0), "'exp_avg' is a meta tensor")),

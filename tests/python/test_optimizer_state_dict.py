@@ -686,6 +686,60 @@ def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, 
                              name)
 
 
+@pytest.mark.parametrize("route", ["plain", "dcp", "te-shaped"])
+def test_moments_set_before_the_first_step_survive_a_checkpoint(route, tmp_path, backend):
+    """Moments set with set_scaled_state before the first step (a warm start) are marked
+    in the group's recorded layout (moments=set, S5.4), so a checkpoint taken then loads
+    (S5.5) and continues bitwise as the run that never stopped (S5.6): "plain" through
+    load_state_dict, "dcp" through torch's DCP into a fresh optimizer's template, whose
+    own record lacks the mark; "te-shaped" a checkpoint as TE's optimizer leaves one
+    before its first step (no group step, no layout, the moments it was given)."""
+    gen = torch.Generator().manual_seed(21)
+    start = torch.randn(4, 8, generator=gen).bfloat16()
+    moments = {"exp_avg": torch.randn(4, 8, generator=gen) * 1e-2,
+               "exp_avg_sq": torch.rand(4, 8, generator=gen) * 1e-4}
+    grads = [torch.randn(4, 8, generator=gen).bfloat16() for _ in range(2)]
+    kwargs = dict(lr=1e-2, master_weights=True, store_param_remainders=True,
+                  exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+
+    def warm_started():
+        param = torch.nn.Parameter(start.clone())
+        opt = fused_adam()([param], **kwargs)
+        for name, value in moments.items():
+            opt.set_scaled_state(param, name, value)
+        return opt, param
+
+    opt, param = warm_started()
+    saved = opt.state_dict()
+    layout = "exp_avg=bf16 exp_avg_sq=bf16 master=remainder"
+    assert saved["param_groups"][0]["state_layout"] == layout + " moments=set"
+    param2 = torch.nn.Parameter(start.clone())
+    fresh = fused_adam()([param2], **kwargs)
+    assert fresh.state_dict()["param_groups"][0]["state_layout"] == layout
+    if route == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"optim": saved}, checkpoint_id=tmp_path, no_dist=True)
+        template = {"optim": fresh.state_dict()}
+        dcp.load(template, checkpoint_id=tmp_path, no_dist=True)
+        saved = template["optim"]
+    elif route == "te-shaped":
+        for key in ("step", "state_layout"):
+            del saved["param_groups"][0][key]
+        saved["state"][0].pop("master_param")
+    fresh.load_state_dict(saved)
+    for grad in grads:
+        for p, o in ((param, opt), (param2, fresh)):
+            p.grad = grad.clone()
+            o.step()
+    assert_bitwise_equal(param2, param, "param")
+    for name in ("exp_avg", "exp_avg_sq", "master_param"):
+        assert_bitwise_equal(fresh.state[param2][name], opt.state[param][name], name)
+    # Stepped, the group is no longer at step 0: the mark is gone from its records.
+    assert opt.state_dict()["param_groups"][0]["state_layout"] == layout
+    assert fresh.state_dict()["param_groups"][0]["state_layout"] == layout
+
+
 def test_frozen_parameter_left_out_of_a_load_keeps_following():
     """S1.6 / S5.5: a frozen parameter whose state a checkpoint leaves out (torch's DCP
     helpers do) keeps its master, and a master that followed its parameter still does:
