@@ -789,13 +789,16 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     layout_error = _dtensor.grad_layout_error(param, grad)
     if layout_error is not None:
         return layout_error
-    if grad.layout is not torch.strided:
-        return (f"gradient layout must be torch.strided (dense), got {grad.layout} (rule "
-                f"S3.2: a gradient is dense; sparse and mkldnn ones are not supported)")
-    if grad.dtype not in PARAM_TAGS:
-        return (f"gradient dtype must be fp32, fp16 or bf16, got {grad.dtype} (rule "
-                f"S3.4)")
+    # The local tensor's own: Megatron FSDP keeps one gradient DTensor and swaps the
+    # local tensor inside it (S3.4), so the wrapper's dtype may not be the data's.
     local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
+    if local_grad.layout is not torch.strided:
+        return (f"gradient layout must be torch.strided (dense), got {local_grad.layout} "
+                f"(rule S3.2: a gradient is dense; sparse and mkldnn ones are not "
+                f"supported)")
+    if local_grad.dtype not in PARAM_TAGS:
+        return (f"gradient dtype must be fp32, fp16 or bf16, got {local_grad.dtype} (rule "
+                f"S3.4)")
     if local_grad.shape != local_param.shape:
         what = "local shape" if _dtensor.is_dtensor(param) else "shape"
         return (f"gradient {what} {tuple(local_grad.shape)} does not match the parameter's "

@@ -123,7 +123,7 @@ def _build():
     for preset in (FP32, REMAINDER):
         cases.append(Case(f"W=3-megatron-dp-handling-{preset}", 3, "megatron_handling",
                           preset, "dp"))
-    for what in ("grad-local-shape", "grad-placements", "shard-order"):
+    for what in ("grad-local-shape", "grad-local-dtype", "grad-placements", "shard-order"):
         cases.append(Case(f"W=3-megatron-dp-{FP32}-error-{what}", 3, "megatron_error", FP32,
                           "dp|" + what))
     for what in ("remainder-to-fp32", "fp32-to-remainder"):

@@ -520,9 +520,11 @@ def state_layout_mismatch(ctx, case):
 
 def megatron_error(ctx, case):
     """S3.1 / S3.3 / S3.4 / S1.4 on Megatron's layout: a gradient whose local shape or
-    placements differ from its parameter's, and a mesh whose ``_shard_order`` names no
-    order of its dims, are refused on every rank naming the parameter and the rule, and
-    nothing changes; with the right gradient the step then goes through."""
+    placements differ from its parameter's, one whose DTensor stays but whose local
+    tensor is swapped for one of a dtype no kernel reads (as Megatron swaps them), and a
+    mesh whose ``_shard_order`` names no order of its dims, are refused on every rank
+    naming the parameter and the rule, and nothing changes; with the right gradient the
+    step then goes through."""
     from torch.distributed.tensor import DTensor, Replicate
 
     run = layout_run(ctx, case)
@@ -551,7 +553,17 @@ def megatron_error(ctx, case):
     p = run.params["embed"]
     good = getattr(p, run.grad_attr)
     local = torch.zeros(local_of(p).shape[0] + 1, *p.shape[1:], dtype=run.grad_dtype)
-    if what == "grad-local-shape":  # one row more than this rank holds
+    good_local = good._local_tensor if good is not None else None
+    if what == "grad-local-dtype":  # the same DTensor, its local tensor swapped
+        if good is None:  # a rank that holds none of it has no gradient to swap in
+            bad = DTensor.from_local(torch.zeros(local_of(p).shape, dtype=torch.float64),
+                                     p.device_mesh, p.placements, run_check=False,
+                                     shape=p.shape, stride=p.stride())
+        else:
+            bad = good
+            bad._local_tensor = good_local.to(torch.float64)
+        mentions = ["gradient dtype", "torch.float64", "S3.4"]
+    elif what == "grad-local-shape":  # one row more than this rank holds
         bad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
                                  shape=p.shape, stride=p.stride())
         mentions = ["local shape", "S3.4"]
@@ -564,6 +576,8 @@ def megatron_error(ctx, case):
     error = _attempt(run.opt.step)
     symmetric(_check_rejection, error, 0, (index,), mentions)
     symmetric(assert_snapshots_bitwise, local_snapshot(run), before, "after the refusal")
+    if good is not None:
+        good._local_tensor = good_local
     setattr(p, run.grad_attr, good)
     run.step()
     steps = [g["step"] for g in run.opt.param_groups]
