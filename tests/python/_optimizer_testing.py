@@ -32,6 +32,7 @@ because the next step starts from what was stored.
 import contextlib
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 
@@ -849,9 +850,10 @@ UFP8_VALUES = torch.tensor([m * 2.0 ** -10 if c >> 4 == 0 else (16 + m) * 2.0 **
                             for c in range(255) for m in [c & 15]], dtype=torch.float64)
 
 
-def ufp8_codes(x: torch.Tensor) -> torch.Tensor:
+def ufp8_codes(x: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
     """S2.10's encode of |x| (fp32) by search over every finite code: the nearest, ties
-    to the even code; beyond 488, inf and NaN 0xFF; a non-zero x never code 0."""
+    to the even code; beyond 488, inf and NaN 0xFF; code 0 only where the true value
+    ``u`` (x / its scale; x itself if not given) is zero, also where x underflowed."""
     a = x.double().abs().reshape(-1, 1)
     distance = (UFP8_VALUES.view(1, -1) - a).abs()
     nearest = distance == distance.min(dim=1, keepdim=True).values
@@ -859,7 +861,8 @@ def ufp8_codes(x: torch.Tensor) -> torch.Tensor:
     # the even code where two tie, else the only one
     code = torch.where(nearest & ~odd, 0, 1).argmin(dim=1)
     code = torch.where(nearest.sum(dim=1) == 1, nearest.to(torch.int64).argmax(dim=1), code)
-    code = torch.where((code == 0) & (a.view(-1) > 0), 1, code)
+    true = a.view(-1) if u is None else u.double().abs().reshape(-1)
+    code = torch.where((code == 0) & (true > 0), 1, code)
     code = torch.where(a.view(-1) <= 488.0, code, 0xFF)  # NaN compares false too
     return code.to(torch.uint8)
 
@@ -884,7 +887,8 @@ def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
     codes, scales = [], []
     for start, end, s in _power_of_two_scales(u, first, block, 488.0, 0.0,
                                               OVERFLOW["ufp8-block"]):
-        codes.append(ufp8_codes(u[start:end] / s))  # fp32 division by a power of two
+        # fp32 division by a power of two, which may underflow: zero-free on u
+        codes.append(ufp8_codes(u[start:end] / s, u[start:end]))
         scales.append(s)
     return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
 

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from _optimizer_testing import (
-    UFP8_VALUES as UFP8_TABLE, assert_bitwise_equal, fp8_block_oracle, have_core,
-    ufp8_block_oracle, ufp8_codes)
+    UFP8_VALUES as UFP8_TABLE, assert_bitwise_equal, fp4_block_oracle, fp8_block_oracle,
+    have_core, ufp4_block_oracle, ufp8_block_oracle, ufp8_codes)
 from shardadam import _codecs, _formats
 
 FP8B, UFP8B = _formats.FP8_BLOCK, _formats.UFP8_BLOCK
+ORACLES = {"fp8-block": fp8_block_oracle, "ufp8-block": ufp8_block_oracle,
+           "fp4-block": fp4_block_oracle, "ufp4-block": ufp4_block_oracle}
 
 
 def ufp8_value(code: int) -> float:
@@ -70,6 +72,37 @@ def test_ufp8_block_encode_follows_s2_10(first, n, block):
     assert_bitwise_equal(codes, want_codes, "ufp8-block codes")
     assert_bitwise_equal(scales, want_scales, "ufp8-block scales")
     assert not bool(((codes == 0) & (u != 0)).any()), "a non-zero value became code 0"
+
+
+@pytest.mark.parametrize("fmt", [FP8B, UFP8B, _formats.FP4_BLOCK, _formats.UFP4_BLOCK],
+                         ids=lambda f: f.name)
+def test_block_encode_at_the_scale_rules_edges(fmt):
+    """The torch codec against its format's oracle on blocks spread_values never makes:
+    a largest magnitude at, just below and just above the format's zero bound times
+    2^-126 (scale 1 up to it: every code 0 at any scale; 2^-126 above), and a block
+    whose scale is above 1 beside fp32 subnormals, whose quotient underflows to 0 (an
+    unsigned format still stores code 1 for them, S2.10 / S2.12)."""
+    edge = fmt.zero_bound * 2.0 ** -126
+    below, above = (torch.nextafter(torch.tensor(edge), torch.tensor(d)).item()
+                    for d in (0.0, 1.0))
+    tiny = 2.0 ** -149
+    blocks = [[edge, tiny, -edge / 2], [below, 0.0, tiny], [above, tiny, 0.0],
+              [1000.0, tiny, -tiny, 2.0 ** -140, 0.0, 3.0]]
+    block = 8
+    u = torch.cat([torch.tensor(b + [0.0] * (block - len(b))) for b in blocks])
+    if not fmt.holds("exp_avg"):  # unsigned formats take magnitudes
+        u = u.abs()
+    codes, scales = _codecs.encode_blocks(fmt.name, u, 0, block, fmt.scale_target,
+                                          fmt.zero_bound)
+    want_codes, want_scales = ORACLES[fmt.name](u, 0, block)
+    assert_bitwise_equal(scales, want_scales, f"{fmt.name} scales")
+    assert_bitwise_equal(codes, want_codes, f"{fmt.name} codes")
+    if fmt.zero_bound > 0:  # the rule's edge is where the scale changes
+        assert scales[:2].tolist() == [1.0, 1.0] and scales[2].item() == 2.0 ** -126
+    assert scales[3].item() > 1.0
+    if not fmt.holds("exp_avg"):
+        last = codes[3 * block:3 * block + 4]
+        assert last[1:4].tolist() == [1, 1, 1], "a non-zero value's quotient underflowed to 0"
 
 
 def test_ufp8_code_map_edges():

@@ -293,13 +293,15 @@ def test_bf16_rounding_keeps_a_nans_sign():
     assert torch.equal(got[torch.isnan(x)] >> 15, (bits[torch.isnan(x)] >> 31).to(got.dtype))
 
 
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
 @pytest.mark.parametrize("moments", ["bf16", "block8"])
 @pytest.mark.parametrize("sign", [1, -1], ids=["+nan", "-nan"])
-def test_bf16_param_and_moments_keep_a_nans_sign_on_both_paths(sign, moments):
+def test_bf16_param_and_moments_keep_a_nans_sign_on_both_paths(sign, moments, master):
     """A NaN loaded into one element's exp_avg is stored with its sign (bf16 moments: it
-    was torch's 0xFFFF) and reaches the fp32 master; the bf16 parameter (and bf16
-    moments) rounded from it store the same bits on the C++ and torch paths, a NaN of
-    the master's sign (the torch path stored 0xFFFF for a positive one)."""
+    was torch's 0xFFFF) and reaches the master; the bf16 parameter (and bf16 moments)
+    rounded from an fp32 master, or split from a NaN master with its remainder (S2.5:
+    the quiet NaN with the master's sign), store the same bits on the C++ and torch
+    paths, a NaN of the master's sign (the torch path stored 0xFFFF for a positive one)."""
     from _optimizer_testing import backend_context, have_core
 
     if not have_core():
@@ -309,7 +311,8 @@ def test_bf16_param_and_moments_keep_a_nans_sign_on_both_paths(sign, moments):
     runs = {}
     for backend in ("auto", "torch"):
         param = torch.nn.Parameter(torch.linspace(-1, 1, 256).bfloat16())
-        opt = fused_adam()([param], lr=1e-2, master_weights=True, **options)
+        opt = fused_adam()([param], lr=1e-2, master_weights=True,
+                           store_param_remainders=master == "remainder", **options)
         param.grad = torch.full((256,), 1e-3).bfloat16()
         opt.step()
         state = opt.state_dict()
@@ -322,9 +325,13 @@ def test_bf16_param_and_moments_keep_a_nans_sign_on_both_paths(sign, moments):
         stored = [param.detach()] + ([opt.state[param]["exp_avg"]] if moments == "bf16"
                                      else [])
         runs[backend] = [t.view(torch.int16).clone() for t in stored]
-        master = opt.state[param]["master_param"][BAD]
-        assert math.isnan(master.item())
+        if master == "remainder":  # the split NaN: the quiet NaN, sign as the loaded one's
+            runs[backend].append(opt.state[param]["master_param"].clone())
+            assert runs[backend][0][BAD].item() & 0xFFFF == (0xFFC0 if sign < 0 else 0x7FC0)
+            continue
+        master_value = opt.state[param]["master_param"][BAD]
+        assert math.isnan(master_value.item())
         for t in runs[backend]:
-            assert (t[BAD] < 0) == (master.view(torch.int32) < 0), backend
+            assert (t[BAD] < 0) == (master_value.view(torch.int32) < 0), backend
     for got, want in zip(runs["torch"], runs["auto"]):
         assert torch.equal(got, want)

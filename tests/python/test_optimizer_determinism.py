@@ -22,7 +22,8 @@ CONFIGS = [
 ]
 pytestmark = pytest.mark.usefixtures("restore_torch_threads")
 
-BIG_SHAPES = [(50_001,), (129, 33), (3,), (0,)]
+# Over 32,768 elements of work per thread (work_items.cc) for 3 threads and more.
+BIG_SHAPES = [(200_001,), (129, 331), (3,), (0,)]
 
 
 def run(cfg, threads, shapes=BIG_SHAPES, steps=3, seed=0):

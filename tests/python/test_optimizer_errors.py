@@ -1294,6 +1294,31 @@ def test_state_access_rejects_and_changes_nothing(action, exc, pattern, backend)
     assert FOREIGN not in opt.state  # S5.2: no implicit creation
 
 
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainder"])
+@pytest.mark.parametrize("value", ["wrong-shape", "wrong-dtype", "not-a-tensor"])
+def test_refused_master_keeps_following_its_parameter(value, remainders, backend):
+    """S1.6: a master that follows its parameter (none has stepped) stops following only
+    when a master is set; a refused set_scaled_state leaves it following: weights loaded
+    afterwards are still the master at the first step."""
+    param = torch.nn.Parameter(torch.randn(3, 4).bfloat16())
+    opt = fused_adam()([param], master_weights=True, store_param_remainders=remainders)
+    right = torch.int16 if remainders else torch.float32
+    bad = {"wrong-shape": torch.zeros(4, 3, dtype=right),
+           "wrong-dtype": torch.zeros(3, 4, dtype=torch.float64),
+           "not-a-tensor": [[0.0] * 4] * 3}[value]
+    before = snapshot(opt)
+    assert before["seeded_keys"] == [id(param)]
+    with pytest.raises(RuntimeError, match=facts(*at(0, 0), "master_param")):
+        opt.set_scaled_state(param, "master_param", bad)
+    assert_unchanged(opt, before, "optimizer after a refused master")
+    param.data.copy_(torch.full((3, 4), 0.5))  # weights loaded after the refusal
+    param.grad = torch.zeros(3, 4, dtype=torch.bfloat16)
+    opt.step()  # zero gradient, zero moments: the master stays what it followed
+    want = (torch.zeros(3, 4, dtype=torch.int16) if remainders
+            else torch.full((3, 4), 0.5))
+    assert_bitwise_equal(opt.get_unscaled_state(param, "master_param"), want, "master")
+
+
 def test_state_access_to_a_parameter_without_state_creates_none(backend):
     """S5.2: a parameter of the optimizer whose state was removed has no state to read:
     KeyError, and nothing is created."""
