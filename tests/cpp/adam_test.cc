@@ -212,7 +212,8 @@ TEST_P(ParamRoundingTest, BitsFollowKeyAndStepOnly) {
       ASSERT_TRUE(SameTensors(want, got));
     }
   });
-  const auto params_after = [&](uint32_t key, int64_t step, Rounding rounding) {
+  const auto params_after = [&](uint32_t key, int64_t step, Rounding rounding,
+                                bool bias_correction = true) {
     std::vector<Tensor> got = start;
     for (Tensor& t : got) {
       t.rounding_key = key;
@@ -221,6 +222,7 @@ TEST_P(ParamRoundingTest, BitsFollowKeyAndStepOnly) {
     std::vector<TensorSlot> slots = Slots(&got);
     StepParams p = params;
     p.step = step;
+    p.bias_correction = bias_correction;
     EXPECT_EQ(AdamStep(slots.data(), static_cast<int64_t>(slots.size()), p, 2, nullptr),
               Status::kOk);
     return got[0].param;
@@ -230,6 +232,10 @@ TEST_P(ParamRoundingTest, BitsFollowKeyAndStepOnly) {
   EXPECT_NE(base, params_after(0xABCEu, 9, Rounding::kStochastic));
   EXPECT_NE(base, params_after(0xABCDu, 10, Rounding::kStochastic));
   EXPECT_NE(base, params_after(0xABCDu, 9, Rounding::kNearest));
+  // Without bias correction the step changes no arithmetic, only the bits' key.
+  const std::vector<uint8_t> uncorrected = params_after(0xABCDu, 9, Rounding::kStochastic, false);
+  EXPECT_EQ(uncorrected, params_after(0xABCDu, 9, Rounding::kStochastic, false));
+  EXPECT_NE(uncorrected, params_after(0xABCDu, 10, Rounding::kStochastic, false));
 }
 
 INSTANTIATE_TEST_SUITE_P(BF16NoMaster, ParamRoundingTest,
