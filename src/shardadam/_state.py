@@ -412,7 +412,9 @@ def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch
     _update(formats, param, {name: writes.formats.get(name) for name in writes.stored})
     _update(scales, param, writes.scales)
     if writes.param_bits is not None:
-        with torch.no_grad():  # the parameter is a leaf that requires grad
+        # A leaf that requires grad takes it without autograd; an inference tensor (a
+        # frozen parameter made under inference_mode) only in that mode.
+        with (torch.inference_mode() if local.is_inference() else torch.no_grad()):
             local.copy_(writes.param_bits)
 
 

@@ -540,7 +540,10 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
     ``state_dict()``, casting to their dtype: int16 remainders saved under
     ``store_param_remainders`` arrive here as fp32 (exact, and turned back into int16),
     an fp32 / fp16 master loaded into this optimizer's int16 remainders has lost its
-    bits (refused).
+    bits (refused). Where remainders were recorded, floating-point values that are no
+    int16 codes are an fp32 master, which the same record means beside an fp16
+    parameter (S5.4): the parameter was fp16 when saved. Whole numbers in int16's range
+    cannot be told apart from cast remainders, and are read as remainders.
     """
     saved_formats = {s.name: s.format for s in saved.specs(param_dtype)}
     saved_format = saved_formats.get("master_param")
@@ -549,14 +552,11 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
     codes = _formats.REMAINDER.value_dtype  # int16: remainder codes, the only such values
     if saved_format.value_dtype == codes and value.dtype != codes:
         low, high = torch.iinfo(codes).min, torch.iinfo(codes).max
-        exact = value.is_floating_point() and bool(
-            (value == value.round()).all() & (value >= low).all() & (value <= high).all())
-        if not exact:
-            raise RuntimeError(
-                f"{where_}: the checkpoint recorded int16 remainders for 'master_param' "
-                f"({saved.record()}) but holds {value.dtype} values that are not int16 "
-                f"codes (rule S6.4: a recorded layout must match the saved values)")
-        return value.to(codes)
+        if not value.is_floating_point():
+            return value  # check_loaded_dtype names it
+        exact = bool((value == value.round()).all() & (value >= low).all()
+                     & (value <= high).all())
+        return value.to(codes) if exact else value
     if (saved_format.value_dtype != codes and value.dtype == codes
             and not config.uses_remainders(param_dtype)):
         raise RuntimeError(

@@ -1503,9 +1503,6 @@ LOAD_ERRORS = [
     ("uint8-codes", lambda sd: sd["state"][0].__setitem__(
         "exp_avg", torch.zeros(4, 3, dtype=torch.uint8)),
      RuntimeError, facts(*at(0, 0), "'exp_avg' must hold floating point", "uint8")),
-    ("recorded-remainders-not-codes", lambda sd: sd["param_groups"][0].__setitem__(
-        "state_layout", "exp_avg=fp8 exp_avg_sq=fp16 master=remainder"),
-     RuntimeError, facts(*at(0, 1), "not int16 codes", "rule S6.4")),
 ]
 
 

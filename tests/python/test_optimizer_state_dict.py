@@ -740,6 +740,64 @@ def test_moments_set_before_the_first_step_survive_a_checkpoint(route, tmp_path,
     assert fresh.state_dict()["param_groups"][0]["state_layout"] == layout
 
 
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainder"])
+def test_fp16_parameters_master_under_a_remainder_record_loads_into_bf16(remainders,
+                                                                         backend):
+    """S5.4: master=remainder means an fp32 master beside fp16 parameters. Such a
+    checkpoint loads into the same model in bf16 (the master, not whole numbers, is no
+    remainder code: it was refused as one), and the master arrives exactly: as an fp32
+    master, or split into the bf16 parameter and its remainder."""
+    gen = torch.Generator().manual_seed(25)
+    src_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).half())]
+    src = fused_adam()(src_params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    for _ in range(2):
+        src_params[0].grad = torch.randn(4, 8, generator=gen).half()
+        src.step()
+    saved = src.state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith("master=remainder")
+    want = saved["state"][0]["master_param"].clone()
+    assert want.dtype == torch.float32 and not torch.equal(want, want.round())
+    params = [torch.nn.Parameter(src_params[0].detach().bfloat16())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                       store_param_remainders=remainders)
+    opt.load_state_dict(saved)
+    got = opt.state[params[0]]["master_param"]
+    if remainders:  # the master is the parameter's bits over the remainder's
+        got = ((params[0].detach().view(torch.int16).to(torch.int32) << 16)
+               + got.to(torch.int32)).view(torch.float32)
+    assert_bitwise_equal(got, want, "master")
+
+
+def test_load_splits_a_master_into_an_inference_tensor_parameter(backend):
+    """S1.6 admits a parameter made under torch.inference_mode; a load that turns fp32
+    masters into remainders writes such a parameter's bits too (in that mode: torch
+    refuses the write outside it, which left the earlier parameters rewritten and the
+    state not, with torch's own message)."""
+    gen = torch.Generator().manual_seed(23)
+    src_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())
+                  for _ in range(2)]
+    src = fused_adam()(src_params, lr=1e-2, master_weights=True)
+    for _ in range(2):
+        for p in src_params:
+            p.grad = torch.randn(4, 8, generator=gen).bfloat16()
+        src.step()
+    saved = src.state_dict()
+    with torch.inference_mode():
+        frozen = src_params[1].detach().clone()
+    params = [torch.nn.Parameter(torch.zeros(4, 8, dtype=torch.bfloat16)), frozen]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    opt.load_state_dict(saved)
+    for p, q in zip(params, src_params):
+        # S2.5: the low 16 bits as a signed remainder, the high half rounded up by one
+        # where that remainder is negative (no NaN here).
+        bits = src.state[q]["master_param"].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        low = bits & 0xFFFF
+        high = ((bits >> 16) + (low >= 0x8000)) & 0xFFFF
+        signed = lambda x: (x - ((x >= 0x8000) * 0x10000)).to(torch.int16)  # noqa: E731
+        assert_bitwise_equal(p.detach().view(torch.int16), signed(high), "the parameter")
+        assert_bitwise_equal(opt.state[p]["master_param"], signed(low), "the remainder")
+
+
 def test_frozen_parameter_left_out_of_a_load_keeps_following():
     """S1.6 / S5.5: a frozen parameter whose state a checkpoint leaves out (torch's DCP
     helpers do) keeps its master, and a master that followed its parameter still does:
