@@ -195,12 +195,22 @@ class Format:
                 scale[j:j + count] = scales
             if not stored.is_contiguous():
                 stored.copy_(out.view(stored.shape))
-        elif self.scaled:
-            new_scale = _codecs.measure_scale(value, self.scale_target)
-            stored.copy_(self._to_codes(value / new_scale))  # a true division, as the core
-            scale.copy_(new_scale)
         elif value is not stored:
-            stored.copy_(self._to_codes(value))
+            new_scale = (_codecs.measure_scale(value, self.scale_target) if self.scaled
+                         else None)
+            # Chunk by chunk into the storage: the codecs' temporaries (up to 12 bytes
+            # per element) stay at _CHUNK elements, not the tensor's size.
+            if stored.is_contiguous() and value.numel() > _CHUNK:
+                flat, out = value.reshape(-1), stored.view(-1)
+                parts = [(flat[b:b + _CHUNK], out[b:b + _CHUNK])
+                         for b in range(0, flat.numel(), _CHUNK)]
+            else:
+                parts = [(value, stored)]
+            for part, into in parts:
+                # A true division by the scale, as the core divides.
+                into.copy_(self._to_codes(part if new_scale is None else part / new_scale))
+            if new_scale is not None:
+                scale.copy_(new_scale)
 
     def true_value(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """fp32 true values of an exported ``value`` (remainders: merged with the local

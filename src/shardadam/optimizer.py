@@ -280,10 +280,17 @@ class FusedAdam(torch.optim.Optimizer):
         fmt = _state.stored_format(stored, self._formats.get(param), "master_param")
         if fmt is None:
             return
+        local = _dtensor.to_local(param).detach()
+        if fmt is _formats.REMAINDER or fmt is _formats.FP32:
+            # In place, as initial_value would give it: no master-sized temporary.
+            if fmt is _formats.REMAINDER:
+                stored.zero_()
+            else:
+                stored.copy_(local)
+            return
         spec = _state.StateSpec("master_param", fmt)
         scale = (self._scales.get(param) or {}).get("master_param")
-        _state.write_value(spec, _state.initial_value(spec, _dtensor.to_local(param)),
-                           stored, scale)
+        _state.write_value(spec, _state.initial_value(spec, local), stored, scale)
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""

@@ -252,3 +252,33 @@ def test_block_codecs_work_in_chunks(fmt, first, rows, monkeypatch):
                                   else stored, scale, first, 128)
     assert decoded.shape == value.shape
     assert torch.equal(decoded.view(torch.int32), whole.view(torch.int32))
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "fp8"])
+def test_large_tensors_encode_as_one_piece(name, contiguous):
+    """Format.encode stores a tensor larger than its chunk (2^20 elements) piece by
+    piece, to keep the codecs' temporaries small: the same bits as torch's own
+    conversion of the whole tensor divided by S2.3's scale, measured over all of it
+    (the largest value sits in the last chunk), also into strided storage."""
+    fmt = {f.name: f for f in FORMATS}[name]
+    n = (1 << 21) + 77
+    gen = torch.Generator().manual_seed(5)
+    value = torch.randn(n, generator=gen) * torch.pow(2.0, torch.randint(-30, 10, (n,),
+                                                                         generator=gen))
+    value[:5] = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3.0])
+    value[-1] = 1e4  # the absmax, in the last chunk only
+    if fmt.scaled:
+        scale = torch.clamp_min(value.abs().max() / SCALE_TARGET[name],
+                                torch.finfo(torch.float32).tiny)
+        want = (value / scale).to(fmt.codes).view(fmt.storage)
+    else:
+        scale, want = None, value.to(fmt.storage)
+    stored = torch.empty(n, 2, dtype=fmt.storage)[:, 0] if not contiguous \
+        else torch.empty(n, dtype=fmt.storage)
+    got_scale = torch.zeros(()) if fmt.scaled else None
+    fmt.encode(value, stored, got_scale)
+    assert torch.equal(stored.view(torch.uint8 if fmt.storage.itemsize == 1 else torch.int16),
+                       want.view(torch.uint8 if fmt.storage.itemsize == 1 else torch.int16))
+    if fmt.scaled:
+        assert got_scale.item() == scale.item()
