@@ -417,9 +417,9 @@ def check_extension(module) -> frozenset:
     """Raise ImportError unless ``module.FORMATS`` (the C++ core's table: tuples ``(tag,
     name, item_bits, scale, scale_block, scale_target, roles, zero_bound,
     overflow_bound)``) declares each of these formats exactly as here: the core and this
-    package read the same buffers by these facts. Rows and roles are compared in any order. A per-block
-    format the core does not declare at all (an older core) is only unavailable
-    (returned: the names of those): nothing selects it by default, and
+    package read the same buffers by these facts. Rows and roles are compared in any
+    order. A per-block format the core does not declare at all (an older core) is only
+    unavailable (returned: the names of those): nothing selects it by default, and
     ``moment_format`` refuses it.
     Formats of the core this package does not know never cross the boundary, so only
     their tags and names must not collide with these."""

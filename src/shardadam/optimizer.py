@@ -644,8 +644,8 @@ class FusedAdam(torch.optim.Optimizer):
             pre_hook(self)
         config = self._checked_config()
         # Only a group still at step 0 keeps the mark of moments set by hand.
-        self._moments_set = {g for g in self._moments_set
-                             if self.param_groups[g].get("step", 0) == 0}
+        self._moments_set = {g for g in self._moments_set if g < len(self.param_groups)
+                             and self.param_groups[g].get("step", 0) == 0}
         records = [config.record(g in self._moments_set)
                    for g in range(len(self.param_groups))]
         param_groups, packed_state, start = [], {}, 0
