@@ -11,12 +11,9 @@ import pytest
                                              ("shardadam.demo.cli", "demo"),
                                              ("shardadam.bench.cli", "bench")])
 def test_module_runs_its_command(module, command):
+    """Its arguments reach the command's own parser: the usage it prints is the
+    command's (one interpreter start each: they import torch)."""
     result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: python -m shardadam {command} "), result.stdout
-    # Arguments reach the command's own parser, which refuses what it does not know.
-    refused = subprocess.run([sys.executable, "-m", module, "--no-such-flag"],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2
-    assert "unrecognized arguments: --no-such-flag" in refused.stderr
