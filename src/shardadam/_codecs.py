@@ -19,12 +19,17 @@ def measure_scale(value: torch.Tensor, target: float) -> torch.Tensor:
     """S2.3: the scale of fp32 ``value`` stored with largest magnitude ``target``, as a
     0-dim fp32 tensor: ``max(max|value| / target, tiny)``, or 1 for an empty tensor or a
     zero or non-finite maximum."""
-    one = torch.ones((), dtype=torch.float32, device=value.device)
     if value.numel() == 0:
-        return one
-    absmax = torch.amax(torch.abs(value))  # NaN propagates, and NaN is not finite
+        return torch.ones((), dtype=torch.float32, device=value.device)
+    return scale_of_absmax(torch.amax(torch.abs(value)), target)  # NaN propagates
+
+
+def scale_of_absmax(absmax: torch.Tensor, target: float) -> torch.Tensor:
+    """``measure_scale`` of values whose largest magnitude is the 0-dim ``absmax``
+    (NaN where one is NaN)."""
+    one = torch.ones((), dtype=torch.float32, device=absmax.device)
     # A device tensor divisor: CUDA would multiply by the reciprocal of a host scalar.
-    target = torch.full((), target, dtype=torch.float32, device=value.device)
+    target = torch.full((), target, dtype=torch.float32, device=absmax.device)
     scale = torch.clamp_min(absmax / target, _TINY)
     return torch.where(torch.isfinite(absmax) & (absmax > 0), scale, one)
 

@@ -170,13 +170,16 @@ class Format:
 
     def encode(self, value: torch.Tensor, stored: torch.Tensor,
                scale: Optional[torch.Tensor], first: int = 0,
-               rounding: Optional[int] = None) -> None:
+               rounding: Optional[int] = None,
+               measured: Optional[torch.Tensor] = None) -> None:
         """Store the exported ``value`` into ``stored``; a scaled format first measures
         a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
         ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
         itself (fp32 updated in place) there is nothing to do. ``rounding``: a step key
         to round a per-block moment (``fp4-block``, ``ufp4-block``, ``ufp8-block``)
-        stochastically (S2.13), else to nearest."""
+        stochastically (S2.13), else to nearest. ``measured``: where ``value`` is part
+        of a tensor with a per-tensor scale, the scale measured over the whole of it,
+        used as given; ``scale`` is then left for the caller to write."""
         if self.scale == "block":
             flat = value.reshape(-1)
             out = stored.view(-1) if stored.is_contiguous() else stored.reshape(-1).clone()
@@ -196,8 +199,9 @@ class Format:
             if not stored.is_contiguous():
                 stored.copy_(out.view(stored.shape))
         elif value is not stored:
-            new_scale = (_codecs.measure_scale(value, self.scale_target) if self.scaled
-                         else None)
+            new_scale = measured
+            if new_scale is None and self.scaled:
+                new_scale = _codecs.measure_scale(value, self.scale_target)
             # Chunk by chunk into the storage: the codecs' temporaries (up to 12 bytes
             # per element) stay at _CHUNK elements, not the tensor's size.
             if stored.is_contiguous() and value.numel() > _CHUNK:
@@ -209,7 +213,7 @@ class Format:
             for part, into in parts:
                 # A true division by the scale, as the core divides.
                 into.copy_(self._to_codes(part if new_scale is None else part / new_scale))
-            if new_scale is not None:
+            if new_scale is not None and measured is None:
                 scale.copy_(new_scale)
 
     def true_value(self, value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -129,9 +129,9 @@ PRESETS = {p.name: p for p in (
 LOWBIT_CASES = (
     (Preset("bf16-remainder-block8", torch.bfloat16, torch.uint8, "remainder", "block8"),
      ("shardadam", "shardadam-sr", "torchao-adamw8bit", "torchao-adamwfp8",
-      "bnb-adamw8bit")),
+      "bnb-adamw8bit", "shardadam-torch-path")),
     (Preset("bf16-remainder-block4", torch.bfloat16, torch.uint8, "remainder", "block4"),
-     ("shardadam", "shardadam-sr", "torchao-adamw4bit")),
+     ("shardadam", "shardadam-sr", "torchao-adamw4bit", "shardadam-torch-path")),
 )
 
 # Sizes per mode before --scale. Large: not a power of two (buffers spaced by large
@@ -191,8 +191,8 @@ def _scaled_d_model(d_model: int, scale: float) -> int:
 
 
 CPU_FP32_CONTENDERS = ("shardadam", "torch-fused", "torch-foreach", "torch-default",
-                       "deepspeed")
-LOW_PRECISION_CONTENDERS = ("shardadam", "multipass")
+                       "deepspeed", "shardadam-torch-path")
+LOW_PRECISION_CONTENDERS = ("shardadam", "multipass", "shardadam-torch-path")
 # The large cases' step as training calls it (bench/training.py).
 TRAINING_CONTENDERS = ("shardadam", "after-matmul", "after-backward", "after-backward-pool")
 # The large and training cases also time the bare C++ call in process, interleaved

@@ -24,6 +24,8 @@ DESCRIPTIONS = {
     "shardadam": "shardadam.FusedAdam (C++ core)",
     "shardadam-sr": "shardadam.FusedAdam, the same moments, bf16 params rounded "
                     "stochastically with no master (the peers' state)",
+    "shardadam-torch-path": "shardadam.FusedAdam on its pure-torch path (S7.2: devices "
+                            "without a C++ build), forced on CPU",
     "torch-fused": "torch.optim.AdamW(fused=True)",
     "torch-foreach": "torch.optim.AdamW(foreach=True)",
     "torch-default": "torch.optim.AdamW() (on CPU tensors torch picks its for-loop step)",
@@ -66,6 +68,19 @@ def _shardadam_sr(params, preset):
 
     return FusedAdam(params, **HYPER, adam_w_mode=True, moment_format=preset.moment_format,
                      param_rounding="stochastic").step
+
+
+def _shardadam_torch_path(params, preset):
+    from shardadam import _backend
+
+    step = _shardadam(params, preset)
+
+    def on_torch_path():
+        with _backend.use_backend("torch"):
+            step()
+
+    on_torch_path.__self__ = step.__self__  # the optimizer, as a bound step's (state_bytes)
+    return on_torch_path
 
 
 def _torch_adamw(params, preset, **flags):
@@ -122,6 +137,7 @@ def _multipass(params, preset):
 _FACTORIES = {
     "shardadam": _shardadam,
     "shardadam-sr": _shardadam_sr,
+    "shardadam-torch-path": _shardadam_torch_path,
     "torch-fused": lambda params, preset: _torch_adamw(params, preset, fused=True),
     "torch-foreach": lambda params, preset: _torch_adamw(params, preset, foreach=True),
     "torch-default": _torch_adamw,

@@ -319,5 +319,43 @@ def block4_uneven_rows(ctx, case):
                                for key in mine])
 
 
+def torch_path_pieces(ctx, case):
+    """The pure-torch path (S7.2) in pieces of 384 elements (3 blocks) steps FSDP2's
+    shards bitwise as the C++ core: parameters, master, codes and scales, three steps.
+    Each rank's rows start at f = 512 · rank, so its pieces, cut at multiples of 384 of
+    the global flat index, do not start where its shard does (rank 1's first piece is
+    256 elements, rank 2's 128)."""
+    from shardadam import _backend, _torch_path
+
+    dtype = PRESETS[case.preset][0]
+    models = [_model(ctx, dtype, _init_seed(case.preset)) for _ in range(2)]
+    core, torch_path = (_optimizer(model, case.preset) for model in models)
+    piece = _torch_path.PIECE_CPU
+    for step in (1, 2, 3):
+        for model in models:
+            _set_grads(model, case.preset, step, sharded=True)
+        core.step()
+        _torch_path.PIECE_CPU = 3 * BLOCK
+        try:
+            with _backend.use_backend("torch"):
+                torch_path.step()
+        finally:
+            _torch_path.PIECE_CPU = piece
+
+        def check():
+            for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+                what = f"step {step}, {name}"
+                assert_bitwise(q.to_local().detach(), p.to_local().detach(), f"{what}: param")
+                for state, value in core.state[p].items():
+                    assert_bitwise(torch_path.state[q][state].to_local(), value.to_local(),
+                                   f"{what}: {state}")
+                for state, scale in core._scales[p].items():
+                    assert_bitwise(torch_path._scales[q][state], scale,
+                                   f"{what}: {state} scales")
+
+        symmetric(check)
+
+
 KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume,
-         "block8_mesh_rule": block8_mesh_rule, "block4_uneven_rows": block4_uneven_rows}
+         "block8_mesh_rule": block8_mesh_rule, "block4_uneven_rows": block4_uneven_rows,
+         "torch_path_pieces": torch_path_pieces}

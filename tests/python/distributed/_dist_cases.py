@@ -134,6 +134,8 @@ def _build():
         cases.append(Case(save, 2, "block8_dcp_save", preset, job="block8-save"))
         cases.append(Case(f"W=3-fsdp2-block8-dcp-2to3-{preset}-equals-uninterrupted", 3,
                           "block8_dcp_resume", preset, needs=(save,)))
+        cases.append(Case(f"W=3-fsdp2-{preset}-torch-path-in-pieces-equals-core", 3,
+                          "torch_path_pieces", preset))
     # block8 and block4 under megatron_fsdp.fully_shard (_megatron_block_jobs.SHAPES):
     # saved at 2 beside the other fully_shard saves, resumed in fresh ranks at 2 and at 3.
     for fmt in ("block8", "block4"):

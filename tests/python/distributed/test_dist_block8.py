@@ -4,7 +4,9 @@ included (rows that are whole blocks: the stored state does not depend on the sh
 Under ``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the global index
 Megatron marks them with): saved at 2, resumed at 2 and 3, bitwise the uninterrupted run
 where the mesh rule promises it (``_megatron_block_jobs``). block4 on uneven rows that
-declare no offset: keyed to the local index, resumed bitwise at the same cut."""
+declare no offset: keyed to the local index, resumed bitwise at the same cut. The
+pure-torch path in pieces that do not start at the shard boundaries: bitwise the C++
+core on the same shards."""
 
 import pytest
 
@@ -38,4 +40,9 @@ def test_block_moments_megatron_fully_shard_trains_and_saves(case, dist_jobs):
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("megatron_block_resume"), ids=str)
 def test_block_moments_megatron_fully_shard_resume_equals_uninterrupted_run(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("torch_path_pieces"), ids=str)
+def test_torch_path_in_pieces_equals_the_core_on_shards(case, dist_jobs):
     dist_jobs.check(case)
