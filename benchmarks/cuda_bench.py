@@ -14,6 +14,10 @@ process.
     stepped by FusedAdam with each preset and by torch's fused AdamW in fp32 on the
     same shapes; the ratio of step times (targets: ``MODEL_TARGETS``) beside the ratio
     of bytes moved, which bounds what a memory-bound step can reach.
+(d) torch path: FusedAdam on its pure-torch path (S7.2: what a device without the
+    C++ build runs) on a quarter of (b)'s tensor, in pieces of ``PIECE_DEVICE``
+    elements against the whole tensor at once: time and extra memory of each, which
+    says what the piece size costs on this device.
 
 Times are CUDA events around each call, contenders interleaved round by round after a
 warm-up, medians with min/max. Each part that fails records its error and the others
@@ -27,6 +31,7 @@ still run; the JSON is rewritten after every part. Exit status 1 if any part fai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -36,7 +41,7 @@ import traceback
 
 import torch
 
-from shardadam import FusedAdam, _cuda_path
+from shardadam import FusedAdam, _backend, _cuda_path, _torch_path
 from shardadam.bench.cases import LOWBIT_CASES, PRESETS, Preset, transformer_shapes
 from shardadam.bench.timing import summary
 
@@ -267,6 +272,51 @@ def model_part(args, device) -> dict:
             "rows": rows}
 
 
+# (d)'s presets beside block8 (the first low-bit case): fp32, 16-bit moments with
+# remainders, per-tensor fp8 moments (stepped twice where cut).
+TORCH_PATH_PRESETS = ("fp32", "bf16-remainder-bf16m", "bf16-master-fp8m")
+
+
+@contextlib.contextmanager
+def _on_torch_path(whole: bool):
+    """Steps on the pure-torch path; ``whole``: one piece however large the tensor."""
+    pieces = _torch_path.PIECE_CPU, _torch_path.PIECE_DEVICE
+    if whole:
+        _torch_path.PIECE_CPU = _torch_path.PIECE_DEVICE = 1 << 62
+    try:
+        with _backend.use_backend("torch"):
+            yield
+    finally:
+        _torch_path.PIECE_CPU, _torch_path.PIECE_DEVICE = pieces
+
+
+def torch_path_part(args, device) -> dict:
+    shape = (max(1, args.numel // 4 // ROW), ROW)
+    presets = [PRESETS[name] for name in TORCH_PATH_PRESETS] + [LOWBIT_CASES[0][0]]
+    rows = []
+    for preset in presets:
+        opt = fused_adam(preset, make_params([shape], preset.param_dtype, device, 3))
+
+        def step(whole):
+            with _on_torch_path(whole):
+                opt.step()
+
+        samples = interleaved({"pieces": lambda: step(False), "whole": lambda: step(True)},
+                              min(args.rounds, 5), args.warmup, device)
+        rows.append({"preset": preset.name, "label": preset.label,
+                     "numel": shape[0] * shape[1],
+                     "pieces": {**stats(samples["pieces"]),
+                                "extra_memory_bytes": extra_memory(lambda: step(False),
+                                                                   device)},
+                     "whole": {**stats(samples["whole"]),
+                               "extra_memory_bytes": extra_memory(lambda: step(True),
+                                                                  device)}})
+        del opt
+        release(device)
+    return {"piece_elements": _torch_path.PIECE_DEVICE if device.type != "cpu"
+            else _torch_path.PIECE_CPU, "rows": rows}
+
+
 # --------------------------------------------------------------------------------------
 # Report
 
@@ -324,6 +374,19 @@ def print_tables(report):
             print(f"{row['label']:<46}{row['shardadam']['median_s'] * 1e3:>9.2f}"
                   f"{row['torch_fused_fp32']['median_s'] * 1e3:>10.2f}"
                   f"{row['speedup']:>8.2f}x{row['byte_ratio']:>11.2f}x{met:>13}")
+    path = parts.get("torch_path", {})
+    if "rows" in path:
+        print(f"\n(d) the pure-torch path, {path['rows'][0]['numel']:,} elements: pieces of "
+              f"{path['piece_elements']:,} against the whole tensor at once")
+        print(f"{'preset':<58}{'ms pieces':>11}{'ms whole':>10}{'MiB pieces':>12}"
+              f"{'MiB whole':>11}")
+        for row in path["rows"]:
+            def mib(value):
+                return "-" if value is None else f"{value / 2**20:.0f}"
+            print(f"{row['label']:<58}{row['pieces']['median_s'] * 1e3:>11.2f}"
+                  f"{row['whole']['median_s'] * 1e3:>10.2f}"
+                  f"{mib(row['pieces']['extra_memory_bytes']):>12}"
+                  f"{mib(row['whole']['extra_memory_bytes']):>11}")
     for error in report["errors"]:
         print(f"\nFAILED part {error['part']}:\n{error['error']}")
 
@@ -386,6 +449,7 @@ def main(argv=None) -> int:
     copy_gbps = report["parts"]["copy"].get("gbps")
     run("kernel", lambda: kernel_part(args, device, copy_gbps))
     run("model", lambda: model_part(args, device))
+    run("torch_path", lambda: torch_path_part(args, device))
     print_tables(report)
     return 1 if report["errors"] else 0
 

@@ -426,7 +426,7 @@ def test_sharing_contenders_step_the_shardadam_contenders_optimizer(name):
 
 def test_gpu_benchmark_script_runs_on_the_cpu(tmp_path):
     """benchmarks/cuda_bench.py, which only the GPU check runs for its figures, runs its
-    three parts on the CPU (--device cpu --quick): each of the bench's presets and of the
+    four parts on the CPU (--device cpu --quick): each of the bench's presets and of the
     low-bit cases' in the kernel part, the transformer part beside torch's AdamW, no
     error. A script broken here would cost a GPU session its benchmark."""
     import os
@@ -439,7 +439,10 @@ def test_gpu_benchmark_script_runs_on_the_cpu(tmp_path):
     with open(path) as f:
         report = json.load(f)
     assert report["errors"] == [], report["errors"]
-    assert set(report["parts"]) == {"copy", "kernel", "model"}, sorted(report["parts"])
+    assert set(report["parts"]) == {"copy", "kernel", "model", "torch_path"}, \
+        sorted(report["parts"])
+    assert all(row[how]["median_s"] > 0 for row in report["parts"]["torch_path"]["rows"]
+               for how in ("pieces", "whole"))
     timed = {row["preset"] for row in report["parts"]["kernel"]["rows"]}
     wanted = set(cases.PRESETS) | {preset.name for preset, _ in cases.LOWBIT_CASES}
     assert wanted <= timed, sorted(wanted - timed)
