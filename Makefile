@@ -24,7 +24,7 @@ CUDA_ARCHS_RECORD := build/.cuda-archs
 $(shell mkdir -p build && { [ "$$(cat $(CUDA_ARCHS_RECORD) 2>/dev/null)" = '$(CUDA_ARCHS)' ] \
 	|| echo '$(CUDA_ARCHS)' > $(CUDA_ARCHS_RECORD); })
 
-.PHONY: setup system-deps demo test test-cpp test-python bench clean
+.PHONY: setup system-deps demo test test-cpp test-python kernel-bench bench clean
 
 setup: $(VENV)/.package-stamp $(CPP_BUILD)/.build-stamp
 
@@ -63,12 +63,22 @@ $(VENV)/.package-stamp: $(VENV)/.deps-stamp $(CORE_SOURCES) $(CUDA_ARCHS_RECORD)
 	    $(if $(CUDA_ARCHS),-C cmake.define.CMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") -e .
 	touch $@
 
+CPP_CONFIGURE = cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON \
+	-DSHARDADAM_BUILD_BENCHMARKS=ON \
+	$(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") >/dev/null
+
 # MAKEFLAGS cleared: a Makefiles-generated tree's own make takes none of ours.
 $(CPP_BUILD)/.build-stamp: $(CORE_SOURCES) $(TEST_SOURCES) $(CUDA_ARCHS_RECORD) | system-deps
-	cmake -S . -B $(CPP_BUILD) -DSHARDADAM_BUILD_TESTS=ON -DSHARDADAM_BUILD_BENCHMARKS=ON \
-	    $(if $(CUDA_ARCHS),-DCMAKE_CUDA_ARCHITECTURES="$(CUDA_ARCHS)") >/dev/null
+	$(CPP_CONFIGURE)
 	MAKEFLAGS= $(CPP_NICE) cmake --build $(CPP_BUILD) -j2
 	touch $@
+
+# kernel_bench alone, in the same tree: the bench's Python tests time it where it is
+# built and skip that part where not, so CI builds it before `make test` (whose C++
+# build would otherwise still be running when they start).
+kernel-bench: | system-deps
+	$(CPP_CONFIGURE)
+	MAKEFLAGS= cmake --build $(CPP_BUILD) -j2 --target kernel_bench
 
 demo: $(VENV)/.package-stamp
 	$(PY) -m shardadam demo
