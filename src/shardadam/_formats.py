@@ -180,6 +180,8 @@ class Format:
         stochastically (S2.13), else to nearest. ``measured``: where ``value`` is part
         of a tensor with a per-tensor scale, the scale measured over the whole of it,
         used as given; ``scale`` is then left for the caller to write."""
+        if self.scale == "block" and (value.is_meta or stored.is_meta):
+            return  # no values to encode (state of meta parameters, S1.6)
         if self.scale == "block":
             flat = value.reshape(-1)
             out = stored.view(-1) if stored.is_contiguous() else stored.reshape(-1).clone()

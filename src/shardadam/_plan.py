@@ -171,7 +171,7 @@ class GroupPlan:
             if not writes.empty():  # leave a settled entry alone
                 _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
                                    entry.layout, owner)
-                _state.mark_seeded(seeded, entry.param, writes)
+                _state.mark_seeded(seeded, state, entry.param, writes)
             entry.bind(specs, state[entry.param], scales.get(entry.param),
                        self.config.param_rounding)
         self.held = _Held(self.entries, self.config, state, scales)
@@ -319,6 +319,10 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
             raise _validate.fail(RuntimeError, error, group=group_index, param=entry.index,
                                  name=_validate.param_name(group, entry.index))
         grad = _dtensor.to_local(grad)
+        if grad.is_neg():
+            # A lazily negated view (torch's neg bit: its memory holds -value) is read
+            # through a copy of its values, as the core reads raw memory (S3.2).
+            grad = grad.resolve_neg()
         dense = dense and grad.is_contiguous()
         kinds.append(PARAM_TAGS[grad.dtype])
         local_grads.append(grad)
@@ -339,7 +343,7 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
             continue
         # The layout first: sparse and mkldnn tensors have no is_contiguous or storage.
         if (type(grad) is not _Tensor or grad.layout is not _STRIDED or grad.shape != shape
-                or not grad.is_contiguous()
+                or not grad.is_contiguous() or grad.is_neg()
                 or not (grad.is_cpu if is_cpu else grad.device == device)):
             return None
         kind = get_kind(grad.dtype)

@@ -360,13 +360,25 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
     return writes
 
 
-def mark_seeded(seeded: dict, param, writes: EntryWrites) -> None:
-    """Keeps ``seeded`` (the masters that follow their parameter, S1.6) current once
-    ``writes`` are applied to ``param``'s state."""
+def mark_seeded(seeded: dict, state, param, writes: EntryWrites) -> None:
+    """Keeps ``seeded`` (the masters that follow their parameter, S1.6, each marked by
+    the tensor it was seeded into) current once ``writes`` are applied to ``param``'s
+    entry of ``state``."""
     if "master_param" in writes.seeded:
-        seeded[param] = True
+        seeded[param] = state[param]["master_param"]
     elif "master_param" in writes.stored:  # another master, or none
         seeded.pop(param, None)
+
+
+def drop_replaced_masters(seeded: dict, state) -> dict:
+    """Unmarks (and returns) the masters in ``seeded`` that are no longer the tensor in
+    ``state`` they were seeded into: one put there from outside (a replaced entry, as
+    torch's ZeroRedundancyOptimizer loads a checkpoint) is the truth, as one set with
+    set_scaled_state is (S1.6)."""
+    for param in [p for p, mark in seeded.items()
+                  if (state.get(p) or {}).get("master_param") is not mark]:
+        del seeded[param]
+    return seeded
 
 
 def _holds_tensor_of(stored, formats: Optional[dict], name: str,

@@ -130,22 +130,75 @@ OPTIMIZER_SETTINGS = ("adam_w_mode", "capturable", "master_weights", "master_wei
 TORCH_OPTIONS = ("amsgrad", "maximize", "decoupled_weight_decay", "capturable", "foreach",
                  "fused", "differentiable")
 _GROUP_MAY_SET = "a group may set lr, betas, eps, weight_decay and bias_correction"
-# The whole optimizer's settings, which a group cannot change.
-_WHOLE_OPTIMIZER = OPTIMIZER_SETTINGS + ("amsgrad", "set_grad_none")
+# The whole optimizer's settings, which a group may repeat but not change.
+WHOLE_OPTIMIZER = OPTIMIZER_SETTINGS + ("amsgrad", "set_grad_none")
+_IGNORED_KEY_SET = frozenset(WHOLE_OPTIMIZER + TORCH_OPTIONS)
 
 
-def check_group_options(group: dict, group_index: int) -> None:
-    """A group handed to the constructor or ``add_param_group`` sets none of the
-    optimizer's settings, nor an option of torch's Adam that FusedAdam lacks: kept in
-    the group, they would be ignored (``maximize=True`` would descend all the same)."""
-    for keys, why in ((_WHOLE_OPTIMIZER, "is one setting of the whole optimizer: pass it "
-                                         "to the constructor"),
-                      (TORCH_OPTIONS, "is an option of torch's Adam/AdamW that FusedAdam "
-                                      "does not have")):
-        for key in keys:
-            if key in group:
-                raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: "
-                                       f"{key} {why}; {_GROUP_MAY_SET})", group=group_index)
+# Switches among the optimizer's settings and torch's options, compared by truth value.
+_SWITCHES = frozenset(("adam_w_mode", "capturable", "master_weights", "use_decoupled_grad",
+                       "store_param_remainders", "amsgrad", "maximize", "differentiable",
+                       "decoupled_weight_decay"))
+
+
+def check_group_options(group: dict, group_index: int, settings: dict) -> None:
+    """A group (given to the constructor or ``add_param_group``, or found by ``step()``)
+    may repeat one of the optimizer's settings only at the optimizer's value, and hold
+    an option of torch's Adam that FusedAdam lacks only at a value with which torch
+    steps as FusedAdam does: torch's ``ZeroRedundancyOptimizer`` copies its keyword
+    arguments into every group it hands over, and groups taken from a torch optimizer
+    hold its options. Any other value would be kept in the group and ignored
+    (``maximize=True`` would descend all the same). ``settings``: the optimizer's
+    values of ``WHOLE_OPTIMIZER`` and its ``weight_decay`` default."""
+    for key in [key for key in group if key in _IGNORED_KEY_SET]:
+        value = group[key]
+        if key in settings:
+            own = settings[key]
+            if key == "store_param_remainders" and _is_switch(value):
+                # As the constructor takes it: remainders only beside an fp32 master.
+                value = bool(value and settings["master_weights"]
+                             and settings["master_weight_dtype"] == torch.float32)
+            if _same_value(key, value, own):
+                continue
+            why = (f"{key} is one setting of the whole optimizer, here {shown(own)}: a "
+                   f"group may repeat it only at that value; pass another to the "
+                   f"constructor")
+        else:
+            wanted = _torch_option_like_fused_adam(key, group, settings)
+            if wanted is None or (_is_switch(value) and bool(value) in wanted):
+                continue
+            why = (f"{key} is an option of torch's Adam/AdamW that FusedAdam does not "
+                   f"have: a group may hold it only where torch steps as FusedAdam does "
+                   f"({key} {' or '.join(map(str, sorted(wanted)))})")
+        raise fail(ValueError, f"the group sets {key}={shown(group[key])} (rule: {why}; "
+                               f"{_GROUP_MAY_SET})", group=group_index)
+
+
+def _is_switch(value) -> bool:
+    try:
+        check_flag("", value)
+    except ValueError:
+        return False
+    return True
+
+
+def _same_value(key: str, value, own) -> bool:
+    if key in _SWITCHES:
+        return _is_switch(value) and bool(value) == bool(own)
+    return type(value) is type(own) and value == own
+
+
+def _torch_option_like_fused_adam(key: str, group: dict, settings: dict):
+    """The truth values of torch's option ``key`` with which torch's Adam steps as this
+    optimizer does, or None where any value does (``foreach`` and ``fused`` choose an
+    implementation; None, torch's default, also passes for the others)."""
+    if key in ("foreach", "fused") or group[key] is None:
+        return None
+    if key == "decoupled_weight_decay":
+        if _number(group.get("weight_decay", settings["weight_decay"])) == 0.0:
+            return {False, True}  # without weight decay both modes step alike
+        return {bool(settings["adam_w_mode"])}
+    return {False}  # maximize, differentiable
 
 
 PARAM_ROUNDINGS = ("nearest", "stochastic")
@@ -249,15 +302,15 @@ def _number(value) -> Optional[float]:
 # What step() reads from every group.
 GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay", "bias_correction")
 _GROUP_KEY_SET = frozenset(GROUP_KEYS)
-_IGNORED_KEY_SET = frozenset(_WHOLE_OPTIMIZER + TORCH_OPTIONS)
 
 
-def check_group_keys(group: dict, group_index: int) -> None:
+def check_group_keys(group: dict, group_index: int, settings) -> None:
     """A group edited or appended by hand may lack a key that step() reads, or set one
-    check_group_options refuses (it would be ignored)."""
+    check_group_options refuses (it would be ignored). ``settings()``: the optimizer's,
+    as check_group_options takes them."""
     if group.keys() >= _GROUP_KEY_SET and _IGNORED_KEY_SET.isdisjoint(group):
         return  # two C-level tests for the usual group
-    check_group_options(group, group_index)
+    check_group_options(group, group_index, settings())
     for key in GROUP_KEYS:
         if key not in group:
             raise fail(KeyError, f"the group has no {key!r} (rule: every group holds "
@@ -611,6 +664,11 @@ def param_error(param) -> Optional[str]:
         return (f"parameter dtype must be fp32, fp16 or bf16, got {param.dtype} (rule "
                 f"S1.4)")
     local = _dtensor.to_local(param)
+    if local.is_neg():
+        return ("the parameter is a lazily negated view (torch's neg bit, e.g. from "
+                "_neg_view or the imaginary part of a conjugate; rule S1.4: a parameter "
+                "is updated in place in memory that holds its values: pass "
+                "resolve_neg()'s copy)")
     if _overlaps_itself(local):
         return (f"elements of the parameter share memory (shape {list(local.shape)}, "
                 f"strides {list(local.stride())}; rule: a parameter is updated in place, "

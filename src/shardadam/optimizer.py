@@ -175,7 +175,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._scales = dict(state.get("_scales") or {})
         # An older pickle has none: its states are read by their dtypes.
         self._formats = dict(state.get("_formats") or {})
-        self._seeded = dict(state.get("_seeded") or {})
+        # An older pickle marked the masters that follow True, not by their tensor.
+        self._seeded = {param: self.state[param]["master_param"] if mark is True else mark
+                        for param, mark in (state.get("_seeded") or {}).items()
+                        if mark is not True or "master_param" in self.state.get(param, {})}
         self._moments_set = set(state.get("_moments_set") or ())
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
@@ -191,6 +194,7 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
+        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         planned = []  # every new entry is planned (and checked) before anything changes
         if isinstance(param_group, dict) and "params" in param_group:
             params = param_group["params"]
@@ -203,7 +207,7 @@ class FusedAdam(torch.optim.Optimizer):
                 named = ({"param_names": [p[0] for p in params]}
                          if params and all(isinstance(p, tuple) for p in params)
                          else param_group)
-                _validate.check_group_options(param_group, index)
+                _validate.check_group_options(param_group, index, self._group_settings())
                 _validate.check_step_counter(param_group, index)  # as step() would
                 placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
                           for i, p in enumerate(group["params"])}
@@ -249,7 +253,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout, self)
-        _state.mark_seeded(self._seeded, param, writes)
+        _state.mark_seeded(self._seeded, self.state, param, writes)
         # The plans (and the checks' record of the batches that passed) hold the
         # storages they bound: kept, a replaced state would stay alive beside its
         # successor until the next step rebuilt them.
@@ -261,14 +265,13 @@ class FusedAdam(torch.optim.Optimizer):
         has a gradient) take its value again, as TE creates masters at the first step:
         weights loaded into the model after the optimizer was built are not undone by a
         master of the weights before. Runs after validation and binding, in place (the
-        plans stay bound); appends each parameter to ``followed`` as it takes its mark,
+        plans stay bound); appends (parameter, mark) to ``followed`` as it takes the mark,
         once its master is re-seeded (one that fails keeps its mark)."""
         attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
         stepping = [p for p in self._seeded if getattr(p, attr, None) is not None]
         for param in stepping:
             self._reseed_master(param)
-            followed.append(param)
-            del self._seeded[param]
+            followed.append((param, self._seeded.pop(param)))
 
     def _reseed_master(self, param) -> None:
         """Writes ``param``'s master, in its stored format, as seeded from the
@@ -291,6 +294,13 @@ class FusedAdam(torch.optim.Optimizer):
         spec = _state.StateSpec("master_param", fmt)
         scale = (self._scales.get(param) or {}).get("master_param")
         _state.write_value(spec, _state.initial_value(spec, local), stored, scale)
+
+    def _group_settings(self) -> dict:
+        """What a group may repeat, at these values (S1.2): the whole optimizer's
+        settings, and the weight decay a group without its own takes."""
+        settings = {name: getattr(self, name) for name in _validate.OPTIMIZER_SETTINGS}
+        return dict(settings, amsgrad=False, set_grad_none=self.set_grad_none,
+                    weight_decay=self.defaults["weight_decay"])
 
     def _config(self) -> _state.StateConfig:
         """The settings that shape the state, read now (S1.5: they may change)."""
@@ -347,6 +357,7 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         # (2) validate everything, (3) only then mutate (S3.1).
         config = self._checked_config()
+        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         work = [self._prepare_group(i, group, config)
                 for i, group in enumerate(self.param_groups)]
         unbound = [plan for plan, _, _ in work if not plan.bound]
@@ -366,7 +377,7 @@ class FusedAdam(torch.optim.Optimizer):
             # once: the last check before anything is updated.
             _backend.check_together([item for items in prepared for item in items],
                                     self._checked)
-            followed = []
+            followed = []  # (param, mark) of the masters re-seeded
             try:
                 if self._seeded:
                     self._follow_params(followed)
@@ -377,7 +388,7 @@ class FusedAdam(torch.optim.Optimizer):
                 # A call refused on its own (S3.1): the re-seeded masters hold the
                 # values they are read as while they follow, so their marks restore
                 # them whole.
-                self._seeded.update(dict.fromkeys(followed, True))
+                self._seeded.update(followed)
                 raise
             # Every group, even with no gradient (S2.8), once every batch has run: a
             # call refused on its own leaves no group counted.
@@ -421,7 +432,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _prepare_group(self, index: int, group: dict, config: _state.StateConfig):
         """Checks one group and gathers its gradients; reads only."""
-        _validate.check_group_keys(group, index)
+        _validate.check_group_keys(group, index, self._group_settings)
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(
             group, index, lr_on_device=True)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
@@ -560,7 +571,8 @@ class FusedAdam(torch.optim.Optimizer):
         if entry is None or state_name not in entry:
             raise KeyError(f"{where}: no state {state_name!r} yet")
         self._check_decodable(param, (spec,), entry)
-        if state_name == "master_param" and param in self._seeded:
+        if (state_name == "master_param"
+                and param in _state.drop_replaced_masters(self._seeded, self.state)):
             # Read through TE's accessor (which hands out the fp32 tensor itself), a
             # master that follows its parameter is seeded now and is the truth (S1.6).
             if _state.stored_format(_dtensor.to_local(entry[state_name]),
@@ -604,7 +616,7 @@ class FusedAdam(torch.optim.Optimizer):
         """
         where, spec = self._spec(param, state_name)
         _validate.check_value(param, spec, unscaled_state, where)
-        value = _dtensor.to_local(unscaled_state)
+        value = _dtensor.to_local(unscaled_state).resolve_neg()  # read by value (S3.2)
         wanted = spec.format.value_dtype
         if value.dtype != wanted:
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
@@ -643,6 +655,7 @@ class FusedAdam(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         config = self._checked_config()
+        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         # Only a group still at step 0 keeps the mark of moments set by hand.
         self._moments_set = {g for g in self._moments_set if g < len(self.param_groups)
                              and self.param_groups[g].get("step", 0) == 0}
@@ -707,7 +720,7 @@ class FusedAdam(torch.optim.Optimizer):
         for param, local, layout, writes in prepared:
             _state.apply_entry(new_state, new_scales, new_formats, param, writes, local,
                                layout, self)
-        seeded = {param: True for param, _, _, writes in prepared
+        seeded = {param: new_state[param]["master_param"] for param, _, _, writes in prepared
                   if "master_param" in writes.seeded}
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
         self._moments_set = {g for g, (marked, saved) in enumerate(zip(presets, saved_groups))
@@ -751,6 +764,8 @@ class FusedAdam(torch.optim.Optimizer):
                 saved, self.adam_w_mode, g, saved.get("weight_decay", group["weight_decay"]))
             for key in _validate.TORCH_OPTIONS:  # then dropped: not this optimizer's
                 saved.pop(key, None)
+            for key in _validate.WHOLE_OPTIMIZER:  # the saver's (a ZeRO-held group's):
+                saved.pop(key, None)  # its state converts through state_layout
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             presets.append(_state.StateConfig.moments_set_in(saved.get(LAYOUT_KEY)))
             if own_steps[-1] and not presets[-1]:
@@ -758,9 +773,10 @@ class FusedAdam(torch.optim.Optimizer):
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
             merged = dict(group, **saved)
-            _validate.check_group_keys(merged, g)
+            _validate.check_group_keys(merged, g, self._group_settings)
             _validate.hyper_parameters(merged, g)
         config = self._checked_config()
+        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         saved_state = state_dict["state"]
         prepared = []
         for g, group in enumerate(self.param_groups):
@@ -830,7 +846,7 @@ class FusedAdam(torch.optim.Optimizer):
                                  f"holds every state its state_layout records)")
             value = values[spec.name]
             _validate.check_value(param, spec, value, here)
-            value = _dtensor.to_local(value)
+            value = _dtensor.to_local(value).resolve_neg()  # read by value (S3.2)
             if saved_layout is not None and spec.name == "master_param":
                 value = _validate.loaded_master(value, saved_layout, local.dtype, config,
                                                 here)

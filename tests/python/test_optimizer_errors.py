@@ -190,36 +190,112 @@ WHOLE_OPTIMIZER = "one setting of the whole optimizer"
 NOT_AN_OPTION = "an option of torch's Adam/AdamW that FusedAdam does not have"
 
 
-@pytest.mark.parametrize("key,value,rule", [
-    ("moment_format", "block4", WHOLE_OPTIMIZER), ("moment_block_size", 128, WHOLE_OPTIMIZER),
-    ("exp_avg_dtype", torch.bfloat16, WHOLE_OPTIMIZER),
-    ("exp_avg_sq_dtype", torch.bfloat16, WHOLE_OPTIMIZER),
-    ("master_weights", True, WHOLE_OPTIMIZER),
-    ("master_weight_dtype", torch.float16, WHOLE_OPTIMIZER),
-    ("store_param_remainders", True, WHOLE_OPTIMIZER),
-    ("param_rounding", "stochastic", WHOLE_OPTIMIZER), ("adam_w_mode", False, WHOLE_OPTIMIZER),
-    ("use_decoupled_grad", True, WHOLE_OPTIMIZER), ("amsgrad", False, WHOLE_OPTIMIZER),
-    ("capturable", False, WHOLE_OPTIMIZER), ("set_grad_none", True, WHOLE_OPTIMIZER),
+@pytest.mark.parametrize("key,value,rule,options", [
+    ("moment_format", "block4", WHOLE_OPTIMIZER, {}),
+    ("moment_block_size", 128, WHOLE_OPTIMIZER, {}),
+    ("exp_avg_dtype", torch.bfloat16, WHOLE_OPTIMIZER, {}),
+    ("exp_avg_sq_dtype", torch.bfloat16, WHOLE_OPTIMIZER, {}),
+    ("master_weights", True, WHOLE_OPTIMIZER, {}),
+    ("master_weight_dtype", torch.float16, WHOLE_OPTIMIZER, {}),
+    ("store_param_remainders", True, WHOLE_OPTIMIZER, dict(master_weights=True)),
+    ("param_rounding", "stochastic", WHOLE_OPTIMIZER, {}),
+    ("adam_w_mode", False, WHOLE_OPTIMIZER, {}), ("adam_w_mode", "True", WHOLE_OPTIMIZER, {}),
+    ("use_decoupled_grad", True, WHOLE_OPTIMIZER, {}), ("amsgrad", True, WHOLE_OPTIMIZER, {}),
+    ("capturable", True, WHOLE_OPTIMIZER, {}), ("set_grad_none", True, WHOLE_OPTIMIZER, {}),
+    ("exp_avg_dtype", "torch.float32", WHOLE_OPTIMIZER, {}),
     # a group ported from torch: maximize=True would descend all the same
-    ("maximize", True, NOT_AN_OPTION), ("maximize", False, NOT_AN_OPTION),
-    ("decoupled_weight_decay", False, NOT_AN_OPTION), ("foreach", True, NOT_AN_OPTION),
-    ("fused", False, NOT_AN_OPTION), ("differentiable", False, NOT_AN_OPTION)])
-def test_a_group_cannot_set_what_the_whole_optimizer_sets(key, value, rule):
+    ("maximize", True, NOT_AN_OPTION, {}), ("differentiable", True, NOT_AN_OPTION, {}),
+    ("decoupled_weight_decay", False, NOT_AN_OPTION, dict(weight_decay=0.1)),
+    ("decoupled_weight_decay", True, NOT_AN_OPTION, dict(weight_decay=0.1, adam_w_mode=False))])
+def test_a_group_cannot_change_what_the_whole_optimizer_sets(key, value, rule, options):
     """Storage and mode settings are the optimizer's, and torch's Adam options that
-    FusedAdam lacks are nobody's: given in a group they would be kept there and
-    ignored, so they are refused, in the constructor and in add_param_group, and
-    nothing changes."""
+    FusedAdam lacks are nobody's: given in a group at another value (than the
+    optimizer's; than one with which torch steps as FusedAdam does) they would be kept
+    there and ignored, so they are refused, in the constructor and in add_param_group,
+    and nothing changes."""
     with pytest.raises(ValueError, match=facts(r"FusedAdam: group 1\b", f"sets {key}=",
                                                re.escape(rule))):
         fused_adam()([{"params": make_params()[:1]},
-                      {"params": make_params()[1:], key: value}])
-    opt = fused_adam()(make_params())
+                      {"params": make_params()[1:], key: value}], **options)
+    opt = fused_adam()(make_params(), **options)
     extra = torch.nn.Parameter(torch.randn(2))
     before = snapshot(opt, [extra])
     with pytest.raises(ValueError, match=facts(r"group 1\b", f"sets {key}=")):
         opt.add_param_group({"params": [extra], key: value})
     assert_unchanged(opt, before)
     assert extra not in opt.state
+
+
+# Each optimizer's options, and a group repeating them (or torch's options at values
+# with which torch steps alike), as torch's ZeroRedundancyOptimizer hands groups over.
+REPEATED_OPTIONS = [
+    (dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, master_weights=True,
+          store_param_remainders=True, adam_w_mode=True),
+     dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, master_weights=1,
+          store_param_remainders=True, adam_w_mode=True, amsgrad=False, capturable=False,
+          master_weight_dtype=torch.float32, use_decoupled_grad=False)),
+    (dict(moment_format="block8", param_rounding="stochastic"),
+     dict(moment_format="block8", param_rounding="stochastic", moment_block_size=None,
+          set_grad_none=None)),
+    # remainders only beside an fp32 master: the constructor turns this one off
+    (dict(store_param_remainders=True), dict(store_param_remainders=True)),
+    (dict(adam_w_mode=False, weight_decay=0.1),
+     dict(adam_w_mode=False, maximize=False, foreach=True, fused=False, differentiable=None,
+          decoupled_weight_decay=False)),
+    (dict(weight_decay=0.1), dict(decoupled_weight_decay=True, foreach=None)),
+    (dict(adam_w_mode=False), dict(decoupled_weight_decay=True, weight_decay=0.0))]
+
+
+@pytest.mark.parametrize("options,repeated", REPEATED_OPTIONS, ids=str)
+def test_a_group_may_repeat_what_the_whole_optimizer_sets(options, repeated):
+    """S1.2: a group holding the optimizer's own settings at its values, or torch's
+    options at values with which torch steps alike, is accepted by the constructor,
+    add_param_group and every step (torch's ZeroRedundancyOptimizer copies its keyword
+    arguments into the groups at every step), and steps as the group without them."""
+    runs = []
+    for keys in ({}, repeated):
+        generator = torch.Generator().manual_seed(21)
+        params = [torch.nn.Parameter(torch.randn(shape, generator=generator).bfloat16())
+                  for shape in ((3, 4), (300,))]
+        opt = fused_adam()([{"params": params[:1], **keys}], **options)
+        opt.add_param_group({"params": params[1:], **keys})
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.full_like(p, 0.5 - step - i)
+            opt.step()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    assert_same_optimizer_state(a, b, pa, pb, "with repeated settings")
+    saved = b.state_dict()
+    assert all(key in saved["param_groups"][1] for key in repeated)
+    # S5.5: the saver's settings are dropped, its state converts: also into an
+    # optimizer configured otherwise, which then steps.
+    other = [torch.nn.Parameter(p.detach().clone()) for p in pb]
+    loader = fused_adam()([{"params": other[:1]}, {"params": other[1:]}],
+                          master_weights=True, master_weight_dtype=torch.float16,
+                          adam_w_mode=options.get("adam_w_mode", True))
+    loader.load_state_dict(saved)
+    dropped = set(repeated) - {"weight_decay"}
+    assert not dropped & set(loader.param_groups[1]), loader.param_groups[1]
+    for p in other:
+        p.grad = torch.ones_like(p)
+    loader.step()
+
+
+def test_a_repeated_setting_is_refused_once_the_optimizer_changes_it():
+    """S1.5 lets a setting change between steps; a group still holding the old value
+    then holds one the step would ignore: refused, nothing changed."""
+    params = make_params()
+    opt = fused_adam()([{"params": params, "exp_avg_dtype": torch.float32}])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.exp_avg_dtype = torch.bfloat16
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=facts(r"group 0\b", "sets exp_avg_dtype=",
+                                               re.escape(WHOLE_OPTIMIZER))):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
 
 
 def test_master_weight_dtype_only_checked_with_master_weights():
@@ -264,6 +340,9 @@ def bad_param(kind):
         return torch.nn.Parameter(torch.zeros(16).as_strided((3, 4), (3, 2)))
     if kind == "lazy":
         return torch.nn.parameter.UninitializedParameter()
+    if kind == "negated-view":
+        with torch.no_grad():
+            return torch.zeros(3)._neg_view().requires_grad_()
     raise AssertionError(kind)
 
 
@@ -273,7 +352,8 @@ PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_
                "stride-0": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-strides": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-windows": SHARED_ELEMENTS + ".*memory of its own",
-               "lazy": r"uninitialized lazy.*rule: .*forward pass"}
+               "lazy": r"uninitialized lazy.*rule: .*forward pass",
+               "negated-view": r"lazily negated view.*rule S1.4: .*resolve_neg"}
 
 
 @pytest.mark.parametrize("kind", list(PARAM_KINDS))

@@ -408,6 +408,45 @@ def test_seeded_master_follows_its_parameter_until_it_steps(master, backend):
                              "the master set by hand")
 
 
+@pytest.mark.parametrize("master", list(MASTER_KINDS))
+@pytest.mark.parametrize("how", ["entry", "tensor"])
+def test_master_replaced_in_state_before_the_first_step_is_kept(master, how, backend):
+    """S1.6: a master put into ``optimizer.state`` from outside (the whole entry, as
+    torch's ZeroRedundancyOptimizer loads a checkpoint, or the tensor alone) no longer
+    follows its parameter: the steps go on from it as from the same master loaded with
+    load_state_dict, bitwise."""
+    params = make_params([torch.bfloat16] * 2, [(4, 8), (300,)], seed=29)
+    kwargs = dict(lr=1e-2, master_weights=True, **MASTER_KINDS[master])
+    trained = fused_adam()(params, **kwargs)
+    for step in (1, 2):
+        attach_grads(params, make_grads(params, [torch.bfloat16] * 2, step, seed=30), False)
+        trained.step()
+    saved = copy.deepcopy(trained.state_dict())
+    runs = []
+    for replace in (False, True):
+        copies = [p.detach().clone().requires_grad_() for p in params]
+        opt = fused_adam()(copies, **kwargs)
+        if replace:
+            opt.param_groups[0]["step"] = saved["param_groups"][0]["step"]
+            for i, q in enumerate(copies):
+                values = {k: v.clone() for k, v in saved["state"][i].items()}
+                if how == "entry":
+                    opt.state[q] = values
+                else:
+                    opt.state[q]["master_param"] = values["master_param"]
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        opt.set_scaled_state(q, name, values[name])
+        else:
+            opt.load_state_dict(copy.deepcopy(saved))
+        for step in (3, 4):
+            attach_grads(copies, make_grads(copies, [torch.bfloat16] * 2, step, seed=30),
+                         False)
+            opt.step()
+        runs.append((opt, copies))
+    (loaded, a), (replaced, b) = runs
+    assert_same_optimizer_state(loaded, replaced, a, b, "master replaced in state")
+
+
 # Changes between the load of weights and the first step (S1.5, S2.5): a master that
 # follows its parameter is seeded anew, never converted from the weights before.
 FOLLOW_CHANGES = {
@@ -561,6 +600,20 @@ def test_parameters_without_memory_step_as_a_no_op(backend):
     opt.step()
     assert opt.param_groups[0]["step"] == 2
     assert opt.state[params[0]]["exp_avg"].is_meta
+
+
+@pytest.mark.parametrize("options", [dict(exp_avg_dtype=torch.uint8),
+                                     dict(moment_format="block8"),
+                                     dict(moment_format="block4")], ids=str)
+def test_scaled_state_of_meta_parameters_is_built_on_meta(options):
+    """S1.6: state exists from construction, on the parameter's device, for scaled
+    formats too: a meta parameter (a model not yet materialized) gets meta state and
+    scales, nothing to encode."""
+    params = [torch.nn.Parameter(torch.ones(4, 300, device="meta"))]
+    opt = fused_adam()(params, **options)
+    assert all(value.is_meta for value in opt.state[params[0]].values())
+    scales = opt._scales[params[0]]
+    assert "exp_avg" in scales and all(scale.is_meta for scale in scales.values())
 
 
 def test_state_set_between_steps_is_used(backend):
@@ -800,6 +853,28 @@ def test_non_contiguous_gradient(backend):
         runs.append((opt, params))
     (a, pa), (b, pb) = runs
     assert not pb[0].decoupled_grad.is_contiguous()
+    for i, (p, q) in enumerate(zip(pa, pb)):
+        assert_bitwise_equal(q.detach(), p.detach(), f"param {i}")
+        for key, value in a.state[p].items():
+            assert_bitwise_equal(b.state[q][key], value, f"param {i} {key}")
+
+
+def test_lazily_negated_gradient(backend):
+    """A gradient with torch's neg bit (its memory holds the negated values, e.g. the
+    imaginary part of a conjugate) is read by value, as torch's optimizers read it: the
+    step equals the one with the same values resolved."""
+    runs = []
+    for negated in (False, True):
+        params = make_params([torch.float32, torch.bfloat16], [(3, 5), (4, 2)], seed=18)
+        opt = fused_adam()(params, lr=0.1, master_weights=True, exp_avg_dtype=torch.uint8)
+        generator = torch.Generator().manual_seed(19)
+        for p in params:
+            g = torch.randn(p.shape, generator=generator).to(p.dtype)
+            p.grad = g.neg()._neg_view() if negated else g
+        opt.step()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    assert pb[0].grad.is_neg() and pb[0].grad.is_contiguous()
     for i, (p, q) in enumerate(zip(pa, pb)):
         assert_bitwise_equal(q.detach(), p.detach(), f"param {i}")
         for key, value in a.state[p].items():

@@ -159,6 +159,33 @@ def test_set_scaled_state_non_contiguous_value(backend):
         assert_bitwise_equal(opt.state[p][name], codes, f"{name} from a transposed value")
 
 
+@pytest.mark.parametrize("options", [dict(exp_avg_dtype=torch.bfloat16),
+                                     dict(exp_avg_dtype=torch.uint8),
+                                     dict(moment_format="block8"),
+                                     dict(master_weights=True, store_param_remainders=True)],
+                         ids=str)
+def test_lazily_negated_values_are_stored_by_value(options, backend):
+    """A value with torch's neg bit (its memory holds the negated values) is stored by
+    value by set_scaled_state and load_state_dict (S3.2's reading), as the same values
+    resolved are."""
+    p = torch.nn.Parameter(torch.zeros(4, 300, dtype=torch.bfloat16))
+    name = "master_param" if options.get("store_param_remainders") else "exp_avg"
+    value = (torch.randint(-2 ** 15, 2 ** 15, p.shape, dtype=torch.int32).to(torch.int16)
+             if name == "master_param" else torch.randn(p.shape) * 3)
+    negated = value.neg()._neg_view()
+    assert negated.is_neg()
+    opts = [fused_adam()([p], **options) for _ in range(3)]
+    opts[0].set_scaled_state(p, name, value)
+    opts[1].set_scaled_state(p, name, negated)
+    saved = opts[0].state_dict()
+    saved["state"][0][name] = saved["state"][0][name].neg()._neg_view()
+    opts[2].load_state_dict(saved)
+    for opt in opts[1:]:
+        assert_bitwise_equal(opt.state[p][name], opts[0].state[p][name], name)
+        if opt._scales.get(p, {}).get(name) is not None:
+            assert_bitwise_equal(opt._scales[p][name], opts[0]._scales[p][name], "scale")
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "fp16"])
 def test_values_that_require_grad_are_stored_as_data(fmt, backend):
     """A value with autograd history (set_scaled_state, load_state_dict,

@@ -103,6 +103,8 @@ def _build():
         cases.append(Case(f"W=2-fsdp2-frozen-param-dcp-{preset}", 2, "fsdp2_frozen_dcp",
                           preset))
     cases.append(Case(f"W=2-fsdp2-torch-adamw-dcp-{FP32}", 2, "fsdp2_torch_adamw_dcp", FP32))
+    for preset in (REMAINDER, FP8):
+        cases.append(Case(f"W=2-zero-redundancy-{preset}", 2, "zero_redundancy", preset))
     for preset in FSDP2_PRESETS:
         save = f"W=2-fsdp2-dcp-save-{preset}"
         cases.append(Case(save, 2, "fsdp2_dcp_save", preset))

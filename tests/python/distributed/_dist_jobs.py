@@ -4,6 +4,7 @@ Each function takes the ``Context`` and its ``Case`` and raises on failure; the 
 records one outcome per case and rank. Contract rules are cited as in docs/semantics.md.
 """
 
+import copy
 import functools
 import os
 import re
@@ -946,6 +947,61 @@ def fsdp2_torch_adamw_dcp(ctx, case):
     symmetric(carried_over)
 
 
+def zero_redundancy(ctx, case):
+    """torch's ZeroRedundancyOptimizer over FusedAdam with FusedAdam's own keyword
+    arguments, which ZeRO copies into every group it hands over, and again at every
+    step (S1.2: a group may repeat the optimizer's settings). Each rank steps its
+    partition: every parameter equals one FusedAdam's over the whole model, bitwise;
+    ZeRO's consolidated state dict loads into a fresh ZeRO, which then steps on
+    as the uninterrupted one."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    preset = Preset(case.preset)
+    gen = torch.Generator().manual_seed(seed_of("zero", case.preset))
+    shapes = [(16, 8), (8,), (300,), (4, 4), (33,)]
+    values = [torch.randn(shape, generator=gen).to(preset.param_dtype) for shape in shapes]
+    grads = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(4)]
+
+    def build(make):
+        params = [nn.Parameter(v.clone()) for v in values]
+        return params, make(params)
+
+    kwargs = dict(OPT_DEFAULTS, **preset.kwargs())
+    ref_params, ref = build(lambda params: fused_adam()(params, **kwargs))
+
+    def zero(params):
+        return ZeroRedundancyOptimizer(params, optimizer_class=fused_adam(), **kwargs)
+
+    params, opt = build(zero)
+
+    def step(optimizers, step_grads):
+        for group, o in optimizers:
+            for p, g in zip(group, step_grads):
+                p.grad = g.to(p.dtype)
+            o.step()
+
+    for step_grads in grads[:2]:
+        step([(ref_params, ref), (params, opt)], step_grads)
+    opt.consolidate_state_dict(to=0)
+    # As a file holds it: state_dict() hands out fp32 states themselves (S5.4), as
+    # torch's optimizers do, and ZeRO's load would put them into the resumed run as is.
+    saved = [copy.deepcopy(opt.state_dict()) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(saved, src=0)
+    resumed_params, resumed = build(zero)
+    for p, q in zip(resumed_params, params):
+        p.data.copy_(q.detach())
+    resumed.load_state_dict(saved[0])
+    for step_grads in grads[2:]:
+        step([(ref_params, ref), (params, opt), (resumed_params, resumed)], step_grads)
+
+    def same_as_one_optimizer():
+        for i, (r, p, q) in enumerate(zip(ref_params, params, resumed_params)):
+            assert_bitwise(p.detach(), r.detach(), f"param {i} under ZeRO")
+            assert_bitwise(q.detach(), r.detach(), f"param {i} under ZeRO, resumed")
+
+    symmetric(same_as_one_optimizer)
+
+
 KINDS = {
     "numerics": numerics,
     "empty_shard_none_grads": empty_shard_none_grads,
@@ -958,6 +1014,7 @@ KINDS = {
     "fsdp2_dcp_save": fsdp2_dcp_save,
     "fsdp2_dcp_resume": fsdp2_dcp_resume,
     "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
+    "zero_redundancy": zero_redundancy,
     "fsdp2_torch_adamw_dcp": fsdp2_torch_adamw_dcp,
     "state_access": state_access,
 }

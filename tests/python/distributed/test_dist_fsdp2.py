@@ -39,3 +39,8 @@ def test_fsdp2_checkpoint_with_a_frozen_parameter(case, dist_jobs):
 @pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_torch_adamw_dcp"), ids=str)
 def test_fsdp2_torch_adamw_checkpoint(case, dist_jobs):
     dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("zero_redundancy"), ids=str)
+def test_zero_redundancy_optimizer_over_fused_adam(case, dist_jobs):
+    dist_jobs.check(case)
