@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <system_error>
 
 #if defined(__linux__)
@@ -94,11 +95,19 @@ void ThreadPool::Run(int num_threads, const std::function<void(int)>& body) {
     ++generation_;
   }
   wake_.notify_all();
-  body(0);
+  std::exception_ptr error;
+  try {
+    body(0);
+  } catch (...) {
+    error = std::current_exception();  // rethrown once the workers are done with body
+  }
   std::unique_lock<std::mutex> lock(mutex_);
   done_.wait(lock, [this] { return pending_ == 0; });
   body_ = nullptr;
   active_ = 0;
+  if (!error) error = error_;
+  error_ = nullptr;
+  if (error) std::rethrow_exception(error);
 }
 
 void ThreadPool::WorkerLoop(int worker) {
@@ -114,8 +123,14 @@ void ThreadPool::WorkerLoop(int worker) {
     seen = generation_;
     const std::function<void(int)>* body = body_;
     lock.unlock();
-    (*body)(worker + 1);
+    std::exception_ptr error;
+    try {
+      (*body)(worker + 1);
+    } catch (...) {
+      error = std::current_exception();  // the job's caller rethrows it
+    }
     lock.lock();
+    if (error && !error_) error_ = error;
     if (--pending_ == 0) done_.notify_one();
   }
 }

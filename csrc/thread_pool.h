@@ -8,6 +8,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -33,8 +34,9 @@ class ThreadPool {
 
   // Calls body(i) for every i in [0, num_threads): i == 0 on the calling
   // thread, the others on pool workers (started on demand). Returns once every
-  // call has returned. Concurrent Run calls are serialised. `body` must not
-  // throw or call Run. Workers compute in the IEEE mode of float_mode.h,
+  // call has returned, then rethrows the first exception a call threw (the
+  // caller's first: a scratch allocation's std::bad_alloc), as the OpenMP team
+  // does. Concurrent Run calls are serialised. `body` must not call Run. Workers compute in the IEEE mode of float_mode.h,
   // set once when each starts, whatever the mode of the thread that started it;
   // the calling thread's share runs in the caller's mode (the core's entry
   // points set it).
@@ -51,6 +53,7 @@ class ThreadPool {
   uint64_t generation_ = 0;  // bumped for every job
   int active_ = 0;           // workers [0, active_) take part in the job
   int pending_ = 0;          // of those, how many have not finished yet
+  std::exception_ptr error_;  // the first a worker's call threw in this job
   std::vector<std::thread> workers_;
 };
 

@@ -404,13 +404,46 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   return true;
 }
 
+// Calls fn(name, begin, bytes, written) for every buffer and scale slot of `s`
+// that a step reads or writes: the scale slots in use (4 bytes per scale; an
+// empty tensor's per-tensor scales are still written), and the data buffers of a
+// tensor that is not empty.
+template <class Fn>
+void ForEachRegion(const TensorSlot& s, const Fn& fn) {
+  const struct {
+    const char* name;
+    const float* slot;
+    DType dtype;
+  } scales[3] = {{"exp_avg_scale", s.exp_avg_scale, s.exp_avg_dtype},
+                 {"exp_avg_sq_scale", s.exp_avg_sq_scale, s.exp_avg_sq_dtype},
+                 {"master_scale", s.master_scale, s.master_dtype}};
+  for (const auto& scale : scales) {
+    const int64_t bytes = ScaleBytes(s, scale.dtype);
+    if (bytes != 0) fn(scale.name, reinterpret_cast<uintptr_t>(scale.slot), bytes, true);
+  }
+  if (s.numel == 0) return;
+  const struct {
+    const char* name;
+    const void* data;
+    DType dtype;
+    bool written;
+  } buffers[5] = {{"param", s.param, s.param_dtype, true},
+                  {"grad", s.grad, s.grad_dtype, false},
+                  {"exp_avg", s.exp_avg, s.exp_avg_dtype, true},
+                  {"exp_avg_sq", s.exp_avg_sq, s.exp_avg_sq_dtype, true},
+                  {"master_param", s.master_param, s.master_dtype, true}};
+  for (const auto& b : buffers) {
+    if (b.dtype == DType::kNone) continue;
+    fn(b.name, reinterpret_cast<uintptr_t>(b.data), BufferBytes(b.dtype, s.numel), b.written);
+  }
+}
+
 // Buffers of different tensors may not overlap either: work items of
 // different tensors run on different threads. Gradients, only ever read, may
 // be shared. Scale slots are read before the step and written after it, so
 // one lying in another tensor's data (or shared by two tensors) would make the
-// result depend on the order of work; they count as written buffers (4 bytes
-// per scale), also for empty tensors, whose per-tensor scales are still written. Sorting by address
-// finds any overlap in O(n log n).
+// result depend on the order of work; they count as written buffers. Sorting by
+// address finds any overlap in O(n log n).
 bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* error) {
   struct Interval {
     uintptr_t begin, end;
@@ -421,38 +454,10 @@ bool CheckCrossTensorOverlap(const TensorSlot* slots, int64_t count, Error* erro
   std::vector<Interval> intervals;
   intervals.reserve(static_cast<size_t>(count) * 8);
   for (int64_t i = 0; i < count; ++i) {
-    const TensorSlot& s = slots[i];
-    const struct {
-      const char* name;
-      const float* slot;
-      DType dtype;
-    } scales[3] = {{"exp_avg_scale", s.exp_avg_scale, s.exp_avg_dtype},
-                   {"exp_avg_sq_scale", s.exp_avg_sq_scale, s.exp_avg_sq_dtype},
-                   {"master_scale", s.master_scale, s.master_dtype}};
-    for (const auto& scale : scales) {
-      const int64_t bytes = ScaleBytes(s, scale.dtype);
-      if (bytes == 0) continue;  // not read or written
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(scale.slot);
-      intervals.push_back({begin, begin + static_cast<uintptr_t>(bytes), i, scale.name,
-                           true});
-    }
-    if (s.numel == 0) continue;
-    const struct {
-      const char* name;
-      const void* data;
-      DType dtype;
-      bool written;
-    } buffers[5] = {{"param", s.param, s.param_dtype, true},
-                    {"grad", s.grad, s.grad_dtype, false},
-                    {"exp_avg", s.exp_avg, s.exp_avg_dtype, true},
-                    {"exp_avg_sq", s.exp_avg_sq, s.exp_avg_sq_dtype, true},
-                    {"master_param", s.master_param, s.master_dtype, true}};
-    for (const auto& b : buffers) {
-      if (b.dtype == DType::kNone) continue;
-      const uintptr_t begin = reinterpret_cast<uintptr_t>(b.data);
-      const uintptr_t bytes = static_cast<uintptr_t>(BufferBytes(b.dtype, s.numel));
-      intervals.push_back({begin, begin + bytes, i, b.name, b.written});
-    }
+    ForEachRegion(slots[i], [&](const char* name, uintptr_t begin, int64_t bytes,
+                                bool written) {
+      intervals.push_back({begin, begin + static_cast<uintptr_t>(bytes), i, name, written});
+    });
   }
   std::sort(intervals.begin(), intervals.end(), [](const Interval& a, const Interval& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.tensor < b.tensor;
@@ -506,6 +511,24 @@ bool CheckSlots(const TensorSlot* slots, int64_t count, ScaleValues values,
 }
 
 }  // namespace
+
+bool CheckRegionApart(const TensorSlot* slots, int64_t count, const void* region,
+                      int64_t bytes, const char* name, Error* error) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(region);
+  for (int64_t i = 0; i < count; ++i) {
+    bool apart = true;
+    ForEachRegion(slots[i], [&](const char* buffer, uintptr_t at, int64_t size, bool) {
+      if (apart && Overlap(begin, bytes, at, size)) {
+        apart = Fail(error, i,
+                     Format("%s [%p, +%" PRId64 " bytes) overlaps the tensor's %s [%p, +%" PRId64
+                            " bytes); it must not share memory with the call's buffers",
+                            name, region, bytes, buffer, reinterpret_cast<void*>(at), size));
+      }
+    });
+    if (!apart) return false;
+  }
+  return true;
+}
 
 bool ValidateStep(const TensorSlot* slots, int64_t count, const StepParams& params,
                   Error* error, ScaleValues scale_values) {

@@ -28,6 +28,12 @@ bool ValidateStep(const TensorSlot* slots, int64_t count,
 bool ValidateSlots(const TensorSlot* slots, int64_t count, Error* error,
                    ScaleValues scale_values);
 
+// For slots that passed ValidateSlots: whether `bytes` bytes at `region` (named
+// `name` in messages) share no byte with any buffer or scale slot a step over them
+// reads or writes. Else fills `error` naming both (tensor_index: the tensor).
+bool CheckRegionApart(const TensorSlot* slots, int64_t count, const void* region,
+                      int64_t bytes, const char* name, Error* error);
+
 // Checks a Convert call the same way.
 bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
                      DType dst_dtype, int64_t numel, float scale, Error* error);

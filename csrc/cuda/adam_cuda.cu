@@ -244,21 +244,28 @@ int64_t BlocksOf(const DeviceSlot& t) {
   return HasBlockScales(t) ? ChunksOf(t) : BlocksOf(t.numel);
 }
 
-// The first buffer or scale slot of `t` not aligned to its element size, or null.
-// (The CPU core takes any alignment; the device does not.)
+// The first buffer or scale slot of `t` that the kernels touch and that is not
+// aligned to its element size, or null. (The CPU core takes any alignment; the
+// device does not.) Never touched (adam.h): an empty tensor's buffers, an unscaled
+// state's scale slot, and a per-block one of an empty tensor (no block).
 const char* MisalignedBuffer(const TensorSlot& t) {
   const auto off = [](const void* p, int size) {
     return size > 0 && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(size) != 0;
   };
-  if (off(t.param, ItemBytes(static_cast<int>(t.param_dtype)))) return "param";
-  if (off(t.grad, ItemBytes(static_cast<int>(t.grad_dtype)))) return "grad";
-  if (off(t.exp_avg, ItemBytes(static_cast<int>(t.exp_avg_dtype)))) return "exp_avg";
-  if (off(t.exp_avg_sq, ItemBytes(static_cast<int>(t.exp_avg_sq_dtype)))) return "exp_avg_sq";
-  if (off(t.master_param, ItemBytes(static_cast<int>(t.master_dtype)))) return "master_param";
-  const int scale = static_cast<int>(sizeof(float));
-  if (off(t.exp_avg_scale, scale)) return "exp_avg_scale";
-  if (off(t.exp_avg_sq_scale, scale)) return "exp_avg_sq_scale";
-  if (off(t.master_scale, scale)) return "master_scale";
+  if (t.numel > 0) {
+    if (off(t.param, ItemBytes(static_cast<int>(t.param_dtype)))) return "param";
+    if (off(t.grad, ItemBytes(static_cast<int>(t.grad_dtype)))) return "grad";
+    if (off(t.exp_avg, ItemBytes(static_cast<int>(t.exp_avg_dtype)))) return "exp_avg";
+    if (off(t.exp_avg_sq, ItemBytes(static_cast<int>(t.exp_avg_sq_dtype)))) return "exp_avg_sq";
+    if (off(t.master_param, ItemBytes(static_cast<int>(t.master_dtype)))) return "master_param";
+  }
+  const auto scale_off = [&](const float* p, DType dtype) {
+    return (t.numel > 0 ? IsScaled(dtype) : NeedsMeasuringPass(dtype)) &&
+           off(p, static_cast<int>(sizeof(float)));
+  };
+  if (scale_off(t.exp_avg_scale, t.exp_avg_dtype)) return "exp_avg_scale";
+  if (scale_off(t.exp_avg_sq_scale, t.exp_avg_sq_dtype)) return "exp_avg_sq_scale";
+  if (scale_off(t.master_scale, t.master_dtype)) return "master_scale";
   return nullptr;
 }
 
@@ -394,6 +401,25 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
              ", 4-byte aligned",
              workspace == nullptr ? 0 : workspace_bytes, workspace, count, needed);
     return InvalidArgument(error, message);
+  }
+  // Host-checkable duties: the workspace (written) and a device lr (read by every
+  // kernel) apart from the tensors' memory and from each other.
+  const double* lr = params.lr_in_device_memory;
+  if (!internal::CheckRegionApart(slots, count, workspace, needed, "workspace", error) ||
+      (lr != nullptr && !internal::CheckRegionApart(slots, count, lr, sizeof(double),
+                                                    "lr_in_device_memory", error))) {
+    return Status::kInvalidArgument;
+  }
+  if (lr != nullptr && reinterpret_cast<uintptr_t>(lr) <
+                           reinterpret_cast<uintptr_t>(workspace) + static_cast<uintptr_t>(needed) &&
+      reinterpret_cast<uintptr_t>(workspace) < reinterpret_cast<uintptr_t>(lr + 1)) {
+    return InvalidArgument(error, "lr_in_device_memory lies in the workspace, which the call "
+                                  "writes");
+  }
+  if (device < -1) {
+    return InvalidArgument(error, "device " + std::to_string(device) +
+                                      " is not a device (rule: an index >= 0, or -1 for the "
+                                      "current device)");
   }
   const StepConstants c = MakeStepConstants(params);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);

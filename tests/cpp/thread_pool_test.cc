@@ -10,8 +10,10 @@
 #endif
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -22,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "reference.h"
 #include "shardadam/adam.h"
+#include "work_items.h"
 
 namespace shardadam {
 namespace {
@@ -62,6 +65,70 @@ TEST(ThreadPoolTest, EveryIndexRunsOncePerJob) {
     const std::function<void(int)> body = [&](int i) { ++hits[static_cast<size_t>(i)]; };
     pool.Run(width, body);
     for (int i = 0; i < width; ++i) EXPECT_EQ(hits[static_cast<size_t>(i)], 1) << i;
+  }
+}
+
+// A call that throws (a scratch allocation's std::bad_alloc, adam.h) must not
+// unwind past the others: Run rethrows it once every call has returned (the
+// caller's share first among several), and the pool runs the next job.
+TEST(ThreadPoolTest, AThrownExceptionReachesTheCallerOnceEveryCallReturned) {
+  ThreadPool& pool = ThreadPool::Global();
+  for (int thrower : {0, 2}) {
+    std::atomic<int> returned{0};
+    std::vector<int> hits(4, 0);
+    const std::function<void(int)> body = [&](int i) {
+      ++hits[static_cast<size_t>(i)];
+      if (i == thrower) throw std::bad_alloc();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // outlive the throw
+      ++returned;
+    };
+    bool caught = false;
+    try {
+      pool.Run(4, body);
+    } catch (const std::bad_alloc&) {
+      caught = true;
+      EXPECT_EQ(returned.load(), 3) << "thrower " << thrower;
+    }
+    EXPECT_TRUE(caught) << "thrower " << thrower;
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(hits[static_cast<size_t>(i)], 1) << i;
+  }
+  std::vector<int> hits(3, 0);
+  const std::function<void(int)> next = [&](int i) { ++hits[static_cast<size_t>(i)]; };
+  pool.Run(3, next);
+  EXPECT_EQ(hits, std::vector<int>(3, 1));
+}
+
+// The same through RunItems, on whichever runtime the process runs: a thread
+// whose scratch cannot be allocated takes no item, the other takes them all,
+// and the caller gets the std::bad_alloc.
+std::atomic<int> g_refuse{0};  // 1: the caller's scratch, 2: the other thread's
+std::thread::id g_caller;
+
+struct RefusedScratch {
+  RefusedScratch() {
+    const bool caller = std::this_thread::get_id() == g_caller;
+    if ((g_refuse == 1 && caller) || (g_refuse == 2 && !caller)) throw std::bad_alloc();
+  }
+};
+
+TEST(ThreadPoolTest, AScratchThatCannotBeAllocatedReachesTheCaller) {
+  g_caller = std::this_thread::get_id();
+  for (int refuse : {1, 2}) {
+    constexpr size_t kItems = 64;
+    std::vector<std::atomic<int>> hits(kItems);
+    g_refuse = refuse;
+    bool caught = false;
+    try {
+      internal::RunItems<RefusedScratch>(kItems, 2, [&](size_t i, RefusedScratch&) {
+        ++hits[i];
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      });
+    } catch (const std::bad_alloc&) {
+      caught = true;
+    }
+    g_refuse = 0;
+    EXPECT_TRUE(caught) << "refused on " << (refuse == 1 ? "the caller" : "the worker");
+    for (size_t i = 0; i < kItems; ++i) EXPECT_EQ(hits[i].load(), 1) << i;
   }
 }
 

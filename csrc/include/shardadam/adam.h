@@ -11,7 +11,8 @@
 //   written nothing: no buffer, no scale slot.
 // - Bad input never throws. Only std::bad_alloc can leave a call, when memory
 //   runs out (a call allocates a few words per tensor and 64 KiB of scratch per
-//   thread).
+//   thread), and only once every thread of the call has stopped: the tensors
+//   may then be partly updated.
 // - The update runs on the calling thread plus up to num_threads - 1 workers:
 //   those of the OpenMP runtime already loaded into the process (PyTorch's),
 //   else of one process-wide pool, started on first use and recreated after

@@ -33,13 +33,14 @@ int64_t CudaWorkspaceBytes(int64_t count);
 // Beyond AdamStep's rules it refuses (kInvalidArgument, nothing enqueued): a data
 // buffer not aligned to its element size, a tensor past the backend's element
 // limit (message gives it), a moment in a format CudaSupportsFormat says no to,
-// and a workspace that is null, too small or not 4-byte
-// aligned (tensor_index -1). Not checkable on the host, so the caller's duty:
-// that the pointers are device memory of `device` and the scale slots hold
-// finite values > 0; and StepParams::lr_in_device_memory, where set, points to an
-// fp64 in device memory of `device`, which no buffer of the call overlaps and which
-// stays unwritten until the call's work on `stream` completes (every kernel reads
-// it). The caller owns slots, buffers, scale slots and workspace:
+// a workspace that is null, too small or not 4-byte aligned (tensor_index -1) or
+// that shares a byte with a buffer or scale slot of the call (tensor_index: its
+// tensor), an lr_in_device_memory that does or lies in the workspace, and a
+// device below -1. Not checkable on the host, so the caller's duty: that the
+// pointers are device memory of `device` and the scale slots hold finite values
+// > 0; and StepParams::lr_in_device_memory, where set, points to an fp64 in
+// device memory of `device` that stays unwritten until the call's work on
+// `stream` completes (every kernel reads it). The caller owns slots, buffers, scale slots and workspace:
 // the slot array is read before the call returns, the rest is used by work on
 // `stream` until it completes, and must not be touched by other work meanwhile.
 // After kDeviceError (Error::message names the runtime call and its error) the

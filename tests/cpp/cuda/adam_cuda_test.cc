@@ -619,6 +619,67 @@ TEST(CudaValidationTest, MisalignedBuffersAreRejected) {
   }
 }
 
+// Only what the kernels touch must be aligned (adam.h): an empty tensor's data
+// pointers and an unscaled state's scale slot may hold anything; an empty
+// tensor's per-tensor scale is still written, so its slot is checked.
+TEST(CudaValidationTest, PointersTheKernelsNeverTouchMayBeMisaligned) {
+  float buffers[4][8] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  s.exp_avg_scale = reinterpret_cast<float*>(reinterpret_cast<char*>(buffers[0]) + 1);
+  Error error;
+  EXPECT_EQ(CheckCudaStepSlots(&s, 1, &error), Status::kOk) << error.message;
+  TensorSlot empty = Fp32Slot(buffers, 0);
+  empty.param = reinterpret_cast<char*>(buffers[0]) + 1;
+  empty.grad = reinterpret_cast<char*>(buffers[1]) + 3;
+  EXPECT_EQ(CheckCudaStepSlots(&empty, 1, &error), Status::kOk) << error.message;
+  alignas(8) float scale_bytes[3] = {1.0f, 1.0f, 1.0f};
+  empty.exp_avg_dtype = DType::kFloat16;  // per tensor: its scale is written
+  empty.exp_avg_scale = reinterpret_cast<float*>(reinterpret_cast<char*>(scale_bytes) + 2);
+  EXPECT_EQ(CheckCudaStepSlots(&empty, 1, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("exp_avg_scale"), std::string::npos) << error.message;
+  EXPECT_NE(error.message.find("not aligned"), std::string::npos) << error.message;
+  empty.exp_avg_scale = scale_bytes;
+  EXPECT_EQ(CheckCudaStepSlots(&empty, 1, &error), Status::kOk) << error.message;
+}
+
+// The workspace is written and a device lr read by every kernel: neither may share
+// memory with the call's buffers (nor the lr lie in the workspace), and a device
+// index below -1 is refused; nothing is enqueued (no GPU needed).
+TEST(CudaValidationTest, WorkspaceAndLrApartFromTheBuffersAndDeviceInRange) {
+  alignas(8) float buffers[4][8] = {};
+  TensorSlot s[2] = {Fp32Slot(buffers, 2, 0), Fp32Slot(buffers, 6, 2)};
+  Error error;
+  void* workspace = buffers[2] + 2;  // tensor 1's exp_avg, 24 bytes
+  EXPECT_EQ(AdamStepCuda(s, 2, StepParams(), workspace, CudaWorkspaceBytes(2), nullptr, -1,
+                         &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 1);
+  EXPECT_NE(error.message.find("workspace"), std::string::npos) << error.message;
+  EXPECT_NE(error.message.find("overlaps the tensor's exp_avg"), std::string::npos)
+      << error.message;
+  alignas(8) int own[8] = {};
+  alignas(8) static const double lr_apart = 1e-3;
+  StepParams params;
+  // In tensor 1's grad, which the step only reads: still refused (adam_cuda.h).
+  params.lr_in_device_memory = reinterpret_cast<const double*>(buffers[1] + 2);
+  EXPECT_EQ(AdamStepCuda(s, 2, params, own, sizeof(own), nullptr, -1, &error),
+            Status::kInvalidArgument);
+  EXPECT_EQ(error.tensor_index, 1);
+  EXPECT_NE(error.message.find("lr_in_device_memory"), std::string::npos) << error.message;
+  params.lr_in_device_memory = reinterpret_cast<const double*>(own + 2);
+  EXPECT_EQ(AdamStepCuda(s, 2, params, own, sizeof(own), nullptr, -1, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("lies in the workspace"), std::string::npos) << error.message;
+  params.lr_in_device_memory = &lr_apart;
+  EXPECT_EQ(AdamStepCuda(s, 2, params, own, sizeof(own), nullptr, -7, &error),
+            Status::kInvalidArgument);
+  EXPECT_NE(error.message.find("device -7 is not a device"), std::string::npos)
+      << error.message;
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
+}
+
 // An lr in device memory is never read on the host: only its alignment is checked,
 // and the host lr beside it (NaN here) is not.
 TEST(CudaValidationTest, LrInDeviceMemoryIsCheckedForAlignmentOnly) {
