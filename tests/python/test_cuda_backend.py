@@ -830,8 +830,12 @@ def _host_cases():
     cases.append(("valid-without-a-device", fp32, {}, "RuntimeError", [r"."]))
     # With lr in device memory, the host lr is not used, so not checked.
     cases.append(("lr-in-device-memory-with-a-bad-host-lr", fp32,
-                  {"lr": float("nan"), "lr_in_device_memory": _FAKE}, "RuntimeError",
+                  {"lr": float("nan"), "lr_in_device_memory": _FAKE + 4096}, "RuntimeError",
                   [r"."]))
+    # The workspace is written while every kernel reads the lr.
+    cases.append(("lr-in-device-memory-in-the-workspace", fp32,
+                  {"lr_in_device_memory": _FAKE}, "ValueError",
+                  [r"lr_in_device_memory lies in the workspace"]))
     return cases
 
 
