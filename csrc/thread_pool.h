@@ -36,7 +36,8 @@ class ThreadPool {
   // thread, the others on pool workers (started on demand). Returns once every
   // call has returned, then rethrows the first exception a call threw (the
   // caller's first: a scratch allocation's std::bad_alloc), as the OpenMP team
-  // does. Concurrent Run calls are serialised. `body` must not call Run. Workers compute in the IEEE mode of float_mode.h,
+  // does. Concurrent Run calls are serialised. `body` must not call Run.
+  // Workers compute in the IEEE mode of float_mode.h,
   // set once when each starts, whatever the mode of the thread that started it;
   // the calling thread's share runs in the caller's mode (the core's entry
   // points set it).

@@ -410,9 +410,10 @@ Status AdamStepCuda(const TensorSlot* slots, int64_t count, const StepParams& pa
                                                     "lr_in_device_memory", error))) {
     return Status::kInvalidArgument;
   }
-  if (lr != nullptr && reinterpret_cast<uintptr_t>(lr) <
-                           reinterpret_cast<uintptr_t>(workspace) + static_cast<uintptr_t>(needed) &&
-      reinterpret_cast<uintptr_t>(workspace) < reinterpret_cast<uintptr_t>(lr + 1)) {
+  const uintptr_t lr_at = reinterpret_cast<uintptr_t>(lr);
+  const uintptr_t workspace_at = reinterpret_cast<uintptr_t>(workspace);
+  if (lr != nullptr && lr_at < workspace_at + static_cast<uintptr_t>(needed) &&
+      workspace_at < lr_at + sizeof(double)) {
     return InvalidArgument(error, "lr_in_device_memory lies in the workspace, which the call "
                                   "writes");
   }

@@ -40,9 +40,10 @@ int64_t CudaWorkspaceBytes(int64_t count);
 // pointers are device memory of `device` and the scale slots hold finite values
 // > 0; and StepParams::lr_in_device_memory, where set, points to an fp64 in
 // device memory of `device` that stays unwritten until the call's work on
-// `stream` completes (every kernel reads it). The caller owns slots, buffers, scale slots and workspace:
-// the slot array is read before the call returns, the rest is used by work on
-// `stream` until it completes, and must not be touched by other work meanwhile.
+// `stream` completes (every kernel reads it). The caller owns slots, buffers,
+// scale slots and workspace: the slot array is read before the call returns,
+// the rest is used by work on `stream` until it completes, and must not be
+// touched by other work meanwhile.
 // After kDeviceError (Error::message names the runtime call and its error) the
 // launches enqueued before the failing one may still run: the call's tensors are
 // then in an unspecified state. May be called from any host thread; it uses no
