@@ -140,7 +140,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
+        self._constructing = True  # add_param_group leaves the parameters' overlaps to us
         super().__init__(params, defaults)
+        self._constructing = False
+        _validate.check_disjoint_params(self.param_groups)  # S1.4, all groups at once
         if set_grad_none is not None:
             warnings.warn(
                 "set_grad_none kwarg in FusedAdam constructor is deprecated. "
@@ -212,6 +215,9 @@ class FusedAdam(torch.optim.Optimizer):
                 placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
                           for i, p in enumerate(group["params"])}
                 _validate.check_params(tensors, index, named, placed)
+                if not getattr(self, "_constructing", False):
+                    _validate.check_disjoint_params(
+                        self.param_groups + [dict(named, params=tensors)])
                 _validate.hyper_parameters({**self.defaults, **param_group}, index)
                 planned = [self._planned_entry(param, config, index, i, named)
                            for i, param in enumerate(tensors)]

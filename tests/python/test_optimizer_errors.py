@@ -368,6 +368,27 @@ def test_constructor_rejects_unsupported_params(kind):
         assert_bitwise_equal(p.detach(), old, "param after a rejected constructor")
 
 
+def test_parameters_sharing_memory_are_refused_when_handed_in():
+    """S1.4: two parameters that share a byte are refused by the constructor (in one
+    group or two) and by add_param_group, naming both, before any state is made; the
+    step refuses one re-pointed there later (below)."""
+    buffer = torch.zeros(10)
+    first = torch.nn.Parameter(buffer.as_strided((6,), (1,)))
+    second = torch.nn.Parameter(buffer.as_strided((6,), (1,), 4))
+    for groups, later in (([first, second], at(0, 1)),
+                          ([{"params": [first]}, {"params": [second]}], at(1, 0))):
+        with pytest.raises(RuntimeError, match=facts(*later, r"shares memory with group 0, "
+                                                             r"param 0\b")):
+            fused_adam()(groups)
+    opt = fused_adam()([first])
+    before = snapshot(opt, [second])
+    with pytest.raises(RuntimeError, match=facts(*at(1, 0), r"shares memory with group 0, "
+                                                            r"param 0\b")):
+        opt.add_param_group({"params": [second]})
+    assert_unchanged(opt, before)
+    assert second not in opt.state and len(opt.param_groups) == 1
+
+
 def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
     """S1.4 refuses only elements that share memory: offsets 2i + 3j (shape (3, 2)) are
     all distinct though no ordering of the strides shows it, so the parameter is
