@@ -178,6 +178,26 @@ def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     assert re.search(pattern, lines[0]), lines[0]
 
 
+def test_a_torch_without_fsdp2_on_cpu_is_refused_before_any_rank(tmp_path, capsys,
+                                                                  monkeypatch):
+    """torch 2.6's FSDP2 fails on CPU ranks (its CPU stream has no events): one line
+    naming the version needed, before any rank starts; 2.7 and later run."""
+    import importlib.metadata
+
+    version = importlib.metadata.version
+    for torch_version, refused in (("2.6.0", True), ("2.7.1", False), ("10.0", False)):
+        monkeypatch.setattr(importlib.metadata, "version",
+                            lambda name: torch_version if name == "torch" else version(name))
+        out = tmp_path / torch_version
+        # --ranks past the rows is the next check: it tells a pass from a refusal.
+        code = main(["demo", "--model", "tiny", "--ranks", "9", "--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, err
+        wanted = ("FSDP2 on CPU ranks needs torch 2.7 or newer, this is 2.6.0" if refused
+                  else "--ranks 9 exceeds")
+        assert wanted in err[0], err[0]
+
+
 def test_also_refuses_a_peer_not_installed(tmp_path, capsys, monkeypatch):
     """``--also`` with a package that is not installed: one line naming it, before any
     rank starts."""

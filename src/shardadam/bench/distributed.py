@@ -1,7 +1,8 @@
 """DTensor parameters (Shard(0) on a 2-rank gloo CPU mesh) vs the same local tensors.
 
 Each rank builds the case's full tensors from one seed, keeps its Shard(0) part twice --
-once as DTensors (``distribute_tensor`` with ``src_data_rank=None``: no communication),
+once as DTensors (``distribute_tensor`` with ``src_data_rank=None``: no communication;
+torch before 2.7 broadcasts rank 0's instead, the same values),
 once as plain tensors -- and times ``shardadam.FusedAdam`` on both, interleaved, one
 thread per rank. Every repetition starts behind a barrier so both ranks step together;
 a repetition's time is the slower rank's. If FusedAdam rejects DTensor parameters the
@@ -11,6 +12,7 @@ case reports "unsupported" with the reason rather than failing the run.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import tempfile
 import time
@@ -27,10 +29,15 @@ def _local_params(case, mesh, rank):
 
     from . import cases
 
+    # Every rank holds the same full values: None (torch >= 2.7) skips the broadcast
+    # from rank 0 that older torch makes.
+    local_only = ({"src_data_rank": None}
+                  if "src_data_rank" in inspect.signature(distribute_tensor).parameters
+                  else {})
     dtensors, plain = [], []
     for full in cases.make_params(case):
-        value = distribute_tensor(full.detach(), mesh, [Shard(0)], src_data_rank=None)
-        grad = distribute_tensor(full.grad, mesh, [Shard(0)], src_data_rank=None)
+        value = distribute_tensor(full.detach(), mesh, [Shard(0)], **local_only)
+        grad = distribute_tensor(full.grad, mesh, [Shard(0)], **local_only)
         param = torch.nn.Parameter(value)
         param.grad = grad
         dtensors.append(param)

@@ -12,9 +12,11 @@ Bad arguments are rejected before anything heavy is imported or started.
 """
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -115,6 +117,11 @@ def _folder_name(text):
 
 
 def _check(args):
+    torch_version = importlib.metadata.version("torch")  # without importing torch
+    if tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2]) < (2, 7):
+        # torch 2.6's FSDP2 records events on the CPU's stream, whose class lacks them.
+        raise DemoError(f"FSDP2 on CPU ranks needs torch 2.7 or newer, this is "
+                        f"{torch_version} (FusedAdam itself takes 2.6)")
     rows = SIZES[args.model].rows
     for flag, ranks in (("--ranks", args.ranks), ("--resume-ranks", args.resume_ranks)):
         if ranks > rows:

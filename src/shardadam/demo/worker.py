@@ -62,8 +62,11 @@ def build_model(config, mesh):
         if isinstance(module, FSDPModule):
             # Sum gradients over ranks; each rank's loss is already divided by the
             # global token count, so the gradient is the same for any rank count.
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+            if hasattr(module, "set_gradient_divide_factor"):  # torch >= 2.8
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+            else:  # torch 2.7's name for the same
+                module.set_reduce_scatter_divide_factor(1.0)
     return model
 
 
