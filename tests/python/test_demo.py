@@ -185,10 +185,18 @@ def test_a_torch_without_fsdp2_on_cpu_is_refused_before_any_rank(tmp_path, capsy
     import importlib.metadata
 
     version = importlib.metadata.version
-    for torch_version, refused in (("2.6.0", True), ("2.7.1", False), ("10.0", False)):
-        monkeypatch.setattr(importlib.metadata, "version",
-                            lambda name: torch_version if name == "torch" else version(name))
-        out = tmp_path / torch_version
+
+    def installed(name):
+        if name != "torch":
+            return version(name)
+        if torch_version is None:  # a torch without package metadata: nothing assumed
+            raise importlib.metadata.PackageNotFoundError(name)
+        return torch_version
+
+    monkeypatch.setattr(importlib.metadata, "version", installed)
+    for torch_version, refused in (("2.6.0", True), ("2.7.1", False), ("10.0", False),
+                                   (None, False)):
+        out = tmp_path / str(torch_version)
         # --ranks past the rows is the next check: it tells a pass from a refusal.
         code = main(["demo", "--model", "tiny", "--ranks", "9", "--out", str(out)])
         err = capsys.readouterr().err.strip().splitlines()

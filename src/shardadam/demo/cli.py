@@ -116,9 +116,19 @@ def _folder_name(text):
     return text
 
 
+def _torch_version():
+    """The installed torch's version, read without importing it; None where its package
+    metadata is missing (then nothing is assumed)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _check(args):
-    torch_version = importlib.metadata.version("torch")  # without importing torch
-    if tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2]) < (2, 7):
+    torch_version = _torch_version()
+    if torch_version is not None and tuple(
+            int(part) for part in re.findall(r"\d+", torch_version)[:2]) < (2, 7):
         # torch 2.6's FSDP2 records events on the CPU's stream, whose class lacks them.
         raise DemoError(f"FSDP2 on CPU ranks needs torch 2.7 or newer, this is "
                         f"{torch_version} (FusedAdam itself takes 2.6)")
