@@ -748,7 +748,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _prepare_load(self, state_dict: dict, saved_groups: list) -> tuple:
         """Checks a state dict against this optimizer and builds every new state tensor
         (in fresh storage), and whether each group's moments were set at step 0 (S5.4).
-        Reads only; raises on the first problem."""
+        Raises on the first problem, with the optimizer's values unchanged; it only
+        forgets seeded-master marks whose master was already replaced (S1.6)."""
         where = _validate.CLASS_NAME
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{where}: loaded state dict has a different number of "

@@ -203,10 +203,11 @@ void SetError(Error* error, int64_t tensor, const std::string& rule,
 // the whole new tensor first (fp16/fp8: max|u| / target, see formats.h).
 // A NaN or infinite gradient element makes that element's results non-finite and
 // is not an error. Checked, in this order, the first failure reported: the list
-// (count >= 0, slots non-null), the hyper-parameters, each slot by index (tags and
-// their roles, master beside param, scale slots present, 4-byte aligned, finite
-// and > 0, data pointers non-null when numel > 0, buffers inside the address
-// space, no overlap within the slot), then overlaps between tensors. Not checkable
+// (count >= 0, slots non-null), the hyper-parameters, each slot by index (numel
+// in range, tags and their roles, master beside param, rounding and block size,
+// scale slots present, 4-byte aligned, finite and > 0, data pointers non-null
+// when numel > 0, buffers inside the address space, no overlap within the slot),
+// then overlaps between tensors. Not checkable
 // and so the caller's duty: that each pointer addresses as many bytes as numel
 // says. The data alignment above is not checked here (the CUDA backend checks it).
 // A call needs about 64 KiB of the calling thread's stack (it fits the 128 KiB a
