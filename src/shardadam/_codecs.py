@@ -21,7 +21,9 @@ def measure_scale(value: torch.Tensor, target: float) -> torch.Tensor:
     zero or non-finite maximum."""
     if value.numel() == 0:
         return torch.ones((), dtype=torch.float32, device=value.device)
-    return scale_of_absmax(torch.amax(torch.abs(value)), target)  # NaN propagates
+    # The largest magnitude from the extremes: no |value| temporary of the tensor's size
+    # (amin / amax rather than aminmax: every backend has them). NaN propagates.
+    return scale_of_absmax(torch.maximum(-torch.amin(value), torch.amax(value)), target)
 
 
 def scale_of_absmax(absmax: torch.Tensor, target: float) -> torch.Tensor:

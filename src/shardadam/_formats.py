@@ -172,7 +172,8 @@ class Format:
                scale: Optional[torch.Tensor], first: int = 0,
                rounding: Optional[int] = None,
                measured: Optional[torch.Tensor] = None) -> None:
-        """Store the exported ``value`` into ``stored``; a scaled format first measures
+        """Store the exported ``value`` (or, for a master, the parameter's own floating
+        values, converted a chunk at a time) into ``stored``; a scaled format first measures
         a new ``scale`` over ``value`` (S2.3; per block, S2.9 / S2.10, blocks placed by
         ``first`` as in ``decode``). ``value`` is never modified; when it is ``stored``
         itself (fp32 updated in place) there is nothing to do. ``rounding``: a step key
@@ -213,6 +214,8 @@ class Format:
             else:
                 parts = [(value, stored)]
             for part, into in parts:
+                if part.dtype != self.value_dtype:
+                    part = part.float()  # a parameter's values (a seeded master)
                 # A true division by the scale, as the core divides.
                 into.copy_(self._to_codes(part if new_scale is None else part / new_scale))
             if new_scale is not None and measured is None:

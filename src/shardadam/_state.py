@@ -238,11 +238,18 @@ def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
     return stored, scale
 
 
-def initial_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
-    """What a new entry holds (S1.6): zero moments and remainder, master = parameter."""
+def initial_value(spec: StateSpec, param: torch.Tensor, to_store: bool = False
+                  ) -> torch.Tensor:
+    """What a new entry holds (S1.6): zero moments and remainder, master = parameter.
+    ``to_store``: the value is only encoded into new storage (``Format.encode`` reads it
+    a chunk at a time), so it needs no full-size fp32 tensor: zeros are one 0 broadcast
+    to the parameter's shape, a master is the parameter itself."""
     if spec.name == "master_param" and spec.format.pairs_with is None:
-        return param.detach().float()
+        return param.detach() if to_store else param.detach().float()
     # A zero remainder: the parameter alone is then the master (S2.5).
+    if to_store:
+        zero = torch.zeros((), dtype=spec.format.value_dtype, device=param.device)
+        return zero.expand(param.shape)
     return torch.zeros(param.shape, dtype=spec.format.value_dtype, device=param.device)
 
 
@@ -250,7 +257,7 @@ def seeded_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
     """The true value of state ``spec`` seeded from the local ``param`` (S1.6), as its
     storage holds it (a scaled fp16 master rounds): what a master that follows its
     parameter is."""
-    stored, scale = new_entry(spec, initial_value(spec, param), param)
+    stored, scale = new_entry(spec, initial_value(spec, param, to_store=True), param)
     return read_value({spec.name: stored}, {spec.name: scale}, {spec.name: spec.format},
                       spec.name, spec.first_index)
 
@@ -340,7 +347,7 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
             value, bits = converted_value(spec, entry, scales, formats, param)
             writes.param_bits = bits if bits is not None else writes.param_bits
         else:
-            value = initial_value(spec, param)
+            value = initial_value(spec, param, to_store=True)
             writes.seeded.add(spec.name)
         writes.put(spec, value, param)
     for name in STATE_NAMES:

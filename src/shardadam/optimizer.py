@@ -290,16 +290,11 @@ class FusedAdam(torch.optim.Optimizer):
         if fmt is None:
             return
         local = _dtensor.to_local(param).detach()
-        if fmt is _formats.REMAINDER or fmt is _formats.FP32:
-            # In place, as initial_value would give it: no master-sized temporary.
-            if fmt is _formats.REMAINDER:
-                stored.zero_()
-            else:
-                stored.copy_(local)
-            return
         spec = _state.StateSpec("master_param", fmt)
         scale = (self._scales.get(param) or {}).get("master_param")
-        _state.write_value(spec, _state.initial_value(spec, local), stored, scale)
+        # In place, a chunk at a time: no master-sized temporary.
+        _state.write_value(spec, _state.initial_value(spec, local, to_store=True), stored,
+                           scale)
 
     def _group_settings(self) -> dict:
         """What a group may repeat, at these values (S1.2): the whole optimizer's
@@ -823,7 +818,7 @@ class FusedAdam(torch.optim.Optimizer):
         """The moments initialisation gives ``param`` (S1.6: 0), as a load takes them;
         its master, missing here, is seeded by the load."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-        return {spec.name: _state.initial_value(spec, local)
+        return {spec.name: _state.initial_value(spec, local, to_store=True)
                 for spec in config.specs_of(local, layout) if spec.name != "master_param"}
 
     def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
@@ -844,7 +839,7 @@ class FusedAdam(torch.optim.Optimizer):
                 # Saved without masters (a master here is then the template's own: DCP
                 # leaves what the checkpoint lacks as it was): seeded from the loaded
                 # parameter, as at initialisation (S1.6, S5.5).
-                loaded[spec.name] = _state.initial_value(spec, local)
+                loaded[spec.name] = _state.initial_value(spec, local, to_store=True)
                 seeded.add(spec.name)
                 continue
             if spec.name not in values:
