@@ -177,10 +177,10 @@ def _check_written_back(prepared: list) -> None:
 
 def _scales_valid(calls: list) -> bool:
     """Whether every scale these calls read is finite and > 0 (the core's rule), in a
-    few torch operations whatever the number of tensors."""
-    scales = [scale.view(-1) for call in calls for entry in call.entries
-              for scale in (entry.exp_avg_scale, entry.exp_avg_sq_scale, entry.master_scale)
-              if scale is not None]
+    few torch operations whatever the number of tensors (their batches' flat views,
+    made once per plan; a batch's parameters without a gradient count too: a False
+    only sends the step to the core's full check)."""
+    scales = [scale for call in calls for scale in call.scales]
     if not scales:
         return True
     flat = torch.cat(scales)

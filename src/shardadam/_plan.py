@@ -145,7 +145,10 @@ class GroupPlan:
         self.inference_param = next((e for e in self.entries if e.local.is_inference()),
                                     None)
 
-    def is_current(self, group: dict, config, state, scales, formats) -> bool:
+    def is_current(self, group: dict, config, state, scales, formats,
+                   listing: Optional["Listing"] = None) -> bool:
+        """Whether the plan still holds (see the module docstring); ``listing``: the
+        step's listing of the state containers, shared by every group's check."""
         params = group["params"]
         return (self.bound and self.group is group
                 and self.state is state and self.scales is scales
@@ -154,7 +157,7 @@ class GroupPlan:
                 and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))  # so `plain` still holds
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
-                and self.held.unchanged())
+                and self.held.unchanged(listing))
 
     def bind(self, seeded: dict, owner) -> None:
         """Create or convert each parameter's state to match the configuration, then
@@ -220,15 +223,16 @@ class _Held:
         self.wrapped = [t for t in self.objects if _dtensor.is_dtensor(t)]
         self.wrapped_locals = list(map(_local_tensor_of, self.wrapped))
 
-    def _found(self) -> Optional[list]:
+    def _found(self, listing: Optional["Listing"] = None) -> Optional[list]:
         """What the containers hold now under every key, or None if a parameter's entry
         is gone or moved, or a name is missing."""
         found = []
+        listing = listing or Listing()
         for container, params, positions, names in zip(
                 (self.state, self.scales), self.params, self.positions, self.names):
             if not params:  # no scaled state: the scales are not read
                 continue
-            keys, entries = list(container), list(container.values())
+            keys, entries = listing.of(container)
             try:
                 if not all(map(operator.is_, map(keys.__getitem__, positions), params)):
                     return None
@@ -240,14 +244,34 @@ class _Held:
                 return None
         return found
 
-    def unchanged(self) -> bool:
-        found = self._found()
+    def unchanged(self, listing: Optional["Listing"] = None) -> bool:
+        found = self._found(listing)
         return (found is not None and all(map(operator.is_, found, self.objects))
                 and all(map(operator.is_, map(_local_tensor_of, self.wrapped),
                             self.wrapped_locals))
                 and list(map(_Tensor.data_ptr, self.storage)) == self.pointers
                 and list(map(_Tensor.size, self.storage)) == self.shapes
                 and list(map(_Tensor.stride, self.storage)) == self.strides)
+
+
+class Listing:
+    """The keys and values of the state containers (``optimizer.state``, ``_scales``),
+    listed once per step for every group's ``_Held`` check: listed per group, a step
+    of one group per parameter (layer-wise lr, per-parameter settings) would cost
+    O(groups × parameters). Valid while nothing writes the containers: the checks of
+    one step, which only read."""
+
+    __slots__ = ("_lists",)
+
+    def __init__(self):
+        self._lists = {}
+
+    def of(self, container: dict) -> tuple:
+        """``(keys, values)`` of ``container``, as lists."""
+        found = self._lists.get(id(container))
+        if found is None:
+            found = self._lists[id(container)] = (list(container), list(container.values()))
+        return found
 
 
 def _positions(container: dict, params: list) -> list:

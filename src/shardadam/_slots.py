@@ -111,6 +111,10 @@ class _Rows:
         # is swapped behind the optimizer's back (`t.data = ...` is not seen by the plan).
         self.storages = [t.untyped_storage() for i in self.positions
                          for t in _tensors(batch.entries[i]) if t is not None]
+        # Every scale the rows point at, flat, for the step's check of their values.
+        self.scales = [scale.view(-1) for entry in self.entries
+                       for scale in (entry.exp_avg_scale, entry.exp_avg_sq_scale,
+                                     entry.master_scale) if scale is not None]
 
 
 class Call:
@@ -118,13 +122,15 @@ class Call:
     temporaries they point into, and the non-contiguous parameters to update from their
     copies once the call is made."""
 
-    __slots__ = ("slots", "entries", "keep_alive", "write_back")
+    __slots__ = ("slots", "entries", "keep_alive", "write_back", "scales")
 
-    def __init__(self, slots: list, entries: list, keep_alive: list, write_back: list):
+    def __init__(self, slots: list, entries: list, keep_alive: list, write_back: list,
+                 scales: list):
         self.slots = slots
         self.entries = entries
         self.keep_alive = keep_alive
         self.write_back = write_back
+        self.scales = scales  # the batch's scales, flat views (those of `entries` and more)
 
     @property
     def count(self) -> int:
@@ -149,7 +155,7 @@ def prepare(work) -> Call:
             slots = rows.flat.copy()
             slots[GRAD::COLUMNS] = [g.data_ptr() for g in work.grads]
             slots[GRAD_KIND::COLUMNS] = kinds
-            return Call(slots, rows.entries, [], [])
+            return Call(slots, rows.entries, [], [], rows.scales)
         # Empty shards (left out of the rows) and None gradients (kind 0: skipped,
         # S3.2): the cached rows of the rest, picked without a Python loop.
         kinds = list(map(kinds.__getitem__, rows.positions))
@@ -157,7 +163,8 @@ def prepare(work) -> Call:
         slots = list(itertools.chain.from_iterable(itertools.compress(rows.rows, kinds)))
         slots[GRAD::COLUMNS] = [g.data_ptr() for g in grads]
         slots[GRAD_KIND::COLUMNS] = list(itertools.compress(kinds, kinds))
-        return Call(slots, list(itertools.compress(rows.entries, kinds)), [], [])
+        return Call(slots, list(itertools.compress(rows.entries, kinds)), [], [],
+                    rows.scales)
     keep_alive, write_back, slots, entries = [], [], [], []
     for position, entry, row in zip(rows.positions, rows.entries, rows.rows):
         grad = work.grads[position]
@@ -175,7 +182,7 @@ def prepare(work) -> Call:
             write_back.append((local, copy))
             row[_PARAM] = copy.data_ptr()
         slots.extend(row)
-    return Call(slots, entries, keep_alive, write_back)
+    return Call(slots, entries, keep_alive, write_back, rows.scales)
 
 
 def refusal(error: ValueError, entries: list) -> ValueError:

@@ -359,7 +359,8 @@ class FusedAdam(torch.optim.Optimizer):
         # (2) validate everything, (3) only then mutate (S3.1).
         config = self._checked_config()
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
-        work = [self._prepare_group(i, group, config)
+        listing = _plan.Listing()  # the state containers, listed once for every group
+        work = [self._prepare_group(i, group, config, listing)
                 for i, group in enumerate(self.param_groups)]
         unbound = [plan for plan, _, _ in work if not plan.bound]
         # From here on state may change (binding converts it): Ctrl-C and SIGTERM wait
@@ -431,13 +432,14 @@ class FusedAdam(torch.optim.Optimizer):
         self._settings_passed = (seen, config)
         return config
 
-    def _prepare_group(self, index: int, group: dict, config: _state.StateConfig):
+    def _prepare_group(self, index: int, group: dict, config: _state.StateConfig,
+                       listing: Optional[_plan.Listing] = None):
         """Checks one group and gathers its gradients; reads only."""
         _validate.check_group_keys(group, index, self._group_settings)
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(
             group, index, lr_on_device=True)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
-        plan = self._plan(index, group, config)
+        plan = self._plan(index, group, config, listing)
         if plan.inference_param is not None and not torch.is_inference_mode_enabled():
             i = plan.inference_param.index
             raise _validate.fail(
@@ -465,14 +467,15 @@ class FusedAdam(torch.optim.Optimizer):
                    for batch in plan.batches]
         return plan, hyper, batches
 
-    def _plan(self, index: int, group: dict, config: _state.StateConfig) -> _plan.GroupPlan:
+    def _plan(self, index: int, group: dict, config: _state.StateConfig,
+              listing: Optional[_plan.Listing] = None) -> _plan.GroupPlan:
         """The group's cached plan for ``config`` if still valid, else a new, not yet
         bound one."""
         while len(self._plans) <= index:
             self._plans.append(None)
         plan = self._plans[index]
         held = (self.state, self._scales, self._formats)
-        if plan is None or not plan.is_current(group, config, *held):
+        if plan is None or not plan.is_current(group, config, *held, listing):
             plan = self._plans[index] = _plan.build_plan(group, index, config, *held, self)
         return plan
 

@@ -115,6 +115,7 @@ def test_every_case_and_contender_is_reported(tiny_run):
         assert _TRAINING <= by_case[("training", preset)], preset
     assert _FP32 <= by_case[("transformer", "fp32")]
     assert _FP32 <= by_case[("many", "fp32")]
+    assert _FP32 <= by_case[("groups", "fp32")]
     assert by_case[("dtensor", "fp32")] == {"dtensor", "plain"}
     for preset, contenders in _LOWBIT.items():
         assert contenders <= by_case[("lowbit", preset)], preset

@@ -150,7 +150,7 @@ _MANY_SIZES = (256, 8192)  # log-uniform element counts of the many-tensor case
 @dataclass(frozen=True)
 class Case:
     id: str
-    kind: str            # "large", "training", "transformer", "many", "dtensor", "lowbit"
+    kind: str  # "large", "training", "transformer", "many", "groups", "dtensor", "lowbit"
     preset: Preset
     shapes: tuple
     contenders: tuple
@@ -220,6 +220,9 @@ def build_cases(mode: str, scale: float = 1.0, kinds=None) -> list:
                       f"24-layer decoder, d_model {d_model}"))
     cases.append(Case("many-2000/fp32", "many", fp32, tuple(many_shapes(scale)),
                       CPU_FP32_CONTENDERS, "2,000 tensors, 256..8192 elements"))
+    cases.append(Case("groups-2000/fp32", "groups", fp32, tuple(many_shapes(scale)),
+                      CPU_FP32_CONTENDERS, "the many case, one parameter group per tensor "
+                      "(per-parameter settings, layer-wise lr)"))
     cases.append(Case(f"dtensor-d{d_model}/fp32", "dtensor", fp32,
                       tuple(transformer_shapes(d_model)), ("dtensor", "plain"),
                       "FusedAdam, Shard(0) on 2 gloo ranks, 1 thread each"))
@@ -239,6 +242,13 @@ def find_case(case_id: str, mode: str, scale: float) -> Case:
         if case.id == case_id:
             return case
     raise KeyError(case_id)
+
+
+def optimizer_params(case: Case, seed: int = 0) -> list:
+    """What each contender's optimizer is given: ``make_params``'s tensors, in one
+    parameter group each for the groups case."""
+    params = make_params(case, seed)
+    return [{"params": [p]} for p in params] if case.kind == "groups" else params
 
 
 def make_params(case: Case, seed: int = 0) -> list:

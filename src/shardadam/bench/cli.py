@@ -22,7 +22,7 @@ import time
 from .._arguments import same_file_error, whole_number_at_least, writable_file
 from .timing import SETTLE_S
 
-_KINDS = ("large", "training", "transformer", "many", "dtensor", "lowbit")
+_KINDS = ("large", "training", "transformer", "many", "groups", "dtensor", "lowbit")
 _MEMORY_JOBS = 2  # memory subprocesses at a time
 # The lowbit cases' ceiling (runner.CEILING): kernel_bench's block presets on one
 # thread over 262,144 elements (3.5 MiB for block8 + remainders: in L3), back to back

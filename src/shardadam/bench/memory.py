@@ -92,7 +92,7 @@ def _child(args) -> dict:
     results = {}
     for case_id in args.cases.split(","):
         case = cases.find_case(case_id, args.mode, args.scale)
-        params = cases.make_params(case)
+        params = cases.optimizer_params(case)
         try:
             step = contenders.make(args.contender, lambda: params, case.preset)
         except contenders.Unavailable as error:

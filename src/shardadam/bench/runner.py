@@ -52,7 +52,7 @@ def _time_local(case, size, threads):
     for name in case.contenders:
         record = _base_record(case, name, threads)
         try:
-            steps[name] = contenders.make(name, lambda: cases.make_params(case),
+            steps[name] = contenders.make(name, lambda: cases.optimizer_params(case),
                                           case.preset, steps.get("shardadam"))
         except contenders.Unavailable as error:
             record.update(status="unavailable", reason=str(error))
