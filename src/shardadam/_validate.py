@@ -669,6 +669,13 @@ def param_error(param) -> Optional[str]:
                 "_neg_view or the imaginary part of a conjugate; rule S1.4: a parameter "
                 "is updated in place in memory that holds its values: pass "
                 "resolve_neg()'s copy)")
+    held, spanned = _storage_bytes(local)
+    if held < spanned:
+        return (f"the parameter's storage holds {held} bytes, fewer than its elements "
+                f"span ({spanned}): its memory was freed or shrunk (FSDP2 frees the "
+                f"unsharded parameters a forward leaves on the root module: build the "
+                f"optimizer from the sharded ones, before the first forward or after "
+                f"model.reshard(); rule S1.4: a parameter holds its values)")
     if _overlaps_itself(local):
         return (f"elements of the parameter share memory (shape {list(local.shape)}, "
                 f"strides {list(local.stride())}; rule: a parameter is updated in place, "
@@ -704,6 +711,16 @@ def _overlaps_itself(tensor) -> bool:
     mask = torch.zeros(extent, dtype=torch.bool)
     mask.as_strided(tensor.shape, tensor.stride()).fill_(True)
     return int(mask.sum()) < tensor.numel()
+
+
+def _storage_bytes(tensor) -> tuple:
+    """``(bytes its storage holds, bytes from the storage's start to past the tensor's
+    last element)``; (0, 0) for an empty or meta tensor. Negative strides aside (torch
+    has none)."""
+    if tensor.numel() == 0 or tensor.is_meta:
+        return 0, 0
+    spanned = (tensor.storage_offset() + _extent(tensor)) * tensor.element_size()
+    return tensor.untyped_storage().nbytes(), spanned
 
 
 def _extent(tensor) -> int:

@@ -343,17 +343,23 @@ def bad_param(kind):
     if kind == "negated-view":
         with torch.no_grad():
             return torch.zeros(3)._neg_view().requires_grad_()
+    if kind == "storage-freed":  # as FSDP2 frees an unsharded parameter at reshard
+        param = torch.nn.Parameter(torch.zeros(3))
+        param.untyped_storage().resize_(0)
+        return param
     raise AssertionError(kind)
 
 
 SHARED_ELEMENTS = r"elements of the parameter share memory.*rule: "
+FREED = r"storage holds 0 bytes, fewer than its elements span \(12\).*freed.*rule S1.4"
 PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_e4m3fn",
                "complex64": "complex64", "sparse": "(?i)sparse",
                "stride-0": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-strides": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-windows": SHARED_ELEMENTS + ".*memory of its own",
                "lazy": r"uninitialized lazy.*rule: .*forward pass",
-               "negated-view": r"lazily negated view.*rule S1.4: .*resolve_neg"}
+               "negated-view": r"lazily negated view.*rule S1.4: .*resolve_neg",
+               "storage-freed": FREED}
 
 
 @pytest.mark.parametrize("kind", list(PARAM_KINDS))
@@ -387,6 +393,30 @@ def test_parameters_sharing_memory_are_refused_when_handed_in():
         opt.add_param_group({"params": [second]})
     assert_unchanged(opt, before)
     assert second not in opt.state and len(opt.param_groups) == 1
+
+
+def test_step_refuses_a_parameter_whose_storage_was_freed(backend):
+    """S1.4: FSDP2 frees the unsharded parameters a forward leaves on its root module;
+    an optimizer built from them holds parameters with no memory at its step. The
+    step names the cause, not an overlap of the empty storages, and changes nothing."""
+    params = [torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(i)))
+              for i in range(3)]
+    opt = fused_adam()(params, lr=0.1, exp_avg_dtype=torch.bfloat16)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    kept = [p.detach().clone() for p in params[:2]]
+    state = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    for p in params[1:]:
+        p.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), FREED)):
+        opt.step()
+    assert_bitwise_equal(params[0].detach(), kept[0], "param 0 after a refused step")
+    after = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    assert state.keys() == after.keys()
+    for key in state:
+        assert_bitwise_equal(after[key], state[key], f"state {key} after a refused step")
+    assert [g["step"] for g in opt.param_groups] == [1]
 
 
 def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
