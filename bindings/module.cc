@@ -212,6 +212,13 @@ void CheckStepSlotsFromList(const std::vector<int64_t>& slots,
 }
 
 #if defined(SHARDADAM_WITH_CUDA)
+void CheckCudaStepSlotsFromList(const std::vector<int64_t>& slots) {
+  const std::vector<TensorSlot> tensors = SlotsFromList("check_cuda_step_slots", slots);
+  RunReleased([&](Error* error) {
+    return CheckCudaStepSlots(tensors.data(), static_cast<int64_t>(tensors.size()), error);
+  });
+}
+
 void AdamStepCudaFromList(const std::vector<int64_t>& slots, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool adam_w_mode,
                           bool bias_correction, int64_t step, int64_t workspace,
@@ -355,6 +362,10 @@ NB_MODULE(_C, m) {
         "checked). `workspace` points to "
         "cuda_workspace_bytes(n) bytes of device scratch. Raises ValueError (nothing "
         "enqueued) on bad input, RuntimeError if the CUDA runtime refuses a launch.");
+  m.def("check_cuda_step_slots", &CheckCudaStepSlotsFromList, nb::arg("slots"),
+        "adam_step_cuda's checks of the slots alone, writing nothing (check_step_slots' "
+        "rules and the CUDA backend's own: alignment, size): raises ValueError as "
+        "adam_step_cuda would. For one step split into several calls.");
   m.def("cuda_workspace_bytes", &CudaWorkspaceBytes, nb::arg("count"),
         "Device scratch bytes adam_step_cuda needs for `count` tensors.");
   m.def("cuda_kernels_run_on", &CudaKernelsRunOn, nb::arg("device"),

@@ -100,12 +100,16 @@ def check_before_binding(works: list, state, scales) -> None:
     _refuse_grads_in_written_memory(works, written)
 
 
-def _refuse_grads_in_written_memory(works: list, written) -> None:
+def _refuse_grads_in_written_memory(works: list, written,
+                                    written_apart: bool = False) -> None:
     """The core's rule on gradients, checked in Python: for every parameter the step
     updates (one with a gradient), its gradient against ``written(entry)``'s ``(name,
     tensor)`` pairs and every other updated parameter's. A non-contiguous gradient is
     stepped through a copy taken before any update, so it is left out, as the core
-    only sees the copy."""
+    only sees the copy. ``written_apart``: the written tensors are known not to share
+    memory (parameters, checked when the plan was bound), so only gradients are
+    compared with them (interleaving views' bytes are then not compared at every
+    step: on a GPU each comparison waits for the device)."""
     by_device = {}
     for work in works:
         spans = by_device.setdefault(work.batch.device, [])
@@ -118,7 +122,7 @@ def _refuse_grads_in_written_memory(works: list, written) -> None:
                                                             grad))
             spans += [_validate.memory_span(tensor) + (order, True, name, place, tensor)
                       for name, tensor in written(entry) if tensor.numel() > 0]
-    _validate.refuse_shared_grads(by_device)
+    _validate.refuse_shared_grads(by_device, written_apart)
 
 
 def check_together(prepared: list, passed: dict) -> None:
@@ -156,13 +160,22 @@ def check_together(prepared: list, passed: dict) -> None:
                 and (device.type != "cpu" or _scales_valid(same_device))):
             continue
         try:
-            _slots.extension.check_step_slots(
-                [value for call in same_device for value in call.slots],
-                device.type != "cpu")
+            _check_slots(device, [value for call in same_device for value in call.slots])
         except ValueError as error:
             entries = [entry for call in same_device for entry in call.entries]
             raise _slots.refusal(error, entries) from None
         passed[device] = signature
+
+
+def _check_slots(device: torch.device, slots: list) -> None:
+    """The checks the device's calls make before they write anything, on every call of
+    a step at once: a CUDA call's include the CUDA backend's own rules (alignment,
+    size), so one that would refuse is refused before another call has run."""
+    extension = _slots.extension
+    if device.type == "cuda" and hasattr(extension, "check_cuda_step_slots"):
+        extension.check_cuda_step_slots(slots)
+    else:
+        extension.check_step_slots(slots, device.type != "cpu")
 
 
 def _check_written_back(prepared: list) -> None:
@@ -172,7 +185,8 @@ def _check_written_back(prepared: list) -> None:
     torch path. Only steps with such a parameter run this."""
     _refuse_grads_in_written_memory(
         [item.work for item in prepared if item.call is not None],
-        lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)])
+        lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)],
+        written_apart=True)
 
 
 def _scales_valid(calls: list) -> bool:

@@ -769,10 +769,12 @@ def memory_span(tensor) -> tuple:
     return start, start + _extent(tensor) * tensor.element_size()
 
 
-def first_overlap(spans: list, tensor_of=None) -> Optional[tuple]:
+def first_overlap(spans: list, tensor_of=None, written_apart: bool = False
+                  ) -> Optional[tuple]:
     """The first pair of ``spans`` (one device's ``(start, end, order, written, ...)``
     tuples, ``order`` telling their owners apart) that share memory where at least one
-    of the two is written, as (earlier owner's span, later owner's span); None if there
+    of the two is written (exactly one with ``written_apart``: the written spans are
+    known to share none), as (earlier owner's span, later owner's span); None if there
     is none. Sorting by address finds it in O(n log n) when no spans overlap.
     ``tensor_of(span)``, when given, is the span's tensor: overlapping ranges of two
     tensors that are not both contiguous are then compared byte by byte (a matrix's even
@@ -783,8 +785,9 @@ def first_overlap(spans: list, tensor_of=None) -> Optional[tuple]:
     for span in spans:
         active = [hit for hit in active if hit[1] > span[0]]
         for hit in active:
-            if (span[3] or hit[3]) and (tensor_of is None
-                                        or share_bytes(tensor_of(hit), tensor_of(span))):
+            compared = span[3] != hit[3] if written_apart else span[3] or hit[3]
+            if compared and (tensor_of is None
+                             or share_bytes(tensor_of(hit), tensor_of(span))):
                 first, second = sorted([hit, span], key=lambda s: s[2])
                 return first, second
         active.append(span)
@@ -814,14 +817,16 @@ def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return any(bool(view.any()) for view in bytes_of(b))
 
 
-def refuse_shared_grads(by_device: dict) -> None:
+def refuse_shared_grads(by_device: dict, written_apart: bool = False) -> None:
     """The core's rule on gradients, for spans gathered in Python: raises on the first
     gradient sharing memory with a buffer a step writes (or two buffers of one parameter
     sharing memory). ``by_device``: per device, spans ``(start, end, order, written,
     name, place, tensor)`` with one ``order`` per parameter, which ``place`` names; the
-    later parameter of a pair is blamed, as the core does."""
+    later parameter of a pair is blamed, as the core does. ``written_apart``: as for
+    ``first_overlap``."""
     for spans in by_device.values():
-        overlap = first_overlap(spans, tensor_of=lambda span: span[6])
+        overlap = first_overlap(spans, tensor_of=lambda span: span[6],
+                                written_apart=written_apart)
         if overlap is None:
             continue
         (_, _, order0, _, name0, place0, _), (_, _, order, _, name, place, _) = overlap

@@ -36,7 +36,8 @@ from _slot_buffers import (
 
 _C = pytest.importorskip("shardadam._C", reason="C++ extension shardadam._C is not built")
 
-from shardadam import _backend, _cpu_path, _cuda_path, _torch_path  # noqa: E402
+from shardadam import _backend, _cpu_path, _cuda_path, _slots, _torch_path  # noqa: E402
+from shardadam._formats import TAG_NONE  # noqa: E402
 
 INFO = _C.info()
 CUDA_BUILT = hasattr(_C, "adam_step_cuda")
@@ -870,6 +871,37 @@ def test_rejected_on_the_host_without_a_device(case, no_device_results):
     assert result["raised"] == expected, result
     for pattern in patterns:
         assert re.search(pattern, result["message"], flags=re.IGNORECASE), result
+
+
+def _fp32_row_at(address, numel=1000, param_dtype=None, param_offset=0):
+    """One slot row at fake addresses (nothing reads them: the checks below only
+    validate): fp32 moments, no scales, a param of ``param_dtype`` (fp32 by default)
+    ``param_offset`` bytes past its buffer's start."""
+    param_dtype = _C.DTYPE_FLOAT32 if param_dtype is None else param_dtype
+    values = dict(numel=numel, param=address + param_offset, param_dtype=param_dtype,
+                  grad=address + (1 << 20), grad_dtype=param_dtype,
+                  exp_avg=address + (2 << 20), exp_avg_dtype=_C.DTYPE_FLOAT32,
+                  exp_avg_sq=address + (3 << 20), exp_avg_sq_dtype=_C.DTYPE_FLOAT32)
+    row = [0] * COLUMNS
+    for name, value in values.items():
+        row[_slots._COLUMN[name]] = value
+    row[_slots._COLUMN["master_dtype"]] = TAG_NONE
+    return row
+
+
+@needs_cuda_build
+def test_a_step_of_several_cuda_calls_checks_the_cuda_rules_before_any_runs():
+    """S3.1: the calls of one step are checked together before the first runs, with
+    the CUDA backend's own rules (here: a bf16 param at an odd address, which the
+    kernels would fault on) as well as the core's, so a refusal by a later call's rules
+    comes before an earlier call has updated anything. The core's rules alone accept
+    these rows; the step's check for a CUDA device refuses them, naming the tensor."""
+    rows = (_fp32_row_at(_FAKE)
+            + _fp32_row_at(_FAKE + (16 << 20), param_dtype=_C.DTYPE_BFLOAT16, param_offset=1))
+    _C.check_step_slots(rows, True)  # the core's rules pass
+    with pytest.raises(ValueError, match=r"tensor 1: param is not aligned"):
+        _backend._check_slots(torch.device("cuda", 0), rows)
+    _backend._check_slots(torch.device("cpu"), rows)  # the CPU core reads them unaligned
 
 
 # --------------------------------------------------------------------------------------

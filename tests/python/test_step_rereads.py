@@ -95,3 +95,34 @@ def test_a_bad_scale_of_a_parameter_without_gradient_does_not_stop_the_step():
     opt.step()
     assert torch.equal(idle.detach().view(torch.int16), idle_before.view(torch.int16))
     assert not torch.equal(params[4].detach(), stepping_before)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_interleaved_parameters_are_not_compared_byte_by_byte_at_every_step(
+        monkeypatch, backend):
+    """Two parameters that interleave in one matrix (its even and odd columns) were
+    proved apart when the plan was bound; a later step compares only gradients with
+    the memory it writes, so their bytes are not compared again (a byte comparison
+    waits for the device on a GPU). A gradient in a parameter's memory is still
+    refused at every step (test_optimizer_errors)."""
+    from _optimizer_testing import backend_context
+    from shardadam import _validate
+
+    matrix = torch.randn(6, 8)
+    params = [torch.nn.Parameter(matrix[:, 0::2]), torch.nn.Parameter(matrix[:, 1::2])]
+    opt = FusedAdam(params, lr=1e-3)
+    compared = []
+    original = _validate.share_bytes
+
+    def counting(a, b):
+        compared.append((a.data_ptr(), b.data_ptr()))
+        return original(a, b)
+
+    with backend_context(backend):
+        for p in params:
+            p.grad = torch.ones(6, 4)
+        opt.step()  # binds: the parameters are compared here
+        monkeypatch.setattr(_validate, "share_bytes", counting)
+        for _ in range(2):
+            opt.step()
+    assert compared == []
