@@ -140,6 +140,7 @@ class GroupPlan:
         for entry in self.entries:
             by_device.setdefault(entry.local.device, []).append(entry)
         self.batches = [DeviceBatch(device, entries) for device, entries in by_device.items()]
+        self.has_cuda = any(batch.is_cuda for batch in self.batches)
         # A parameter made under torch.inference_mode, which only a step in that mode
         # may update (checked at each step: the mode may change between steps).
         self.inference_param = next((e for e in self.entries if e.local.is_inference()),

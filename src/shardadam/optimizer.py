@@ -447,6 +447,14 @@ class FusedAdam(torch.optim.Optimizer):
                 "and only a step under that mode may update it (rule: parameters are "
                 "updated in place, S1.4; as torch's optimizers)", group=index, param=i,
                 name=_validate.param_name(group, i))
+        if plan.has_cuda and torch.cuda.is_current_stream_capturing():
+            # Replays of a captured step would repeat its counter, bias corrections and
+            # random keys, while group["step"] counts only the capture.
+            raise _validate.fail(
+                RuntimeError, "step() is being captured into a CUDA graph (rule: "
+                "capturable=True, TE's graph-safe step, is not supported; step outside "
+                "the graph, as torch's optimizers with capturable=False require)",
+                group=index)
         if isinstance(lr, torch.Tensor) and not (plan.bound and
                                                  _backend.reads_lr_on_device(plan.batches)):
             # A batch that steps elsewhere needs lr's value: read and checked here,

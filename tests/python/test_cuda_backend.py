@@ -467,6 +467,41 @@ def test_optimizer_step_never_waits_for_the_device(cfg, cuda_path_only):
     torch.cuda.synchronize()
 
 
+@needs_gpu
+def test_a_step_captured_into_a_cuda_graph_is_refused(cuda_path_only):
+    """capturable=True is not supported, so a step under CUDA graph capture is refused
+    before anything is queued: replayed, it would repeat one step's counter, bias
+    corrections and random keys (torch's optimizers refuse it likewise)."""
+    cfg = OPTIMIZER_PRESETS[0]
+    params = optimizer_params(cfg, DEVICE)
+    opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+    cpu_shapes = [p.detach().cpu() for p in params]
+    attach_grads(params, on_device(step_grads(cfg, cpu_shapes, 1), DEVICE), cfg.decoupled)
+    opt.step()  # the plan built and bound outside the capture
+    torch.cuda.synchronize()
+    before = [p.detach().clone() for p in params]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"captured into a CUDA graph.*capturable=True"):
+        with torch.cuda.graph(graph):
+            opt.step()
+    torch.cuda.synchronize()
+    for p, old in zip(params, before):
+        assert_bitwise_equal(p.detach(), old, "param after a refused capture")
+    assert [g["step"] for g in opt.param_groups] == [1] * len(opt.param_groups)
+
+
+def test_a_cpu_step_does_not_ask_about_cuda_graph_capture(monkeypatch):
+    """The capture check runs only for a plan with CUDA tensors: a CPU step never
+    calls into CUDA for it."""
+    def asked():
+        raise AssertionError("a CPU step asked whether a CUDA graph is being captured")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", asked)
+    param = torch.nn.Parameter(torch.randn(8))
+    param.grad = torch.ones(8)
+    fused_adam()([param], lr=1e-3).step()
+
+
 # Per-block scaled moments (S2.9, S2.10): parameter dtype and FusedAdam options.
 BLOCK8_OPTIONS = {
     "fp32": (torch.float32, {}),
