@@ -669,13 +669,9 @@ def param_error(param) -> Optional[str]:
                 "_neg_view or the imaginary part of a conjugate; rule S1.4: a parameter "
                 "is updated in place in memory that holds its values: pass "
                 "resolve_neg()'s copy)")
-    held, spanned = _storage_bytes(local)
-    if held < spanned:
-        return (f"the parameter's storage holds {held} bytes, fewer than its elements "
-                f"span ({spanned}): its memory was freed or shrunk (FSDP2 frees the "
-                f"unsharded parameters a forward leaves on the root module: build the "
-                f"optimizer from the sharded ones, before the first forward or after "
-                f"model.reshard(); rule S1.4: a parameter holds its values)")
+    freed = freed_error(local)
+    if freed is not None:
+        return freed
     if _overlaps_itself(local):
         return (f"elements of the parameter share memory (shape {list(local.shape)}, "
                 f"strides {list(local.stride())}; rule: a parameter is updated in place, "
@@ -713,14 +709,20 @@ def _overlaps_itself(tensor) -> bool:
     return int(mask.sum()) < tensor.numel()
 
 
-def _storage_bytes(tensor) -> tuple:
-    """``(bytes its storage holds, bytes from the storage's start to past the tensor's
-    last element)``; (0, 0) for an empty or meta tensor. Negative strides aside (torch
-    has none)."""
-    if tensor.numel() == 0 or tensor.is_meta:
-        return 0, 0
-    spanned = (tensor.storage_offset() + _extent(tensor)) * tensor.element_size()
-    return tensor.untyped_storage().nbytes(), spanned
+def freed_error(local) -> Optional[str]:
+    """Why the local tensor of a parameter holds no values (its storage freed or
+    shrunk below the elements it spans), or None (S1.4)."""
+    if local.numel() == 0 or local.is_meta:
+        return None
+    held = local.untyped_storage().nbytes()
+    spanned = (local.storage_offset() + _extent(local)) * local.element_size()
+    if held >= spanned:
+        return None
+    return (f"the parameter's storage holds {held} bytes, fewer than its elements span "
+            f"({spanned}): its memory was freed or shrunk (FSDP2 frees the unsharded "
+            f"parameters a forward leaves on the root module: build the optimizer from "
+            f"the sharded ones, before the first forward or after model.reshard(); rule "
+            f"S1.4: a parameter holds its values)")
 
 
 def _extent(tensor) -> int:
