@@ -3,17 +3,18 @@
 A step checks that each group's cached plan still holds (``_plan``): the state
 containers are listed once per step for every group's check, not once per group (one
 group per parameter would make that O(groups × parameters)); the scales' values are
-checked through flat views made once per plan. Timing lives in the bench (the
-``groups-2000`` case); these tests pin the structure, and that the shared checks still
-refuse and accept what they did.
+checked through flat views made once per plan; parameters proved apart when the plan
+was bound are not compared again. Timing lives in the bench (the ``groups-2000``
+case); these tests pin the structure, and that the shared checks still refuse and
+accept what they did.
 """
 
 import pytest
 import torch
 
-from shardadam import FusedAdam, _plan
+from shardadam import FusedAdam, _plan, _validate
 
-from _optimizer_testing import scale_of
+from _optimizer_testing import backend_context, scale_of
 
 pytest.importorskip("shardadam._C")
 
@@ -105,9 +106,6 @@ def test_interleaved_parameters_are_not_compared_byte_by_byte_at_every_step(
     the memory it writes, so their bytes are not compared again (a byte comparison
     waits for the device on a GPU). A gradient in a parameter's memory is still
     refused at every step (test_optimizer_errors)."""
-    from _optimizer_testing import backend_context
-    from shardadam import _validate
-
     matrix = torch.randn(6, 8)
     params = [torch.nn.Parameter(matrix[:, 0::2]), torch.nn.Parameter(matrix[:, 1::2])]
     opt = FusedAdam(params, lr=1e-3)
