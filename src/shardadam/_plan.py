@@ -124,6 +124,7 @@ class GroupPlan:
                  config: _state.StateConfig, state, scales, formats):
         self.group = group
         self.params = params
+        self.param_ids = frozenset(map(id, params))  # for holds()
         self.plain = not _dtensor.any_dtensor(params)
         self.param_keys = _dtensor.local_storage_keys(params, self.plain)
         self.config = config
@@ -160,12 +161,17 @@ class GroupPlan:
                 and _dtensor.local_storage_keys(params, self.plain) == self.param_keys
                 and self.held.unchanged(listing))
 
-    def bind(self, seeded: dict, owner) -> None:
+    def holds(self, param) -> bool:
+        """Whether ``param`` is one of the plan's parameters."""
+        return id(param) in self.param_ids
+
+    def bind(self, seeded: dict, owner, before_writing=None) -> None:
         """Create or convert each parameter's state to match the configuration, then
         remember the storage. ``seeded``: the optimizer's masters that follow their
         parameter (S1.6), kept current; ``owner``: the optimizer, which the scaled states
-        stored are claimed by (``_stored_by``). Runs after validation: this is a
-        mutation."""
+        stored are claimed by (``_stored_by``); ``before_writing``: called before the
+        first write (a state already settled, e.g. made by ``add_param_group``, needs
+        none). Runs after validation: this is a mutation."""
         state, scales, formats = self.state, self.scales, self.formats
         for entry in self.entries:
             specs = self.config.specs_of(entry.local, entry.layout)
@@ -173,6 +179,9 @@ class GroupPlan:
                                        formats.get(entry.param), entry.local, entry.layout,
                                        seeded=entry.param in seeded)
             if not writes.empty():  # leave a settled entry alone
+                if before_writing is not None:
+                    before_writing()
+                    before_writing = None
                 _state.apply_entry(state, scales, formats, entry.param, writes, entry.local,
                                    entry.layout, owner)
                 _state.mark_seeded(seeded, state, entry.param, writes)

@@ -244,13 +244,19 @@ def initial_value(spec: StateSpec, param: torch.Tensor, to_store: bool = False
     ``to_store``: the value is only encoded into new storage (``Format.encode`` reads it
     a chunk at a time), so it needs no full-size fp32 tensor: zeros are one 0 broadcast
     to the parameter's shape, a master is the parameter itself."""
-    if spec.name == "master_param" and spec.format.pairs_with is None:
+    if seeds_from_param(spec):
         return param.detach() if to_store else param.detach().float()
     # A zero remainder: the parameter alone is then the master (S2.5).
     if to_store:
         zero = torch.zeros((), dtype=spec.format.value_dtype, device=param.device)
         return zero.expand(param.shape)
     return torch.zeros(param.shape, dtype=spec.format.value_dtype, device=param.device)
+
+
+def seeds_from_param(spec: StateSpec) -> bool:
+    """Whether a new ``spec`` state takes the parameter's values (a master; a remainder
+    starts at 0, the parameter alone being the master)."""
+    return spec.name == "master_param" and spec.format.pairs_with is None
 
 
 def seeded_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:

@@ -260,10 +260,12 @@ class FusedAdam(torch.optim.Optimizer):
         _state.apply_entry(self.state, self._scales, self._formats, param, writes, local,
                            layout, self)
         _state.mark_seeded(self._seeded, self.state, param, writes)
-        # The plans (and the checks' record of the batches that passed) hold the
-        # storages they bound: kept, a replaced state would stay alive beside its
-        # successor until the next step rebuilt them.
-        self._plans = []
+        # The plans holding ``param`` (and the checks' record of the batches that
+        # passed) hold the storages they bound: kept, a replaced state would stay alive
+        # beside its successor until the next step rebuilt them. The other groups'
+        # plans stand (rebuilding every group cost the next step ~15x a steady one).
+        self._plans = [None if plan is not None and plan.holds(param) else plan
+                       for plan in self._plans]
         self._checked = {}
 
     def _follow_params(self, followed: list) -> None:
@@ -368,11 +370,26 @@ class FusedAdam(torch.optim.Optimizer):
         with _held_signals.held():
             if unbound:  # a parameter set is new
                 _validate.check_disjoint_params(self.param_groups)
-                _backend.check_before_binding(
-                    [b for _, _, batches in work for b in batches], self.state, self._scales)
+                # Before binding writes state, if it does (plans dropped by
+                # add_param_group or initialize_state bind without writing: the
+                # checks of the calls below then come first).
+                checked = []
+
+                def before_writing():
+                    if not checked:
+                        _backend.check_before_binding(
+                            [b for _, _, batches in work for b in batches], self.state,
+                            self._scales)
+                        checked.append(True)
+
                 with _making_state():
-                    for plan in unbound:
-                        plan.bind(self._seeded, self)
+                    for g, (plan, _, _) in enumerate(work):
+                        if not plan.bound:
+                            plan.bind(self._seeded, self, before_writing)
+                            # Its record describes the state again (after a setting
+                            # changed, S1.5), not only from the next state_dict().
+                            self.param_groups[g][LAYOUT_KEY] = config.record(
+                                g in self._moments_set)
             prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
                         for _, _, batches in work]
             # The core's own checks (buffers shared between tensors), for every group at
@@ -530,10 +547,14 @@ class FusedAdam(torch.optim.Optimizer):
                            f"this optimizer")
         return found
 
+    def _where(self, param) -> str:
+        """"group g, param i ('name')" of a parameter of this optimizer, else KeyError."""
+        g, i = self._locate(param)
+        return _validate.where(g, i, _validate.param_name(self.param_groups[g], i))
+
     def _spec(self, param, state_name: str):
         """``(where, spec)`` for a state name of one parameter, else KeyError (S5.2)."""
-        g, i = self._locate(param)
-        where = _validate.where(g, i, _validate.param_name(self.param_groups[g], i))
+        where = self._where(param)
         local = _dtensor.to_local(param)
         specs = {s.name: s
                  for s in self._checked_config().specs_of(local, _dtensor.layout_of(param))}
@@ -548,9 +569,7 @@ class FusedAdam(torch.optim.Optimizer):
         """(Re)creates ``param``'s state (S5.1): zero moments, master seeded from the
         parameter (or a zero remainder). ``None`` means what the configuration
         implies; an explicit value that contradicts it is an error."""
-        g, i = self._locate(param)
-        group = self.param_groups[g]
-        where = _validate.where(g, i, _validate.param_name(group, i))
+        where = self._where(param)
         error = _validate.param_error(param)
         if error is not None:
             raise RuntimeError(f"{where}: {error}")
@@ -587,12 +606,13 @@ class FusedAdam(torch.optim.Optimizer):
                 and param in _state.drop_replaced_masters(self._seeded, self.state)):
             # Read through TE's accessor (which hands out the fp32 tensor itself), a
             # master that follows its parameter is seeded now and is the truth (S1.6).
+            local = self._param_values(param, spec)
             if _state.stored_format(_dtensor.to_local(entry[state_name]),
                                     self._formats.get(param), state_name) is spec.format:
                 del self._seeded[param]
                 self._reseed_master(param)
             else:  # a setting changed since: what the next step would seed
-                return _state.seeded_value(spec, _dtensor.to_local(param))
+                return _state.seeded_value(spec, local)
         formats = self._formats.get(param)
         stored = _dtensor.to_local(entry[state_name])
         fmt = _state.stored_format(stored, formats, state_name)
@@ -703,14 +723,24 @@ class FusedAdam(torch.optim.Optimizer):
         follows = param in self._seeded
         for spec in specs:
             if follows and spec.name == "master_param":  # until it steps (S1.6)
-                value = _state.seeded_value(spec, local)
+                value = _state.seeded_value(spec, self._param_values(param, spec))
             elif spec.name in entry:
                 value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
-                value = _state.initial_value(spec, local)
+                value = _state.initial_value(spec, self._param_values(param, spec))
             exported[spec.name] = layout.wrap(value)
         exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
         return exported
+
+    def _param_values(self, param, spec) -> torch.Tensor:
+        """``param``'s local tensor, where state ``spec`` is to be seeded from it: one
+        whose storage was freed is refused by name (S1.4), not by torch's bare "data is
+        not allocated yet"."""
+        local = _dtensor.to_local(param)
+        error = _validate.freed_error(local) if _state.seeds_from_param(spec) else None
+        if error is not None:
+            raise RuntimeError(f"{self._where(param)}: {error}")
+        return local
 
     @_normal_tensors
     @torch.no_grad()  # state is data, never part of a graph

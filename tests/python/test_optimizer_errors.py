@@ -419,6 +419,30 @@ def test_step_refuses_a_parameter_whose_storage_was_freed(backend):
     assert [g["step"] for g in opt.param_groups] == [1]
 
 
+@pytest.mark.parametrize("read", ["state_dict", "get_unscaled_state"])
+def test_a_master_seeded_from_a_freed_parameter_is_refused_by_name(read):
+    """S1.4: a master that still follows its parameter (S1.6) is exported as seeded
+    from it; a parameter whose storage was freed names the cause, not torch's "data is
+    not allocated yet", and the optimizer is unchanged. Exports that do not read the
+    parameter (its moments) still work."""
+    # Six bf16 elements: the 12 bytes FREED names.
+    params = [torch.nn.Parameter(torch.randn(2, 3).to(torch.bfloat16)) for _ in range(2)]
+    opt = fused_adam()(params, lr=0.1, master_weights=True)
+    before = {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    params[1].untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), FREED)):
+        if read == "state_dict":
+            opt.state_dict()
+        else:
+            opt.get_unscaled_state(params[1], "master_param")
+    after = {(i, k): v for i, p in enumerate(params) for k, v in opt.state[p].items()}
+    assert before.keys() == after.keys()
+    for key in before:
+        assert_bitwise_equal(after[key], before[key], f"state {key} after a refused read")
+    assert params[1] in opt._seeded  # still follows its parameter
+    assert torch.equal(opt.get_unscaled_state(params[1], "exp_avg"), torch.zeros(2, 3))
+
+
 def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
     """S1.4 refuses only elements that share memory: offsets 2i + 3j (shape (3, 2)) are
     all distinct though no ordering of the strides shows it, so the parameter is

@@ -646,6 +646,35 @@ def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
     opt.set_scaled_state(p, "master_param", value)
 
 
+@pytest.mark.parametrize("remainders_before", [True, False])
+def test_a_step_after_a_changed_setting_records_the_new_layout(remainders_before):
+    """S1.5, S5.4: the step that converts the state after a setting changed records the
+    new layout in its group (where torch's flattening and DCP read it), as state_dict()
+    does; the state is the twin's that never changed setting, switched back."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(8, 64, generator=gen).bfloat16())
+              for _ in range(2)]
+    opts = [fused_adam()([p], lr=1e-2, master_weights=True,
+                         store_param_remainders=remainders_before) for p in params]
+    grads = [torch.randn(8, 64, generator=gen).bfloat16() for _ in range(3)]
+    params[1].data.copy_(params[0].data)
+    layouts = {True: "exp_avg=fp32 exp_avg_sq=fp32 master=remainder",
+               False: "exp_avg=fp32 exp_avg_sq=fp32 master=fp32"}
+    for step, grad in enumerate(grads):
+        if step == 1:
+            opts[0].store_param_remainders = not remainders_before
+        for p, opt in zip(params, opts):
+            p.grad = grad.clone()
+            opt.step()
+        recorded = opts[0].param_groups[0]["state_layout"]
+        assert recorded == layouts[remainders_before if step == 0 else not remainders_before]
+        assert recorded == opts[0].state_dict()["param_groups"][0]["state_layout"]
+    assert_bitwise_equal(params[0].detach(), params[1].detach(), "parameters")
+    opts[0].store_param_remainders = remainders_before
+    assert_bitwise_equal(opts[0].get_unscaled_state(params[0], "master_param"),
+                         opts[1].get_unscaled_state(params[1], "master_param"), "master")
+
+
 @pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])
 @pytest.mark.parametrize("route", ["plain", "template", "dcp", "no-layout"])
 def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, route,

@@ -124,3 +124,64 @@ def test_interleaved_parameters_are_not_compared_byte_by_byte_at_every_step(
         for _ in range(2):
             opt.step()
     assert compared == []
+
+
+def _plan_ids(opt):
+    return [id(plan) if plan is not None else None for plan in opt._plans]
+
+
+@pytest.mark.parametrize("change", ["initialize_state", "add_param_group"])
+def test_a_new_state_rebuilds_only_its_own_groups_plan(monkeypatch, change):
+    """initialize_state and add_param_group drop the plans that hold the parameter
+    (they bound its old storage), not every group's; the next step then binds without
+    writing, so the pre-binding check of every gradient is left to the calls' own
+    checks. The results are those of an optimizer whose plans were all rebuilt."""
+    params, twin_params = _groups(GROUPS, torch.float32), _groups(GROUPS, torch.float32)
+    opt, twin = (FusedAdam([{"params": [p]} for p in ps], lr=1e-3)
+                 for ps in (params, twin_params))
+    opt.step()
+    twin.step()
+    kept = _plan_ids(opt)
+    extra = [torch.nn.Parameter(torch.ones(8, 16)) for _ in range(2)]
+    if change == "initialize_state":
+        opt.initialize_state(params[5])
+        twin.initialize_state(twin_params[5])
+        rebuilt = {5}
+    else:
+        opt.add_param_group({"params": [extra[0]]})
+        twin.add_param_group({"params": [extra[1]]})
+        rebuilt = set()
+    twin._plans = []  # every group's plan rebuilt and bound again
+    assert [i for i, plan in enumerate(_plan_ids(opt)[:GROUPS]) if plan != kept[i]] \
+        == sorted(rebuilt)
+    calls = []
+    monkeypatch.setattr("shardadam._backend.check_before_binding",
+                        lambda *args: calls.append(args))
+    opt.step()
+    assert calls == []  # nothing written by binding: nothing to check before it
+    monkeypatch.undo()
+    twin.step()
+    assert [i for i, plan in enumerate(_plan_ids(opt)[:GROUPS]) if plan != kept[i]] \
+        == sorted(rebuilt)
+    for p, q in zip(params + extra[:1], twin_params + extra[1:]):
+        assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32))
+
+
+def test_a_gradient_in_another_groups_state_is_refused_after_a_new_group():
+    """The plans kept after add_param_group still meet the step's check of every call
+    together: a gradient reading another group's state is refused, nothing changed."""
+    params = _groups(GROUPS, torch.float32)
+    opt = FusedAdam([{"params": [p]} for p in params], lr=1e-3)
+    opt.step()
+    extra = torch.nn.Parameter(torch.ones(8, 16))
+    extra.grad = torch.ones(8, 16)
+    opt.add_param_group({"params": [extra]})
+    params[3].grad = opt.state[params[7]]["exp_avg"]
+    before = [t.clone() for t in params + [extra]]
+    before += [t.clone() for p in params + [extra] for t in opt.state[p].values()]
+    with pytest.raises(ValueError, match=r"(?=.*group 3)(?=.*group 7).*exp_avg.*share"):
+        opt.step()
+    after = params + [extra] + [t for p in params + [extra] for t in opt.state[p].values()]
+    assert all(torch.equal(a.detach().view(torch.int32), b.view(torch.int32))
+               for a, b in zip(after, before))
+    assert [g["step"] for g in opt.param_groups] == [1] * GROUPS + [0]
