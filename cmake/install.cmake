@@ -48,3 +48,7 @@ write_basic_package_version_file(
 install(FILES "${PROJECT_BINARY_DIR}/shardadam-config.cmake"
               "${PROJECT_BINARY_DIR}/shardadam-config-version.cmake"
         DESTINATION "${SHARDADAM_CMAKE_DIR}")
+
+# The licence, and the notices of what the archives and the extension take in.
+install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" "${PROJECT_SOURCE_DIR}/THIRD_PARTY_NOTICES.md"
+        DESTINATION "${CMAKE_INSTALL_DOCDIR}")

@@ -1,10 +1,12 @@
-"""argparse types shared by the command-line tools: checked when the arguments are
+"""argparse types and checks shared by the command-line tools: checked when the arguments are
 parsed, before a run that may take minutes, never after it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+from typing import Optional
 
 
 def whole_number_at_least(low):
@@ -53,3 +55,13 @@ def same_file_error(paths: dict):
             return f"{seen[key]} and {flag} name the same file {path!r}"
         seen[key] = flag
     return None
+
+
+def missing_modules(what: str, names) -> Optional[str]:
+    """Why ``what`` cannot run (a message naming the optional modules ``names`` that are
+    not installed, all of them in the package's ``demo`` extra), or None."""
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"{what} cannot run without {' and '.join(missing)} (pip install "
+            f"'shardadam[demo]', or pip install {' '.join(missing)})")

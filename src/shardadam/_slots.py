@@ -11,6 +11,7 @@ and tags.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import warnings
 
@@ -18,13 +19,17 @@ from . import _formats, _validate
 from ._formats import TAG_NONE
 
 try:
-    from . import _C as extension
-except ModuleNotFoundError:  # not built: every batch takes the torch path
-    extension = None
-except ImportError as _error:  # built but not loadable (e.g. an undefined symbol)
-    warnings.warn(f"shardadam._C could not be loaded ({_error}); every step takes the "
-                  f"torch path, much slower on CPU: rebuild the extension", RuntimeWarning)
-    extension = None
+    # By its full name: `from . import _C`, run while the package itself is still
+    # importing, reports a missing module as a circular import.
+    extension = importlib.import_module(f"{__package__}._C")
+except ImportError as _error:
+    extension = None  # every batch takes the torch path
+    # Not built: silently (`python -m shardadam info` says so). Built but not loadable
+    # (an undefined symbol, another Python's build): said.
+    if not (isinstance(_error, ModuleNotFoundError) and _error.name == f"{__package__}._C"):
+        warnings.warn(f"shardadam._C could not be loaded ({_error}); every step takes "
+                      f"the torch path, much slower on CPU: rebuild the extension",
+                      RuntimeWarning)
 
 # What a slot row holds, in the order _row() lists it.
 NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",

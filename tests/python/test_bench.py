@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardadam import peers
-from shardadam.bench import cases, cli, contenders, multipass, timing
+from shardadam.bench import cases, cli, contenders, multipass, runner, timing
 
 # Every case kind with the contenders it must report (probes included).
 _FP32 = {"shardadam", "torch-fused", "torch-foreach", "torch-default", "deepspeed",
@@ -47,6 +47,30 @@ _MAY_BE_ABSENT = {"deepspeed": "unavailable", "dtensor": "unsupported",
 def _run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "shardadam", "bench", *args],
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("hidden, flags, named", [
+    ("numpy", ["--cases", "dtensor"], "the dtensor cases cannot run without numpy"),
+    ("matplotlib", ["--cases", "many", "--png", "b.png"],
+     "--png cannot run without matplotlib")])
+def test_a_missing_optional_module_is_named_before_the_run(capsys, monkeypatch, tmp_path,
+                                                           hidden, flags, named):
+    """numpy (the dtensor cases' ranks gather objects, which torch pickles through it)
+    and matplotlib (--png) are the package's ``demo`` extra, not its dependencies: a
+    bench that needs one that is missing says so in one line before timing anything,
+    not after minutes of it."""
+    import importlib.util
+
+    from shardadam.__main__ import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == hidden else find_spec(name, *a))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner, "time_case", lambda *a: pytest.fail("timed a case"))
+    assert main(["bench", "--quick", "--no-kernel-bench", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0] and "shardadam[demo]" in err[0], err
 
 
 @pytest.fixture(scope="module")

@@ -221,6 +221,24 @@ def test_also_refuses_a_peer_not_installed(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out" / "demo.json").exists()
 
 
+@pytest.mark.parametrize("hidden", ["numpy", "matplotlib"])
+def test_a_missing_optional_module_is_named_before_any_rank(tmp_path, capsys, monkeypatch,
+                                                            hidden):
+    """numpy (torch's checkpoints gather objects through it) and matplotlib (demo.png)
+    are the package's ``demo`` extra: without one, one line names it before any rank
+    starts, not a rank's traceback minutes later."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == hidden else find_spec(name, *a))
+    code = main(["demo", "--model", "tiny", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"the demo cannot run without {hidden}" in err[0] and "shardadam[demo]" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
 def _torchao_adamw8bit_bytes(shapes, ranks):
     """State bytes torchao's AdamW8bit holds over FSDP2's Shard(0) shards on ``ranks``
     ranks: its rule, applied to each rank's local shard, quantizes a shard of at least

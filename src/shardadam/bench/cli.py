@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-from .._arguments import same_file_error, whole_number_at_least, writable_file
+from .._arguments import (missing_modules, same_file_error, whole_number_at_least,
+                          writable_file)
 from .timing import SETTLE_S
 
 _KINDS = ("large", "training", "transformer", "many", "groups", "dtensor", "lowbit")
@@ -171,6 +172,16 @@ def run(args) -> int:
         print(f"python -m shardadam bench: error: {same}", file=sys.stderr)
         return 2
     mode = "quick" if args.quick else "full"
+    selected = cases.build_cases(mode, args.scale, args.cases)
+    # Checked before a run of minutes: the dtensor cases' ranks gather their results
+    # as objects (torch pickles them through numpy); --png draws with matplotlib.
+    for what, names in (("the dtensor cases",
+                         ["numpy"] if any(c.kind == "dtensor" for c in selected) else []),
+                        ("--png", ["matplotlib"] if args.png else [])):
+        missing = missing_modules(what, names)
+        if missing is not None:
+            print(f"python -m shardadam bench: error: {missing}", file=sys.stderr)
+            return 2
     size = cases.settings(mode)
     if args.reps:
         size["reps"] = args.reps
@@ -178,7 +189,6 @@ def run(args) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     meta = _meta(args, mode, threads, size)
-    selected = cases.build_cases(mode, args.scale, args.cases)
 
     kernel_rows, ceiling_rows = {}, {}
     large = [c for c in selected if c.kind in ("large", "training")]

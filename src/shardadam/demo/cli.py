@@ -22,6 +22,7 @@ import tempfile
 import time
 
 from .. import peers
+from .._arguments import missing_modules
 from .config import DEFAULT_PRESET, PRESETS, SIZES
 
 # A collective that waits longer than this fails instead of hanging the demo.
@@ -132,6 +133,11 @@ def _check(args):
         # torch 2.6's FSDP2 records events on the CPU's stream, whose class lacks them.
         raise DemoError(f"FSDP2 on CPU ranks needs torch 2.7 or newer, this is "
                         f"{torch_version} (FusedAdam itself takes 2.6)")
+    # Checked before a run of minutes: torch's checkpoints gather objects through
+    # numpy; the report draws demo.png with matplotlib.
+    missing = missing_modules("the demo", ["numpy", "matplotlib"])
+    if missing is not None:
+        raise DemoError(missing)
     rows = SIZES[args.model].rows
     for flag, ranks in (("--ranks", args.ranks), ("--resume-ranks", args.resume_ranks)):
         if ranks > rows:
