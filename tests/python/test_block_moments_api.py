@@ -412,10 +412,12 @@ def test_scale_changed_in_place_is_refused_on_every_cpu_path(family, value, back
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("family", ["block8", "fp8"])
-def test_scale_changed_in_place_in_a_later_group_changes_no_group(family, backend):
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0], ids=["nan", "zero", "negative"])
+def test_scale_changed_in_place_in_a_later_group_changes_no_group(family, backend, bad):
     """A step of several groups is one step (S3.1): with the gradients at the same
     addresses as at the last step (grad buffers), a scale of the second group changed
-    in place is refused before the first group is stepped."""
+    in place to one that is not finite and positive (S2.3) is refused before the first
+    group is stepped."""
     if backend == "auto" and not have_core():
         pytest.skip("C++ extension not built")
     kwargs = SCALED[family]
@@ -428,10 +430,10 @@ def test_scale_changed_in_place_in_a_later_group_changes_no_group(family, backen
             p.grad = torch.randn(p.shape, generator=gen)
         for _ in range(2):
             opt.step()  # the same gradient tensors each time
-        opt._scales[params[1]]["exp_avg"].view(-1)[0] = float("nan")
+        opt._scales[params[1]]["exp_avg"].view(-1)[0] = bad
         before = snapshot(opt)
-        with pytest.raises(ValueError, match=r"group 1, param 0: exp_avg_scale(\[0\])? nan "
-                                             r"is not a valid scale"):
+        with pytest.raises(ValueError, match=rf"group 1, param 0: exp_avg_scale(\[0\])? "
+                                             rf"{bad:g} is not a valid scale"):
             opt.step()
         assert_unchanged(opt, before)
 

@@ -293,6 +293,22 @@ def test_bf16_rounding_keeps_a_nans_sign():
     assert torch.equal(got[torch.isnan(x)] >> 15, (bits[torch.isnan(x)] >> 31).to(got.dtype))
 
 
+def test_a_nan_master_splits_as_the_quiet_nan_with_its_sign():
+    """S2.5 on the torch path (``_codecs.split_remainder``, also what a conversion to
+    remainders uses): every NaN master, whatever its payload (0x7F800001's high half
+    alone would read as inf), splits into the bf16 quiet NaN with its sign and a zero
+    remainder, so the parameter is NaN and the pair rebuilds a NaN."""
+    from shardadam import _codecs
+
+    nans = torch.tensor(_NAN_BITS, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    high, low = _codecs.split_remainder(nans.repeat(3))
+    signs = (torch.tensor(_NAN_BITS) >> 31).repeat(3)
+    want = torch.where(signs == 1, 0xFFC0, 0x7FC0)
+    assert torch.equal(high.view(torch.int16).to(torch.int64) & 0xFFFF, want)
+    assert torch.equal(low, torch.zeros_like(low))
+    assert torch.isnan(_codecs.merge_remainder(high, low)).all()
+
+
 @pytest.mark.parametrize("master", ["fp32", "remainder"])
 @pytest.mark.parametrize("moments", ["bf16", "block8"])
 @pytest.mark.parametrize("sign", [1, -1], ids=["+nan", "-nan"])

@@ -381,8 +381,10 @@ def test_parameters_sharing_memory_are_refused_when_handed_in():
     buffer = torch.zeros(10)
     first = torch.nn.Parameter(buffer.as_strided((6,), (1,)))
     second = torch.nn.Parameter(buffer.as_strided((6,), (1,), 4))
+    single = torch.nn.Parameter(buffer[5:6])  # one element inside the first
     for groups, later in (([first, second], at(0, 1)),
-                          ([{"params": [first]}, {"params": [second]}], at(1, 0))):
+                          ([{"params": [first]}, {"params": [second]}], at(1, 0)),
+                          ([first, single], at(0, 1))):
         with pytest.raises(RuntimeError, match=facts(*later, r"shares memory with group 0, "
                                                              r"param 0\b")):
             fused_adam()(groups)
@@ -441,6 +443,23 @@ def test_a_master_seeded_from_a_freed_parameter_is_refused_by_name(read):
         assert_bitwise_equal(after[key], before[key], f"state {key} after a refused read")
     assert params[1] in opt._seeded  # still follows its parameter
     assert torch.equal(opt.get_unscaled_state(params[1], "exp_avg"), torch.zeros(2, 3))
+
+
+def test_step_refuses_a_parameter_whose_storage_was_shrunk():
+    """S1.4 "freed or shrunk": a storage resized below the bytes the parameter's
+    elements span (not only to 0) is refused by name, nothing changed."""
+    params = [torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(i)))
+              for i in range(2)]
+    opt = fused_adam()(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    params[1].untyped_storage().resize_(params[1].nbytes // 2)
+    before = snapshot(opt, params[:1])
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), "holds 12 bytes, fewer than its "
+                                                 r"elements span \(24\).*freed or shrunk")):
+        opt.step()
+    assert_unchanged(opt, before)
 
 
 def test_strided_parameter_whose_elements_are_apart_steps_as_a_copy():
@@ -620,6 +639,40 @@ def test_refused_step_after_a_configuration_change_changes_nothing(backend):
             opt.step()
     assert_unchanged(opt, before, "optimizer after a refused step")
     assert all("master_param" not in opt.state[p] for p in params)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("aliased", ["exp_avg", "scale"])
+def test_refused_step_that_would_convert_state_converts_nothing(backend, aliased):
+    """S3.1 when the step would first convert state (a moment's dtype changed, S1.5): a
+    gradient sharing memory with another parameter's existing state, or with its
+    per-block scales, is refused before any state is converted: dtypes, storage and
+    values as they were."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(13)
+    block = aliased == "scale"
+    # With block8 the first has two blocks, so two scales: the second's whole gradient.
+    shapes = [(2, 256), (2,)] if block else [(4,), (4,)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+    opt = fused_adam()(params, lr=0.1, **(dict(moment_format="block8") if block else {}))
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    with backend_context(backend):
+        opt.step()
+        if block:  # block8 -> fp32 moments: converted
+            opt.moment_format = None
+            params[1].grad = opt._scales[params[0]]["exp_avg"].view(-1)
+        else:  # fp32 -> bf16 exp_avg_sq
+            opt.exp_avg_sq_dtype = torch.bfloat16
+            params[1].grad = opt.state[params[0]]["exp_avg"]
+        before = snapshot(opt)
+        dtypes = {(i, k): v.dtype for i, p in enumerate(params) for k, v in opt.state[p].items()}
+        with pytest.raises(ValueError, match=facts(*at(0, 1), "grad")):
+            opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+    assert {(i, k): v.dtype for i, p in enumerate(params)
+            for k, v in opt.state[p].items()} == dtypes
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

@@ -944,3 +944,32 @@ def test_torch_checkpoint_without_weight_decay_loads_into_either_mode(torch_cls)
         results.append((opt, copies))
     (a, params_a), (b, params_b) = results
     assert_same_optimizer_state(a, b, params_a, params_b, "AdamW mode against L2 mode")
+
+
+def test_a_group_removed_after_its_moments_were_set_leaves_no_mark():
+    """S5.4's ``moments=set`` mark belongs to a group at step 0: a group taken out of
+    ``param_groups`` by hand after ``set_scaled_state`` leaves no mark behind, and
+    ``state_dict()`` exports the groups there are."""
+    a, b = (torch.nn.Parameter(torch.randn(4)) for _ in range(2))
+    opt = fused_adam()([dict(params=[a]), dict(params=[b])], lr=0.1)
+    opt.set_scaled_state(b, "exp_avg", torch.ones(4))
+    assert opt.state_dict()["param_groups"][1]["state_layout"].endswith(" moments=set")
+    opt.param_groups.pop()
+    sd = opt.state_dict()
+    assert [g["state_layout"] for g in sd["param_groups"]] == [
+        "exp_avg=fp32 exp_avg_sq=fp32 master=none"]
+
+
+def test_a_master_put_in_from_outside_is_read_as_it_is():
+    """S1.6: a master that followed its parameter, replaced in ``optimizer.state`` from
+    outside (as torch's ZeroRedundancyOptimizer loads one), is the truth:
+    ``get_unscaled_state`` returns its values and does not re-seed it from the
+    parameter."""
+    p = torch.nn.Parameter(torch.randn(4).bfloat16())
+    opt = fused_adam()([p], lr=0.1, master_weights=True)
+    loaded = torch.full((4,), 3.0)
+    opt.state[p]["master_param"] = loaded
+    got = opt.get_unscaled_state(p, "master_param")
+    assert_bitwise_equal(got, torch.full((4,), 3.0), "master read")
+    assert_bitwise_equal(loaded, torch.full((4,), 3.0), "the master put in")
+    assert opt.state[p]["master_param"] is loaded

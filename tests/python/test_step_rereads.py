@@ -185,3 +185,57 @@ def test_a_gradient_in_another_groups_state_is_refused_after_a_new_group():
     assert all(torch.equal(a.detach().view(torch.int32), b.view(torch.int32))
                for a, b in zip(after, before))
     assert [g["step"] for g in opt.param_groups] == [1] * GROUPS + [0]
+
+
+@pytest.mark.parametrize("how", ["replaced", "restrided"])
+def test_state_that_is_not_contiguous_is_read_by_value(how):
+    """A state tensor is read by its logical values, whatever its strides: one put in
+    from outside that is not contiguous ("replaced"), or one whose strides changed in
+    place (``as_strided_``: same memory, same shape, so only the strides tell the plan
+    it changed, "restrided"), steps as a contiguous tensor of the same values does."""
+    runs = []
+    for variant in (how, "contiguous"):
+        gen = torch.Generator().manual_seed(4)
+        param = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
+        opt = FusedAdam([param], lr=0.1)
+        param.grad = torch.randn(4, 4, generator=gen)
+        opt.step()
+        held = opt.state[param]["exp_avg"]
+        transposed = held.t().contiguous()  # the values the variants hold
+        if variant == "replaced":
+            opt.state[param]["exp_avg"] = transposed.t().contiguous().t()
+            assert not opt.state[param]["exp_avg"].is_contiguous()
+        elif variant == "restrided":
+            held.as_strided_((4, 4), (1, 4))  # held now reads as its transpose
+        else:
+            opt.state[param]["exp_avg"] = transposed
+        assert torch.equal(opt.state[param]["exp_avg"], transposed)
+        param.grad = torch.randn(4, 4, generator=gen)
+        opt.step()
+        runs.append((param.detach().clone(), opt.state[param]["exp_avg"].clone()))
+    (p0, m0), (p1, m1) = runs
+    assert torch.equal(p0.view(torch.int32), p1.view(torch.int32))
+    assert torch.equal(m0.view(torch.int32), m1.view(torch.int32))
+
+
+def test_a_strided_gradient_viewing_state_steps_from_a_copy_at_a_converting_step():
+    """A gradient that is not contiguous is read through a copy taken before anything is
+    updated (S3.2), so one viewing another parameter's state is accepted, also at a
+    step that converts state first (S1.5: its gradients are checked before the
+    conversion), and steps as that copy would."""
+    runs = []
+    for copied in (False, True):
+        gen = torch.Generator().manual_seed(5)
+        a = torch.nn.Parameter(torch.randn(8, generator=gen))
+        b = torch.nn.Parameter(torch.randn(4, generator=gen))
+        opt = FusedAdam([a, b], lr=0.1)
+        opt.state[a]["exp_avg"].copy_(torch.randn(8, generator=gen))
+        opt.exp_avg_sq_dtype = torch.bfloat16  # converted when this step binds
+        a.grad = torch.randn(8, generator=gen)
+        view = opt.state[a]["exp_avg"][::2]
+        b.grad = view.clone() if copied else view
+        opt.step()
+        runs.append([t.detach().clone() for t in (a, b, opt.state[a]["exp_avg"],
+                                                    opt.state[b]["exp_avg"])])
+    for x, y in zip(*runs):
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
