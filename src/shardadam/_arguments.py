@@ -1,5 +1,5 @@
-"""argparse types and checks shared by the command-line tools: checked when the arguments are
-parsed, before a run that may take minutes, never after it."""
+"""argparse types and checks shared by the command-line tools: checked when the
+arguments are parsed, before a run that may take minutes, never after it."""
 
 from __future__ import annotations
 

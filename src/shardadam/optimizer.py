@@ -373,14 +373,15 @@ class FusedAdam(torch.optim.Optimizer):
                 # Before binding writes state, if it does (plans dropped by
                 # add_param_group or initialize_state bind without writing: the
                 # checks of the calls below then come first).
-                checked = []
+                checked = False
 
                 def before_writing():
+                    nonlocal checked
                     if not checked:
                         _backend.check_before_binding(
                             [b for _, _, batches in work for b in batches], self.state,
                             self._scales)
-                        checked.append(True)
+                        checked = True
 
                 with _making_state():
                     for g, (plan, _, _) in enumerate(work):
