@@ -425,6 +425,8 @@ def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch
     ``owner``'s, ``_stored_by``) and its format into ``formats[param]``, scales into
     ``scales[param]``, then the parameter's new bf16 bits into its local tensor."""
     entry = state[param]
+    if not isinstance(entry, dict):  # put there from outside; initialize_state replaces it
+        entry = state[param] = {}
     for name, stored in writes.stored.items():
         if stored is None:
             entry.pop(name, None)
@@ -481,13 +483,32 @@ def origin_error(specs: tuple, entry: Optional[dict], formats: Optional[dict], o
     read as its values: scaled values an optimizer stored at another place (their scales
     stayed there, ``_stored_by``), a dtype no format of that state has, or a scaled
     format other than the one whose scales are recorded for it (S2.2, S2.3)."""
+    if entry is not None and not isinstance(entry, dict):
+        return (f"state entry must be a dict of state tensors, got "
+                f"{type(entry).__name__} (rule S5.1); call initialize_state(param) to "
+                f"recreate it")
     for spec in specs:
         stored = (entry or {}).get(spec.name)
         if stored is None:
             continue
-        error = _origin_error(stored, spec.name, formats, owner, key)
+        error = _form_error(stored, key) or _origin_error(stored, spec.name, formats,
+                                                          owner, key)
         if error is not None:
             return _to_recreate(spec, error)
+    return None
+
+
+def _form_error(stored, param) -> Optional[str]:
+    """Why ``stored`` (put into the state from outside) holds no values a step can read
+    for ``param``, or None: not a tensor, not dense, or on the meta device beside a
+    parameter with values (S2.2)."""
+    if not isinstance(stored, torch.Tensor):
+        return f"must be a tensor, got {type(stored).__name__} (rule S2.2)"
+    local = _dtensor.to_local(stored)
+    if local.layout is not torch.strided:
+        return f"is a {local.layout} tensor; states are dense (torch.strided, rule S2.2)"
+    if local.is_meta and not _dtensor.to_local(param).is_meta:
+        return "is on the meta device, without values (rule S2.2)"
     return None
 
 
@@ -570,7 +591,11 @@ def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],
         stored = entry.get(spec.name)
         if stored is None:
             continue
-        error = _scale_error(_dtensor.to_local(stored), spec, scales, formats)
+        local = _dtensor.to_local(stored)
+        error = _scale_error(local, spec, scales, formats)
+        if error is not None and local.is_meta:  # a meta parameter's: recreated on meta
+            return (f"state {spec.name!r} {error}; build the optimizer once the parameters "
+                    f"hold values (e.g. after module.to_empty(device=...))")
         if error is not None:
             return _to_recreate(spec, error)
     return None

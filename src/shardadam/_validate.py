@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import torch
@@ -31,7 +31,10 @@ def place(group: Optional[int] = None, param: Optional[int] = None,
     if group is not None:
         parts.append(f"group {group}")
     if param is not None:
-        parts.append(f"param {param}" + (f" ({name!r})" if name is not None else ""))
+        # A name that is not a string (a tensor, put in param_names by mistake) is
+        # shown as shown() shows values: never its contents (S8).
+        shown_name = repr(name) if isinstance(name, str) else shown(name)
+        parts.append(f"param {param}" + (f" ({shown_name})" if name is not None else ""))
     return ", ".join(parts)
 
 
@@ -308,14 +311,64 @@ def check_group_keys(group: dict, group_index: int, settings) -> None:
     """A group edited or appended by hand may lack a key that step() reads, or set one
     check_group_options refuses (it would be ignored). ``settings()``: the optimizer's,
     as check_group_options takes them."""
-    if group.keys() >= _GROUP_KEY_SET and _IGNORED_KEY_SET.isdisjoint(group):
-        return  # two C-level tests for the usual group
+    if (type(group) is dict and type(group.get("params")) is list
+            and group.keys() >= _GROUP_KEY_SET and _IGNORED_KEY_SET.isdisjoint(group)):
+        return  # C-level tests for the usual group
+    check_groups([group], group_index)
     check_group_options(group, group_index, settings())
     for key in GROUP_KEYS:
         if key not in group:
             raise fail(KeyError, f"the group has no {key!r} (rule: every group holds "
                        f"{', '.join(GROUP_KEYS)}; add_param_group fills missing ones "
                        "from the defaults)", group=group_index)
+
+
+def check_groups(groups: list, first_index: int = 0) -> None:
+    """The optimizer's ``param_groups`` (numbered from ``first_index``), as edited by
+    hand, can be read: each a dict whose ``params`` is a list (torch's
+    ``add_param_group`` makes one; a tensor put there would be read as its rows, each
+    stepped as a parameter of its own, S8)."""
+    if not isinstance(groups, list):
+        raise TypeError(f"{CLASS_NAME}: param_groups must be a list of dicts, got "
+                        f"{shown(groups)} (rule S8)")
+    for g, group in enumerate(groups, first_index):
+        if type(group) is dict and type(group.get("params")) is list:
+            continue
+        if not isinstance(group, dict):
+            raise fail(TypeError, f"a parameter group must be a dict, got {shown(group)} "
+                                  f"(rule S8)", group=g)
+        if "params" not in group:
+            raise fail(KeyError, "the group has no 'params' (rule S8: every group holds "
+                       f"{', '.join(GROUP_KEYS)})", group=g)
+        if not isinstance(group["params"], list):
+            raise fail(TypeError, f"'params' must be a list of parameters, got "
+                       f"{shown(group['params'])} (rule S8: torch's add_param_group makes "
+                       f"one; a tensor there would be read as its rows)", group=g)
+
+
+def group_params(param_group, group_index: int) -> list:
+    """The ``params`` of a group handed to the constructor or ``add_param_group``, as the
+    list torch stores: a tensor alone, or an ordered iterable of tensors, or of
+    ``(name, tensor)`` pairs throughout (S8; torch's rules, named here)."""
+    if not isinstance(param_group, dict):
+        raise fail(TypeError, f"a parameter group must be a dict, got {shown(param_group)} "
+                              f"(rule S8)", group=group_index)
+    if "params" not in param_group:
+        raise fail(KeyError, "the group has no 'params' (rule S8)", group=group_index)
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (set, frozenset)) or not isinstance(params, Iterable):
+        raise fail(TypeError, f"'params' must be a tensor or an ordered collection of them "
+                              f"(a list: a set's order changes between runs), got "
+                              f"{shown(params)} (rule S8)", group=group_index)
+    params = list(params)
+    named = [isinstance(p, tuple) for p in params]
+    if any(named) and not all(named):
+        raise fail(ValueError, "names some parameters and not others (rule S8, as torch's: "
+                               "(name, tensor) pairs throughout, or tensors throughout)",
+                   group=group_index)
+    return params
 
 
 def hyper_parameters(group: dict, group_index: Optional[int] = None,

@@ -101,6 +101,8 @@ class FusedAdam(torch.optim.Optimizer):
                             ("use_decoupled_grad", use_decoupled_grad),
                             ("store_param_remainders", store_param_remainders)):
             _validate.check_flag(name, value)
+        if set_grad_none is not None:  # TE's deprecated switch: None, or a flag
+            _validate.check_flag("set_grad_none", set_grad_none)
         _validate.check_options(
             amsgrad=amsgrad, capturable=capturable, master_weights=master_weights,
             master_weight_dtype=master_weight_dtype, exp_avg_dtype=exp_avg_dtype,
@@ -198,32 +200,26 @@ class FusedAdam(torch.optim.Optimizer):
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
-        planned = []  # every new entry is planned (and checked) before anything changes
-        if isinstance(param_group, dict) and "params" in param_group:
-            params = param_group["params"]
-            if not isinstance(params, set):  # torch rejects sets itself
-                params = [params] if isinstance(params, torch.Tensor) else list(params)
-                param_group["params"] = params
-                index = len(self.param_groups)
-                tensors = [p[1] if isinstance(p, tuple) else p for p in params]
-                # (name, tensor) pairs: torch sets param_names later; name them now.
-                named = ({"param_names": [p[0] for p in params]}
-                         if params and all(isinstance(p, tuple) for p in params)
-                         else param_group)
-                _validate.check_group_options(param_group, index, self._group_settings())
-                _validate.check_step_counter(param_group, index)  # as step() would
-                placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
-                          for i, p in enumerate(group["params"])}
-                _validate.check_params(tensors, index, named, placed)
-                if not getattr(self, "_constructing", False):
-                    _validate.check_disjoint_params(
-                        self.param_groups + [dict(named, params=tensors)])
-                _validate.hyper_parameters({**self.defaults, **param_group}, index)
-                planned = [self._planned_entry(param, config, index, i, named)
-                           for i, param in enumerate(tensors)]
+        index = len(self.param_groups)
+        _validate.check_groups(self.param_groups)
+        params = param_group["params"] = _validate.group_params(param_group, index)
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        # (name, tensor) pairs: torch sets param_names later; name them now.
+        named = ({"param_names": [p[0] for p in params]}
+                 if params and isinstance(params[0], tuple) else param_group)
+        _validate.check_group_options(param_group, index, self._group_settings())
+        _validate.check_step_counter(param_group, index)  # as step() would
+        placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)
+                  for i, p in enumerate(group["params"])}
+        _validate.check_params(tensors, index, named, placed)
+        if not getattr(self, "_constructing", False):
+            _validate.check_disjoint_params(self.param_groups + [dict(named, params=tensors)])
+        _validate.hyper_parameters({**self.defaults, **param_group}, index)
+        # Every new entry is planned (and checked) before anything changes.
+        planned = [self._planned_entry(param, config, index, i, named)
+                   for i, param in enumerate(tensors)]
         super().add_param_group(param_group)
-        # Only once the group passed (torch's own checks too: a set, missing names): a
-        # refused one changes nothing, not even the records of a state taken out by
+        # Only once the group passed (torch's own checks too): a refused one changes nothing, not even the records of a state taken out by
         # hand to be put back.
         self._forget_dropped()
         group = self.param_groups[-1]
@@ -510,6 +506,8 @@ class FusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """TE's ``zero_grad`` (S4): with ``use_decoupled_grad`` it clears
         ``param.decoupled_grad`` and leaves ``param.grad`` alone."""
+        if set_to_none is not None:  # read by truth value: "False" would be true
+            _validate.check_flag("set_to_none", set_to_none)
         if self.set_grad_none is not None:
             if set_to_none is not None and set_to_none != self.set_grad_none:
                 raise ValueError(
@@ -518,6 +516,7 @@ class FusedAdam(torch.optim.Optimizer):
             set_to_none = self.set_grad_none
         if set_to_none is None:
             set_to_none = True
+        _validate.check_groups(self.param_groups)
         if not self.use_decoupled_grad:
             super().zero_grad(set_to_none=set_to_none)
             return
@@ -537,15 +536,18 @@ class FusedAdam(torch.optim.Optimizer):
         if found is not None:
             g, i = found
             groups = self.param_groups
-            if g < len(groups) and i < len(groups[g]["params"]) \
-                    and groups[g]["params"][i] is param:
+            params = (groups[g].get("params") if g < len(groups) and type(groups[g]) is dict
+                      else None)
+            if type(params) is list and i < len(params) and params[i] is param:
                 return found
+        _validate.check_groups(self.param_groups)  # what the index is built from
         self._param_index = {id(p): (g, i) for g, group in enumerate(self.param_groups)
                              for i, p in enumerate(group["params"])}
         found = self._param_index.get(id(param))
         if found is None:
-            raise KeyError(f"{_validate.CLASS_NAME}: the tensor is not a parameter of "
-                           f"this optimizer")
+            raise KeyError(f"{_validate.CLASS_NAME}: {_validate.shown(param)} is not a "
+                           f"parameter of this optimizer (rule S5.2: state is read and set "
+                           f"by the parameter tensor itself)")
         return found
 
     def _where(self, param) -> str:
@@ -559,7 +561,7 @@ class FusedAdam(torch.optim.Optimizer):
         local = _dtensor.to_local(param)
         specs = {s.name: s
                  for s in self._checked_config().specs_of(local, _dtensor.layout_of(param))}
-        if state_name not in specs:
+        if not isinstance(state_name, str) or state_name not in specs:
             raise KeyError(f"{where}: unknown state name {_validate.shown(state_name)}; "
                            f"this parameter's states are {sorted(specs)}")
         return where, specs[state_name]
@@ -577,6 +579,8 @@ class FusedAdam(torch.optim.Optimizer):
         config = self._checked_config()
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         implied = config.uses_remainders(local.dtype)
+        if store_param_remainders is not None:
+            _validate.check_flag("store_param_remainders", store_param_remainders)
         if store_param_remainders is not None and bool(store_param_remainders) != implied:
             raise RuntimeError(
                 f"{where}: store_param_remainders={store_param_remainders!r} contradicts "
@@ -586,7 +590,8 @@ class FusedAdam(torch.optim.Optimizer):
         writes = _state.plan_entry(config.specs_of(local, layout), None, None, None, local,
                                    layout)
         # A fresh entry holds nothing else.
-        for key in self.state.get(param, ()):
+        entry = self.state.get(param)
+        for key in entry if isinstance(entry, dict) else ():  # anything else is replaced
             writes.stored.setdefault(key, None)
         for key in self._scales.get(param, ()):
             writes.scales.setdefault(key, None)
@@ -600,8 +605,9 @@ class FusedAdam(torch.optim.Optimizer):
         the state was stored (S1.5) converts it, as the next step would."""
         where, spec = self._spec(param, state_name)
         entry = self.state.get(param)
-        if entry is None or state_name not in entry:
-            raise KeyError(f"{where}: no state {state_name!r} yet")
+        if entry is None or (isinstance(entry, dict) and entry.get(state_name) is None):
+            raise KeyError(f"{where}: no state {state_name!r} yet (rule S5.2: reading "
+                           f"creates none; initialize_state(param) creates it)")
         self._check_decodable(param, (spec,), entry)
         if (state_name == "master_param"
                 and param in _state.drop_replaced_masters(self._seeded, self.state)):
@@ -687,6 +693,7 @@ class FusedAdam(torch.optim.Optimizer):
         records the state layout under ``state_layout`` (S5.4)."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        _validate.check_groups(self.param_groups)
         config = self._checked_config()
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         # Only a group still at step 0 keeps the mark of moments set by hand.
@@ -725,7 +732,7 @@ class FusedAdam(torch.optim.Optimizer):
         for spec in specs:
             if follows and spec.name == "master_param":  # until it steps (S1.6)
                 value = _state.seeded_value(spec, self._param_values(param, spec))
-            elif spec.name in entry:
+            elif entry.get(spec.name) is not None:  # None: cleared, as step() reads it
                 value, _ = _state.converted_value(spec, entry, scales, formats, local)
             else:  # what initialisation would create (state may have been cleared)
                 value = _state.initial_value(spec, self._param_values(param, spec))
@@ -756,6 +763,7 @@ class FusedAdam(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         _validate.check_loaded_dict(state_dict, whole=True)
+        _validate.check_groups(self.param_groups)
         saved_groups = deepcopy(state_dict["param_groups"])
         prepared, presets = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.

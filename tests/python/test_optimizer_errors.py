@@ -1899,3 +1899,171 @@ def test_messages_show_no_tensor_contents(where, backend):
     _assert_no_contents(error, where)
     text = _message_chain(error)
     assert "shape [2, 3]" in text and "torch.float32" in text, text
+
+
+# Groups and state in forms no reader expects: handed in, or edited by hand (S8).
+
+@pytest.mark.parametrize("build, error, pattern", [
+    (lambda p, q: fused_adam()([{"lr": 0.1}]), KeyError, r"group 0: the group has no 'params'"),
+    (lambda p, q: fused_adam()([{"params": None}]), TypeError,
+     r"group 0: 'params' must be a tensor or an ordered collection .*got None"),
+    (lambda p, q: fused_adam()([{"params": {p}}]), TypeError,
+     r"group 0: 'params' .*a set's order changes between runs.*got a set of 1 item"),
+    (lambda p, q: fused_adam()([("a", p), q]), ValueError,
+     r"group 0: names some parameters and not others"),
+    (lambda p, q: fused_adam()([p]).add_param_group({"params": 3}), TypeError,
+     r"group 1: 'params' must be a tensor .*got 3"),
+    (lambda p, q: fused_adam()([p]).add_param_group(["x"]), TypeError,
+     r"group 1: a parameter group must be a dict, got \['x'\]"),
+], ids=["no-params", "params-none", "params-set", "mixed-names", "apg-int", "apg-list"])
+def test_malformed_groups_handed_in_are_refused_by_name(build, error, pattern):
+    """S8: a group handed to the constructor or add_param_group that torch's rules refuse
+    is refused naming the class, the group and the rule, not with torch's or Python's
+    bare message (a KeyError 'params', "NoneType is not iterable")."""
+    p, q = (torch.nn.Parameter(torch.randn(3)) for _ in range(2))
+    with pytest.raises(error, match=facts("FusedAdam", pattern, "rule S8")):
+        build(p, q)
+
+
+@pytest.mark.parametrize("call", ["step", "state_dict", "zero_grad", "get_unscaled_state",
+                                  "load_state_dict", "add_param_group"])
+@pytest.mark.parametrize("broken", ["params-tensor", "params-none", "group-str"])
+def test_param_groups_edited_into_an_unreadable_form_are_refused(call, broken):
+    """S8: a group of ``param_groups`` edited by hand into something no reader can take is
+    refused by name; a tensor put in as ``params`` was read as its rows, each stepped as
+    a parameter of its own, with new state for each. Nothing changes."""
+    a = torch.nn.Parameter(torch.randn(4, 3))
+    b = torch.nn.Parameter(torch.randn(5))
+    opt = fused_adam()([a, b], lr=0.1)
+    a.grad, b.grad = torch.randn(4, 3), torch.randn(5)
+    opt.step()
+    saved = opt.state_dict()
+    before = snapshot(opt)
+    group = opt.param_groups[0]
+    if broken == "group-str":
+        opt.param_groups[0] = "x"
+        pattern = r"group 0: a parameter group must be a dict, got 'x'"
+    else:
+        group["params"] = a if broken == "params-tensor" else None
+        shown = "a tensor of dtype torch.float32 and shape \\[4, 3\\]" \
+            if broken == "params-tensor" else "None"
+        pattern = rf"group 0: 'params' must be a list of parameters, got {shown}"
+    calls = {"step": opt.step, "state_dict": opt.state_dict, "zero_grad": opt.zero_grad,
+             "get_unscaled_state": lambda: opt.get_unscaled_state(b, "exp_avg"),
+             "load_state_dict": lambda: opt.load_state_dict(saved),
+             "add_param_group": lambda: opt.add_param_group(
+                 {"params": [torch.nn.Parameter(torch.randn(2))]})}
+    with pytest.raises(TypeError, match=facts("FusedAdam", pattern, "rule S8")):
+        calls[call]()
+    opt.param_groups[0] = group
+    group["params"] = [a, b]
+    assert len(opt.param_groups) == 1 and len(opt.state) == 2
+    assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("call", ["step", "state_dict", "get_unscaled_state"])
+@pytest.mark.parametrize("bad", ["float", "list", "entry-int", "meta", "sparse"])
+def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
+    """S2.2, S5.1: a state (or a whole entry) put into ``optimizer.state`` from outside
+    that is not a dense tensor with values is refused naming the parameter, the state
+    and the rule, not with an AttributeError or torch's copy error (and never exported
+    as it is); nothing else changes, and initialize_state recreates it."""
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))
+    opt = fused_adam()([a, b], lr=0.1)
+    a.grad, b.grad = torch.randn(4), torch.randn(5)
+    opt.step()
+    before = snapshot(opt)
+    entry = opt.state[b]
+    values = {"float": 0.0, "list": [1.0] * 5, "meta": torch.zeros(5, device="meta"),
+              "sparse": torch.zeros(5).to_sparse()}
+    if bad == "entry-int":
+        opt.state[b] = 5
+        pattern = r"state entry must be a dict of state tensors, got int \(rule S5.1\)"
+    else:
+        opt.state[b] = dict(entry, exp_avg=values[bad])
+        pattern = {"float": r"state 'exp_avg' must be a tensor, got float",
+                   "list": r"state 'exp_avg' must be a tensor, got list",
+                   "meta": r"state 'exp_avg' is on the meta device",
+                   "sparse": r"state 'exp_avg' is a torch.sparse_coo tensor"}[bad] + ".*S2.2"
+    calls = {"step": opt.step, "state_dict": opt.state_dict,
+             "get_unscaled_state": lambda: opt.get_unscaled_state(b, "exp_avg")}
+    with pytest.raises(RuntimeError, match=facts(*at(0, 1), pattern, "initialize_state")):
+        calls[call]()
+    broken = opt.state[b]
+    opt.state[b] = entry
+    assert_unchanged(opt, before)
+    opt.state[b] = broken
+    opt.initialize_state(b)
+    assert sorted(opt.state[b]) == ["exp_avg", "exp_avg_sq"]
+    assert torch.equal(opt.get_unscaled_state(b, "exp_avg"), torch.zeros(5))
+
+
+def test_a_state_set_to_none_reads_as_cleared():
+    """A state set to None reads as one that is not there: the step recreates it (S1.6),
+    state_dict() exports what initialisation would hold, get_unscaled_state has none."""
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = fused_adam()([p], lr=0.1)
+    opt.state[p]["exp_avg"] = None
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], torch.zeros(5))
+    with pytest.raises(KeyError, match=facts(*at(0, 0), "no state 'exp_avg' yet",
+                                             "rule S5.2")):
+        opt.get_unscaled_state(p, "exp_avg")
+
+
+def test_a_parameter_name_that_is_a_tensor_is_shown_without_its_values():
+    """S8: a message never shows a tensor's contents, also where a name is expected
+    (``param_names`` holding a tensor by mistake)."""
+    secret = torch.tensor([3.14159, 2.71828])
+    group = {"params": [torch.nn.Parameter(torch.randn(3, dtype=torch.float64))],
+             "param_names": [secret]}
+    with pytest.raises(RuntimeError) as refused:
+        fused_adam()([group])
+    message = str(refused.value)
+    assert "a tensor of dtype torch.float32 and shape [2]" in message, message
+    assert "3.14" not in message and "2.71" not in message, message
+
+
+def test_lookups_name_what_they_were_given():
+    """S5.2, S8: a state name that is not a string, a value that is not a parameter of
+    the optimizer: a KeyError naming the value and the rule."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = fused_adam()([p])
+    with pytest.raises(KeyError, match=facts(*at(0, 0), r"unknown state name \['exp_avg'\]")):
+        opt.get_unscaled_state(p, ["exp_avg"])
+    with pytest.raises(KeyError, match=facts("FusedAdam", "'fc.b' is not a parameter of this "
+                                             "optimizer", "rule S5.2")):
+        opt.get_unscaled_state("fc.b", "exp_avg")
+
+
+@pytest.mark.parametrize("call", ["zero_grad", "zero_grad-set_grad_none", "initialize_state",
+                                  "constructor"])
+@pytest.mark.parametrize("value", [torch.ones(3), "False"], ids=["tensor", "string"])
+def test_switch_arguments_are_checked(call, value):
+    """S1.2's rule for switches also holds for ``zero_grad(set_to_none=)``,
+    ``initialize_state(store_param_remainders=)`` and TE's ``set_grad_none``: a bool or
+    an int 0/1, not torch's "ambiguous" error, not a string read as true."""
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.ones(3)
+    name = {"zero_grad": "set_to_none", "zero_grad-set_grad_none": "set_to_none",
+            "initialize_state": "store_param_remainders", "constructor": "set_grad_none"}[call]
+    with pytest.raises(ValueError, match=facts("FusedAdam", f"{name} must be a bool")):
+        if call == "constructor":
+            fused_adam()([p], set_grad_none=value)
+        opt = fused_adam()([p], **({"set_grad_none": True} if "set_grad_none" in call else {}))
+        if call == "initialize_state":
+            opt.initialize_state(p, store_param_remainders=value)
+        else:
+            opt.zero_grad(set_to_none=value)
+    assert torch.equal(p.grad, torch.ones(3))
+
+
+def test_a_meta_parameters_scaled_state_names_what_helps():
+    """A meta parameter's per-tensor scaled state has no scale value (S2.3): refused at
+    state_dict() with the step's rule, pointing at materialising the parameters, not at
+    initialize_state, which would recreate it on meta."""
+    m = torch.nn.Parameter(torch.empty(6, device="meta"))
+    opt = fused_adam()([m], exp_avg_dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 0), "scale is a meta tensor",
+                                                 r"to_empty")) as refused:
+        opt.state_dict()
+    assert "initialize_state" not in str(refused.value)
