@@ -953,7 +953,8 @@ def zero_redundancy(ctx, case):
     step (S1.2: a group may repeat the optimizer's settings). Each rank steps its
     partition: every parameter equals one FusedAdam's over the whole model, bitwise;
     ZeRO's consolidated state dict loads into a fresh ZeRO, which then steps on
-    as the uninterrupted one."""
+    as the uninterrupted one: parameters, every state (int16 remainders as stored)
+    and every group's step, bitwise as the one FusedAdam."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     preset = Preset(case.preset)
@@ -998,8 +999,29 @@ def zero_redundancy(ctx, case):
         for i, (r, p, q) in enumerate(zip(ref_params, params, resumed_params)):
             assert_bitwise(p.detach(), r.detach(), f"param {i} under ZeRO")
             assert_bitwise(q.detach(), r.detach(), f"param {i} under ZeRO, resumed")
+        # Every state (int16 remainders as stored) and every group's step count, on the
+        # rank whose partition holds the parameter: the resumed run carries on from the
+        # consolidated state, not from parameters that happen to agree.
+        owned = set()
+        for label, o, ps in (("", opt, params), (", resumed", resumed, resumed_params)):
+            local = o.optim
+            steps = [g["step"] for g in local.param_groups] + \
+                [g["step"] for g in o.param_groups]
+            assert steps and all(s == ref.param_groups[0]["step"] for s in steps), \
+                f"steps under ZeRO{label}: {steps} != {ref.param_groups[0]['step']}"
+            for i, (r, p) in enumerate(zip(ref_params, ps)):
+                if p not in local.state:
+                    continue
+                owned.add(i)
+                for name in preset.state_names(p.dtype):
+                    assert_bitwise(local.get_unscaled_state(p, name),
+                                   ref.get_unscaled_state(r, name),
+                                   f"param {i} {name} under ZeRO{label}")
+        return sorted(owned)
 
-    symmetric(same_as_one_optimizer)
+    owners = symmetric(same_as_one_optimizer)
+    assert sorted(i for owned in owners for i in owned) == list(range(len(shapes))), \
+        f"states compared per rank {owners}: each parameter must be owned exactly once"
 
 
 KINDS = {
