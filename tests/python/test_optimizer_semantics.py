@@ -729,6 +729,67 @@ def test_step_called_from_compiled_code_runs_eagerly(backend):
     assert [g["step"] for g in opt.param_groups] == [3]
 
 
+def _inductor_unavailable():
+    """Why torch.compile's default backend cannot run here, or None."""
+    try:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: x * 2 + 1)
+        if not torch.equal(fn(torch.arange(4.0)), torch.arange(4.0) * 2 + 1):
+            return "inductor compiled a wrong result for x * 2 + 1"
+    except Exception as error:  # noqa: BLE001 - no C++ compiler, no triton, ...
+        return f"the inductor backend cannot compile here: {type(error).__name__}: {error}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+@pytest.mark.filterwarnings("error:Dynamo does not know how to trace:UserWarning")
+@pytest.mark.parametrize("compile_backend", ["inductor", "eager"])
+def test_compiled_training_step_gives_the_eager_bits(backend, compile_backend):
+    """S3.9: a whole training step compiled with torch.compile -- forward,
+    loss.backward(), opt.step(), opt.zero_grad() -- gives the eager loop's bits in
+    parameters, every stored state and scale, and the step count, over the steps that
+    build a plan (the first, and the one after load_state_dict) and steady ones. The
+    loss is linear in the parameters, so every gradient is exact whatever the compiler
+    fuses, and any difference is the optimizer's."""
+    if compile_backend == "inductor":
+        reason = _inductor_unavailable()
+        if reason is not None:
+            pytest.skip(reason)
+    cfg = Precision(param="bf16", exp_avg="fp8", exp_avg_sq="bf16", master="fp32")
+    shapes = [(6,), (2, 3), (33,)]
+    gen = torch.Generator().manual_seed(18)
+    weights = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(5)]
+
+    def train(params, opt, step_weights):
+        loss = sum((p.float() * w).sum() for p, w in zip(params, step_weights))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        params = make_params([torch.bfloat16, torch.float32, torch.bfloat16], shapes,
+                             seed=19)
+        opt = fused_adam()(params, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())
+        run = torch.compile(train, backend=compile_backend) if compiled else train
+        for n, step_weights in enumerate(weights, start=1):
+            if n == 3:
+                opt.load_state_dict(opt.state_dict())
+            run(params, opt, step_weights)
+            assert all(p.grad is None for p in params), f"step {n}: zero_grad"
+        if compiled:  # the forward and backward did run as compiled graphs
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+        runs.append((opt, params))
+    torch._dynamo.reset()
+    (eager, eager_params), (opt, params) = runs
+    assert_same_optimizer_state(eager, opt, eager_params, params,
+                                f"train compiled with backend={compile_backend}")
+    assert [g["step"] for g in opt.param_groups] == [len(weights)]
+
+
 def test_import_leaves_dynamo_unloaded():
     """Marking the step for torch.compile must not import dynamo with the package (it
     costs ~1.5 s); it is imported at the first step."""
