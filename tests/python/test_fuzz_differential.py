@@ -183,9 +183,10 @@ def verify_excused_moments(opt, param, before, grad, hyper, step, what):
 
 @dataclasses.dataclass
 class Tally:
-    """Parameter steps with a gradient that were checked against the reference, and
-    those excused from it (by reason)."""
+    """Cases run to the end (both paths compared), parameter steps with a gradient
+    that were checked against the reference, and those excused from it (by reason)."""
 
+    cases: int = 0
     steps: int = 0
     excused: collections.Counter = dataclasses.field(
         default_factory=collections.Counter)
@@ -291,8 +292,16 @@ def test_fuzz_against_reference_and_torch_path():
                 twin, twin_params, _ = run(case, "torch")
                 assert_same_paths(opt, twin, params, twin_params, excused,
                                   f"C++ vs torch path, {case.cfg.id}")
+            tally.cases += 1
 
     examples()
+    # The promise (docs/guarantees.md): 10,000 cases per CI run, scaled by
+    # SHARDADAM_FUZZ_EXAMPLES. Hypothesis may stop before max_examples (an exhausted
+    # search space, too many rejected draws), so the cases that ran are counted.
+    assert tally.cases == CASES_PER_EXAMPLE * MAX_EXAMPLES, (
+        f"{tally.cases} cases ran, not {CASES_PER_EXAMPLE} x {MAX_EXAMPLES} examples")
+    if "SHARDADAM_FUZZ_EXAMPLES" not in os.environ:
+        assert tally.cases == 10_000, f"{tally.cases} cases ran, 10,000 are promised"
     excused = sum(tally.excused.values())
     assert tally.steps > 0, "no parameter step was checked against the reference"
     assert excused <= MAX_EXCUSED * tally.steps, (
