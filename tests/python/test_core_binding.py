@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shardadam
-from shardadam import _formats
+from shardadam import _codecs, _formats
 from _optimizer_testing import (
     FP32_TINY, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, adam_reference,
     assert_bitwise_equal, assert_close_bounded, check_scale, decode_codes, expected_scale,
@@ -249,6 +249,47 @@ def test_cross_conversions_go_through_fp32(src_fmt, dst_fmt):
         expected = as_fp32.to(STORAGE[dst_fmt])
     assert_same_codes(convert(src, src_fmt, dst_fmt), expected, f"{src_fmt} -> {dst_fmt}",
                       nan_bits_matter=dst_fmt == "fp8")
+
+
+# Quiet and signalling NaNs, each with either sign bit: the smallest and largest
+# payloads, and the default quiet NaN.
+SIGNED_NAN_BITS = (0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF)
+
+
+def assert_nans_with_signs_of(out, src, what):
+    """Every element of the 16-bit ``out`` is a NaN whose sign bit is ``src``'s."""
+    assert bool(torch.isnan(out.float()).all()), f"{what}: not all NaN: {out.float()}"
+    signs = out.view(torch.int16) < 0
+    expected = src.view(torch.int32) < 0
+    assert torch.equal(signs, expected), \
+        f"{what}: sign bits {signs.tolist()} != {expected.tolist()}"
+
+
+@pytest.mark.parametrize("dst_fmt", ["bf16", "fp16"])
+def test_fp32_nan_keeps_its_sign(dst_fmt):
+    """S2.4: NaN stays NaN with its sign (its payload is not promised), on fp32 -> bf16
+    and fp32 -> fp16, in the core's conversion and in the torch path's codecs. torch's
+    own CPU conversion to bf16 turns every NaN negative, so .to() cannot be the oracle
+    here: the sign bit of the input is. 37 copies reach the vector loops and the tail."""
+    bits = torch.tensor(SIGNED_NAN_BITS, dtype=torch.int64).to(torch.int32)
+    for copies in (1, 37):
+        src = bits.repeat(copies).view(torch.float32)
+        for threads in (1, 2):
+            assert_nans_with_signs_of(convert(src, "fp32", dst_fmt, threads=threads), src,
+                                      f"_C.convert fp32 -> {dst_fmt}, {threads} threads")
+        fmt = _formats.by_name(dst_fmt)
+        stored = torch.empty(src.shape, dtype=fmt.storage)
+        scale = torch.full((), 2.0) if fmt.scaled else None
+        fmt.encode(src, stored, scale)  # the torch path's store of a state (S2.3 too)
+        assert_nans_with_signs_of(stored, src, f"torch path {dst_fmt} encode")
+        if scale is not None:  # a non-finite value sets the scale to 1 (S2.3)
+            assert scale.item() == 1.0
+        if dst_fmt == "bf16":
+            assert_nans_with_signs_of(_codecs.bf16_encode(src), src, "bf16_encode")
+            random = torch.randint(0, 2 ** 32, src.shape, dtype=torch.int64,
+                                   generator=torch.Generator().manual_seed(7))
+            assert_nans_with_signs_of(_codecs.bf16_encode_stochastic(src, random), src,
+                                      "bf16_encode_stochastic")
 
 
 @pytest.mark.parametrize("fmt", UNSCALED_MOMENTS)
