@@ -29,13 +29,16 @@ def run(lr_value, steps=4, seed=0, **kwargs):
     return opt, params
 
 
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-dim", "1-element"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_lr_as_0_dim_tensor(dtype, backend):
-    """S3.8: a 0-dim tensor lr gives exactly the run with the same value as a float."""
-    lr = torch.tensor(1e-2, dtype=dtype)
+def test_lr_as_0_dim_tensor(dtype, shape, backend):
+    """S3.8: lr as a one-element tensor (0-dim, as schedulers keep it, or of shape (1,))
+    gives exactly the run with the same value as a float."""
+    lr = torch.full(shape, 1e-2, dtype=dtype)
     a, pa = run(lr)
     b, pb = run(lr.item())
-    assert_same_optimizer_state(b, a, pb, pa, f"lr as {dtype} tensor vs float")
+    assert_same_optimizer_state(b, a, pb, pa,
+                                f"lr as {dtype} tensor of shape {shape} vs float")
 
 
 @pytest.mark.parametrize("adam_w_mode", [True, False], ids=["adamw", "l2"])
