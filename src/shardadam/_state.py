@@ -268,6 +268,17 @@ def seeded_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
                       spec.name, spec.first_index)
 
 
+def is_seeded_value(spec: StateSpec, value: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether a master's true value ``value`` (fp32) is bit for bit what seeding it from
+    the local ``param`` stores (S1.6): a master that never stepped, exported while it
+    followed its parameter (or one whose updates were all 0, which following changes
+    nothing for)."""
+    seeded = seeded_value(spec, param)
+    return (value.shape == seeded.shape and value.dtype == seeded.dtype
+            and torch.equal(value.contiguous().view(torch.int32),
+                            seeded.contiguous().view(torch.int32)))
+
+
 def converted_value(spec: StateSpec, entry: dict, scales: Optional[dict],
                     formats: Optional[dict], param: torch.Tensor):
     """``entry[spec.name]``'s true value in the form ``spec`` stores (fp32 or int16),

@@ -904,6 +904,13 @@ class FusedAdam(torch.optim.Optimizer):
                                                 here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
+            if _state.seeds_from_param(spec) and _state.is_seeded_value(
+                    spec, loaded[spec.name], local):
+                # Exported while it followed its parameter (a round trip through
+                # state_dict() before the first step, as accelerate's prepare() makes):
+                # it goes on following, so weights loaded into the model afterwards are
+                # still what the first step starts from (S1.6, S5.5).
+                seeded.add(spec.name)
         writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
         writes.seeded = seeded
         # Other keys (e.g. Megatron's "step") come back as saved, copied.

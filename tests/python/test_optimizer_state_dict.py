@@ -973,3 +973,34 @@ def test_a_master_put_in_from_outside_is_read_as_it_is():
     assert_bitwise_equal(got, torch.full((4,), 3.0), "master read")
     assert_bitwise_equal(loaded, torch.full((4,), 3.0), "the master put in")
     assert opt.state[p]["master_param"] is loaded
+
+
+@pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])
+@pytest.mark.parametrize("stepped", [False, True], ids=["before-first-step", "after-a-step"])
+def test_a_round_trip_keeps_a_following_master_following(master, stepped):
+    """S1.6, S5.5: a master exported while it followed its parameter (bit for bit its
+    seeded value) loads following it: weights loaded into the model after a round trip
+    through state_dict() before the first step (accelerate's prepare() makes one) are
+    what the first step starts from, as without the round trip. A master that stepped
+    is the truth after the round trip, as before it: the parameter takes its value."""
+    kwargs = dict(master_weights=True, store_param_remainders=master == "remainder",
+                  master_weight_dtype=torch.float16 if master == "fp16" else torch.float32)
+    runs = []
+    for trip in (False, True):
+        gen = torch.Generator().manual_seed(21)
+        param = torch.nn.Parameter(torch.randn(4, 64, generator=gen).bfloat16())
+        opt = fused_adam()([param], lr=1e-3, **kwargs)
+        if stepped:
+            param.grad = torch.randn(4, 64, generator=gen).bfloat16()
+            opt.step()
+        if trip:
+            opt.load_state_dict(opt.state_dict())
+            assert (param in opt._seeded) == (not stepped and master != "remainder")
+        with torch.no_grad():
+            param.fill_(1.0)  # weights loaded into the model now
+        param.grad = torch.full((4, 64), 0.5).bfloat16()
+        opt.step()
+        runs.append(param.detach().clone())
+    assert_bitwise_equal(runs[1], runs[0], "after the round trip")
+    if not stepped:  # Adam's first step moves each weight by about lr from 1.0
+        assert torch.allclose(runs[0].float(), torch.full((4, 64), 1.0 - 1e-3), atol=2**-8)
