@@ -219,8 +219,8 @@ class FusedAdam(torch.optim.Optimizer):
         planned = [self._planned_entry(param, config, index, i, named)
                    for i, param in enumerate(tensors)]
         super().add_param_group(param_group)
-        # Only once the group passed (torch's own checks too): a refused one changes nothing, not even the records of a state taken out by
-        # hand to be put back.
+        # Only once the group passed (torch's own checks too): a refused one changes
+        # nothing, not even the records of a state taken out by hand to be put back.
         self._forget_dropped()
         group = self.param_groups[-1]
         group.setdefault("step", 0)
