@@ -125,7 +125,7 @@ def _refuse_grads_in_written_memory(works: list, written,
     _validate.refuse_shared_grads(by_device, written_apart)
 
 
-def check_together(prepared: list, passed: dict) -> None:
+def check_together(prepared: list, passed: dict, lone_too: bool = False) -> None:
     """A step of several C++ calls (groups, devices) is one step: the slots of each
     device's calls are checked as one list before any call runs, so that a gradient
     sharing memory with a buffer another call writes is refused before anything is
@@ -135,7 +135,8 @@ def check_together(prepared: list, passed: dict) -> None:
     set of gradients is not checked again, but for the values of the scales in host
     memory, which may change in place (a refused one is then checked in full, for the
     core's message). The torch path's batches are checked for the same rules by
-    ``_torch_path.check_shared_memory`` and ``check_scales``."""
+    ``_torch_path.check_shared_memory`` and ``check_scales``. ``lone_too``: a lone call
+    is checked here too (something is written before it runs)."""
     torch_works, calls, count, write_back = [], {}, 0, False
     for item in prepared:
         call = item.call
@@ -150,7 +151,7 @@ def check_together(prepared: list, passed: dict) -> None:
         _torch_path.check_scales(torch_works)
     if write_back:
         _check_written_back(prepared)
-    if count < 2 and not torch_works:
+    if count < 2 and not torch_works and not lone_too:
         return  # a lone call checks itself before writing anything
     for device, same_device in calls.items():
         signature = [(call.entries, call.slots[_slots.GRAD::_slots.COLUMNS],

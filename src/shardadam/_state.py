@@ -270,9 +270,8 @@ def seeded_value(spec: StateSpec, param: torch.Tensor) -> torch.Tensor:
 
 def is_seeded_value(spec: StateSpec, value: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether a master's true value ``value`` (fp32) is bit for bit what seeding it from
-    the local ``param`` stores (S1.6): a master that never stepped, exported while it
-    followed its parameter (or one whose updates were all 0, which following changes
-    nothing for)."""
+    the local ``param`` stores (S1.6): at step 0, a master exported while it followed its
+    parameter."""
     seeded = seeded_value(spec, param)
     return (value.shape == seeded.shape and value.dtype == seeded.dtype
             and torch.equal(value.contiguous().view(torch.int32),
@@ -394,13 +393,18 @@ def mark_seeded(seeded: dict, state, param, writes: EntryWrites) -> None:
         seeded.pop(param, None)
 
 
+def master_of(entry):
+    """``entry["master_param"]``, or None (no entry, or one that is no dict: refused
+    where it is read, S5.1)."""
+    return entry.get("master_param") if isinstance(entry, dict) else None
+
+
 def drop_replaced_masters(seeded: dict, state) -> dict:
     """Unmarks (and returns) the masters in ``seeded`` that are no longer the tensor in
     ``state`` they were seeded into: one put there from outside (a replaced entry, as
     torch's ZeroRedundancyOptimizer loads a checkpoint) is the truth, as one set with
     set_scaled_state is (S1.6)."""
-    for param in [p for p, mark in seeded.items()
-                  if (state.get(p) or {}).get("master_param") is not mark]:
+    for param in [p for p, mark in seeded.items() if master_of(state.get(p)) is not mark]:
         del seeded[param]
     return seeded
 
@@ -552,7 +556,7 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
     DTensors of its layout, a plain one's are plain): one origin_error refuses (``key``:
     the parameter, ``owner``: its optimizer), or per-block codes whose scales (in
     ``scales``) are missing or unusable: without them the codes mean nothing."""
-    if not entry:
+    if entry is None:
         return None
     error = origin_error(specs, entry, formats, owner, key)
     if error is not None:

@@ -264,15 +264,14 @@ class FusedAdam(torch.optim.Optimizer):
                        for plan in self._plans]
         self._checked = {}
 
-    def _follow_params(self, followed: list) -> None:
-        """Masters that follow their parameter (S1.6) and whose parameter steps now (it
-        has a gradient) take its value again, as TE creates masters at the first step:
-        weights loaded into the model after the optimizer was built are not undone by a
-        master of the weights before. Runs after validation and binding, in place (the
-        plans stay bound); appends (parameter, mark) to ``followed`` as it takes the mark,
-        once its master is re-seeded (one that fails keeps its mark)."""
-        attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
-        stepping = [p for p in self._seeded if getattr(p, attr, None) is not None]
+    def _follow_params(self, stepping: list, followed: list) -> None:
+        """Masters that follow their parameter (S1.6) and whose parameter steps now
+        (``stepping``: it has a gradient) take its value again, as TE creates masters at
+        the first step: weights loaded into the model after the optimizer was built are
+        not undone by a master of the weights before. Runs after validation, binding and
+        the calls' checks, in place (the plans stay bound); appends (parameter, mark) to
+        ``followed`` as it takes the mark, once its master is re-seeded (one that fails
+        keeps its mark)."""
         for param in stepping:
             self._reseed_master(param)
             followed.append((param, self._seeded.pop(param)))
@@ -280,7 +279,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _reseed_master(self, param) -> None:
         """Writes ``param``'s master, in its stored format, as seeded from the
         parameter's value now (S1.6)."""
-        stored = (self.state.get(param) or {}).get("master_param")
+        stored = _state.master_of(self.state.get(param))
         if stored is None:
             return
         stored = _dtensor.to_local(stored)
@@ -380,23 +379,23 @@ class FusedAdam(torch.optim.Optimizer):
                         checked = True
 
                 with _making_state():
-                    for g, (plan, _, _) in enumerate(work):
-                        if not plan.bound:
-                            plan.bind(self._seeded, self, before_writing)
-                            # Its record describes the state again (after a setting
-                            # changed, S1.5), not only from the next state_dict().
-                            self.param_groups[g][LAYOUT_KEY] = config.record(
-                                g in self._moments_set)
+                    for plan in unbound:
+                        plan.bind(self._seeded, self, before_writing)
             prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
                         for _, _, batches in work]
+            # Masters that follow a parameter stepping now are re-seeded in place before
+            # the calls run (S1.6).
+            attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
+            following = [p for p in self._seeded if getattr(p, attr, None) is not None]
             # The core's own checks (buffers shared between tensors), for every group at
-            # once: the last check before anything is updated.
+            # once: the last check before anything is updated, a lone call's too when
+            # masters are re-seeded before it runs (it would check itself only after).
             _backend.check_together([item for items in prepared for item in items],
-                                    self._checked)
+                                    self._checked, lone_too=bool(following))
             followed = []  # (param, mark) of the masters re-seeded
             try:
-                if self._seeded:
-                    self._follow_params(followed)
+                if following:
+                    self._follow_params(following, followed)
                 for (_, hyper, _), items in zip(work, prepared):
                     for item in items:
                         _backend.run(item, hyper)
@@ -408,8 +407,10 @@ class FusedAdam(torch.optim.Optimizer):
                 raise
             # Every group, even with no gradient (S2.8), once every batch has run: a
             # call refused on its own leaves no group counted.
-            for group, (_, hyper, _) in zip(self.param_groups, work):
+            for group, (plan, hyper, _) in zip(self.param_groups, work):
                 group["step"] = hyper.step
+                if plan in unbound:  # its record describes the state again (S1.5, S5.4)
+                    group[LAYOUT_KEY] = config.record()
         return loss
 
     def _own_step(self, closure):
@@ -723,7 +724,8 @@ class FusedAdam(torch.optim.Optimizer):
         """``param``'s entry of ``state_dict()`` (S5.4): its states, then any other key
         someone keeps in ``optimizer.state[param]`` (Megatron writes ``step``), as is."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
-        entry = self.state.get(param) or {}
+        entry = self.state.get(param)
+        entry = {} if entry is None else entry  # anything but a dict is refused below
         scales, formats = self._scales.get(param), self._formats.get(param)
         specs = config.specs_of(local, layout)
         self._check_decodable(param, specs, entry)
@@ -855,8 +857,9 @@ class FusedAdam(torch.optim.Optimizer):
                                      f"{_validate.shown(key)}) must be a dict of its "
                                      f"states, as state_dict() makes it, got "
                                      f"{_validate.shown(values)}")
-                prepared.append(self._prepare_param_load(param, values, config, here,
-                                                         saved_layout, own_steps[g]))
+                prepared.append(self._prepare_param_load(
+                    param, values, config, here, saved_layout, own_steps[g],
+                    saved_groups[g]["step"] == 0))
                 writes = prepared[-1][3]
                 if (key not in saved_state and param in self._seeded
                         and "master_param" in writes.stored):
@@ -872,11 +875,12 @@ class FusedAdam(torch.optim.Optimizer):
                 for spec in config.specs_of(local, layout) if spec.name != "master_param"}
 
     def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
-                            own_step: bool):
+                            own_step: bool, at_step_0: bool = False):
         """The new state of one parameter from its saved ``values`` (S5.5): a DTensor
         value must have the parameter's layout, a plain one is taken as this rank's local
         part and must have the local shape. ``saved_layout``: the ``StateConfig`` the
-        checkpoint recorded (None if it recorded none)."""
+        checkpoint recorded (None if it recorded none); ``at_step_0``: its group loads
+        at step 0."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         error = _validate.param_error(param)
         if error is not None:
@@ -904,12 +908,14 @@ class FusedAdam(torch.optim.Optimizer):
                                                 here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
-            if _state.seeds_from_param(spec) and _state.is_seeded_value(
+            if at_step_0 and _state.seeds_from_param(spec) and _state.is_seeded_value(
                     spec, loaded[spec.name], local):
                 # Exported while it followed its parameter (a round trip through
                 # state_dict() before the first step, as accelerate's prepare() makes):
                 # it goes on following, so weights loaded into the model afterwards are
-                # still what the first step starts from (S1.6, S5.5).
+                # still what the first step starts from (S1.6, S5.5). Only at step 0: a
+                # master that stepped (its bits may still match, a one-element shard's
+                # fp16 master easily) keeps its own value and scale.
                 seeded.add(spec.name)
         writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
         writes.seeded = seeded

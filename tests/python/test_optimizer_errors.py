@@ -2067,3 +2067,92 @@ def test_a_meta_parameters_scaled_state_names_what_helps():
                                                  r"to_empty")) as refused:
         opt.state_dict()
     assert "initialize_state" not in str(refused.value)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("aliased", ["another-param", "own-master"])
+@pytest.mark.parametrize("when", ["first-step", "after-add_param_group",
+                                  "bound-plan"])
+def test_refused_step_leaves_a_following_master_and_its_gradient_alone(backend, aliased,
+                                                                       when):
+    """S3.1, S3.2: masters that follow their parameters (S1.6) are re-seeded in place
+    when the parameter first steps; a step refused for shared memory (a gradient that is
+    another parameter's memory, or the master itself) is refused before that, even where
+    the whole step is one call (which checks itself only when it runs): the masters'
+    bits, and the gradient, stay as they were."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    gen = torch.Generator().manual_seed(23)
+    p = torch.nn.Parameter(torch.randn(64, generator=gen).bfloat16())
+    q = torch.nn.Parameter(torch.randn(64, generator=gen).bfloat16())
+    # Decoupled gradients may be fp32 beside bf16 parameters (S3.4): the master's memory.
+    kwargs = dict(master_weights=True, use_decoupled_grad=True)
+    if when == "after-add_param_group":
+        opt = fused_adam()([p], **kwargs)
+        opt.add_param_group({"params": [q]})
+    else:
+        opt = fused_adam()([p, q], **kwargs)
+    if when == "bound-plan":  # a step without p's gradient: the plan is bound, p follows
+        r = torch.nn.Parameter(torch.randn(64, generator=gen).bfloat16())
+        opt.add_param_group({"params": [r]})
+        r.decoupled_grad = torch.ones_like(r)
+        with backend_context(backend):
+            opt.step()
+        r.decoupled_grad = None
+    with torch.no_grad():
+        p.copy_(torch.randn(64, generator=gen).bfloat16())  # weights loaded afterwards
+    p.decoupled_grad = torch.ones_like(p)
+    if aliased == "another-param":
+        q.decoupled_grad = q.detach()
+        who = at(1, 0) if when == "after-add_param_group" else at(0, 1)
+    else:
+        q.decoupled_grad = torch.ones_like(q)
+        p.decoupled_grad = opt.state[p]["master_param"]  # the master's own memory
+        who = at(0, 0)
+    pattern = "(overlaps|shares memory)"
+    before = snapshot(opt)
+    masters = {name: opt.state[t]["master_param"].clone() for name, t in (("p", p), ("q", q))}
+    with backend_context(backend), pytest.raises(ValueError, match=facts(*who, pattern)):
+        opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+    for name, t in (("p", p), ("q", q)):
+        assert_bitwise_equal(opt.state[t]["master_param"], masters[name], f"{name}'s master")
+    assert p in opt._seeded and q in opt._seeded
+
+
+def test_refused_step_leaves_every_groups_state_layout_alone():
+    """S3.1, S5.4: a step refused after a setting changed (S1.5) leaves each group's
+    recorded state_layout as it was, also of a group that bound its plan before
+    another group's check refused the step."""
+    a = torch.nn.Parameter(torch.randn(8))
+    b = torch.nn.Parameter(torch.randn(8).bfloat16())
+    opt = fused_adam()([{"params": [a]}, {"params": [b]}], use_decoupled_grad=True)
+    a.decoupled_grad, b.decoupled_grad = torch.ones(8), torch.ones(8).bfloat16()
+    opt.step()
+    layouts = [g["state_layout"] for g in opt.param_groups]
+    opt.master_weights = True
+    b.decoupled_grad = b.detach()
+    with pytest.raises(ValueError, match=facts(*at(1, 0), "shares memory")):
+        opt.step()
+    assert [g["state_layout"] for g in opt.param_groups] == layouts
+    assert "master_param" not in opt.state[b]
+
+
+def test_an_empty_non_dict_entry_is_refused_before_anything_converts():
+    """S3.1, S8: an entry that is no dict is refused when the plan is built, before a
+    setting change converts another parameter's state; falsy ones ([] , 0) too."""
+    p, q = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    opt = fused_adam()([p, q])
+    p.grad, q.grad = torch.ones(8), torch.ones(8)
+    opt.step()
+    opt.exp_avg_dtype = torch.bfloat16
+    q.grad = None
+    for entry in ([], 0, torch.zeros(2)):
+        opt.state[q] = entry
+        held = opt.state[p]["exp_avg"]
+        with pytest.raises(RuntimeError, match=facts(*at(0, 1), "state entry must be a dict")):
+            opt.step()
+        with pytest.raises(RuntimeError, match=facts(*at(0, 1), "state entry must be a dict")):
+            opt.state_dict()
+        assert opt.state[p]["exp_avg"] is held and held.dtype == torch.float32
+    assert [g["step"] for g in opt.param_groups] == [1]

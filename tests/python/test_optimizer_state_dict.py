@@ -960,6 +960,20 @@ def test_a_group_removed_after_its_moments_were_set_leaves_no_mark():
         "exp_avg=fp32 exp_avg_sq=fp32 master=none"]
 
 
+def test_a_stepped_group_drops_moments_set_from_its_live_record():
+    """S5.4: ``moments=set`` describes a group at step 0; the step that rebinds a group
+    (here its first) records the layout without it, as state_dict() does."""
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = fused_adam()([p], lr=0.1)
+    opt.set_scaled_state(p, "exp_avg", torch.ones(4))
+    opt._plans = []  # the step rebinds, and rewrites the record
+    p.grad = torch.ones(4)
+    opt.step()
+    assert opt.param_groups[0]["state_layout"] == "exp_avg=fp32 exp_avg_sq=fp32 master=none"
+    assert opt.state_dict()["param_groups"][0]["state_layout"] == \
+        opt.param_groups[0]["state_layout"]
+
+
 def test_a_master_put_in_from_outside_is_read_as_it_is():
     """S1.6: a master that followed its parameter, replaced in ``optimizer.state`` from
     outside (as torch's ZeroRedundancyOptimizer loads one), is the truth:
