@@ -407,9 +407,10 @@ class FusedAdam(torch.optim.Optimizer):
                 raise
             # Every group, even with no gradient (S2.8), once every batch has run: a
             # call refused on its own leaves no group counted.
+            rebound = set(map(id, unbound))  # by identity: one lookup per group
             for group, (plan, hyper, _) in zip(self.param_groups, work):
                 group["step"] = hyper.step
-                if plan in unbound:  # its record describes the state again (S1.5, S5.4)
+                if id(plan) in rebound:  # its record describes the state again (S1.5)
                     group[LAYOUT_KEY] = config.record()
         return loss
 
