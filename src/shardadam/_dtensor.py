@@ -110,8 +110,9 @@ def local_storage_keys(params, plain: bool) -> list:
     pointer, element count, strides and dtype. Any of them changes when the storage is
     replaced or re-viewed (FSDP2 re-pointing a parameter at a new shard buffer,
     ``p.data = p.data[:n]``, a dtype view). ``plain``: the caller knows none is a
-    DTensor. (``shape`` is left out: it costs more than the rest together, and with
-    the count and strides it only misses size-1 dimensions.)"""
+    DTensor. (``shape`` is left out: with the count and strides it only misses size-1
+    dimensions, and a torch.Size is a tuple the garbage collector never untracks, so a
+    list of one per parameter sets off full collections.)"""
     if plain:
         tensors = params
     else:

@@ -260,7 +260,9 @@ class _Held:
                 and all(map(operator.is_, map(_local_tensor_of, self.wrapped),
                             self.wrapped_locals))
                 and list(map(_Tensor.data_ptr, self.storage)) == self.pointers
-                and list(map(_Tensor.size, self.storage)) == self.shapes
+                # Compared one at a time: a list of every torch.Size (a tuple subclass the
+                # collector never untracks) would set off full garbage collections.
+                and all(map(operator.eq, map(_Tensor.size, self.storage), self.shapes))
                 and list(map(_Tensor.stride, self.storage)) == self.strides)
 
 
