@@ -27,9 +27,9 @@ uint16_t FloatToFloat16(float f);
 float Float16ToFloat(uint16_t h);
 
 // fp32 <-> fp8 E4M3 "fn" (bias 7, no infinities, NaN = 0x7F / 0xFF, max 448),
-// as torch's `.to(torch.float8_e4m3fn)`: round to nearest even; magnitudes
-// above 464 (the midpoint between 448 and the NaN code), infinities and NaN
-// become NaN.
+// by S2.4 (torch's `.to(torch.float8_e4m3fn)` up to 2.12; later torch saturates):
+// round to nearest even; magnitudes above 464 (the midpoint between 448 and the
+// NaN code), infinities and NaN become NaN.
 uint8_t FloatToFloat8E4M3(float f);
 float Float8E4M3ToFloat(uint8_t q);
 

@@ -67,8 +67,9 @@ SHARDADAM_HOST_DEVICE inline float DecodeF16(uint16_t h) {
   return FloatOf(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
 
-// fp32 -> fp8 E4M3 "fn" as torch.float8_e4m3fn: round to nearest even; above
-// 464 (the tie between 448 and the NaN code), infinity and NaN give NaN.
+// fp32 -> fp8 E4M3 "fn" by S2.4 (torch.float8_e4m3fn up to torch 2.12): round to
+// nearest even; above 464 (the tie between 448 and the NaN code), infinity and NaN
+// give NaN.
 SHARDADAM_HOST_DEVICE inline uint8_t EncodeF8Integer(float f) {
   const uint32_t bits = BitsOf(f);
   const uint32_t sign = (bits >> 24) & 0x80u;

@@ -1,8 +1,8 @@
 """The formats' codecs in torch ops: the scale rule (SEMANTICS S2.3) and the remainder
 split (S2.5), bit for bit what the C++ core does.
 
-``_formats`` declares which format uses what; the rounding of a value into a format's
-codes is torch's own ``.to()`` (S2.4), so only these rules are written here.
+``_formats`` declares which format uses what; the rounding of a value into a 16-bit
+format's codes is torch's own ``.to()`` (S2.4), so only these rules are written here.
 """
 
 from __future__ import annotations
@@ -277,6 +277,19 @@ def ufp8_encode_stochastic(x: torch.Tensor, u: torch.Tensor,
     return torch.where(magnitude_bits >= 0x43F00000, ufp8_encode(x), code)
 
 
+# Past this magnitude fp32 rounds beyond E4M3's largest finite value, 448 (464, the tie
+# between 448 and 480, rounds to the even 448).
+_E4M3_ROUNDS_TO_448 = 464.0
+
+
+def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes (uint8) of fp32 ``x`` by S2.4: rounded to nearest even, and a value
+    past 464 or infinite stores the NaN code with its sign, as torch's conversion did up
+    to 2.12; from 2.13 torch saturates them to ±448 instead."""
+    codes = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(x.abs() > _E4M3_ROUNDS_TO_448, codes | 0x7F, codes)
+
+
 def bf16_encode(x: torch.Tensor) -> torch.Tensor:
     """bf16 of fp32 ``x`` rounded to nearest even (S2.4), a NaN made quiet with its sign
     and top payload bits, as the core stores it: torch's CPU conversion stores every NaN
@@ -313,7 +326,7 @@ def unpack_nibbles(stored: torch.Tensor) -> torch.Tensor:
 def _codes_of(name: str, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Codes of ``x = u / s`` (the true values ``u`` decide the zero-free rule)."""
     if name == "fp8-block":
-        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+        return e4m3_encode(x)
     if name == "ufp8-block":
         codes = ufp8_encode(x)
         # Zero-free on u: a division that underflowed to 0 still takes code 1.

@@ -239,9 +239,9 @@ class Format:
     def _to_codes(self, values: torch.Tensor) -> torch.Tensor:
         if self.codes == torch.bfloat16:
             return _codecs.bf16_encode(values)  # NaN's sign kept (S2.4)
-        if self.codes == self.storage:
-            return values  # copy_ into the storage rounds as .to() does
-        return values.to(self.codes).view(self.storage)
+        if self.codes == torch.float8_e4m3fn:
+            return _codecs.e4m3_encode(values)  # overflow stores NaN on any torch (S2.4)
+        return values  # fp32, fp16: copy_ into the storage rounds as .to() does
 
     def _chunks(self, numel: int, first: int):
         """``(begin, end, j, count)`` of each chunk of a local tensor of ``numel``

@@ -874,8 +874,8 @@ TEST(ReferenceCodecTest, Float16WideningMatchesCompilerConversion) {
 }
 #endif
 
-// Values whose torch `.to(torch.float8_e4m3fn)` codes are known: saturation is
-// not torch's behaviour; past the 448/480 midpoint is NaN, sign kept.
+// Values whose torch `.to(torch.float8_e4m3fn)` codes are known (up to torch 2.12;
+// later torch saturates, S2.4 does not): past the 448/480 midpoint is NaN, sign kept.
 TEST(ReferenceCodecTest, Float8EdgeCasesMatchTorch) {
   const struct {
     float x;

@@ -273,7 +273,7 @@ def quantize_like_spec(values, fmt):
     quotient = values / torch.tensor(s, dtype=torch.float32)
     if fmt == "fp16":
         return quotient.to(torch.float16), s
-    return quotient.to(torch.float8_e4m3fn).view(torch.uint8), s
+    return e4m3_codes(quotient), s
 
 
 def near_ties(fmt, count, seed):
@@ -867,6 +867,26 @@ def ufp8_codes(x: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tenso
     return code.to(torch.uint8)
 
 
+# E4M3's finite magnitudes, increasing with the code (0 .. 0x7E): k * 2^-9 below 8, then
+# (8 + M) * 2^(E - 10).
+E4M3_VALUES = torch.tensor([c * 2.0 ** -9 if c >> 3 == 0 else (8 + (c & 7)) * 2.0 ** ((c >> 3) - 10)
+                            for c in range(127)], dtype=torch.float64)
+
+
+def e4m3_codes(x: torch.Tensor) -> torch.Tensor:
+    """S2.4's fp32 -> E4M3 by search over the finite magnitudes: the nearest, ties to
+    the even code; beyond 464 (the tie between 448 and 480 goes to 448), inf and NaN
+    0x7F; each with x's sign bit. (torch's own conversion saturates from 2.13 on.)"""
+    a = x.double().abs().reshape(-1)
+    high = torch.searchsorted(E4M3_VALUES, a).clamp(max=126)  # the first value >= a
+    low = (high - 1).clamp(min=0)
+    below, above = a - E4M3_VALUES[low], E4M3_VALUES[high] - a
+    code = torch.where((above < below) | ((above == below) & (high % 2 == 0)), high, low)
+    code = torch.where(a <= 464.0, code, 0x7F)  # NaN compares false too
+    code = code | (torch.signbit(x.reshape(-1)).to(torch.int64) << 7)
+    return code.to(torch.uint8).view(x.shape)
+
+
 def block8_decode(codes, scales, first, block, unsigned):
     """Block8 codes decoded here (S2.9, S2.10): E4M3 through torch's float8_e4m3fn,
     unsigned E4M4 by UFP8_VALUES (0xFF: NaN), times each element's block scale, blocks
@@ -896,11 +916,11 @@ def ufp8_block_oracle(u: torch.Tensor, first: int, block: int):
 def fp8_block_oracle(u: torch.Tensor, first: int, block: int):
     """S2.9 in float64 Python, block by block (scale: the smallest power of two in
     [2^-126, 2^127] with max|u| / s <= 464; 1 for a non-finite max, one <= 2^-136 or
-    one >= the overflow bound), codes by torch's E4M3 cast."""
+    one >= the overflow bound), codes by S2.4's E4M3 rounding."""
     codes, scales = [], []
     for start, end, s in _power_of_two_scales(u, first, block, 464.0, 2.0 ** -136,
                                               OVERFLOW["fp8-block"]):
-        codes.append((u[start:end] / s).to(torch.float8_e4m3fn).view(torch.uint8))
+        codes.append(e4m3_codes(u[start:end] / s))
         scales.append(s)
     return torch.cat(codes), torch.tensor(scales, dtype=torch.float32)
 

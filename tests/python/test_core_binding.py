@@ -22,8 +22,8 @@ import shardadam
 from shardadam import _codecs, _formats
 from _optimizer_testing import (
     FP32_TINY, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, adam_reference,
-    assert_bitwise_equal, assert_close_bounded, check_scale, decode_codes, expected_scale,
-    fp32_emulated_step, Hyper, near_ties, stored_bound)
+    assert_bitwise_equal, assert_close_bounded, check_scale, decode_codes, e4m3_codes,
+    expected_scale, fp32_emulated_step, Hyper, near_ties, stored_bound)
 from _slot_buffers import (
     BAD_HYPER, CODE, COLUMNS, NAMES_TENSOR_1, NULL_CASES, PRESETS, STORAGE, Buffers,
     assert_guards_intact, bad_slots, embed_buffers, embedded, make_bad_call, preset_id)
@@ -201,9 +201,9 @@ def test_encode_fp16_matches_torch(threads):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_encode_fp8_matches_torch(threads):
-    # fp8 E4M3 fn has exactly two NaN codes (0x7F | sign): S2.4 asks for torch's bits.
+    # fp8 E4M3 fn has exactly two NaN codes (0x7F | sign), S2.4.
     x = fp8_encode_inputs()
-    expected = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    expected = e4m3_codes(x)
     assert_same_codes(convert(x, "fp32", "fp8", threads=threads), expected, "fp32 -> fp8",
                       nan_bits_matter=True)
 
@@ -221,7 +221,7 @@ def test_scaled_codecs(fmt, scale):
     scale_t = torch.tensor(scale, dtype=torch.float32)
     quotient = x / scale_t
     expected = (quotient.to(torch.float16) if fmt == "fp16"
-                else quotient.to(torch.float8_e4m3fn).view(torch.uint8))
+                else e4m3_codes(quotient))
     stored = convert(x, "fp32", fmt, scale=scale)
     assert_same_codes(stored, expected, f"fp32 -> {fmt} / {scale}", nan_bits_matter=True)
     back = convert(stored, fmt, "fp32", scale=scale)
@@ -233,7 +233,7 @@ def test_scaled_codecs(fmt, scale):
     ("bf16", "fp16"), ("fp16", "bf16"), ("fp8", "bf16"), ("bf16", "fp8"),
     ("fp16", "fp8"), ("fp8", "fp16"), ("bf16", "bf16"), ("fp32", "fp32")])
 def test_cross_conversions_go_through_fp32(src_fmt, dst_fmt):
-    """Any storage format to any other equals decoding to fp32 and encoding with torch."""
+    """Any storage format to any other equals decoding to fp32 and encoding by S2.4."""
     if src_fmt == "fp8":
         src = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         as_fp32 = src.view(torch.float8_e4m3fn).float()
@@ -244,7 +244,7 @@ def test_cross_conversions_go_through_fp32(src_fmt, dst_fmt):
         src = all_16bit(STORAGE[src_fmt])
         as_fp32 = src.float()
     if dst_fmt == "fp8":
-        expected = as_fp32.to(torch.float8_e4m3fn).view(torch.uint8)
+        expected = e4m3_codes(as_fp32)
     else:
         expected = as_fp32.to(STORAGE[dst_fmt])
     assert_same_codes(convert(src, src_fmt, dst_fmt), expected, f"{src_fmt} -> {dst_fmt}",
@@ -791,7 +791,7 @@ FP8_BLOCK = 6
 def s2_9_encode(u: torch.Tensor, first_index: int, block: int):
     """S2.9 written independently: per block of the whole parameter's flat index, the
     smallest power of two s (>= 2^-126) with max|u| / s <= 464, 1 for an all-zero-coding
-    block; codes are torch's fp32 -> float8_e4m3fn of u / s."""
+    block; codes are S2.4's fp32 -> E4M3 of u / s."""
     codes = torch.empty(u.numel(), dtype=torch.uint8)
     scales = []
     start = 0
@@ -805,10 +805,10 @@ def s2_9_encode(u: torch.Tensor, first_index: int, block: int):
             while a / 2.0**e > 464:
                 e += 1
             s = 2.0**e
-        q = (part / s).float().to(torch.float8_e4m3fn).view(torch.uint8)
+        q = e4m3_codes((part / s).float())
         if bool(((q & 0x7F) == 0).all()):
             s = 1.0
-            q = part.float().to(torch.float8_e4m3fn).view(torch.uint8)
+            q = e4m3_codes(part.float())
         codes[start:end] = q
         scales.append(s)
         start = end

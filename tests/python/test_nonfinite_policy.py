@@ -6,8 +6,8 @@ the caller, e.g. GradScaler, and the step count advances as for any step, S2.8):
 * The update is elementwise (S3.6): a NaN gradient element makes that element's
   exp_avg, exp_avg_sq, fp32 weight (master or parameter) and parameter NaN. A +-inf
   gradient element gives exp_avg = +-inf, exp_avg_sq = +inf and a NaN weight
-  (inf / inf). fp8 E4M3 has no infinity: an infinite moment is stored as a NaN code,
-  as ``tensor.to(torch.float8_e4m3fn)`` does (S2.4). The damage is sticky: later finite
+  (inf / inf). fp8 E4M3 has no infinity: an infinite moment is stored as a NaN code
+  (S2.4, as torch's conversion did up to 2.12). The damage is sticky: later finite
   steps keep that element NaN.
 * Unscaled storage (fp32 / bf16 moments, fp32 masters, remainders): every other
   element, of that tensor and of every other parameter, is bitwise what it would have
@@ -34,7 +34,8 @@ import torch
 from _optimizer_testing import (
     MASTER_FORMATS, MOMENT_FORMATS, SCALE_TARGET, SCALED_FORMATS, TORCH_DTYPE, Hyper,
     Precision, adam_reference, assert_close_bounded, capture_inputs, fp32_emulated_step,
-    fused_adam, quantize_like_spec, scale_of, stored_bound, true_state, verify_step)
+    e4m3_codes, fused_adam, quantize_like_spec, scale_of, stored_bound, true_state,
+    verify_step)
 
 
 def _float_of_bits(bits):
@@ -177,7 +178,7 @@ def code_of(values32, fmt):
     """S2.4 storage of fp32 values at scale 1."""
     if fmt == "fp16":
         return values32.to(torch.float16)
-    return values32.to(torch.float8_e4m3fn).view(torch.uint8)
+    return e4m3_codes(values32)
 
 
 @pytest.mark.parametrize("bad", list(BAD_VALUES), ids=list(BAD_VALUES))
