@@ -50,12 +50,13 @@ def tensor_bytes(t) -> int:
     its elements."""
     import torch
 
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
     to_local = getattr(t, "to_local", None)
     if to_local is not None:
         return tensor_bytes(to_local())
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, n) for n in names)
+        return sum(tensor_bytes(i) for i in inner if isinstance(i, torch.Tensor))
     return t.numel() * t.element_size()
 
 
