@@ -70,3 +70,34 @@ def test_a_core_that_cannot_load_is_named(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning: shardadam._C could not be loaded" in result.stderr, result.stderr
     assert "circular import" not in result.stderr
+
+
+NO_METADATA = """
+import importlib.metadata
+# As in a source tree that was never installed: no distribution named shardadam.
+found = importlib.metadata.version
+def version(name):
+    if name == "shardadam":
+        raise importlib.metadata.PackageNotFoundError(name)
+    return found(name)
+importlib.metadata.version = version
+""" + STEP + """
+print(shardadam.__version__)
+"""
+
+
+@pytest.mark.parametrize("header", ["with the header", "alone"])
+def test_a_source_tree_never_installed_imports_with_its_headers_version(tmp_path, header):
+    """PYTHONPATH=src in a checkout that pip never installed: the version comes from
+    csrc/include/shardadam/version.h two levels up, or is "0+unknown"."""
+    _copy_without_core(tmp_path / "src")
+    if header == "with the header":
+        headers = tmp_path / "csrc" / "include" / "shardadam"
+        headers.mkdir(parents=True)
+        (headers / "version.h").write_text(
+            "#define SHARDADAM_VERSION_MAJOR 3\n#define SHARDADAM_VERSION_MINOR 14\n"
+            "#define SHARDADAM_VERSION_PATCH 15\n")
+    result = _run(tmp_path / "src", NO_METADATA)
+    assert result.returncode == 0, result.stderr
+    expected = "3.14.15" if header == "with the header" else "0+unknown"
+    assert result.stdout.split() == ["stepped", expected], result.stdout
