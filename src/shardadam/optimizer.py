@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from . import (_backend, _dtensor, _formats, _held_signals, _plan, _state, _step_hooks,
-               _stored_by, _validate)
+from . import (_backend, _collector, _dtensor, _formats, _held_signals, _plan, _state,
+               _step_hooks, _stored_by, _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
@@ -139,6 +139,7 @@ class FusedAdam(torch.optim.Optimizer):
         # Groups (by index) at step 0 whose moments were set by hand (S5.4's moments=set).
         self._moments_set = set()
         self._plans = []
+        self._plan_set = None  # every plan checked as one (_plan.PlanSet)
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
@@ -189,6 +190,7 @@ class FusedAdam(torch.optim.Optimizer):
             _state.migrate_scales(self.state, self._scales)
         _state.claim_all(self.state, self._formats, self)  # restored with their scales
         self._plans = []
+        self._plan_set = None
         self._param_index = {}
         self._checked = {}
         self._settings_passed = None
@@ -262,6 +264,7 @@ class FusedAdam(torch.optim.Optimizer):
         # plans stand (rebuilding every group cost the next step ~15x a steady one).
         self._plans = [None if plan is not None and plan.holds(param) else plan
                        for plan in self._plans]
+        self._plan_set = None
         self._checked = {}
 
     def _follow_params(self, stepping: list, followed: list) -> None:
@@ -353,13 +356,28 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with _collector.paused():
+            self._update()
+        return loss
+
+    def _update(self):
         # (2) validate everything, (3) only then mutate (S3.1).
         config = self._checked_config()
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         listing = _plan.Listing()  # the state containers, listed once for every group
-        work = [self._prepare_group(i, group, config, listing)
-                for i, group in enumerate(self.param_groups)]
+        groups = self.param_groups
+        plan_set = self._plan_set
+        current = plan_set is not None and plan_set.is_current(
+            groups, self._plans, config, self.state, self._scales, self._formats, listing)
+        work = [self._prepare_group(i, group, config, listing, current)
+                for i, group in enumerate(groups)]
         unbound = [plan for plan, _, _ in work if not plan.bound]
+        if not current:
+            # Every plan passed its own check or was rebuilt; once all passed, the next
+            # steps check them as one.
+            self._plan_set = None if unbound else _plan.PlanSet(
+                groups, [plan for plan, _, _ in work], config, self.state, self._scales,
+                self._formats, listing)
         # From here on state may change (binding converts it): Ctrl-C and SIGTERM wait
         # until the step is whole or refused (S3.1).
         with _held_signals.held():
@@ -412,7 +430,6 @@ class FusedAdam(torch.optim.Optimizer):
                 group["step"] = hyper.step
                 if id(plan) in rebound:  # its record describes the state again (S1.5)
                     group[LAYOUT_KEY] = config.record()
-        return loss
 
     def _own_step(self, closure):
         return self._step(closure)  # a subclass's own _step, as on the plain path
@@ -449,13 +466,14 @@ class FusedAdam(torch.optim.Optimizer):
         return config
 
     def _prepare_group(self, index: int, group: dict, config: _state.StateConfig,
-                       listing: Optional[_plan.Listing] = None):
-        """Checks one group and gathers its gradients; reads only."""
+                       listing: Optional[_plan.Listing] = None, current: bool = False):
+        """Checks one group and gathers its gradients; reads only. ``current``: its
+        cached plan is known to be current (``_plan.PlanSet``)."""
         _validate.check_group_keys(group, index, self._group_settings)
         lr, beta1, beta2, eps, weight_decay = _validate.hyper_parameters(
             group, index, lr_on_device=True)
         step = _validate.check_step_counter(group, index)  # a missing counter is 0
-        plan = self._plan(index, group, config, listing)
+        plan = self._plans[index] if current else self._plan(index, group, config, listing)
         if plan.inference_param is not None and not torch.is_inference_mode_enabled():
             i = plan.inference_param.index
             raise _validate.fail(
@@ -789,6 +807,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._formats = new_formats
         self._seeded = seeded
         self._plans = []
+        self._plan_set = None
         self._checked = {}
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

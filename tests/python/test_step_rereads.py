@@ -239,3 +239,124 @@ def test_a_strided_gradient_viewing_state_steps_from_a_copy_at_a_converting_step
                                                     opt.state[b]["exp_avg"])])
     for x, y in zip(*runs):
         assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+
+
+# Changes made between steps to an optimizer whose plans are all current: each one that
+# a group's own check (GroupPlan.is_current) notices must make the check of every plan at
+# once (PlanSet) fail too, and the rest leave it passing.
+def _swap_param(opt, params):
+    opt.param_groups[2]["params"][0] = torch.nn.Parameter(params[2].detach().clone())
+
+
+def _new_state_dict(opt, params):
+    opt.state[params[1]] = dict(opt.state[params[1]])
+
+
+def _config(opt, params):
+    opt.exp_avg_sq_dtype = torch.bfloat16
+
+
+CHANGES = {
+    "nothing": lambda opt, params: None,
+    "a new params list, same tensors": lambda opt, params: opt.param_groups[1].update(
+        params=list(opt.param_groups[1]["params"])),
+    "a new param_groups list, same groups": lambda opt, params: setattr(
+        opt, "param_groups", list(opt.param_groups)),
+    "param.data replaced": lambda opt, params: setattr(
+        params[3], "data", params[3].detach().clone()),
+    "param shrunk in place": lambda opt, params: setattr(
+        params[3], "data", params[3].data.view(-1)[:8]),
+    "param as another dtype": lambda opt, params: setattr(
+        params[0], "data", params[0].data.view(torch.float16)),
+    "param swapped for another": _swap_param,
+    "params reordered": lambda opt, params: opt.param_groups[4]["params"].reverse(),
+    "a param appended": lambda opt, params: opt.param_groups[4]["params"].append(
+        torch.nn.Parameter(torch.ones(3))),
+    "a group replaced by its copy": lambda opt, params: opt.param_groups.__setitem__(
+        1, dict(opt.param_groups[1])),
+    "a group removed": lambda opt, params: opt.param_groups.pop(),
+    "a group added": lambda opt, params: opt.add_param_group(
+        {"params": [torch.nn.Parameter(torch.ones(3))]}),
+    "a state replaced": lambda opt, params: opt.state[params[5]].update(
+        exp_avg=opt.state[params[5]]["exp_avg"].clone()),
+    "a state's memory shared": lambda opt, params: opt.state[params[5]][
+        "exp_avg_sq"].share_memory_(),
+    "a state set_ to a copy": lambda opt, params: opt.state[params[5]]["master_param"].set_(
+        opt.state[params[5]]["master_param"].detach().clone()),
+    "a state restrided": lambda opt, params: opt.state[params[1]]["master_param"]
+        .as_strided_((16, 8), (1, 16)),
+    "a state deleted": lambda opt, params: opt.state[params[1]].pop("exp_avg"),
+    "a parameter's state dict replaced": _new_state_dict,
+    "a parameter's state removed": lambda opt, params: opt.state.pop(params[6]),
+    "a scale replaced": lambda opt, params: opt._scales[params[4]].update(
+        exp_avg=opt._scales[params[4]]["exp_avg"].clone()),
+    "a scale's memory moved": lambda opt, params: setattr(
+        opt._scales[params[4]]["exp_avg_sq"], "data",
+        opt._scales[params[4]]["exp_avg_sq"].detach().clone()),
+    "a setting changed": _config,
+}
+
+
+# The changes after which every plan is still current (the same tensors, found anew).
+CURRENT = ("nothing", "a new params list, same tensors",
+           "a new param_groups list, same groups", "a parameter's state dict replaced")
+
+
+def _every_plan_current(opt, config) -> bool:
+    listing = _plan.Listing()
+    groups, plans = opt.param_groups, opt._plans
+    return len(plans) >= len(groups) and all(
+        plan is not None and plan.is_current(group, config, opt.state, opt._scales,
+                                             opt._formats, listing)
+        for group, plan in zip(groups, plans))
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_checking_every_plan_at_once_answers_as_each_plans_own_check(change):
+    """After two steps every group's plan passed its own check, and the step checks them
+    all as one from then on (``_plan.PlanSet``: thousands of groups cost ~10 µs each to
+    check one by one). For each change between steps, that check says what the groups'
+    own checks say, and the next step then steps as an optimizer that has its plans
+    rebuilt (or refuses as it does)."""
+    runs = []
+    for rebuilt in (False, True):
+        gen = torch.Generator().manual_seed(6)
+        params = [torch.nn.Parameter(torch.randn(8, 16, generator=gen).bfloat16())
+                  for _ in range(8)]
+        groups = [[params[0]], [params[1]], [params[2], params[3]], [params[4]],
+                  [params[5], params[6]], [params[7]]]
+        opt = FusedAdam([{"params": g} for g in groups], lr=1e-2, **FP8)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(8, 16, generator=gen).bfloat16()
+            opt.step()
+        assert opt._plan_set is not None
+        CHANGES[change](opt, params)
+        config = opt._config()
+        # add_param_group drops it with the plans of the parameters it gives state.
+        at_once = opt._plan_set is not None and opt._plan_set.is_current(
+            opt.param_groups, opt._plans, config, opt.state, opt._scales, opt._formats,
+            _plan.Listing())
+        each = _every_plan_current(opt, config)
+        assert at_once == (change in CURRENT)
+        # Never current where a plan is not; one fewer group is only checked again.
+        assert at_once == each or (not at_once and change == "a group removed")
+        if rebuilt:
+            opt._plans, opt._plan_set = [], None
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        try:
+            opt.step()
+            outcome = None
+        except (RuntimeError, ValueError) as error:
+            outcome = str(error)
+        runs.append((outcome, [t.detach().clone() for g in opt.param_groups
+                               for p in g["params"]
+                               for t in [p] + list(opt.state.get(p, {}).values())]))
+    (outcome, tensors), (expected_outcome, expected) = runs
+    assert outcome == expected_outcome
+    assert len(tensors) == len(expected)
+    for a, b in zip(tensors, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
