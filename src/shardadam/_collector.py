@@ -11,7 +11,9 @@ step of 109 ms against a median of 69.
 
 The step makes no reference cycles: what it made is freed by reference counting when it
 returns, so holding the collector off for the step defers no work, it only stops the
-collector from walking objects that are about to be freed. A collector already off
+collector from walking objects that are about to be freed. The step enters this inside
+its hold of SIGINT and SIGTERM (``_held_signals``): a handler raising between the two
+switches would leave the collector off for good. A collector already off
 (``gc.disable()`` by the program) is left off; one that another thread turns off or on
 while a step runs may find it set back when the step ends (CPython has one switch per
 process).

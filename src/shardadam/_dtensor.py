@@ -115,11 +115,10 @@ def local_storage_keys(params, plain: bool) -> list:
     list of one per parameter sets off full collections.)"""
     if plain:
         tensors = params
-    else:
-        try:  # all DTensors (the usual case): no Python frame per parameter
-            tensors = list(map(_local_tensor_of, params))
-        except AttributeError:  # plain and DTensor parameters mixed
-            tensors = [to_local(p) for p in params]
+    elif all(map(isinstance, params, itertools.repeat(_dtensor_class()))):
+        tensors = list(map(_local_tensor_of, params))  # no Python frame per parameter
+    else:  # plain and DTensor parameters mixed (by type: a plain tensor may carry any
+        tensors = [to_local(p) for p in params]  # attribute, `_local_tensor` included)
     return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.numel, tensors),
                     map(torch.Tensor.stride, tensors), map(_dtype_of, tensors)))
 

@@ -3,11 +3,11 @@
 The core releases the GIL, so a Ctrl-C during a long step runs Python's handler, and
 raises its ``KeyboardInterrupt``, right after the core returns: between one group's
 update and its step counter, or before a strided parameter's copy is written back.
-While a step mutates state (``FusedAdam._step``), SIGINT and SIGTERM, where their
-handler is Python code, are recorded instead; once the step is whole their handlers
-are put back and the signals raised again, so the handlers in place then run as
-CPython runs them (repeats of one signal merged; one handler raising leaves the others
-pending). Python runs handlers in the main thread only, so only a step called there
+While a step validates and updates state (``FusedAdam._step``, after the closure),
+SIGINT and SIGTERM, where their handler is Python code, are recorded instead; once the
+step is whole their handlers are put back and the signals raised again, so the handlers
+in place then run as CPython runs them (repeats of one signal merged; one handler
+raising leaves the others pending). Python runs handlers in the main thread only, so only a step called there
 holds them. Other signals' Python handlers (a DataLoader's SIGCHLD) still run at once.
 
 What Python code cannot close: a second signal whose handler raises, landing in the

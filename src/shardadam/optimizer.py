@@ -356,11 +356,14 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with _collector.paused():
-            self._update()
+        # Ctrl-C and SIGTERM wait until the step is whole or refused (S3.1), and the
+        # garbage collector is off meanwhile (_collector): switched inside the hold, so
+        # that no handler can raise between the switches and leave it off.
+        with _held_signals.held(), _collector.paused():
+            self._step_groups()
         return loss
 
-    def _update(self):
+    def _step_groups(self):
         # (2) validate everything, (3) only then mutate (S3.1).
         config = self._checked_config()
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
@@ -378,58 +381,55 @@ class FusedAdam(torch.optim.Optimizer):
             self._plan_set = None if unbound else _plan.PlanSet(
                 groups, [plan for plan, _, _ in work], config, self.state, self._scales,
                 self._formats, listing)
-        # From here on state may change (binding converts it): Ctrl-C and SIGTERM wait
-        # until the step is whole or refused (S3.1).
-        with _held_signals.held():
-            if unbound:  # a parameter set is new
-                _validate.check_disjoint_params(self.param_groups)
-                # Before binding writes state, if it does (plans dropped by
-                # add_param_group or initialize_state bind without writing: the
-                # checks of the calls below then come first).
-                checked = False
+        if unbound:  # a parameter set is new
+            _validate.check_disjoint_params(self.param_groups)
+            # Before binding writes state, if it does (plans dropped by
+            # add_param_group or initialize_state bind without writing: the
+            # checks of the calls below then come first).
+            checked = False
 
-                def before_writing():
-                    nonlocal checked
-                    if not checked:
-                        _backend.check_before_binding(
-                            [b for _, _, batches in work for b in batches], self.state,
-                            self._scales)
-                        checked = True
+            def before_writing():
+                nonlocal checked
+                if not checked:
+                    _backend.check_before_binding(
+                        [b for _, _, batches in work for b in batches], self.state,
+                        self._scales)
+                    checked = True
 
-                with _making_state():
-                    for plan in unbound:
-                        plan.bind(self._seeded, self, before_writing)
-            prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
-                        for _, _, batches in work]
-            # Masters that follow a parameter stepping now are re-seeded in place before
-            # the calls run (S1.6).
-            attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
-            following = [p for p in self._seeded if getattr(p, attr, None) is not None]
-            # The core's own checks (buffers shared between tensors), for every group at
-            # once: the last check before anything is updated, a lone call's too when
-            # masters are re-seeded before it runs (it would check itself only after).
-            _backend.check_together([item for items in prepared for item in items],
-                                    self._checked, lone_too=bool(following))
-            followed = []  # (param, mark) of the masters re-seeded
-            try:
-                if following:
-                    self._follow_params(following, followed)
-                for (_, hyper, _), items in zip(work, prepared):
-                    for item in items:
-                        _backend.run(item, hyper)
-            except BaseException:
-                # A call refused on its own (S3.1): the re-seeded masters hold the
-                # values they are read as while they follow, so their marks restore
-                # them whole.
-                self._seeded.update(followed)
-                raise
-            # Every group, even with no gradient (S2.8), once every batch has run: a
-            # call refused on its own leaves no group counted.
-            rebound = set(map(id, unbound))  # by identity: one lookup per group
-            for group, (plan, hyper, _) in zip(self.param_groups, work):
-                group["step"] = hyper.step
-                if id(plan) in rebound:  # its record describes the state again (S1.5)
-                    group[LAYOUT_KEY] = config.record()
+            with _making_state():
+                for plan in unbound:
+                    plan.bind(self._seeded, self, before_writing)
+        prepared = [[_backend.prepare(batch_grads) for batch_grads in batches]
+                    for _, _, batches in work]
+        # Masters that follow a parameter stepping now are re-seeded in place before
+        # the calls run (S1.6).
+        attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
+        following = [p for p in self._seeded if getattr(p, attr, None) is not None]
+        # The core's own checks (buffers shared between tensors), for every group at
+        # once: the last check before anything is updated, a lone call's too when
+        # masters are re-seeded before it runs (it would check itself only after).
+        _backend.check_together([item for items in prepared for item in items],
+                                self._checked, lone_too=bool(following))
+        followed = []  # (param, mark) of the masters re-seeded
+        try:
+            if following:
+                self._follow_params(following, followed)
+            for (_, hyper, _), items in zip(work, prepared):
+                for item in items:
+                    _backend.run(item, hyper)
+        except BaseException:
+            # A call refused on its own (S3.1): the re-seeded masters hold the
+            # values they are read as while they follow, so their marks restore
+            # them whole.
+            self._seeded.update(followed)
+            raise
+        # Every group, even with no gradient (S2.8), once every batch has run: a
+        # call refused on its own leaves no group counted.
+        rebound = set(map(id, unbound))  # by identity: one lookup per group
+        for group, (plan, hyper, _) in zip(self.param_groups, work):
+            group["step"] = hyper.step
+            if id(plan) in rebound:  # its record describes the state again (S1.5)
+                group[LAYOUT_KEY] = config.record()
 
     def _own_step(self, closure):
         return self._step(closure)  # a subclass's own _step, as on the plain path

@@ -12,7 +12,7 @@ accept what they did.
 import pytest
 import torch
 
-from shardadam import FusedAdam, _plan, _validate
+from shardadam import FusedAdam, _dtensor, _plan, _validate
 
 from _optimizer_testing import backend_context, scale_of
 
@@ -360,3 +360,16 @@ def test_checking_every_plan_at_once_answers_as_each_plans_own_check(change):
     for a, b in zip(tensors, expected):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_storage_keys_read_a_plain_tensor_itself_whatever_its_attributes():
+    """The plan checks' keys of a parameter list that is not known to be plain (a DTensor
+    group's, or every group's at once beside one) read a plain tensor's own storage, even
+    when it carries a ``_local_tensor`` attribute (DTensor's local part): read through
+    it, ``p.data = ...`` went unseen and the step wrote the old storage."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    p._local_tensor = torch.ones(8)
+    q = torch.nn.Parameter(torch.zeros(3))
+    assert _dtensor.local_storage_keys([p, q], False) == _dtensor.local_storage_keys(
+        [p, q], True)
+    assert _dtensor.local_storage_keys([p], False)[0][:2] == (p.data_ptr(), 4)
