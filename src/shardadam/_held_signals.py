@@ -7,8 +7,9 @@ While a step validates and updates state (``FusedAdam._step``, after the closure
 SIGINT and SIGTERM, where their handler is Python code, are recorded instead; once the
 step is whole their handlers are put back and the signals raised again, so the handlers
 in place then run as CPython runs them (repeats of one signal merged; one handler
-raising leaves the others pending). Python runs handlers in the main thread only, so only a step called there
-holds them. Other signals' Python handlers (a DataLoader's SIGCHLD) still run at once.
+raising leaves the others pending). Python runs handlers in the main thread only, so
+only a step called there holds them. Other signals' Python handlers (a DataLoader's
+SIGCHLD) still run at once.
 
 What Python code cannot close: a second signal whose handler raises, landing in the
 few bytecodes between the end of the hold and the first one's raising again, is
