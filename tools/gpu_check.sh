@@ -225,7 +225,8 @@ if info["cuda_devices"] == 0:
 
 # ---------------------------------------------------------------------------- tests
 stage pytest 220 250 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
-  --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py
+  --junitxml="$OUT/pytest.xml" tests/python/test_cuda_backend.py \
+  tests/python/test_memory_order.py
 # FSDP2's CPU offload under a CUDA mesh (its CPU-mesh cases run in CI), apart: ranks
 # that hang on a collective must not cost the results above.
 stage offload 90 230 6 -- "$PYTHON" -m pytest -q -rs -p no:cacheprovider \

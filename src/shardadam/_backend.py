@@ -117,7 +117,7 @@ def _refuse_grads_in_written_memory(works: list, written,
             if grad is None or entry.numel == 0:
                 continue
             order, place = len(spans), entry.place
-            if grad.is_contiguous():
+            if _slots.read_as_is(entry, grad):
                 spans.append(_validate.memory_span(grad) + (order, False, "grad", place,
                                                             grad))
             spans += [_validate.memory_span(tensor) + (order, True, name, place, tensor)
@@ -186,7 +186,7 @@ def _check_written_back(prepared: list) -> None:
     torch path. Only steps with such a parameter run this."""
     _refuse_grads_in_written_memory(
         [item.work for item in prepared if item.call is not None],
-        lambda entry: [] if entry.local.is_contiguous() else [("param", entry.local)],
+        lambda entry: [] if entry.in_place else [("param", entry.local)],
         written_apart=True)
 
 

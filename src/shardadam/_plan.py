@@ -42,7 +42,7 @@ class Entry:
                  "exp_avg", "exp_avg_format", "exp_avg_scale", "exp_avg_sq",
                  "exp_avg_sq_format", "exp_avg_sq_scale", "master", "master_format",
                  "master_scale", "first_index", "scale_block", "exp_avg_rounding",
-                 "rounding_key", "param_rounding", "exp_avg_sq_rounding")
+                 "rounding_key", "param_rounding", "exp_avg_sq_rounding", "in_place")
 
     def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int):
         self.index = index
@@ -54,12 +54,17 @@ class Entry:
         self.numel = self.local.numel()
         self.param_kind = PARAM_TAGS[self.local.dtype]
         self.first_index, self.scale_block = 0, 0  # set by bind()
+        # Until bind() knows: whether it may be (gradients are then checked as read as is).
+        self.in_place = self.local.is_contiguous() or _state.is_dense(self.local)
 
     def bind(self, specs: tuple, entry: dict, scales: Optional[dict],
              param_rounding: str) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
         exactly ``specs``), and how the parameter is rounded (``param_rounding``)."""
         self.master, self.master_format, self.master_scale = None, None, None
+        # Stepped where it lies: contiguous, or its states in its own memory order (S2.6);
+        # else through a contiguous copy, written back.
+        self.in_place = self.local.is_contiguous() or any(s.strides for s in specs)
         # Per-block moments (S2.9): where the local tensor's blocks start, and their
         # size (both moments of one configuration share it; 0: none is per block).
         self.first_index, self.scale_block = 0, 0

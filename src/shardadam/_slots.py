@@ -15,6 +15,8 @@ import importlib
 import itertools
 import warnings
 
+import torch
+
 from . import _formats, _validate
 from ._formats import TAG_NONE
 
@@ -110,7 +112,8 @@ class _Rows:
         self.rows = [_row(entry) for entry in self.entries]
         self.flat = [value for row in self.rows for value in row]
         self.every_position = len(self.positions) == len(batch.entries)
-        # A non-contiguous parameter is stepped through a contiguous copy.
+        # A non-contiguous parameter is stepped through a contiguous copy, unless its
+        # states are in its memory order (Entry.in_place).
         self.contiguous = all(batch.entries[i].local.is_contiguous() for i in self.positions)
         # The rows hold raw pointers: keep their memory alive even if a tensor's storage
         # is swapped behind the optimizer's back (`t.data = ...` is not seen by the plan).
@@ -177,17 +180,30 @@ def prepare(work) -> Call:
             continue
         entries.append(entry)
         row = row.copy()
-        if not grad.is_contiguous():
-            grad = grad.contiguous()
+        local = entry.local
+        if not read_as_is(entry, grad):
+            # In the order the core reads the parameter's memory: contiguous, or its own.
+            grad = (grad.contiguous() if not entry.in_place else
+                    torch.empty_strided(local.shape, local.stride(), dtype=grad.dtype,
+                                        device=grad.device).copy_(grad))
             keep_alive.append(grad)
         row[GRAD], row[GRAD_KIND] = grad.data_ptr(), kinds[position]
-        local = batch.entries[position].local
-        if not local.is_contiguous():
+        if not entry.in_place:
             copy = local.contiguous()
             write_back.append((local, copy))
             row[_PARAM] = copy.data_ptr()
         slots.extend(row)
     return Call(slots, entries, keep_alive, write_back, rows.scales)
+
+
+def read_as_is(entry, grad) -> bool:
+    """Whether the core reads ``grad`` where it lies (else a copy taken before any
+    update): in the order the parameter is stepped in, contiguous or the parameter's own
+    (``Entry.in_place``)."""
+    local = entry.local
+    if entry.in_place and not local.is_contiguous():
+        return grad.stride() == local.stride()
+    return grad.is_contiguous()
 
 
 def refusal(error: ValueError, entries: list) -> ValueError:

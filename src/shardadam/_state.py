@@ -41,6 +41,10 @@ class StateSpec(NamedTuple):
     name: str
     format: Format
     first_index: int = 0
+    # The storage's strides where they are the local tensor's own (a dense tensor that is
+    # not contiguous, e.g. channels_last: the core then steps every buffer in that one
+    # memory order, with no copies; S2.6); None: contiguous.
+    strides: Optional[tuple] = None
 
     @property
     def scaled(self) -> bool:
@@ -97,8 +101,15 @@ class StateConfig(NamedTuple):
         return chosen
 
     def specs_of(self, local: torch.Tensor, layout) -> tuple:
-        """``specs`` of a parameter's local tensor ``local`` with ``layout``."""
-        return self.specs(local.dtype, layout.first_index(local), layout.packable(local))
+        """``specs`` of a parameter's local tensor ``local`` with ``layout``; their
+        storage takes ``local``'s strides where it is dense but not contiguous and
+        no state depends on the elements' order (S2.6)."""
+        specs = self.specs(local.dtype, layout.first_index(local), layout.packable(local))
+        if local.is_contiguous() or not is_dense(local) or self.param_rounding != "nearest" \
+                or any(spec.format.scale == "block" for spec in specs):
+            return specs
+        strides = tuple(local.stride())
+        return tuple(spec._replace(strides=strides) for spec in specs)
 
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
@@ -225,11 +236,28 @@ def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
     spec.format.encode(value.to(stored.device), stored, scale, spec.first_index)
 
 
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s elements fill its memory span exactly, in some order of its
+    dimensions (a permutation of a contiguous tensor's strides)."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride
+                               in zip(tensor.shape, tensor.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def new_entry(spec: StateSpec, value: torch.Tensor, like: torch.Tensor):
     """Fresh local storage (and scale) for ``spec`` holding ``value``, allocated like the
-    local tensor ``like`` (its shape and device; S2.6)."""
-    stored = torch.empty(spec.format.storage_shape(like.shape), dtype=spec.format.storage,
-                         device=like.device)
+    local tensor ``like`` (its shape and device, and its strides where ``spec`` says;
+    S2.6)."""
+    shape = spec.format.storage_shape(like.shape)
+    if spec.strides is not None:
+        stored = torch.empty_strided(shape, spec.strides, dtype=spec.format.storage,
+                                     device=like.device)
+    else:
+        stored = torch.empty(shape, dtype=spec.format.storage, device=like.device)
     scale_shape = spec.format.scale_shape(like.numel(), spec.first_index)
     scale = None
     if scale_shape is not None:
@@ -299,7 +327,9 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
     if stored_format(stored, formats, spec.name) is not spec.format \
             or stored.device != param.device:
         return False
-    if stored.shape != spec.format.storage_shape(param.shape) or not stored.is_contiguous():
+    if stored.shape != spec.format.storage_shape(param.shape) or not (
+            stored.is_contiguous() if spec.strides is None
+            else tuple(stored.stride()) == spec.strides):
         return False
     scale_shape = spec.format.scale_shape(param.numel(), spec.first_index)
     if scale_shape is None:

@@ -22,9 +22,12 @@ def _two_groups(params):
 
 
 def _strided(params):
-    """params[1] as a transposed view: the C++ path steps a copy and writes it back."""
-    base = torch.nn.Parameter(params[1].detach().t().contiguous())
-    params[1] = torch.nn.Parameter(base.detach().t())
+    """params[1] as every other column of a wider matrix (not dense): the C++ path steps
+    a copy and writes it back."""
+    value = params[1].detach()
+    wide = torch.stack((value, torch.zeros_like(value)), dim=-1)
+    params[1] = torch.nn.Parameter(wide[..., 0])
+    assert not params[1].is_contiguous() and torch.equal(params[1].detach(), value)
     return params
 
 

@@ -1000,12 +1000,19 @@ def test_params_and_grads_as_views_into_flat_buffers(cfg, backend):
                 assert_bitwise_equal(actual[key], value, f"step {step} param {i} {key}")
 
 
-def test_non_contiguous_params(backend):
-    """A parameter that is a strided (transposed) tensor is updated by logical element,
-    exactly like its contiguous copy."""
+@pytest.mark.parametrize("layout", ["transposed", "columns"])
+def test_non_contiguous_params(layout, backend):
+    """A parameter that is a strided tensor is updated by logical element, exactly like
+    its contiguous copy: transposed (dense: stepped where it lies, its states in its
+    memory order, S2.6) or every other column of a wider matrix (stepped through a
+    copy)."""
     cfg = Precision(param="bf16", exp_avg="fp16", exp_avg_sq="bf16", master="fp32")
     base = make_params([torch.bfloat16], [(5, 3)], seed=32)[0].detach()
-    strided = [torch.nn.Parameter(base.clone().t())]
+    if layout == "transposed":
+        strided = [torch.nn.Parameter(base.clone().t())]
+    else:
+        wide = torch.stack((base.t(), torch.zeros_like(base.t())), dim=-1)
+        strided = [torch.nn.Parameter(wide[..., 0])]
     compact = [torch.nn.Parameter(base.clone().t().contiguous())]
     assert not strided[0].is_contiguous()
     opts = [fused_adam()(ps, **HYPER.optimizer_kwargs(), **cfg.optimizer_kwargs())

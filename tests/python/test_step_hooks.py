@@ -193,7 +193,7 @@ def test_step_runs_without_autograd_and_restores_the_mode(grad_mode):
     parameter is written back with copy_, which autograd refuses on a leaf), and the
     caller's gradient mode is restored, also after a refused step."""
     torch.manual_seed(5)
-    param = torch.nn.Parameter(torch.randn(3, 4).t())  # non-contiguous: written back
+    param = torch.nn.Parameter(torch.randn(3, 8)[:, ::2].t())  # not dense: written back
     param.grad = torch.randn(4, 3)
     opt = FusedAdam([param], lr=1e-2)
     with torch.set_grad_enabled(grad_mode):
