@@ -44,7 +44,8 @@ class Entry:
                  "master_scale", "first_index", "scale_block", "exp_avg_rounding",
                  "rounding_key", "param_rounding", "exp_avg_sq_rounding", "in_place")
 
-    def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int):
+    def __init__(self, index: int, param: torch.Tensor, place: str, rounding_key: int,
+                 config: _state.StateConfig):
         self.index = index
         self.rounding_key = rounding_key  # S2.13: one per parameter, the same on every rank
         self.place = place  # "group g, param i ('name')", for the core's messages
@@ -54,17 +55,17 @@ class Entry:
         self.numel = self.local.numel()
         self.param_kind = PARAM_TAGS[self.local.dtype]
         self.first_index, self.scale_block = 0, 0  # set by bind()
-        # Until bind() knows: whether it may be (gradients are then checked as read as is).
-        self.in_place = self.local.is_contiguous() or _state.is_dense(self.local)
+        # Stepped where it lies: contiguous, or its states in its own memory order (S2.6,
+        # as the configuration stores them); else through a contiguous copy, written
+        # back. Known before binding, for the checks of gradients that precede it.
+        self.in_place = self.local.is_contiguous() or any(
+            spec.strides for spec in config.specs_of(self.local, self.layout))
 
     def bind(self, specs: tuple, entry: dict, scales: Optional[dict],
              param_rounding: str) -> None:
         """Remember the local storage of ``entry`` and its ``scales`` (which hold
         exactly ``specs``), and how the parameter is rounded (``param_rounding``)."""
         self.master, self.master_format, self.master_scale = None, None, None
-        # Stepped where it lies: contiguous, or its states in its own memory order (S2.6);
-        # else through a contiguous copy, written back.
-        self.in_place = self.local.is_contiguous() or any(s.strides for s in specs)
         # Per-block moments (S2.9): where the local tensor's blocks start, and their
         # size (both moments of one configuration share it; 0: none is per block).
         self.first_index, self.scale_block = 0, 0
@@ -109,6 +110,8 @@ class DeviceBatch:
         self.layouts = [e.layout for e in entries]
         self.plain = not any(layout.is_dtensor for layout in self.layouts)
         self.grad_check = None if self.plain else _dtensor.GradCheck(self.layouts)
+        # Every gradient is read where it lies if it is contiguous (_slots.read_as_is).
+        self.contiguous = all(e.local.is_contiguous() for e in entries)
         # Left for the backends to fill (e.g. the C++ paths' slot rows); dropped with
         # the plan, so never stale.
         self.backend_cache = {}
@@ -141,7 +144,7 @@ class GroupPlan:
         self.held = None  # set by bind(): what the plan rests on, see is_current
         self.entries = [
             Entry(i, p, _validate.place(group_index, i, _validate.param_name(group, i)),
-                  rounding_key(group_index, i))
+                  rounding_key(group_index, i), config)
             for i, p in enumerate(params)]
         by_device = {}
         for entry in self.entries:

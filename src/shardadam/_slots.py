@@ -112,9 +112,6 @@ class _Rows:
         self.rows = [_row(entry) for entry in self.entries]
         self.flat = [value for row in self.rows for value in row]
         self.every_position = len(self.positions) == len(batch.entries)
-        # A non-contiguous parameter is stepped through a contiguous copy, unless its
-        # states are in its memory order (Entry.in_place).
-        self.contiguous = all(batch.entries[i].local.is_contiguous() for i in self.positions)
         # The rows hold raw pointers: keep their memory alive even if a tensor's storage
         # is swapped behind the optimizer's back (`t.data = ...` is not seen by the plan).
         self.storages = [t.untyped_storage() for i in self.positions
@@ -157,7 +154,7 @@ def prepare(work) -> Call:
     if rows is None:
         rows = batch.backend_cache["slots"] = _Rows(batch)
     kinds = work.kinds
-    if work.dense and rows.contiguous:
+    if work.dense and batch.contiguous:
         if rows.every_position and 0 not in kinds:
             # Every tensor steps: patch the gradient columns of the cached rows.
             slots = rows.flat.copy()
@@ -181,13 +178,10 @@ def prepare(work) -> Call:
         entries.append(entry)
         row = row.copy()
         local = entry.local
-        if not read_as_is(entry, grad):
-            # In the order the core reads the parameter's memory: contiguous, or its own.
-            grad = (grad.contiguous() if not entry.in_place else
-                    torch.empty_strided(local.shape, local.stride(), dtype=grad.dtype,
-                                        device=grad.device).copy_(grad))
-            keep_alive.append(grad)
-        row[GRAD], row[GRAD_KIND] = grad.data_ptr(), kinds[position]
+        read = laid_out(entry, grad)
+        if read is not grad:
+            keep_alive.append(read)
+        row[GRAD], row[GRAD_KIND] = read.data_ptr(), kinds[position]
         if not entry.in_place:
             copy = local.contiguous()
             write_back.append((local, copy))
@@ -197,13 +191,25 @@ def prepare(work) -> Call:
 
 
 def read_as_is(entry, grad) -> bool:
-    """Whether the core reads ``grad`` where it lies (else a copy taken before any
-    update): in the order the parameter is stepped in, contiguous or the parameter's own
-    (``Entry.in_place``)."""
+    """Whether a step reads ``grad`` where it lies, on every path: laid out as its
+    parameter is stepped, contiguous or in the parameter's own order
+    (``Entry.in_place``); else it reads a copy taken before any update (``laid_out``).
+    Only a gradient read as it is is checked against the memory the step writes."""
     local = entry.local
     if entry.in_place and not local.is_contiguous():
         return grad.stride() == local.stride()
     return grad.is_contiguous()
+
+
+def laid_out(entry, grad):
+    """``grad``, or a copy of it laid out as its parameter is stepped."""
+    if read_as_is(entry, grad):
+        return grad
+    if not entry.in_place or entry.local.is_contiguous():
+        return grad.contiguous()
+    local = entry.local
+    return torch.empty_strided(local.shape, local.stride(), dtype=grad.dtype,
+                               device=grad.device).copy_(grad)
 
 
 def refusal(error: ValueError, entries: list) -> ValueError:

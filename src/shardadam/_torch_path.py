@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from . import _codecs, _validate
+from . import _codecs, _slots, _validate
 
 
 def _f32(value: float) -> float:
@@ -96,12 +96,15 @@ _WRITTEN = (("param", "local"), ("master_param", "master"), ("exp_avg", "exp_avg
 
 
 def prepare(work):
-    """``work`` with each non-contiguous gradient replaced by a contiguous copy, taken
-    before any batch of the step runs, as the C++ paths step such a gradient."""
-    if work.dense:
+    """``work`` with each gradient that the C++ paths read through a copy replaced by
+    such a copy, taken before any batch of the step runs (``_slots.read_as_is``: the
+    same gradients are then checked against the memory the step writes)."""
+    if work.dense and work.batch.contiguous:
         return work
-    grads = [g if g is None or g.is_contiguous() else g.contiguous() for g in work.grads]
-    return type(work)(work.batch, grads, work.kinds, True)
+    grads = [g if g is None else _slots.laid_out(entry, g)
+             for entry, g in zip(work.batch.entries, work.grads)]
+    return type(work)(work.batch, grads, work.kinds,
+                      all(g is None or g.is_contiguous() for g in grads))
 
 
 def _written_spans(batch) -> list:

@@ -176,3 +176,79 @@ def test_a_gradient_in_an_in_place_parameters_memory_is_refused():
         opt.step()
     after = [_bits(t) for p in params for t in [p, *opt.state[p].values()]]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def _pair(generator_seed=5):
+    gen = torch.Generator().manual_seed(generator_seed)
+    shape, lay_out = LAYOUTS["channels_last"]
+    a = torch.nn.Parameter(lay_out(torch.randn(shape, generator=gen)))
+    b = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    return a, b
+
+
+# Where a's gradient lies, for a channels_last parameter a (b: a contiguous one): read
+# where it lies (laid out as a is stepped: a's strides) it is checked against the memory
+# the step writes; read through a copy (any other layout) it is not.
+GRADIENTS = {
+    "a's strides, in b's memory": (True, lambda opt, a, b: torch.as_strided(
+        b.detach(), a.shape, a.stride())),
+    "a itself": (True, lambda opt, a, b: a.detach()),
+    "a's exp_avg": (True, lambda opt, a, b: opt.state[a]["exp_avg"]),
+    "contiguous, in a's memory": (False, lambda opt, a, b: torch.as_strided(
+        a.detach(), a.shape, b.stride())),
+    "contiguous, in b's memory": (False, lambda opt, a, b: b.detach().view(a.shape)),
+}
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("where", list(GRADIENTS))
+def test_both_paths_read_the_same_gradients_where_they_lie(where, backend):
+    """Each path reads a gradient where it lies exactly when it is laid out as its
+    parameter is stepped (a channels_last parameter: its own strides), so both refuse
+    the same gradients in written memory (nothing changed) and step the others as
+    copies of them, bitwise."""
+    refused, grad_of = GRADIENTS[where]
+    runs = []
+    for aliased in (True, False):
+        a, b = _pair()
+        opt = FusedAdam([a, b], lr=1e-2)
+        with backend_context(backend):
+            opt.step()  # no gradient yet: binds, steps nothing but the counters
+            grad = grad_of(opt, a, b)
+            a.grad = grad if aliased else grad.clone()
+            b.grad = torch.ones_like(b)
+            before = [_bits(t).clone() for p in (a, b) for t in [p, *opt.state[p].values()]]
+            if aliased and refused:
+                with pytest.raises(ValueError, match="(shares memory|overlaps)"):
+                    opt.step()
+                after = [_bits(t) for p in (a, b) for t in [p, *opt.state[p].values()]]
+                assert all(torch.equal(x, y) for x, y in zip(before, after))
+                return
+            opt.step()
+        runs.append([_bits(t).clone() for p in (a, b) for t in [p, *opt.state[p].values()]])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("setting", ["moment_format", "param_rounding"])
+def test_a_step_that_would_convert_is_refused_before_converting(setting, backend):
+    """A setting changed so that a channels_last parameter's states become contiguous
+    (S1.5): the step's check of gradients before it converts state knows the layout it
+    converts to, so a contiguous gradient in another parameter's memory (read as it is
+    once converted) is refused before anything is converted."""
+    a, b = _pair(6)
+    a.data, b.data = a.data.bfloat16(), b.data.bfloat16()
+    opt = FusedAdam([a, b], lr=1e-2)
+    if setting == "moment_format":
+        opt.moment_format, opt.moment_block_size = "block8", 128
+    else:
+        opt.param_rounding = "stochastic"
+    a.grad = b.detach().view(a.shape)
+    b.grad = torch.ones_like(b)
+    before = {name: (t.dtype, t.stride(), _bits(t).clone()) for name, t in opt.state[a].items()}
+    with backend_context(backend), pytest.raises(ValueError, match="(shares memory|overlaps)"):
+        opt.step()
+    assert {name: (t.dtype, t.stride()) for name, t in opt.state[a].items()} == \
+        {name: value[:2] for name, value in before.items()}
+    assert all(torch.equal(_bits(opt.state[a][name]), value[2])
+               for name, value in before.items())
