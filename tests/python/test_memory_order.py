@@ -120,6 +120,19 @@ def test_layouts_keyed_to_the_flat_index_keep_contiguous_states(preset, backend)
         assert all(state.is_contiguous() for state in opt.state[p].values())
 
 
+def _step_alike(a, b, shape, seed, steps=2):
+    """Two more steps of both runs with the same bf16 gradients; then they are alike."""
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p, q in zip(params_a, params_b):
+            g = torch.randn(shape, generator=gen).bfloat16()
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    _assert_same_run(a, b)
+
+
 def test_a_parameter_made_contiguous_between_steps_converts_its_states():
     """Its states move to the new memory order with their values (S1.5's conversion,
     exact), and the run goes on as the twin's."""
@@ -129,14 +142,7 @@ def test_a_parameter_made_contiguous_between_steps_converts_its_states():
     twin_params, twin = _run(preset, shape, None, False, "auto", dtype=torch.bfloat16)
     for p in params:
         p.data = p.data.contiguous()
-    gen = torch.Generator().manual_seed(9)
-    for _ in range(2):
-        grads = [torch.randn(shape, generator=gen).bfloat16() for _ in params]
-        for p, q, g in zip(params, twin_params, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        twin.step()
-    _assert_same_run((params, opt), (twin_params, twin))
+    _step_alike((params, opt), (twin_params, twin), shape, seed=9)
     assert all(s.is_contiguous() for p in params for s in opt.state[p].values())
 
 
@@ -153,14 +159,7 @@ def test_checkpoints_move_between_memory_orders_bitwise(direction):
                                  else p.detach().contiguous()) for p in params]
     other = FusedAdam(loaded, lr=1e-2, weight_decay=0.1, **preset)
     other.load_state_dict(opt.state_dict())
-    gen = torch.Generator().manual_seed(11)
-    for _ in range(2):
-        grads = [torch.randn(shape, generator=gen).bfloat16() for _ in params]
-        for p, q, g in zip(params, loaded, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        other.step()
-    _assert_same_run((params, opt), (loaded, other))
+    _step_alike((params, opt), (loaded, other), shape, seed=11)
     for p in loaded:
         expected = p.stride()
         assert all(s.stride() == expected for s in other.state[p].values())
