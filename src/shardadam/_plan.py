@@ -71,9 +71,8 @@ class Entry:
         self.first_index, self.scale_block = 0, 0
         self.exp_avg_rounding = self.exp_avg_sq_rounding = 0  # nearest
         # S2.14: a bf16 parameter with no master, its bits keyed like a block's.
-        self.param_rounding = int(param_rounding == "stochastic"
-                                  and self.local.dtype == torch.bfloat16
-                                  and all(s.name != "master_param" for s in specs))
+        self.param_rounding = int(_state.rounds_stochastically(param_rounding,
+                                                               self.local.dtype, specs))
         if self.param_rounding:
             self.first_index = self.layout.first_index(self.local)
         for spec in specs:

@@ -105,7 +105,8 @@ class StateConfig(NamedTuple):
         storage takes ``local``'s strides where it is dense but not contiguous and
         no state depends on the elements' order (S2.6)."""
         specs = self.specs(local.dtype, layout.first_index(local), layout.packable(local))
-        if local.is_contiguous() or not is_dense(local) or self.param_rounding != "nearest" \
+        if local.is_contiguous() or not is_dense(local) or rounds_stochastically(
+                self.param_rounding, local.dtype, specs) \
                 or any(spec.format.scale == "block" for spec in specs):
             return specs
         strides = tuple(local.stride())
@@ -234,6 +235,14 @@ def write_value(spec: StateSpec, value: torch.Tensor, stored: torch.Tensor,
     scale (S2.3), measured over this local tensor only.
     """
     spec.format.encode(value.to(stored.device), stored, scale, spec.first_index)
+
+
+def rounds_stochastically(param_rounding: str, param_dtype: torch.dtype,
+                          specs: tuple) -> bool:
+    """Whether a parameter of ``param_dtype`` with state ``specs`` is rounded
+    stochastically under ``param_rounding`` (S2.14: a bf16 parameter with no master)."""
+    return (param_rounding == "stochastic" and param_dtype == torch.bfloat16
+            and all(spec.name != "master_param" for spec in specs))
 
 
 def is_dense(tensor: torch.Tensor) -> bool:

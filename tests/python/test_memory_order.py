@@ -120,6 +120,16 @@ def test_layouts_keyed_to_the_flat_index_keep_contiguous_states(preset, backend)
         assert all(state.is_contiguous() for state in opt.state[p].values())
 
 
+def test_stochastic_rounding_leaves_fp32_parameters_in_place():
+    """param_rounding="stochastic" rounds bf16 parameters without a master only (S2.14):
+    an fp32 parameter's states still follow its memory order."""
+    shape, lay_out = LAYOUTS["channels_last"]
+    run = _run(KEYED["bf16-stochastic"], shape, lay_out, True, "auto")
+    _assert_same_run(run, _run(KEYED["bf16-stochastic"], shape, None, False, "auto"))
+    params, opt = run
+    assert all(s.stride() == p.stride() for p in params for s in opt.state[p].values())
+
+
 def _step_alike(a, b, shape, seed, steps=2):
     """Two more steps of both runs with the same bf16 gradients; then they are alike."""
     (params_a, opt_a), (params_b, opt_b) = a, b
