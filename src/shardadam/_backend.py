@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _cpu_path, _cuda_path, _dtensor, _slots, _torch_path, _validate
+from . import _cpu_path, _cuda_path, _dtensor, _plan, _slots, _torch_path, _validate
 
 _BACKENDS = ("auto", "torch")
 _mode = "auto"
@@ -117,7 +117,7 @@ def _refuse_grads_in_written_memory(works: list, written,
             if grad is None or entry.numel == 0:
                 continue
             order, place = len(spans), entry.place
-            if _slots.read_as_is(entry, grad):
+            if _plan.read_as_is(entry, grad):
                 spans.append(_validate.memory_span(grad) + (order, False, "grad", place,
                                                             grad))
             spans += [_validate.memory_span(tensor) + (order, True, name, place, tensor)

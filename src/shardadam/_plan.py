@@ -109,7 +109,7 @@ class DeviceBatch:
         self.layouts = [e.layout for e in entries]
         self.plain = not any(layout.is_dtensor for layout in self.layouts)
         self.grad_check = None if self.plain else _dtensor.GradCheck(self.layouts)
-        # Every gradient is read where it lies if it is contiguous (_slots.read_as_is).
+        # Every gradient is read where it lies if it is contiguous (read_as_is).
         self.contiguous = all(e.local.is_contiguous() for e in entries)
         # Left for the backends to fill (e.g. the C++ paths' slot rows); dropped with
         # the plan, so never stale.
@@ -413,6 +413,28 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
         kinds.append(PARAM_TAGS[grad.dtype])
         local_grads.append(grad)
     return BatchGrads(batch, local_grads, kinds, dense)
+
+
+def read_as_is(entry: Entry, grad: torch.Tensor) -> bool:
+    """Whether a step reads ``grad`` where it lies, on every path: laid out as its
+    parameter is stepped, contiguous or in the parameter's own order
+    (``Entry.in_place``); else it reads a copy taken before any update (``laid_out``).
+    Only a gradient read as it is is checked against the memory the step writes."""
+    local = entry.local
+    if entry.in_place and not local.is_contiguous():
+        return grad.stride() == local.stride()
+    return grad.is_contiguous()
+
+
+def laid_out(entry: Entry, grad: torch.Tensor) -> torch.Tensor:
+    """``grad``, or a copy of it laid out as its parameter is stepped."""
+    if read_as_is(entry, grad):
+        return grad
+    local = entry.local
+    if entry.in_place and not local.is_contiguous():
+        return torch.empty_strided(local.shape, local.stride(), dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+    return grad.contiguous()
 
 
 def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:

@@ -15,9 +15,7 @@ import importlib
 import itertools
 import warnings
 
-import torch
-
-from . import _formats, _validate
+from . import _formats, _plan, _validate
 from ._formats import TAG_NONE
 
 try:
@@ -178,7 +176,7 @@ def prepare(work) -> Call:
         entries.append(entry)
         row = row.copy()
         local = entry.local
-        read = laid_out(entry, grad)
+        read = _plan.laid_out(entry, grad)
         if read is not grad:
             keep_alive.append(read)
         row[GRAD], row[GRAD_KIND] = read.data_ptr(), kinds[position]
@@ -188,28 +186,6 @@ def prepare(work) -> Call:
             row[_PARAM] = copy.data_ptr()
         slots.extend(row)
     return Call(slots, entries, keep_alive, write_back, rows.scales)
-
-
-def read_as_is(entry, grad) -> bool:
-    """Whether a step reads ``grad`` where it lies, on every path: laid out as its
-    parameter is stepped, contiguous or in the parameter's own order
-    (``Entry.in_place``); else it reads a copy taken before any update (``laid_out``).
-    Only a gradient read as it is is checked against the memory the step writes."""
-    local = entry.local
-    if entry.in_place and not local.is_contiguous():
-        return grad.stride() == local.stride()
-    return grad.is_contiguous()
-
-
-def laid_out(entry, grad):
-    """``grad``, or a copy of it laid out as its parameter is stepped."""
-    if read_as_is(entry, grad):
-        return grad
-    if not entry.in_place or entry.local.is_contiguous():
-        return grad.contiguous()
-    local = entry.local
-    return torch.empty_strided(local.shape, local.stride(), dtype=grad.dtype,
-                               device=grad.device).copy_(grad)
 
 
 def refusal(error: ValueError, entries: list) -> ValueError:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from . import _codecs, _slots, _validate
+from . import _codecs, _plan, _validate
 
 
 def _f32(value: float) -> float:
@@ -97,11 +97,11 @@ _WRITTEN = (("param", "local"), ("master_param", "master"), ("exp_avg", "exp_avg
 
 def prepare(work):
     """``work`` with each gradient that the C++ paths read through a copy replaced by
-    such a copy, taken before any batch of the step runs (``_slots.read_as_is``: the
+    such a copy, taken before any batch of the step runs (``_plan.read_as_is``: the
     same gradients are then checked against the memory the step writes)."""
     if work.dense and work.batch.contiguous:
         return work
-    grads = [g if g is None else _slots.laid_out(entry, g)
+    grads = [g if g is None else _plan.laid_out(entry, g)
              for entry, g in zip(work.batch.entries, work.grads)]
     return type(work)(work.batch, grads, work.kinds,
                       all(g is None or g.is_contiguous() for g in grads))
