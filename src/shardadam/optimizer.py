@@ -430,6 +430,19 @@ class FusedAdam(torch.optim.Optimizer):
             group["step"] = hyper.step
             if id(plan) in rebound:  # its record describes the state again (S1.5)
                 group[LAYOUT_KEY] = config.record()
+        if unbound:  # the groups' parameters changed: some may have left them
+            self._drop_left_state()
+
+    def _drop_left_state(self) -> None:
+        """Drops the state of tensors that no group holds any longer (S1.6). Made at
+        construction, it would otherwise outlive a swap of the groups' parameters:
+        accelerate's FSDP2 ``prepare`` puts the sharded parameters in place of the whole
+        ones the optimizer was built over, whose full-size state (and the whole
+        parameters, its keys) every rank then kept beside the shards'."""
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        for container in (self.state, self._scales, self._formats, self._seeded):
+            for key in [k for k in container if id(k) not in held]:
+                del container[key]
 
     def _own_step(self, closure):
         return self._step(closure)  # a subclass's own _step, as on the plain path

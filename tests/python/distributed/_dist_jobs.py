@@ -512,6 +512,63 @@ def fsdp2(ctx, case):
         _fsdp2_step_and_check(step, model, opt, ref, refs, preset, adamw, adamw_refs)
 
 
+def fsdp2_built_before_sharding(ctx, case):
+    """FusedAdam built over the whole model, then handed the FSDP2 parameters in its
+    group, as accelerate's ``prepare`` swaps them in: after every step it equals an
+    optimizer built over the shards (bitwise, states and scales too), and from the first
+    step it holds state for the shards only, the whole parameters' state dropped and
+    freed with them (S1.6)."""
+    import gc
+    import weakref
+
+    from torch.distributed.fsdp import fully_shard
+
+    preset = Preset(case.preset)
+    kwargs = dict(OPT_DEFAULTS, **preset.kwargs())
+    torch.manual_seed(seed_of(case.id))
+    model = _TinyLM().to(preset.param_dtype)
+    opt = fused_adam()(list(model.parameters()), **kwargs)
+    names = [n for n, _ in model.named_parameters()]
+    gone = [weakref.ref(p) for p in model.parameters()]
+    gone += [weakref.ref(t) for entry in opt.state.values() for t in entry.values()]
+    for block in model.blocks:
+        fully_shard(block, mesh=ctx.mesh())
+    fully_shard(model, mesh=ctx.mesh())
+    sharded = dict(model.named_parameters())
+    params = [sharded[n] for n in names]
+    opt.param_groups[0]["params"] = list(params)
+    twin = _fsdp2_model(ctx, preset, seed_of(case.id))
+    twin_params = list(twin.parameters())
+    twin_opt = fused_adam()(twin_params, **kwargs)
+    gens = [torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+            for _ in range(2)]
+    for step in range(1, FSDP2_STEPS + 1):
+        _fsdp2_backward(model, gens[0])
+        _fsdp2_backward(twin, gens[1])
+        opt.step()
+        twin_opt.step()
+
+        def checks():
+            what = f"after step {step}"
+            for name, p, q in zip(names, params, twin_params):
+                assert_bitwise(local_of(p), local_of(q).detach(), f"{what}: {name}")
+                raw, twin_raw = raw_state(opt, p), raw_state(twin_opt, q)
+                assert sorted(raw) == sorted(twin_raw), f"{what}: {name} state names"
+                for k, v in raw.items():
+                    assert_bitwise(v, twin_raw[k], f"{what}: raw {name}.{k}")
+            held = set(map(id, params))
+            for label, container in (("state", opt.state), ("scales", opt._scales),
+                                     ("formats", opt._formats)):
+                assert set(map(id, container)) <= held, \
+                    f"{what}: the optimizer's {label} still have a whole parameter's entry"
+        symmetric(checks)
+        opt.zero_grad(set_to_none=True)
+        twin_opt.zero_grad(set_to_none=True)
+    gc.collect()
+    alive = sum(ref() is not None for ref in gone)
+    assert alive == 0, f"{alive} whole parameters or their states are still alive"
+
+
 def _fsdp2_gathered(model, opt):
     """Full parameters and full ``state_dict()`` values by parameter name, and steps."""
     from _dist_helpers import gather
@@ -1036,6 +1093,7 @@ KINDS = {
     "fsdp2_dcp_save": fsdp2_dcp_save,
     "fsdp2_dcp_resume": fsdp2_dcp_resume,
     "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
+    "fsdp2_built_before_sharding": fsdp2_built_before_sharding,
     "zero_redundancy": zero_redundancy,
     "fsdp2_torch_adamw_dcp": fsdp2_torch_adamw_dcp,
     "state_access": state_access,

@@ -8,7 +8,9 @@ not an unsharded model: it would test gloo's gradient reduction rather than the 
 
 Also: model and optimizer saved with DCP at world size 2 and loaded into a fresh FSDP2
 model at 3 (uneven and empty shards), then trained on; and a DCP round trip with a frozen
-parameter, whose state torch's helpers leave out of the checkpoint.
+parameter, whose state torch's helpers leave out of the checkpoint; and an optimizer built
+over the whole model and then handed the sharded parameters (as accelerate's FSDP2
+``prepare`` does), which steps as one built over the shards and drops the whole state.
 """
 
 import pytest
@@ -43,4 +45,9 @@ def test_fsdp2_torch_adamw_checkpoint(case, dist_jobs):
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("zero_redundancy"), ids=str)
 def test_zero_redundancy_optimizer_over_fused_adam(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_built_before_sharding"), ids=str)
+def test_optimizer_built_before_sharding_drops_the_whole_state(case, dist_jobs):
     dist_jobs.check(case)

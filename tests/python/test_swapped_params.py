@@ -1,0 +1,106 @@
+"""State of parameters that left every group (S1.6).
+
+State exists from construction, so an optimizer built over whole parameters whose groups
+are then handed the sharded ones (accelerate's FSDP2 ``prepare`` swaps them in
+``param_groups``) holds state for tensors it no longer steps. The next step that
+completes drops it, with its scales, formats and following masters, so neither it nor the
+old parameters (its keys) stay alive; a refused step keeps it. The distributed twin
+(FSDP2 on gloo ranks) is ``distributed/test_dist_fsdp2.py``'s built-before-sharding case.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from _optimizer_testing import (assert_same_optimizer_state, assert_unchanged,
+                                backend_context, fused_adam, snapshot)
+
+PRESETS = {
+    "fp32": dict(),
+    "bf16-fp8-master": dict(master_weights=True, exp_avg_dtype=torch.uint8,
+                            exp_avg_sq_dtype=torch.uint8),
+    "bf16-remainder-block8": dict(master_weights=True, store_param_remainders=True,
+                                  moment_format="block8"),
+}
+BACKENDS = ["auto", "torch"]
+
+
+def _whole(preset, seed=0):
+    dtype = torch.float32 if preset == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+            for shape in ((16, 256), (256,), (8, 256))]
+
+
+def _shards(params):
+    """The first rows of each parameter, as new tensors (a shard's shape and values)."""
+    return [torch.nn.Parameter(p.detach()[: max(1, p.shape[0] // 2)].clone())
+            for p in params]
+
+
+def _set_grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_state_of_swapped_out_parameters_is_dropped(preset, backend):
+    kwargs = dict(lr=1e-2, weight_decay=0.01, **PRESETS[preset])
+    with backend_context(backend):
+        whole = _whole(preset)
+        opt = fused_adam()(whole, **kwargs)
+        shards = _shards(whole)
+        twin_params = [torch.nn.Parameter(p.detach().clone()) for p in shards]
+        twin = fused_adam()(twin_params, **kwargs)  # built over the shards themselves
+        opt.param_groups[0]["params"] = list(shards)  # as accelerate's prepare does
+        gone = [weakref.ref(p) for p in whole]
+        left = [opt.state[p] for p in whole]  # their full-size state, held here only
+        gone += [weakref.ref(t) for entry in left for t in entry.values()
+                 if isinstance(t, torch.Tensor)]
+        del whole, left
+        for step in range(3):
+            _set_grads(shards, step)
+            _set_grads(twin_params, step)
+            opt.step()
+            twin.step()
+            assert_same_optimizer_state(twin, opt, twin_params, shards, f"step {step}")
+            kept = [id(p) for p in shards]
+            for name, container in (("state", opt.state), ("_scales", opt._scales),
+                                    ("_formats", opt._formats), ("_seeded", opt._seeded)):
+                assert all(id(key) in kept for key in container), \
+                    f"step {step}: {name} still holds a swapped-out parameter"
+        gc.collect()
+        assert all(ref() is None for ref in gone), \
+            "the swapped-out parameters or their state are still alive"
+
+
+def test_a_refused_step_keeps_the_state_of_swapped_out_parameters():
+    whole = _whole("bf16-fp8-master")
+    opt = fused_adam()(whole, lr=1e-2, **PRESETS["bf16-fp8-master"])
+    shards = _shards(whole)
+    opt.param_groups[0]["params"] = list(shards)
+    _set_grads(shards, 0)
+    shards[1].grad = shards[1].detach()  # in the memory the step writes: refused
+    before = snapshot(opt, whole)
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.step()
+    assert_unchanged(opt, before, "after the refused step")
+    assert all(p in opt.state for p in whole)
+
+
+def test_a_parameter_moved_between_groups_keeps_its_state():
+    params = _whole("fp32")
+    opt = fused_adam()([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    _set_grads(params, 0)
+    opt.step()
+    moved = opt.state[params[1]]["exp_avg"].clone()
+    opt.param_groups[0]["params"] = [params[0]]
+    opt.param_groups[1]["params"] = [params[2], params[1]]
+    opt.step()  # re-planned: every parameter is still held
+    assert all(p in opt.state for p in params)
+    assert torch.equal(opt.state[params[1]]["exp_avg"],
+                       0.9 * moved + 0.1 * params[1].grad)  # stepped from its moments
