@@ -130,8 +130,9 @@ void StepBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& 
 // staged through zero-padded copies.
 void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConstants& k,
                      int64_t e, size_t t, int64_t j, Scratch& s) {
-  alignas(64) static thread_local char buffers[5][kMaxScaleBlock * sizeof(float)];
+  if (s.staged == nullptr) s.staged.reset(new StagedBlock);  // uninitialised: StageIn fills it
   const size_t padded = (t + kt.pair - 1) / kt.pair * kt.pair;
+  char(&buffers)[5][kMaxScaleBlock * sizeof(float)] = s.staged->buffers;
   char* const space[5] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4]};
   const TensorPlan q = StageIn(p, e, t, padded, space);
   StepBlock(kt, q, k, 0, padded, t, j, s);

@@ -6,11 +6,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "plan.h"
 
 namespace shardadam {
 namespace internal {
+
+// Zero-padded copies of one block cut by a tensor's ends (StageIn's buffers:
+// param, master, exp_avg, exp_avg_sq, grad).
+struct alignas(64) StagedBlock {
+  char buffers[5][kMaxScaleBlock * sizeof(float)];
+};
 
 // One thread's fp32 blocks for the block path: kBlock elements at a time, or
 // one whole block of per-block scaled states.
@@ -19,6 +26,10 @@ struct alignas(64) Scratch {
   float w[kMaxScaleBlock];
   float m[kMaxScaleBlock];
   float v[kMaxScaleBlock];
+  // Made at the thread's first staged block, which most calls never reach:
+  // 80 KiB neither on the caller's stack nor in thread-local storage (whose
+  // static size every thread of the process would carry on its stack).
+  std::unique_ptr<StagedBlock> staged;
 };
 
 // A run of elements decoded into fp32 (scratch, or fp32 buffers in place).

@@ -279,7 +279,8 @@ bool CheckSlot(int64_t i, const TensorSlot& s, ScaleValues values, Error* error)
   }
   // Element sizes are at most 4 bytes: byte counts stay below INT64_MAX / 2.
   if (s.numel > INT64_MAX / 8) {
-    return Fail(error, i, Format("numel %" PRId64 " is too large", s.numel));
+    return Fail(error, i, Format("numel %" PRId64 " is too large; expected <= %" PRId64,
+                                 s.numel, INT64_MAX / 8));
   }
   const struct {
     const char* field;
@@ -572,7 +573,8 @@ bool ValidateConvert(const void* src, DType src_dtype, const void* dst,
     return Fail(error, -1, Format("numel %" PRId64 " is negative; expected >= 0", numel));
   }
   if (numel > INT64_MAX / 8) {
-    return Fail(error, -1, Format("numel %" PRId64 " is too large", numel));
+    return Fail(error, -1, Format("numel %" PRId64 " is too large; expected <= %" PRId64,
+                                  numel, INT64_MAX / 8));
   }
   if ((IsScaled(src_dtype) || IsScaled(dst_dtype)) &&
       (!std::isfinite(scale) || !(scale > 0.0f))) {
@@ -618,7 +620,9 @@ void SetError(Error* error, int64_t tensor, const std::string& rule, int64_t oth
   const std::string placeholder = "{other}";
   const size_t at = text.find(placeholder);
   if (at != std::string::npos) {
-    text.replace(at, placeholder.size(), "tensor " + std::to_string(other_tensor));
+    text.replace(at, placeholder.size(), other_tensor >= 0
+                                             ? "tensor " + std::to_string(other_tensor)
+                                             : std::string("another tensor"));
   }
   error->message = tensor >= 0 ? "tensor " + std::to_string(tensor) + ": " + text : text;
 }

@@ -886,6 +886,18 @@ TEST(AdamTargetsTest, RunsTheExpectedTargets) {
   }
 }
 
+// SetError, for callers' own checks: "{other}" names the other tensor, or says
+// "another tensor" where the rule was given none.
+TEST(AdamCallErrorTest, SetErrorWritesTheOtherTensor) {
+  Error error;
+  SetError(&error, 3, "grad overlaps {other}'s param", 1);
+  EXPECT_EQ(error.message, "tensor 3: grad overlaps tensor 1's param");
+  EXPECT_EQ(error.other_tensor_index, 1);
+  SetError(&error, 3, "grad overlaps {other}'s param");
+  EXPECT_EQ(error.message, "tensor 3: grad overlaps another tensor's param");
+  EXPECT_EQ(error.other_tensor_index, -1);
+}
+
 // The call itself: a negative count or a null list with a positive count.
 TEST(AdamCallErrorTest, BadListIsRejected) {
   Error error;

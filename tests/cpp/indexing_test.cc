@@ -169,6 +169,13 @@ TEST(HugeValidationTest, ConvertRangesAreSixtyFourBit) {
   EXPECT_FALSE(internal::ValidateConvert(At(kBase), DType::kFloat32, At(kBase),
                                          DType::kFloat32, INT64_MAX / 8 + 1,
                                          1.0f, &error));
+  // The refusal names the limit, as AdamStep's does.
+  const std::string limit = "expected <= " + std::to_string(INT64_MAX / 8);
+  EXPECT_NE(error.message.find(limit), std::string::npos) << error.message;
+  TensorSlot slot = HugeSlot(kBase);
+  slot.numel = INT64_MAX / 8 + 1;
+  EXPECT_EQ(AdamStep(&slot, 1, StepParams(), 1, &error), Status::kInvalidArgument);
+  EXPECT_NE(error.message.find(limit), std::string::npos) << error.message;
 }
 
 // Byte counts and offsets are exact up to the largest accepted numel at every element

@@ -13,7 +13,8 @@
 //   runs out (a call allocates a few words per tensor and 64 KiB of scratch per
 //   thread), and only once every thread of the call has stopped: the tensors
 //   may then be partly updated.
-// - The update runs on the calling thread plus up to num_threads - 1 workers:
+// - The update runs on the calling thread plus up to num_threads - 1 workers
+//   (num_threads is clamped to 256; pool threads, once started, stay for reuse):
 //   those of the OpenMP runtime already loaded into the process (PyTorch's),
 //   else of one process-wide pool, started on first use and recreated after
 //   fork() (SetThreadRuntime). Entry points may be called from any thread, also
@@ -176,7 +177,8 @@ struct SHARDADAM_STRING_ABI_TAG Error {
   // number or address (never buffer contents), without the tensor's index;
   // "{other}" stands for the second tensor.
   std::string rule;
-  // The whole sentence: "tensor 3: " + rule, "{other}" written as "tensor 1".
+  // The whole sentence: "tensor 3: " + rule, "{other}" written as "tensor 1"
+  // ("another tensor" where there is none).
   std::string message;
 };
 
@@ -202,9 +204,13 @@ void SetError(Error* error, int64_t tensor, const std::string& rule,
 // every state is stored in its format; a scaled state's new scale is measured on
 // the whole new tensor first (fp16/fp8: max|u| / target, see formats.h).
 // A NaN or infinite gradient element makes that element's results non-finite and
-// is not an error. Checked, in this order, the first failure reported: the list
+// is not an error; beside a scaled moment it also makes the new scale of what it
+// shares one with (per tensor: the tensor; per block: its block) 1, as any
+// non-finite absmax does (MeasureScale), so the others there are stored at scale
+// 1, small ones as 0 (docs/semantics.md S2.3, S2.9). Checked, in this order, the first failure reported: the list
 // (count >= 0, slots non-null), the hyper-parameters, each slot by index (numel
 // in range, tags and their roles, master beside param, rounding and block size,
+// per-block scaled moments beside unscaled states only,
 // scale slots present, 4-byte aligned, finite and > 0, data pointers non-null
 // when numel > 0, buffers inside the address space, no overlap within the slot),
 // then overlaps between tensors. Not checkable
