@@ -132,7 +132,7 @@ void StepStagedBlock(const KernelTable& kt, const TensorPlan& p, const StepConst
                      int64_t e, size_t t, int64_t j, Scratch& s) {
   if (s.staged == nullptr) s.staged.reset(new StagedBlock);  // uninitialised: StageIn fills it
   const size_t padded = (t + kt.pair - 1) / kt.pair * kt.pair;
-  char(&buffers)[5][kMaxScaleBlock * sizeof(float)] = s.staged->buffers;
+  auto& buffers = s.staged->buffers;
   char* const space[5] = {buffers[0], buffers[1], buffers[2], buffers[3], buffers[4]};
   const TensorPlan q = StageIn(p, e, t, padded, space);
   StepBlock(kt, q, k, 0, padded, t, j, s);

@@ -68,8 +68,8 @@ void RunItems(size_t count, int threads, const Fn& run) {
   if (count == 0) return;
   std::atomic<size_t> next{0};
   const std::function<void(int)> body = [&](int) {
-    // Left uninitialised (`new Scratch`, not make_unique's zeroing, which cost a
-    // call 2-6 us): every pass writes the elements it reads back.
+    // Left uninitialised (`new Scratch`, not make_unique's zeroing of 64 KiB,
+    // 0.6 us of each call on a quiet machine): every pass writes what it reads.
     const std::unique_ptr<Scratch> scratch(new Scratch);
     for (;;) {
       const size_t i = next.fetch_add(1, std::memory_order_relaxed);

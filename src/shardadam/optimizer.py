@@ -440,9 +440,9 @@ class FusedAdam(torch.optim.Optimizer):
         ones the optimizer was built over, whose full-size state (and the whole
         parameters, its keys) every rank then kept beside the shards'."""
         held = {id(p) for group in self.param_groups for p in group["params"]}
-        for container in (self.state, self._scales, self._formats, self._seeded):
-            for key in [k for k in container if id(k) not in held]:
-                del container[key]
+        for key in [k for k in self.state if id(k) not in held]:
+            del self.state[key]
+        self._forget_dropped()  # their scales, formats and following masters
 
     def _own_step(self, closure):
         return self._step(closure)  # a subclass's own _step, as on the plain path

@@ -11,7 +11,8 @@
 //   written nothing: no buffer, no scale slot.
 // - Bad input never throws. Only std::bad_alloc can leave a call, when memory
 //   runs out (a call allocates a few words per tensor and 64 KiB of scratch per
-//   thread), and only once every thread of the call has stopped: the tensors
+//   thread, 80 KiB more at a thread's first block of per-block moments cut by a
+//   tensor's end), and only once every thread of the call has stopped: the tensors
 //   may then be partly updated.
 // - The update runs on the calling thread plus up to num_threads - 1 workers
 //   (num_threads is clamped to 256; pool threads, once started, stay for reuse):
@@ -207,7 +208,8 @@ void SetError(Error* error, int64_t tensor, const std::string& rule,
 // is not an error; beside a scaled moment it also makes the new scale of what it
 // shares one with (per tensor: the tensor; per block: its block) 1, as any
 // non-finite absmax does (MeasureScale), so the others there are stored at scale
-// 1, small ones as 0 (docs/semantics.md S2.3, S2.9). Checked, in this order, the first failure reported: the list
+// 1, small ones as 0 (docs/semantics.md S2.3, S2.9).
+// Checked, in this order, the first failure reported: the list
 // (count >= 0, slots non-null), the hyper-parameters, each slot by index (numel
 // in range, tags and their roles, master beside param, rounding and block size,
 // per-block scaled moments beside unscaled states only,
