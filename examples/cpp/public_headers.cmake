@@ -1,5 +1,6 @@
 # Each installed public header, compiled alone as strict C++17 with warnings as
-# errors: it must include what it uses, warn about nothing, and never pull in
+# errors, the strict ones a user's build may turn on included (a header cannot
+# control its includer's flags): it must include what it uses, warn about nothing, and never pull in
 # Highway (a private detail of the library). One generated file per header, so
 # a header added later is checked without a change here.
 get_target_property(SHARDADAM_INCLUDE_DIRS shardadam::core INTERFACE_INCLUDE_DIRECTORIES)
@@ -25,7 +26,9 @@ endforeach()
 
 add_library(public_headers OBJECT ${HEADER_CHECK_SOURCES})
 target_link_libraries(public_headers PRIVATE shardadam::core)
-target_compile_options(public_headers PRIVATE -Wall -Wextra -Werror)
+target_compile_options(public_headers PRIVATE -Wall -Wextra -Wpedantic -Wshadow -Wconversion
+                       -Wsign-conversion -Wswitch-enum -Wold-style-cast -Wundef -Wcast-qual
+                       -Wdouble-promotion -Werror)
 # An imported target's include directories are system directories by default,
 # where the compiler mutes warnings; the headers are what is checked here.
 set_target_properties(public_headers PROPERTIES NO_SYSTEM_FROM_IMPORTED ON)

@@ -246,7 +246,8 @@ Status Convert(const void* src, DType src_dtype, void* dst, DType dst_dtype,
                int64_t numel, float scale, int num_threads, Error* error);
 
 // The scale SEMANTICS S2.3 gives to fp32 values `u` stored as `dtype`
-// (1 for an empty tensor, a zero or non-finite absmax, or an unscaled dtype).
+// (1 for an empty tensor, a zero or non-finite absmax, an unscaled dtype, or a
+// per-block one: its scales are per block, which neither this nor Convert makes).
 // Reads `numel` floats at `u` (null with numel <= 0 gives 1); refuses nothing.
 // Pair it with Convert to store fp32 values as a scaled state.
 float MeasureScale(const float* u, int64_t numel, DType dtype, int num_threads);

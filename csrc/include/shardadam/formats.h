@@ -237,9 +237,10 @@ SHARDADAM_FORMAT_FN int64_t ScaleCount(DType dtype, int64_t first_index, int64_t
       return numel <= 0 || block <= 0
                  ? 0
                  : (first_index + numel - 1) / block - first_index / block + 1;
-    default:
-      return 0;
+    case Scaling::kNone:
+      break;
   }
+  return 0;
 }
 
 namespace internal {
