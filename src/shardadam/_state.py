@@ -608,7 +608,7 @@ def consistency_error(specs: tuple, entry: Optional[dict], param: torch.Tensor, 
         error = layout.of(fmt).state_error(stored) or _shape_error(stored, fmt, param)
         if error is not None:
             return _to_recreate(spec, error)
-    return undecodable_error(specs, entry, scales, formats)
+    return undecodable_error(specs, entry, scales, formats, param)
 
 
 def misshapen_error(specs: tuple, entry: Optional[dict], param: torch.Tensor,
@@ -637,17 +637,19 @@ def _shape_error(stored, fmt: Optional[Format], param: torch.Tensor) -> Optional
 
 
 def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],
-                      formats: Optional[dict]) -> Optional[str]:
+                      formats: Optional[dict], param: torch.Tensor) -> Optional[str]:
     """A sentence if a state of ``entry`` cannot be read as values: per-block codes whose
     scales (in ``scales``) are missing or unusable, or a per-tensor scaled state whose
-    scale is not finite and positive (consistency_error's last rule)."""
+    scale is not finite and positive (consistency_error's last rule). ``param``: the
+    parameter's local tensor; where it is on meta too, initialize_state would make the
+    state on meta again."""
     for spec in specs:
         stored = entry.get(spec.name)
         if stored is None:
             continue
         local = _dtensor.to_local(stored)
         error = _scale_error(local, spec, scales, formats)
-        if error is not None and local.is_meta:  # a meta parameter's: recreated on meta
+        if error is not None and param.is_meta:
             return (f"state {spec.name!r} {error}; build the optimizer once the parameters "
                     f"hold values (e.g. after module.to_empty(device=...))")
         if error is not None:

@@ -9,6 +9,13 @@ recorded at their new place. Every scaled tensor a FusedAdam stores is claimed h
 at a place other than its claim's is refused. A tensor nobody claimed (a copy, one built
 by hand, one restored by pickle or ``deepcopy``) is read with the scales recorded where it
 now is, as before.
+
+The parameter is recorded by ``id``, not by a weak reference: ``torch.utils.swap_tensors``
+refuses a tensor that has one, and ``nn.Module._apply`` swaps parameters (always for
+DTensors, so FSDP2's ``to_empty`` and ``model.to(dtype)``). While its optimizer holds it (as
+a key of ``state``), no other object can take its ``id``; a claim outlives that only if
+its tensor was kept after the parameter left the optimizer and was freed, and then a new
+parameter at the same address would accept it.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from typing import Optional
 
 import torch
 
-# id(tensor) -> (weak reference to it, to its optimizer, to its parameter; state name,
-# format label)
+# id(tensor) -> (weak reference to it and to its optimizer, id of its parameter, state
+# name, format label)
 _CLAIMS: dict = {}
 
 
@@ -35,7 +42,7 @@ def claim(stored: torch.Tensor, owner, param: torch.Tensor, name: str, label: st
     labelled ``label``."""
     key = id(stored)
     ref = weakref.ref(stored, functools.partial(_release, key))
-    _CLAIMS[key] = (ref, weakref.ref(owner), weakref.ref(param), name, label)
+    _CLAIMS[key] = (ref, weakref.ref(owner), id(param), name, label)
 
 
 def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,
@@ -45,12 +52,12 @@ def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,
     held = _CLAIMS.get(id(stored))
     if held is None or held[0]() is not stored:
         return None
-    by, for_param, for_name, label = held[1](), held[2](), held[3], held[4]
-    if by is owner and for_param is param and for_name == name:
+    by, for_param, for_name, label = held[1](), held[2], held[3], held[4]
+    if by is owner and for_param == id(param) and for_name == name:
         return None
     if by is not owner:
         where = "in another optimizer" if by is not None else "in an optimizer since freed"
-    elif for_param is not param:
+    elif for_param != id(param):
         where = "for another parameter"
     else:
         where = f"as this parameter's {for_name!r}"

@@ -245,8 +245,9 @@ class FusedAdam(torch.optim.Optimizer):
         specs = config.specs_of(local, layout)
         entry, scales, formats = (self.state.get(param), self._scales.get(param),
                                   self._formats.get(param))
-        error = (_state.origin_error(specs, entry, formats, self, param)
-                 or _state.undecodable_error(specs, entry, scales, formats)) if entry else None
+        error = ((_state.origin_error(specs, entry, formats, self, param)
+                  or _state.undecodable_error(specs, entry, scales, formats, local))
+                 if entry else None)
         if error is not None:
             raise _validate.fail(RuntimeError, error, group=group, param=index,
                                  name=_validate.param_name(named, index))
@@ -668,10 +669,11 @@ class FusedAdam(torch.optim.Optimizer):
         that no longer has its parameter's shape (``param.data`` given another: the
         export could not be loaded back)."""
         formats = self._formats.get(param)
+        local = _dtensor.to_local(param)
         error = (_state.origin_error(specs, entry, formats, self, param)
-                 or _state.misshapen_error(specs, entry, _dtensor.to_local(param), formats)
+                 or _state.misshapen_error(specs, entry, local, formats)
                  or _state.undecodable_error(specs, entry, self._scales.get(param),
-                                             formats))
+                                             formats, local))
         if error is not None:
             g, i = self._locate(param)
             raise _validate.fail(RuntimeError, error, group=g, param=i,

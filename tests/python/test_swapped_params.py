@@ -9,6 +9,7 @@ old parameters (its keys) stay alive; a refused step keeps it. The distributed t
 """
 
 import gc
+import operator
 import weakref
 
 import pytest
@@ -104,3 +105,62 @@ def test_a_parameter_moved_between_groups_keeps_its_state():
     assert all(p in opt.state for p in params)
     assert torch.equal(opt.state[params[1]]["exp_avg"],
                        0.9 * moved + 0.1 * params[1].grad)  # stepped from its moments
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS) + ["bf16-sr-block4"])
+def test_parameters_swapped_in_place_step_on(preset):
+    """``nn.Module._apply`` swaps a parameter's contents in place with
+    ``torch.utils.swap_tensors`` (always for DTensors, so FSDP2's ``to_empty`` and
+    ``model.to``), which refuses a tensor anything holds a weak reference to: the
+    optimizer holds none, for any state format, and the swapped parameter, the same
+    object, steps on bitwise as one never swapped (its scaled state still its own)."""
+    kwargs = dict(lr=1e-2, weight_decay=0.01,
+                  **(PRESETS.get(preset) or dict(param_rounding="stochastic",
+                                                  moment_format="block4")))
+    dtype_of = "fp32" if preset == "fp32" else "bf16"
+    params, twin_params = _whole(dtype_of), _whole(dtype_of)
+    opt, twin = fused_adam()(params, **kwargs), fused_adam()(twin_params, **kwargs)
+    for step in (1, 2, 3):
+        _set_grads(params, step)
+        _set_grads(twin_params, step)
+        opt.step()
+        twin.step()
+        assert all(weakref.getweakrefs(p) == [] for p in params), \
+            f"step {step}: the optimizer holds a weak reference to a parameter"
+        if step == 1:  # what nn.Module._apply does under swap_module_params_on_conversion
+            for p in params:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().clone()))
+    assert_same_optimizer_state(twin, opt, twin_params, params, f"{preset}, swapped")
+
+
+def test_module_to_with_swapping_steps_on():
+    """``model.to(dtype)`` under ``torch.__future__.set_swap_module_params_on_conversion``
+    (how torch converts DTensor parameters) with block moments alive: the parameters
+    change dtype in place, and the steps after it (S1.5, S2.5) are bitwise those after
+    torch's other way, ``param.data = ...``."""
+    models, opts = [], []
+    for swap in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 8).to(torch.bfloat16)
+        opt = fused_adam()(model.parameters(), lr=1e-2, master_weights=True,
+                           moment_format="block8")
+        model(torch.ones(4, 256, dtype=torch.bfloat16)).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        params = list(model.parameters())
+        swapping = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        try:
+            model.to(torch.float32)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swapping)
+        assert all(map(operator.is_, params, model.parameters()))
+        assert all(p.dtype == torch.float32 for p in params)
+        for _ in range(2):
+            model(torch.ones(4, 256)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(params)
+        opts.append(opt)
+    assert_same_optimizer_state(opts[1], opts[0], models[1], models[0],
+                                "model.to(float32), swapped and set")

@@ -9,9 +9,11 @@ scales are bitwise those of one process stepping the full tensors four times wit
 stopping (the mesh rule: blocks keyed to the global flat index never cross a shard
 boundary of whole rows, so the shards store what the whole tensor stores).
 ``block4_uneven_rows``: block4 on a cut that is not torch's chunks (f = 0), whose
-random bits are keyed to the local index (S2.11, S2.13).
+random bits are keyed to the local index (S2.11, S2.13). ``block_meta_init``: the
+optimizer built before ``to_empty`` (README).
 """
 
+import operator
 import os
 from copy import deepcopy
 
@@ -21,7 +23,8 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 import _dist_cases
-from _dist_helpers import assert_bitwise, full_grad, fused_adam, gather, seed_of, symmetric
+from _dist_helpers import (assert_bitwise, full_grad, fused_adam, gather, raw_state, seed_of,
+                           symmetric)
 from _optimizer_testing import block8_decode, fp8_block_oracle, ufp8_block_oracle
 from shardadam import _codecs, _formats
 
@@ -356,6 +359,69 @@ def torch_path_pieces(ctx, case):
         symmetric(check)
 
 
+def block_meta_init(ctx, case):
+    """The README's meta-device path: an optimizer built over an FSDP2 model on the meta
+    device, before ``to_empty``. ``to_empty`` swaps each DTensor parameter in place
+    (``torch.utils.swap_tensors``, which refuses a tensor anything holds a weak reference
+    to: the optimizer holds none); the first step refuses, naming ``initialize_state``,
+    and changes no parameter; after ``initialize_state`` every step is bitwise that of an
+    optimizer built over the materialised model (parameters, codes and scales)."""
+    dtype = PRESETS[case.preset][0]
+    twin = _model(ctx, dtype, _init_seed(case.preset))
+    with torch.device("meta"):
+        model = _model(ctx, dtype, _init_seed(case.preset))
+    opt = _optimizer(model, case.preset)
+    params = list(model.parameters())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p, q in zip(params, twin.parameters()):
+            p.to_local().copy_(q.to_local())
+
+    def materialised_in_place():
+        held = opt.param_groups[0]["params"]
+        assert all(map(operator.is_, params, model.parameters())), \
+            "to_empty replaced the parameter objects instead of swapping them in place"
+        assert all(map(operator.is_, params, held)) and len(held) == len(params)
+        assert not any(p.to_local().is_meta for p in params)
+    symmetric(materialised_in_place)
+
+    _set_grads(model, case.preset, 1, sharded=True)
+    before = [p.to_local().clone() for p in params]
+    try:
+        opt.step()
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+
+    def first_step_refused():
+        assert refused is not None, "a step over meta state was taken"
+        for fact in ("group 0, param 0", "meta", "initialize_state"):
+            assert fact in refused, f"the refusal does not say {fact!r}: {refused}"
+        for p, b in zip(params, before):
+            assert_bitwise(p.to_local(), b, "a parameter after the refused step")
+        assert opt.param_groups[0]["step"] == 0, "the refused step was counted"
+    symmetric(first_step_refused)
+
+    for p in params:
+        opt.initialize_state(p)
+    twin_opt = _optimizer(twin, case.preset)
+    for step in (1, 2):
+        _set_grads(model, case.preset, step, sharded=True)
+        _set_grads(twin, case.preset, step, sharded=True)
+        opt.step()
+        twin_opt.step()
+
+        def same_as_twin():
+            for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+                what = f"step {step}: {name}"
+                assert_bitwise(p.to_local(), q.to_local(), what)
+                raw, twin_raw = raw_state(opt, p), raw_state(twin_opt, q)
+                assert sorted(raw) == sorted(twin_raw), f"{what}: state names"
+                for k, v in raw.items():
+                    assert_bitwise(v, twin_raw[k], f"{what}: raw {k}")
+        symmetric(same_as_twin)
+
+
 KINDS = {"block8_dcp_save": block8_dcp_save, "block8_dcp_resume": block8_dcp_resume,
          "block8_mesh_rule": block8_mesh_rule, "block4_uneven_rows": block4_uneven_rows,
-         "torch_path_pieces": torch_path_pieces}
+         "torch_path_pieces": torch_path_pieces, "block_meta_init": block_meta_init}

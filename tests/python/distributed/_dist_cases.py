@@ -141,6 +141,9 @@ def _build():
                           "block8_dcp_resume", preset, needs=(save,)))
         cases.append(Case(f"W=3-fsdp2-{preset}-torch-path-in-pieces-equals-core", 3,
                           "torch_path_pieces", preset))
+    for preset in ("p=fp32-m=block8", "p=bf16-master=remainder-m=block4"):
+        cases.append(Case(f"W=2-fsdp2-{preset}-built-on-meta-before-to_empty", 2,
+                          "block_meta_init", preset))
     # block8 and block4 under megatron_fsdp.fully_shard (_megatron_block_jobs.SHAPES):
     # saved at 2 beside the other fully_shard saves, resumed in fresh ranks at 2 and at 3.
     for fmt in ("block8", "block4"):

@@ -33,7 +33,7 @@ _CASE_COST_S = {"numerics": 2.0, "empty_shard_none_grads": 1.5, "zero_collective
                 "block8_dcp_save": 3.0, "block8_dcp_resume": 4.0,
                 "block8_mesh_rule": 1.5, "megatron_block_save": 6.0,
                 "megatron_block_resume": 6.0, "block4_uneven_rows": 1.5,
-                "torch_path_pieces": 2.0, "zero_redundancy": 2.0}
+                "torch_path_pieces": 2.0, "zero_redundancy": 2.0, "block_meta_init": 1.5}
 _STARTUP_S = 30.0
 _DEADLINE_FACTOR = 3.0
 

@@ -6,7 +6,8 @@ Megatron marks them with): saved at 2, resumed at 2 and 3, bitwise the uninterru
 where the mesh rule promises it (``_megatron_block_jobs``). block4 on uneven rows that
 declare no offset: keyed to the local index, resumed bitwise at the same cut. The
 pure-torch path in pieces that do not start at the shard boundaries: bitwise the C++
-core on the same shards."""
+core on the same shards. An optimizer built over a meta-device model before
+``to_empty``: refused until ``initialize_state``, then bitwise one built after."""
 
 import pytest
 
@@ -30,6 +31,11 @@ def test_block8_mesh_rule(case, dist_jobs):
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("block4_uneven_rows"), ids=str)
 def test_block4_on_rows_cut_off_torch_chunks(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("block_meta_init"), ids=str)
+def test_block_moments_built_on_meta_before_to_empty(case, dist_jobs):
     dist_jobs.check(case)
 
 
