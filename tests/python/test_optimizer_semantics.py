@@ -315,6 +315,15 @@ def test_param_dtype_changed_under_remainders(new_dtype, backend):
         assert_bitwise_equal(exported[0][key], exported[1][key], key)
 
 
+def _exported_master(master, param):
+    """The fp32 master M an export holds: as exported, or an int16 remainder (M's low
+    half) beside the bf16 parameter (its high half, rounded ties away: S2.5)."""
+    if master.dtype != torch.int16:
+        return master
+    high = param.view(torch.int16) - (master < 0).to(torch.int16)
+    return torch.stack((master, high), dim=-1).view(torch.float32).squeeze(-1)
+
+
 @pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32-master"])
 def test_param_made_fp32_takes_its_master(remainders, backend):
     """A bf16 parameter converted to fp32 between steps is its own master from then on
@@ -326,10 +335,8 @@ def test_param_made_fp32_takes_its_master(remainders, backend):
     for step in (1, 2):
         attach_grads(params, make_grads(params, [torch.bfloat16], step, seed=18), False)
         opt.step()
-    master = opt.state_dict()["state"][0]["master_param"]
-    if remainders:  # M's low half beside the parameter's high half, ties away (S2.5)
-        high = params[0].detach().view(torch.int16) - (master < 0).to(torch.int16)
-        master = torch.stack((master, high), dim=-1).view(torch.float32).squeeze(-1)
+    master = _exported_master(opt.state_dict()["state"][0]["master_param"],
+                              params[0].detach())
     assert not torch.equal(master, params[0].detach().float()), "M is its bf16 rounding"
     params[0].data = params[0].data.float()
     opt.param_groups[0]["lr"] = 0.0
@@ -337,6 +344,38 @@ def test_param_made_fp32_takes_its_master(remainders, backend):
     opt.step()
     assert_bitwise_equal(params[0].detach(), master, "fp32 parameter after the step")
     assert "master_param" not in opt.state[params[0]]
+
+
+@pytest.mark.parametrize("remainders", [True, False], ids=["remainder", "fp32-master"])
+def test_saved_masters_reach_fp32_parameters_only_through_a_dtype_change(remainders,
+                                                                          backend):
+    """S5.5: a checkpoint's masters loaded beside fp32 parameters (their own master) are
+    dropped, the parameters keep the values the model loaded; loaded with the saved
+    dtypes and then made fp32 (S2.5), each parameter takes its master at its next step."""
+    kwargs = dict(lr=1e-2, master_weights=True, store_param_remainders=remainders)
+    params = make_params([torch.bfloat16], [(64,)], seed=31)
+    opt = fused_adam()(params, **kwargs)
+    for step in (1, 2):
+        attach_grads(params, make_grads(params, [torch.bfloat16], step, seed=32), False)
+        opt.step()
+    saved, saved_param = opt.state_dict(), params[0].detach().clone()
+    master = _exported_master(saved["state"][0]["master_param"], saved_param)
+    assert not torch.equal(master, saved_param.float()), "M is its bf16 rounding"
+
+    as_fp32 = [torch.nn.Parameter(saved_param.float())]  # the model resumed in fp32
+    dropped = fused_adam()(as_fp32, **kwargs)
+    dropped.load_state_dict(copy.deepcopy(saved))
+    assert "master_param" not in dropped.state[as_fp32[0]]
+    assert_bitwise_equal(as_fp32[0].detach(), saved_param.float(), "fp32 parameter, loaded")
+
+    resumed = [torch.nn.Parameter(saved_param.clone())]  # resumed in bf16, then made fp32
+    again = fused_adam()(resumed, **kwargs)
+    again.load_state_dict(copy.deepcopy(saved))
+    resumed[0].data = resumed[0].data.float()
+    again.param_groups[0]["lr"] = 0.0
+    attach_grads(resumed, make_grads(resumed, [torch.float32], 3, seed=32), False)
+    again.step()
+    assert_bitwise_equal(resumed[0].detach(), master, "fp32 parameter after the step")
 
 
 MASTER_KINDS = {"fp32": dict(), "fp16": dict(master_weight_dtype=torch.float16),
