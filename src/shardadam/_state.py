@@ -493,10 +493,16 @@ def apply_entry(state, scales, formats, param, writes: EntryWrites, local: torch
     _update(formats, param, {name: writes.formats.get(name) for name in writes.stored})
     _update(scales, param, writes.scales)
     if writes.param_bits is not None:
-        # A leaf that requires grad takes it without autograd; an inference tensor (a
-        # frozen parameter made under inference_mode) only in that mode.
-        with (torch.inference_mode() if local.is_inference() else torch.no_grad()):
-            local.copy_(writes.param_bits)
+        write_param_bits(local, writes.param_bits)
+
+
+def write_param_bits(local: torch.Tensor, bits: torch.Tensor) -> None:
+    """A parameter's local tensor takes ``bits``, the bf16 rounding of its master that
+    a remainder pairs with (S2.5)."""
+    # A leaf that requires grad takes it without autograd; an inference tensor (a
+    # frozen parameter made under inference_mode) only in that mode.
+    with (torch.inference_mode() if local.is_inference() else torch.no_grad()):
+        local.copy_(bits)
 
 
 def _update(container: dict, param, changes: dict) -> None:
@@ -531,6 +537,11 @@ def claim_all(state, formats: dict, owner) -> None:
                     _stored_by.claim(stored, owner, param, name, fmt.label)
 
 
+def entry_type_error(entry) -> str:
+    return (f"state entry must be a dict of state tensors, got {type(entry).__name__} "
+            f"(rule S5.1); call initialize_state(param) to recreate it")
+
+
 def origin_error(specs: tuple, entry: Optional[dict], formats: Optional[dict], owner,
                  key) -> Optional[str]:
     """A sentence if a state of ``entry`` (``key``'s in ``owner``) holds what cannot be
@@ -538,9 +549,7 @@ def origin_error(specs: tuple, entry: Optional[dict], formats: Optional[dict], o
     stayed there, ``_stored_by``), a dtype no format of that state has, or a scaled
     format other than the one whose scales are recorded for it (S2.2, S2.3)."""
     if entry is not None and not isinstance(entry, dict):
-        return (f"state entry must be a dict of state tensors, got "
-                f"{type(entry).__name__} (rule S5.1); call initialize_state(param) to "
-                f"recreate it")
+        return entry_type_error(entry)
     for spec in specs:
         stored = (entry or {}).get(spec.name)
         if stored is None:
@@ -633,7 +642,8 @@ def _shape_error(stored, fmt: Optional[Format], param: torch.Tensor) -> Optional
         return None
     return (f"has local shape {tuple(local.shape)} but the parameter's local shape is "
             f"{tuple(param.shape)}"
-            + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed else ""))
+            + (f" ({fmt.name} stores {want})" if fmt is not None and fmt.packed else "")
+            + " (rule S2.6: a state has its parameter's local shape)")
 
 
 def undecodable_error(specs: tuple, entry: dict, scales: Optional[dict],

@@ -824,6 +824,15 @@ def memory_span(tensor) -> tuple:
     return start, start + _extent(tensor) * tensor.element_size()
 
 
+def spans_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ranges of two tensors on one device overlap (they may then
+    share bytes)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_start, a_end), (b_start, b_end) = memory_span(a), memory_span(b)
+    return a_start < b_end and b_start < a_end
+
+
 def first_overlap(spans: list, tensor_of=None, written_apart: bool = False
                   ) -> Optional[tuple]:
     """The first pair of ``spans`` (one device's ``(start, end, order, written, ...)``

@@ -597,7 +597,7 @@ class FusedAdam(torch.optim.Optimizer):
                  for s in self._checked_config().specs_of(local, _dtensor.layout_of(param))}
         if not isinstance(state_name, str) or state_name not in specs:
             raise KeyError(f"{where}: unknown state name {_validate.shown(state_name)}; "
-                           f"this parameter's states are {sorted(specs)}")
+                           f"this parameter's states are {sorted(specs)} (rule S5.2)")
         return where, specs[state_name]
 
     @_normal_tensors
@@ -659,8 +659,11 @@ class FusedAdam(torch.optim.Optimizer):
         fmt = _state.stored_format(stored, formats, state_name)
         if skip_unscale and fmt is not None and not fmt.scaled and fmt is spec.format:
             return stored  # TE's bf16 as stored (fp32 and remainders are returned so anyway)
-        value, _ = _state.converted_value(spec, entry, self._scales.get(param), formats,
-                                          _dtensor.to_local(param))
+        local = _dtensor.to_local(param)
+        value, bits = _state.converted_value(spec, entry, self._scales.get(param), formats,
+                                             local)
+        if bits is not None:  # a master made a remainder since (S1.5): pair them now
+            _state.write_param_bits(local, bits)
         return value
 
     def _check_decodable(self, param, specs, entry) -> None:
@@ -694,9 +697,15 @@ class FusedAdam(torch.optim.Optimizer):
         wanted = spec.format.value_dtype
         if value.dtype != wanted:
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
-                               f"got {value.dtype}")
+                               f"got {value.dtype} (rule S5.3)")
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry, scales = self.state.get(param), self._scales.get(param)
+        if entry is not None and not isinstance(entry, dict):
+            raise RuntimeError(f"{where}: {_state.entry_type_error(entry)}")
+        stored = entry.get(state_name) if entry is not None else None
+        if isinstance(stored, torch.Tensor) and _validate.spans_meet(
+                value, _dtensor.to_local(stored)):
+            value = value.clone()  # a view of the state itself: read before it is written
         if state_name == "master_param":  # set by hand, it no longer follows (S1.6)
             self._seeded.pop(param, None)
         else:  # moments before the first step: a checkpoint now must still load (S5.5)
@@ -736,17 +745,21 @@ class FusedAdam(torch.optim.Optimizer):
                              and self.param_groups[g].get("step", 0) == 0}
         records = [config.record(g in self._moments_set)
                    for g in range(len(self.param_groups))]
-        param_groups, packed_state, start = [], {}, 0
+        param_groups, packed_state, start, rounded = [], {}, 0, []
         for group, record in zip(self.param_groups, records):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
             packed["params"] = list(range(start, start + len(group["params"])))
             param_groups.append(packed)
             for index, param in zip(packed["params"], group["params"]):
-                packed_state[index] = self._exported_state(param, config)
+                packed_state[index], bits = self._exported_state(param, config)
+                if bits is not None:
+                    rounded.append((_dtensor.to_local(param), bits))
             start += len(group["params"])
         for group, record in zip(self.param_groups, records):  # once all were exported
             group[LAYOUT_KEY] = record
+        for local, bits in rounded:  # masters made remainders since (S1.5): paired now
+            _state.write_param_bits(local, bits)
         state_dict = {"state": packed_state, "param_groups": param_groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -754,27 +767,31 @@ class FusedAdam(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
-    def _exported_state(self, param, config) -> dict:
+    def _exported_state(self, param, config) -> tuple:
         """``param``'s entry of ``state_dict()`` (S5.4): its states, then any other key
-        someone keeps in ``optimizer.state[param]`` (Megatron writes ``step``), as is."""
+        someone keeps in ``optimizer.state[param]`` (Megatron writes ``step``), as is.
+        Also the bf16 bits the parameter must take for an exported remainder to pair
+        with it (a master made a remainder by a setting changed since the last step,
+        S1.5, S2.5), else None; the caller writes them once nothing can be refused."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry = self.state.get(param)
         entry = {} if entry is None else entry  # anything but a dict is refused below
         scales, formats = self._scales.get(param), self._formats.get(param)
         specs = config.specs_of(local, layout)
         self._check_decodable(param, specs, entry)
-        exported = {}
+        exported, param_bits = {}, None
         follows = param in self._seeded
         for spec in specs:
             if follows and spec.name == "master_param":  # until it steps (S1.6)
                 value = _state.seeded_value(spec, self._param_values(param, spec))
             elif entry.get(spec.name) is not None:  # None: cleared, as step() reads it
-                value, _ = _state.converted_value(spec, entry, scales, formats, local)
+                value, bits = _state.converted_value(spec, entry, scales, formats, local)
+                param_bits = bits if bits is not None else param_bits
             else:  # what initialisation would create (state may have been cleared)
                 value = _state.initial_value(spec, self._param_values(param, spec))
             exported[spec.name] = layout.wrap(value)
         exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
-        return exported
+        return exported, param_bits
 
     def _param_values(self, param, spec) -> torch.Tensor:
         """``param``'s local tensor, where state ``spec`` is to be seeded from it: one
@@ -813,8 +830,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._moments_set = {g for g, (marked, saved) in enumerate(zip(presets, saved_groups))
                              if marked and saved["step"] == 0}
         config = self._config()  # as _prepare_load checked it
-        self.param_groups = [dict(group, **saved, params=group["params"],
-                                  **{LAYOUT_KEY: config.record(g in self._moments_set)})
+        self.param_groups = [{**group, **saved, "params": group["params"],
+                              LAYOUT_KEY: config.record(g in self._moments_set)}
                              for g, (group, saved) in enumerate(zip(self.param_groups,
                                                                     saved_groups))]
         self.state = new_state
@@ -861,7 +878,7 @@ class FusedAdam(torch.optim.Optimizer):
                 _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
             saved.pop("params")
-            merged = dict(group, **saved)
+            merged = {**group, **saved}
             _validate.check_group_keys(merged, g, self._group_settings)
             _validate.hyper_parameters(merged, g)
         config = self._checked_config()
@@ -873,10 +890,14 @@ class FusedAdam(torch.optim.Optimizer):
             for i, (param, key) in enumerate(zip(group["params"], keys)):
                 here = _validate.where(g, i, _validate.param_name(group, i))
                 values, saved_layout = saved_state.get(key), saved_layouts[g]
+                if saved_layout is None and isinstance(values, dict) and not values:
+                    values = None  # torch's defaultdict state exports {} for a lookup
+                kept_bits = None
                 if values is None and not param.requires_grad:
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
                     # state out: it keeps its state, re-stored as by any load.
-                    values, saved_layout = self._exported_state(param, config), None
+                    values, kept_bits = self._exported_state(param, config)
+                    saved_layout = None
                 elif values is None and saved_layout is None:
                     # TE's and torch's optimizers create a parameter's state at its
                     # first gradient: one that never had one (unused, or a checkpoint
@@ -896,6 +917,8 @@ class FusedAdam(torch.optim.Optimizer):
                     param, values, config, here, saved_layout, own_steps[g],
                     saved_groups[g]["step"] == 0))
                 writes = prepared[-1][3]
+                if kept_bits is not None:  # its kept master made a remainder (S1.5)
+                    writes.param_bits = kept_bits
                 if (key not in saved_state and param in self._seeded
                         and "master_param" in writes.stored):
                     writes.seeded.add("master_param")  # a kept master still follows

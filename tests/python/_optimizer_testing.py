@@ -706,16 +706,20 @@ def snapshot(opt, extra_params=()):
         "grads": [_clone(p.grad) for p in params],
         "decoupled": [_clone(getattr(p, "decoupled_grad", None)) for p in params],
         "state_keys": [id(p) for p in opt.state],
-        "state": [(p, {k: _clone(v) for k, v in opt.state[p].items()})
+        # An entry put there from outside may be no dict: kept as it is.
+        "state": [(p, {k: _clone(v) for k, v in opt.state[p].items()}
+                   if isinstance(opt.state[p], dict) else opt.state[p])
                   for p in params if p in opt.state],
         "scales": [(p, {k: _clone(v) for k, v in state_tensors(opt, p).items()
                         if k.endswith("_scale")})
-                   for p in params if p in opt.state],
+                   for p in params if isinstance(opt.state.get(p), dict)],
         "scale_keys": [id(p) for p in getattr(opt, "_scales", {})],
         # The formats states were stored in and the masters that follow their
         # parameters (S1.6), recorded per parameter beside the state.
         "formats": [(id(p), dict(f)) for p, f in getattr(opt, "_formats", {}).items()],
         "seeded_keys": [id(p) for p in getattr(opt, "_seeded", {})],
+        # The groups whose moments were set by hand before their first step (S5.5).
+        "moments_set": sorted(getattr(opt, "_moments_set", ())),
         "groups": [{k: (_clone(v) if k != "params" else [id(q) for q in v])
                     for k, v in group.items()} for group in opt.param_groups],
     }
@@ -751,6 +755,8 @@ def assert_unchanged(opt, before, what="optimizer"):
     assert after["scale_keys"] == before["scale_keys"], f"{what}: scale entries changed"
     assert after["formats"] == before["formats"], f"{what}: recorded formats changed"
     assert after["seeded_keys"] == before["seeded_keys"], f"{what}: seeded masters changed"
+    assert after["moments_set"] == before["moments_set"], \
+        f"{what}: groups marked with moments set changed"
     for (p, old), (q, new) in zip(before["scales"], after["scales"]):
         assert p is q
         assert sorted(new) == sorted(old), f"{what}: scales {sorted(new)} != {sorted(old)}"
@@ -758,6 +764,9 @@ def assert_unchanged(opt, before, what="optimizer"):
             _assert_same_value(new[key], old[key], f"{what}: {key}")
     for (p, old), (q, new) in zip(before["state"], after["state"]):
         assert p is q
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            _assert_same_value(new, old, f"{what}: state entry")
+            continue
         assert sorted(new) == sorted(old), \
             f"{what}: state names {sorted(new)} != {sorted(old)}"
         for key in old:

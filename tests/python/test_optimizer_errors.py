@@ -1565,6 +1565,39 @@ def test_initialize_state_contradiction_without_remainders(backend):
     opt.initialize_state(params[1], store_param_remainders=False)  # agrees: accepted
 
 
+@pytest.mark.parametrize("name", ["exp_avg", "master_param"])
+def test_set_scaled_state_into_an_entry_that_is_no_dict_is_refused(name, backend):
+    """S5.1, S8: a state entry replaced from outside by something other than a dict is
+    refused by name before anything changes: the master keeps following its parameter
+    and the group keeps no mark of moments set (it was a bare AttributeError after
+    both had changed)."""
+    params = [torch.nn.Parameter(torch.randn(3, 4).bfloat16())]
+    opt = fused_adam()(params, master_weights=True)
+    opt.state[params[0]] = 7
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(*at(0, 0), "must be a dict",
+                                                 r"rule S5\.1", "initialize_state")):
+        opt.set_scaled_state(params[0], name, torch.zeros(3, 4))
+    assert_unchanged(opt, before, "optimizer after a refused set_scaled_state")
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (300, 300)], ids=["small", "chunked"])
+def test_set_scaled_state_reads_a_view_of_the_state_itself_by_value(shape, backend):
+    """S5.3: the value is read as S3.2 reads a gradient, by value, also where it is a
+    view of the very state it replaces (``get_unscaled_state`` hands out an fp32 state
+    itself): the state becomes the view's values as they were (a small tensor failed
+    in torch's copy, after the group was marked)."""
+    gen = torch.Generator().manual_seed(5)
+    param = torch.nn.Parameter(torch.randn(shape, generator=gen))
+    opt = fused_adam()([param])
+    param.grad = torch.randn(shape, generator=gen)
+    opt.step()
+    stored = opt.get_unscaled_state(param, "exp_avg")
+    want = stored.t().clone()
+    opt.set_scaled_state(param, "exp_avg", stored.t())
+    assert_bitwise_equal(opt.get_unscaled_state(param, "exp_avg"), want, "exp_avg")
+
+
 def test_set_scaled_state_caller_tensor_untouched(backend):
     """S5.3: the caller's tensor is not modified (fp16 storage divides by the scale)."""
     opt, params = remainder_optimizer()

@@ -646,6 +646,100 @@ def test_get_unscaled_state_follows_a_changed_setting(remainders_before):
     opt.set_scaled_state(p, "master_param", value)
 
 
+# A master whose low half is exactly 0x8000: round to nearest even (how a bf16 parameter
+# beside an fp32 master is rounded) and ties away (how a remainder pairs, S2.5) differ.
+TIE_MASTER = torch.tensor([0x3F808000, 0x3F818000, -0x407F8000], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("master", ["fp32", "fp16"])
+def test_masters_made_remainders_are_exported_with_the_bits_they_pair_with(master):
+    """S1.5, S2.5, S5.4: after store_param_remainders is switched on, the next step
+    re-rounds each parameter to pair it with its remainder; state_dict() and
+    get_unscaled_state() before that step give the parameter those bits (once nothing
+    can be refused), so a checkpoint of the parameters and the state, or a get/set round
+    trip, keeps every master bitwise: the resumed run equals the run that went on."""
+    kwargs = dict(lr=1e-2, master_weights=True,
+                  master_weight_dtype=torch.float16 if master == "fp16" else torch.float32)
+    gen = torch.Generator().manual_seed(41)
+    p = torch.nn.Parameter(torch.randn(4, 96, generator=gen).bfloat16())
+    opt = fused_adam()([p], **kwargs)
+    if master == "fp32":  # ties, where the two roundings of the same master differ
+        values = opt.get_unscaled_state(p, "master_param").clone()
+        values.view(-1)[:3] = TIE_MASTER.view(torch.float32)
+        opt.set_scaled_state(p, "master_param", values)
+    grads = [torch.randn(4, 96, generator=gen).bfloat16() for _ in range(3)]
+    p.grad = grads[0].clone()
+    if master == "fp32":  # the tied masters stay; the parameters are their RNE
+        opt.param_groups[0]["lr"] = 0.0
+    opt.step()  # an fp16 master's fp32 value has a tied low half for 1 element in 8
+    opt.param_groups[0]["lr"] = kwargs["lr"]
+    round_trip = copy.deepcopy(opt)  # parameter, state and scales, bitwise
+    q = round_trip.param_groups[0]["params"][0]
+    for o in (opt, round_trip):
+        o.store_param_remainders, o.master_weight_dtype = True, torch.float32
+    before = p.detach().clone()
+    saved = copy.deepcopy(opt.state_dict())
+    assert not torch.equal(p.detach(), before), "no parameter was re-rounded"
+    resumed_p = torch.nn.Parameter(p.detach().clone())  # the model's checkpoint
+    resumed = fused_adam()([resumed_p], **dict(kwargs, master_weight_dtype=torch.float32,
+                                                store_param_remainders=True))
+    resumed.load_state_dict(saved)
+    round_trip.set_scaled_state(q, "master_param",
+                                round_trip.get_unscaled_state(q, "master_param"))
+    for grad in grads[1:]:
+        for param, o in ((p, opt), (resumed_p, resumed), (q, round_trip)):
+            param.grad = grad.clone()
+            o.step()
+    assert_same_optimizer_state(opt, resumed, [p], [resumed_p], "resumed")
+    assert_same_optimizer_state(opt, round_trip, [p], [q], "get/set round trip")
+
+
+def test_a_frozen_parameters_kept_master_made_a_remainder_pairs_with_it():
+    """S5.5: a frozen parameter whose state a load leaves out (torch's
+    set_optimizer_state_dict) keeps its state, re-stored as the settings now say: its
+    master made a remainder (S1.5) pairs with the bits the load gives the parameter, so
+    the master is kept bitwise."""
+    gen = torch.Generator().manual_seed(43)
+    params = [torch.nn.Parameter(torch.randn(96, generator=gen).bfloat16()) for _ in range(2)]
+    opt = fused_adam()(params, lr=0.0, master_weights=True)
+    values = opt.get_unscaled_state(params[0], "master_param").clone()
+    values[:3] = TIE_MASTER.view(torch.float32)
+    opt.set_scaled_state(params[0], "master_param", values)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()  # lr 0: the masters stay, the parameters are their RNE
+    params[0].requires_grad_(False)
+    saved = opt.state_dict()
+    del saved["state"][0]  # as torch's set_optimizer_state_dict leaves a frozen one out
+    opt.store_param_remainders = True
+    opt.load_state_dict(saved)
+    opt.store_param_remainders = False  # converted back at the next access, exactly
+    assert_bitwise_equal(opt.get_unscaled_state(params[0], "master_param"), values,
+                         "the frozen parameter's master")
+
+
+def test_a_refused_state_dict_leaves_the_parameters_unrounded():
+    """S8: state_dict() refused for one parameter's state (per-block codes without
+    scales) writes no other parameter's paired bits: every parameter stays as it was."""
+    gen = torch.Generator().manual_seed(42)
+    params = [torch.nn.Parameter(torch.randn(4, 256, generator=gen).bfloat16())
+              for _ in range(2)]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, moment_format="block8")
+    values = opt.get_unscaled_state(params[0], "master_param").clone()
+    values.view(-1)[:3] = TIE_MASTER.view(torch.float32)
+    opt.set_scaled_state(params[0], "master_param", values)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+    opt.step()
+    opt.store_param_remainders = True
+    del opt._scales[params[1]]["exp_avg"]
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="group 0, param 1"):
+        opt.state_dict()
+    for p, b in zip(params, before):
+        assert_bitwise_equal(p.detach(), b, "a parameter after the refused state_dict()")
+
+
 @pytest.mark.parametrize("remainders_before", [True, False])
 def test_a_step_after_a_changed_setting_records_the_new_layout(remainders_before):
     """S1.5, S5.4: the step that converts the state after a setting changed records the
@@ -887,19 +981,35 @@ def test_torch_checkpoint_with_a_parameter_never_stepped_loads_it_fresh():
         adamw.step()
     saved = adamw.state_dict()
     assert set(saved["state"]) == {0}
-    params = [torch.nn.Parameter(p.detach().clone()) for p in (used, unused)]
-    opt = fused_adam()(params, lr=1e-2)
-    opt.load_state_dict(saved)
-    assert opt.param_groups[0]["step"] == 2
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert_bitwise_equal(opt.state[params[0]][name], adamw.state[used][name], name)
-        assert bool((opt.state[params[1]][name] == 0).all()), name
+    adamw.state[unused]  # torch's state is a defaultdict: a lookup leaves {} behind
+    looked_up = adamw.state_dict()
+    assert looked_up["state"][1] == {}
+    for checkpoint in (saved, looked_up):  # {} is no state, as no entry is
+        params = [torch.nn.Parameter(p.detach().clone()) for p in (used, unused)]
+        opt = fused_adam()(params, lr=1e-2)
+        opt.load_state_dict(checkpoint)
+        assert opt.param_groups[0]["step"] == 2
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_bitwise_equal(opt.state[params[0]][name], adamw.state[used][name], name)
+            assert bool((opt.state[params[1]][name] == 0).all()), name
     # a checkpoint taken before any step (TE's: no state, no step) loads as step 0
     fresh = fused_adam()([torch.nn.Parameter(used.detach().clone())], lr=1e-2)
     fresh.load_state_dict({"state": {}, "param_groups": [
         {k: v for k, v in saved["param_groups"][0].items() if k != "params"}
         | {"params": [0]}]})
     assert fresh.param_groups[0]["step"] == 0
+
+
+def test_group_keys_that_are_no_strings_load_as_torch_keeps_them():
+    """S5.5: saved group keys replace the current ones, whatever their type (torch's
+    optimizers keep them; this one refused a non-string key with a bare TypeError)."""
+    param = torch.nn.Parameter(torch.randn(4))
+    opt = fused_adam()([param], lr=1e-2)
+    opt.param_groups[0][5] = "tag"
+    saved = opt.state_dict()
+    loaded = fused_adam()([torch.nn.Parameter(param.detach().clone())], lr=1e-2)
+    loaded.load_state_dict(saved)
+    assert loaded.param_groups[0][5] == "tag"
 
 
 @pytest.mark.parametrize("torch_cls,adam_w_mode", [(torch.optim.Adam, False),
