@@ -133,8 +133,9 @@ class StateConfig(NamedTuple):
     @staticmethod
     def from_record(record) -> "StateConfig":
         """The configuration a ``record()`` string describes; ValueError if it is not one."""
-        fields = dict(item.partition("=")[::2] for item in str(record).split()
-                      if item != MOMENTS_SET_FIELD)
+        items = [item.partition("=")[::2] for item in str(record).split()
+                 if item != MOMENTS_SET_FIELD]
+        fields = dict(items) if len(dict(items)) == len(items) else {}  # no field twice
         formats = {f.name: f for f in _formats.choices("moment")}
         masters = {f.name: f for f in _formats.FORMATS if "master" in f.roles}
         masters["none"] = None

@@ -1715,6 +1715,9 @@ LOAD_ERRORS = [
                                                                       "exp_avg=fp64"),
      ValueError, facts("^FusedAdam", r"group\W*1\b", "state_layout", "rule: ",
                        "loads once that entry is removed")),
+    ("state_layout-a-field-twice", lambda sd: sd["param_groups"][1].__setitem__(
+        "state_layout", sd["param_groups"][1]["state_layout"] + " exp_avg=bf16"),
+     ValueError, facts("^FusedAdam", r"group\W*1\b", "state_layout", "rule: ")),
     # S6.4: an int16 master where the checkpoint recorded an fp16 one, and this
     # optimizer has no remainders DCP could have cast it into
     ("master-cast-to-int16", lambda sd: sd["state"][1].__setitem__(
