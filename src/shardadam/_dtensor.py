@@ -107,20 +107,23 @@ _dtype_of = operator.attrgetter("dtype")
 
 def local_storage_keys(params, plain: bool) -> list:
     """What the optimizer's cached view of each parameter's local tensor rests on: data
-    pointer, element count, strides and dtype. Any of them changes when the storage is
+    pointer, shape, strides, dtype and neg bit. Any of them changes when the storage is
     replaced or re-viewed (FSDP2 re-pointing a parameter at a new shard buffer,
-    ``p.data = p.data[:n]``, a dtype view). ``plain``: the caller knows none is a
-    DTensor. (``shape`` is left out: with the count and strides it only misses size-1
-    dimensions, and a torch.Size is a tuple the garbage collector never untracks, so a
-    list of one per parameter sets off full collections.)"""
+    ``p.data = p.data[:n]``, a view of another shape over the same elements' first
+    address and strides, a dtype view, a lazily negated view). ``plain``: the caller
+    knows none is a DTensor. (The shape as a plain tuple: a torch.Size is a tuple the
+    garbage collector never untracks, so a list of one per parameter sets off full
+    collections.)"""
     if plain:
         tensors = params
     elif all(map(isinstance, params, itertools.repeat(_dtensor_class()))):
         tensors = list(map(_local_tensor_of, params))  # no Python frame per parameter
     else:  # plain and DTensor parameters mixed (by type: a plain tensor may carry any
         tensors = [to_local(p) for p in params]  # attribute, `_local_tensor` included)
-    return list(zip(map(torch.Tensor.data_ptr, tensors), map(torch.Tensor.numel, tensors),
-                    map(torch.Tensor.stride, tensors), map(_dtype_of, tensors)))
+    return list(zip(map(torch.Tensor.data_ptr, tensors),
+                    map(tuple, map(torch.Tensor.size, tensors)),
+                    map(torch.Tensor.stride, tensors), map(_dtype_of, tensors),
+                    map(torch.Tensor.is_neg, tensors)))
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from . import _dtensor, _state, _validate
 from ._formats import PARAM_TAGS
 
 _Tensor = torch.Tensor
+_dtype_of = operator.attrgetter("dtype")
 _STRIDED = torch.strided
 _grad_of = operator.attrgetter("grad")
 _local_tensor_of = operator.attrgetter("_local_tensor")
@@ -238,6 +239,7 @@ class _Held:
         self.pointers = list(map(_Tensor.data_ptr, self.storage))
         self.shapes = list(map(_Tensor.size, self.storage))
         self.strides = list(map(_Tensor.stride, self.storage))
+        self.kinds = _kinds(self.storage)
         # A DTensor state's local tensor may be swapped inside the same DTensor object.
         self.wrapped = [t for t in self.objects if _dtensor.is_dtensor(t)]
         self.wrapped_locals = list(map(_local_tensor_of, self.wrapped))
@@ -272,7 +274,15 @@ class _Held:
                 # Compared one at a time: a list of every torch.Size (a tuple subclass the
                 # collector never untracks) would set off full garbage collections.
                 and all(map(operator.eq, map(_Tensor.size, self.storage), self.shapes))
-                and list(map(_Tensor.stride, self.storage)) == self.strides)
+                and list(map(_Tensor.stride, self.storage)) == self.strides
+                and _kinds(self.storage) == self.kinds)
+
+
+def _kinds(tensors: list) -> list:
+    """Each tensor's dtype and neg bit: a view of another dtype (``t.data =
+    t.data.view(torch.bfloat16)``) or a lazily negated one has the same memory, read
+    otherwise."""
+    return list(zip(map(_dtype_of, tensors), map(_Tensor.is_neg, tensors)))
 
 
 class PlanSet:

@@ -113,9 +113,9 @@ def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
     true)."""
     if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
         return
-    if (type(value).__module__ == "numpy" and getattr(value, "dtype", None) == "bool"
-            and getattr(value, "ndim", None) == 0):
-        return  # numpy.bool_, which is no numbers.Integral
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool"):
+        return  # numpy.bool_, which is no numbers.Integral (a 0-d array is not taken:
+        # it can change in place, where settings are re-read by identity, S1.5)
     raise fail(ValueError, f"{name} must be a bool (rule: True/False, or an int 0 or 1), "
                            f"got {shown(value)}", group=group_index)
 

@@ -119,6 +119,11 @@ CONSTRUCTOR_ERRORS = [
      facts(r"use_decoupled_grad must be a bool.*None")),
     ("store_param_remainders-float", dict(master_weights=True, store_param_remainders=0.5),
      ValueError, facts(r"store_param_remainders must be a bool.*0\.5")),
+    # A 0-d array can change in place, where settings are re-read by identity (S1.5).
+    ("master_weights-0d-numpy-array", dict(master_weights=np.array(True)), ValueError,
+     facts(r"master_weights must be a bool.*array\(True\)")),
+    ("bias_correction-0d-numpy-array", dict(bias_correction=np.array(False)), ValueError,
+     facts(r"bias_correction must be a bool.*array\(False\)")),
     ("amsgrad-string", dict(amsgrad="False"), ValueError,
      facts(r"amsgrad must be a bool.*'False'")),
 ]

@@ -268,6 +268,8 @@ CHANGES = {
         params[3], "data", params[3].data.view(-1)[:8]),
     "param as another dtype": lambda opt, params: setattr(
         params[0], "data", params[0].data.view(torch.float16)),
+    "param lazily negated": lambda opt, params: setattr(
+        params[0], "data", params[0].data._neg_view()),
     "param swapped for another": _swap_param,
     "params reordered": lambda opt, params: opt.param_groups[4]["params"].reverse(),
     "a param appended": lambda opt, params: opt.param_groups[4]["params"].append(
@@ -285,6 +287,12 @@ CHANGES = {
         opt.state[params[5]]["master_param"].detach().clone()),
     "a state restrided": lambda opt, params: opt.state[params[1]]["master_param"]
         .as_strided_((16, 8), (1, 16)),
+    "a state as another dtype": lambda opt, params: setattr(
+        opt.state[params[5]]["master_param"], "data",
+        opt.state[params[5]]["master_param"].data.view(torch.int32)),
+    "a state lazily negated": lambda opt, params: setattr(
+        opt.state[params[5]]["master_param"], "data",
+        opt.state[params[5]]["master_param"].data._neg_view()),
     "a state deleted": lambda opt, params: opt.state[params[1]].pop("exp_avg"),
     "a parameter's state dict replaced": _new_state_dict,
     "a parameter's state removed": lambda opt, params: opt.state.pop(params[6]),
@@ -362,6 +370,29 @@ def test_checking_every_plan_at_once_answers_as_each_plans_own_check(change):
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_a_parameter_given_another_shape_over_the_same_memory_is_seen(backend):
+    """A parameter viewed with another shape that keeps its first address, element count
+    and strides (``buf[:6].view(2, 3)`` made ``buf.view(3, 3)[:, :2]``) is another
+    parameter to its state: refused as a fresh plan refuses it (S2.6), and nothing else
+    in the buffer written (a cached plan stepped the old shape's elements)."""
+    from _optimizer_testing import backend_context
+    with backend_context(backend):
+        buf = torch.zeros(9)
+        param = torch.nn.Parameter(buf[:6].view(2, 3))
+        opt = FusedAdam([param], lr=1e-2)
+        for _ in range(3):
+            param.grad = torch.ones(2, 3)
+            opt.step()
+        param.data = buf.view(3, 3)[:, :2]
+        assert param.data_ptr() == buf.data_ptr() and param.stride() == (3, 1)
+        param.grad = torch.ones(3, 2)
+        before = buf.clone()
+        with pytest.raises(RuntimeError, match=r"local shape \(2, 3\).*\(3, 2\).*S2\.6"):
+            opt.step()
+        assert torch.equal(buf, before)
+
+
 def test_storage_keys_read_a_plain_tensor_itself_whatever_its_attributes():
     """The plan checks' keys of a parameter list that is not known to be plain (a DTensor
     group's, or every group's at once beside one) read a plain tensor's own storage, even
@@ -372,4 +403,4 @@ def test_storage_keys_read_a_plain_tensor_itself_whatever_its_attributes():
     q = torch.nn.Parameter(torch.zeros(3))
     assert _dtensor.local_storage_keys([p, q], False) == _dtensor.local_storage_keys(
         [p, q], True)
-    assert _dtensor.local_storage_keys([p], False)[0][:2] == (p.data_ptr(), 4)
+    assert _dtensor.local_storage_keys([p], False)[0][:2] == (p.data_ptr(), (4,))
