@@ -135,7 +135,9 @@ class StateConfig(NamedTuple):
         """The configuration a ``record()`` string describes; ValueError if it is not one."""
         items = [item.partition("=")[::2] for item in str(record).split()
                  if item != MOMENTS_SET_FIELD]
-        fields = dict(items) if len(dict(items)) == len(items) else {}  # no field twice
+        fields = dict(items)
+        if len(fields) != len(items):  # a field named twice is no layout
+            fields = {}
         formats = {f.name: f for f in _formats.choices("moment")}
         masters = {f.name: f for f in _formats.FORMATS if "master" in f.roles}
         masters["none"] = None
