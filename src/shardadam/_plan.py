@@ -468,4 +468,7 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
         if kind is None:
             return None
         kinds.append(kind)
+    present = [grad for grad in grads if grad is not None]
+    if not _validate.storages_hold(present):  # freed or shrunk: named by the full check
+        return None
     return kinds

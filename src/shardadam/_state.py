@@ -441,14 +441,23 @@ def master_of(entry):
     return entry.get("master_param") if isinstance(entry, dict) else None
 
 
+def follows(seeded: dict, state, param) -> bool:
+    """Whether ``param``'s master follows it (S1.6): it is still the tensor in ``state``
+    it was seeded into. One put there from outside (a replaced entry, as torch's
+    ZeroRedundancyOptimizer loads a checkpoint) is the truth, as one set with
+    set_scaled_state is; while an entry is out of ``state`` (taken out by hand, to be
+    put back), its master does not follow, and does again once it is back."""
+    mark = seeded.get(param)
+    return mark is not None and master_of(state.get(param)) is mark
+
+
 def drop_replaced_masters(seeded: dict, state) -> dict:
-    """Unmarks (and returns) the masters in ``seeded`` that are no longer the tensor in
-    ``state`` they were seeded into: one put there from outside (a replaced entry, as
-    torch's ZeroRedundancyOptimizer loads a checkpoint) is the truth, as one set with
-    set_scaled_state is (S1.6)."""
-    for param in [p for p, mark in seeded.items() if master_of(state.get(p)) is not mark]:
+    """Unmarks the masters in ``seeded`` that do not follow their parameter (``follows``)
+    and returns their marks, for a refused call to put back."""
+    dropped = {p: mark for p, mark in seeded.items() if master_of(state.get(p)) is not mark}
+    for param in dropped:
         del seeded[param]
-    return seeded
+    return dropped
 
 
 def _holds_tensor_of(stored, formats: Optional[dict], name: str,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Optional
@@ -765,17 +766,37 @@ def _overlaps_itself(tensor) -> bool:
 def freed_error(local) -> Optional[str]:
     """Why the local tensor of a parameter holds no values (its storage freed or
     shrunk below the elements it spans), or None (S1.4)."""
+    short = _short_storage(local)
+    if short is None:
+        return None
+    return (f"the parameter's storage holds {short[0]} bytes, fewer than its elements span "
+            f"({short[1]}): its memory was freed or shrunk (FSDP2 frees the unsharded "
+            f"parameters a forward leaves on the root module: build the optimizer from "
+            f"the sharded ones, before the first forward or after model.reshard(); rule "
+            f"S1.4: a parameter holds its values)")
+
+
+def _short_storage(local) -> Optional[tuple]:
+    """``(bytes held, bytes spanned)`` where a tensor's storage holds fewer bytes than
+    its elements span (freed or shrunk in place), else None."""
     if local.numel() == 0 or local.is_meta:
         return None
     held = local.untyped_storage().nbytes()
     spanned = (local.storage_offset() + _extent(local)) * local.element_size()
-    if held >= spanned:
-        return None
-    return (f"the parameter's storage holds {held} bytes, fewer than its elements span "
-            f"({spanned}): its memory was freed or shrunk (FSDP2 frees the unsharded "
-            f"parameters a forward leaves on the root module: build the optimizer from "
-            f"the sharded ones, before the first forward or after model.reshard(); rule "
-            f"S1.4: a parameter holds its values)")
+    return (held, spanned) if held < spanned else None
+
+
+def storages_hold(tensors: list) -> bool:
+    """Whether every one of ``tensors`` (contiguous) has the bytes its elements span in
+    its storage: one pass of C-level maps, for the step's common case."""
+    held = map(torch.UntypedStorage.nbytes, map(torch.Tensor.untyped_storage, tensors))
+    spanned = map(operator.add, map(operator.mul, map(torch.Tensor.storage_offset, tensors),
+                                    map(torch.Tensor.element_size, tensors)),
+                  map(_nbytes_of, tensors))
+    return all(map(operator.ge, held, spanned))
+
+
+_nbytes_of = operator.attrgetter("nbytes")
 
 
 def _extent(tensor) -> int:
@@ -950,6 +971,11 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     if local_grad.device != local_param.device:
         return (f"gradient is on {local_grad.device} but the parameter is on "
                 f"{local_param.device} (rule S3.4: a gradient is on its parameter's device)")
+    short = _short_storage(local_grad)
+    if short is not None:
+        return (f"the gradient's storage holds {short[0]} bytes, fewer than its elements "
+                f"span ({short[1]}): its memory was freed or shrunk (rule S3.2: a gradient "
+                f"is read by value, so it must hold its values)")
     return None
 
 

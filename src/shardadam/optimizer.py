@@ -201,7 +201,6 @@ class FusedAdam(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; the new parameters get their state now (S1.6)."""
         config = self._checked_config()  # before torch adds the group
-        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         index = len(self.param_groups)
         _validate.check_groups(self.param_groups)
         params = param_group["params"] = _validate.group_params(param_group, index)
@@ -223,6 +222,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         # Only once the group passed (torch's own checks too): a refused one changes
         # nothing, not even the records of a state taken out by hand to be put back.
+        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         self._forget_dropped()
         group = self.param_groups[-1]
         group.setdefault("step", 0)
@@ -252,7 +252,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise _validate.fail(RuntimeError, error, group=group, param=index,
                                  name=_validate.param_name(named, index))
         writes = _state.plan_entry(specs, entry, scales, formats, local, layout,
-                                   seeded=param in self._seeded)
+                                   seeded=_state.follows(self._seeded, self.state, param))
         return param, writes, local, layout
 
     def _apply(self, param, writes: _state.EntryWrites, local, layout) -> None:
@@ -365,9 +365,19 @@ class FusedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_groups(self):
-        # (2) validate everything, (3) only then mutate (S3.1).
         config = self._checked_config()
-        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
+        dropped = _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
+        try:
+            self._check_and_step_groups(config)
+        except BaseException:
+            # Refused (S3.1): a master whose entry was out, to be put back, follows
+            # again once it is back.
+            for param, mark in dropped.items():
+                self._seeded.setdefault(param, mark)
+            raise
+
+    def _check_and_step_groups(self, config):
+        # (2) validate everything, (3) only then mutate (S3.1).
         listing = _plan.Listing()  # the state containers, listed once for every group
         groups = self.param_groups
         plan_set = self._plan_set
@@ -431,7 +441,10 @@ class FusedAdam(torch.optim.Optimizer):
             group["step"] = hyper.step
             if id(plan) in rebound:  # its record describes the state again (S1.5)
                 group[LAYOUT_KEY] = config.record()
-        if unbound:  # the groups' parameters changed: some may have left them
+        if unbound or len(self._plans) > len(groups):
+            # The groups' parameters changed (a group removed leaves the other plans
+            # current): some may have left them.
+            del self._plans[len(groups):]
             self._drop_left_state()
 
     def _drop_left_state(self) -> None:
@@ -643,8 +656,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise KeyError(f"{where}: no state {state_name!r} yet (rule S5.2: reading "
                            f"creates none; initialize_state(param) creates it)")
         self._check_decodable(param, (spec,), entry)
-        if (state_name == "master_param"
-                and param in _state.drop_replaced_masters(self._seeded, self.state)):
+        if state_name == "master_param" and _state.follows(self._seeded, self.state, param):
             # Read through TE's accessor (which hands out the fp32 tensor itself), a
             # master that follows its parameter is seeded now and is the truth (S1.6).
             local = self._param_values(param, spec)
@@ -739,7 +751,6 @@ class FusedAdam(torch.optim.Optimizer):
             pre_hook(self)
         _validate.check_groups(self.param_groups)
         config = self._checked_config()
-        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         # Only a group still at step 0 keeps the mark of moments set by hand.
         self._moments_set = {g for g in self._moments_set if g < len(self.param_groups)
                              and self.param_groups[g].get("step", 0) == 0}
@@ -780,7 +791,7 @@ class FusedAdam(torch.optim.Optimizer):
         specs = config.specs_of(local, layout)
         self._check_decodable(param, specs, entry)
         exported, param_bits = {}, None
-        follows = param in self._seeded
+        follows = _state.follows(self._seeded, self.state, param)
         for spec in specs:
             if follows and spec.name == "master_param":  # until it steps (S1.6)
                 value = _state.seeded_value(spec, self._param_values(param, spec))
@@ -882,7 +893,6 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.check_group_keys(merged, g, self._group_settings)
             _validate.hyper_parameters(merged, g)
         config = self._checked_config()
-        _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         saved_state = state_dict["state"]
         prepared = []
         for g, group in enumerate(self.param_groups):
@@ -919,7 +929,8 @@ class FusedAdam(torch.optim.Optimizer):
                 writes = prepared[-1][3]
                 if kept_bits is not None:  # its kept master made a remainder (S1.5)
                     writes.param_bits = kept_bits
-                if (key not in saved_state and param in self._seeded
+                if (key not in saved_state
+                        and _state.follows(self._seeded, self.state, param)
                         and "master_param" in writes.stored):
                     writes.seeded.add("master_param")  # a kept master still follows
         return prepared, presets

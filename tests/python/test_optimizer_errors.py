@@ -891,6 +891,36 @@ def test_add_param_group_rejects_unsupported_params(kind):
     assert extra not in opt.state
 
 
+@pytest.mark.parametrize("between", ["refused step", "refused add_param_group",
+                                     "state_dict"])
+def test_a_following_master_taken_out_and_put_back_still_follows(between, backend):
+    """S1.6, S3.1: a master that follows its parameter (none has stepped) and whose
+    entry is taken out of ``optimizer.state`` by hand and put back still follows it,
+    also when a refused step or add_param_group, or a state_dict(), came in between:
+    weights loaded into the parameter meanwhile are what the first step starts from
+    (a refused call dropped the mark, and the stale master undid the weights)."""
+    param = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = fused_adam()([param], lr=1e-2, master_weights=True)
+    held = opt.state.pop(param)
+    if between == "refused step":
+        opt.param_groups[0]["lr"] = -1.0
+        param.grad = torch.zeros(4, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="Invalid learning rate"):
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+    elif between == "refused add_param_group":
+        with pytest.raises(ValueError, match="Invalid learning rate"):
+            opt.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(3))], lr=-1.0))
+    else:
+        opt.state_dict()
+    opt.state[param] = held
+    with torch.no_grad():
+        param.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # weights loaded meanwhile
+    param.grad = torch.zeros(4, dtype=torch.bfloat16)
+    opt.step()  # zero gradient, zero moments: the parameter stays what it holds
+    assert param.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 @pytest.mark.parametrize("refused_by", ["this optimizer", "torch"])
 def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out(refused_by):
     """A state taken out of ``optimizer.state`` by hand and put back continues as if it
@@ -1391,6 +1421,28 @@ def test_step_rejects_and_changes_nothing(decoupled, mutate, exc, pattern, backe
     with pytest.raises(exc, match=pattern):
         opt.step()
     assert_unchanged(opt, before, "optimizer after a rejected step")
+
+
+@pytest.mark.parametrize("held", [0, 4], ids=["freed", "shrunk"])
+@pytest.mark.parametrize("decoupled", [False, True], ids=["grad", "decoupled_grad"])
+def test_a_gradient_whose_storage_was_freed_or_shrunk_is_refused(held, decoupled, backend):
+    """S3.2: a gradient is read by value, so it must hold its values: one whose storage
+    was freed or shrunk in place (``untyped_storage().resize_``) is refused by name
+    before anything changes (it was read past its storage, or, freed, crashed the
+    pure-torch path and was refused by the core only after the state was converted)."""
+    opt, params = stepped_optimizer(decoupled)
+    opt.exp_avg_dtype = torch.bfloat16  # a setting changed: the step would convert first
+    attr = "decoupled_grad" if decoupled else "grad"
+    good = getattr(params[3], attr)
+    before = snapshot(opt)
+    bad = torch.zeros_like(good)
+    bad.untyped_storage().resize_(held)
+    setattr(params[3], attr, bad)
+    with pytest.raises(RuntimeError, match=facts(*at(1, 1), f"storage holds {held} bytes",
+                                                 r"rule S3\.2")):
+        opt.step()
+    setattr(params[3], attr, good)
+    assert_unchanged(opt, before, "optimizer after a refused step")
 
 
 def test_step_recovers_after_a_rejected_call(backend):
