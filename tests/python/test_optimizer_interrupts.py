@@ -102,10 +102,10 @@ def sigterm_handler():
 
 def test_held_signals_run_the_handlers_in_place_after_the_step(monkeypatch,
                                                                sigterm_handler):
-    """The held signals are raised again once the step is whole, as signals: repeats
-    merge, and where one handler raises (SIGINT's KeyboardInterrupt) the other stays
-    pending and runs at the next chance, as CPython runs them; the step's result is
-    the uninterrupted one's."""
+    """The held signals' handlers run once the step is whole, as CPython runs them:
+    repeats merge, and where one handler raises (SIGINT's KeyboardInterrupt) the other
+    stays pending and runs at the next chance; the step's result is the uninterrupted
+    one's."""
     params = make_params([torch.bfloat16] * 3, SHAPES, seed=4)
     ref, opt, ref_opt = _stepped_reference(params)
 
@@ -191,9 +191,10 @@ def test_handlers_are_put_back_when_a_pending_handler_raises(monkeypatch, fail_a
 
 def test_raising_a_held_signal_again_leaves_the_mask_as_it_was(monkeypatch,
                                                                 sigterm_handler):
-    """Held signals are raised again blocked, then unblocked: a pending handler that
-    raises meanwhile leaves the main thread's signal mask as it was, and the signal
-    still reaches its handler."""
+    """Held signals left pending by a handler that raised (SIGINT's, before SIGTERM's)
+    are raised again blocked, then unblocked: a pending handler that raises meanwhile
+    leaves the main thread's signal mask as it was, and the signal still reaches its
+    handler."""
     from shardadam import _held_signals
 
     fake = _FailingSignal(_held_signals._signal, (), kill_fails=True)
@@ -201,10 +202,136 @@ def test_raising_a_held_signal_again_leaves_the_mask_as_it_was(monkeypatch,
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     with pytest.raises(RuntimeError, match="pthread_kill"):
         with _held_signals.held():
+            signal.raise_signal(signal.SIGINT)
             signal.raise_signal(signal.SIGTERM)
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
     assert sigterm_handler == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_held_by_a_step_reaches_the_wakeup_fd_once(monkeypatch, sigterm_handler):
+    """A held signal's handler is called, not raised as a signal again: CPython writes
+    to ``signal.set_wakeup_fd``'s file at each delivery, and asyncio's
+    ``add_signal_handler`` runs its callback once per byte (it ran three times)."""
+    import os
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=5)
+    opt = fused_adam()(_two_groups(params), **SETTINGS)
+    attach_grads(params, _grads(params), False)
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write)
+    try:
+        _calls_to_run(monkeypatch, lambda call: os.kill(os.getpid(), signal.SIGTERM)
+                      if call == 1 else None)
+        opt.step()
+        written = os.read(read, 64)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+    assert sigterm_handler == [signal.SIGTERM]
+    assert list(written) == [signal.SIGTERM]
+
+
+def _cut_short(monkeypatch, module, name):
+    """``module.<name>`` raising ``_Cut`` on its next call, as a handler of another
+    signal (a SIGALRM timeout) raising at that bytecode would."""
+    real = getattr(module, name)
+
+    def cut(*args, **kwargs):
+        monkeypatch.setattr(module, name, real)
+        raise _Cut(name)
+
+    monkeypatch.setattr(module, name, cut)
+
+
+class _Cut(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["collector-switched-off", "collector-exit",
+                                   "hold-exit"])
+def test_a_step_cut_short_by_another_signals_handler_is_undone(monkeypatch, where,
+                                                               sigterm_handler):
+    """A handler of another signal that raises can cut a step short at any bytecode,
+    also where it switches the collector off or undoes its hold: the collector is on
+    again by the next step, and a hold left open hands SIGTERM on at its next signal
+    (the collector stayed off for good, SIGINT and SIGTERM were swallowed)."""
+    import gc
+
+    from shardadam import _collector, _held_signals
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=6)
+    opt = fused_adam()(_two_groups(params), **SETTINGS)
+    attach_grads(params, _grads(params), False)
+    if where == "collector-switched-off":
+        real = _collector._disable
+
+        def disable_then_cut():
+            real()
+            monkeypatch.setattr(_collector, "_disable", real)
+            raise _Cut("after the switch")
+        monkeypatch.setattr(_collector, "_disable", disable_then_cut)
+    elif where == "collector-exit":
+        _cut_short(monkeypatch, _collector.paused, "_undo")
+    else:
+        _cut_short(monkeypatch, _held_signals.held, "_close")
+    assert gc.isenabled()
+    with pytest.raises(_Cut):
+        opt.step()
+    if where == "hold-exit":
+        signal.raise_signal(signal.SIGTERM)  # its recorder, left open, hands it on
+        assert sigterm_handler == [signal.SIGTERM]
+        assert getattr(signal.getsignal(signal.SIGTERM), "__self__", None) is None
+    opt.step()
+    assert gc.isenabled()
+    assert not _collector._LIVE and not _held_signals._LIVE
+    signal.raise_signal(signal.SIGTERM)
+    assert sigterm_handler[-1] == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_child_forked_by_another_thread_during_a_step_is_not_held(monkeypatch,
+                                                                    sigterm_handler):
+    """A child forked by another thread while the main thread is inside a step has
+    only the forking thread, whose step never ends there: its collector is on and its
+    handlers are in place (it had an open hold and the collector off for good)."""
+    import gc
+    import os
+    import threading
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=8)
+    opt = fused_adam()(_two_groups(params), **SETTINGS)
+    attach_grads(params, _grads(params), False)
+    inside, forked, seen = threading.Event(), threading.Event(), {}
+    _calls_to_run(monkeypatch, lambda call: (inside.set(), forked.wait(30))
+                  if call == 1 else None)
+
+    def fork():
+        inside.wait(30)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                handler = signal.getsignal(signal.SIGTERM)
+                held = type(getattr(handler, "__self__", None)).__name__ == "held"
+                os.write(write, bytes([gc.isenabled(), held]))
+            finally:
+                os._exit(0)
+        os.close(write)
+        forked.set()
+        seen["child"] = os.read(read, 2)
+        os.close(read)
+        os.waitpid(pid, 0)
+
+    thread = threading.Thread(target=fork)
+    thread.start()
+    opt.step()
+    thread.join(60)
+    assert seen["child"] == bytes([True, False])
 
 
 def test_a_recorder_left_in_place_hands_its_signal_on(sigterm_handler):
