@@ -419,6 +419,8 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
             # A lazily negated view (torch's neg bit: its memory holds -value) is read
             # through a copy of its values, as the core reads raw memory (S3.2).
             grad = grad.resolve_neg()
+        elif grad._is_zerotensor():  # torch's memoryless zeros: the core reads memory
+            grad = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
         dense = dense and grad.is_contiguous()
         kinds.append(PARAM_TAGS[grad.dtype])
         local_grads.append(grad)
@@ -461,7 +463,7 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
             continue
         # The layout first: sparse and mkldnn tensors have no is_contiguous or storage.
         if (type(grad) is not _Tensor or grad.layout is not _STRIDED or grad.shape != shape
-                or not grad.is_contiguous() or grad.is_neg()
+                or not grad.is_contiguous() or grad.is_neg() or grad._is_zerotensor()
                 or not (grad.is_cpu if is_cpu else grad.device == device)):
             return None
         kind = get_kind(grad.dtype)

@@ -981,6 +981,28 @@ def test_lazily_negated_gradient(backend):
             assert_bitwise_equal(b.state[q][key], value, f"param {i} {key}")
 
 
+def test_memoryless_zero_gradient(backend):
+    """torch's memoryless zeros (``torch._efficientzerotensor``: no memory, a null data
+    pointer) are read by value, as zeros: the step equals the one with ``torch.zeros``
+    (the core refused it as a null gradient, the torch path stepped it)."""
+    runs = []
+    for memoryless in (False, True):
+        params = make_params([torch.float32, torch.bfloat16], [(3, 5), (4, 2)], seed=20)
+        opt = fused_adam()(params, lr=0.1, master_weights=True, exp_avg_dtype=torch.uint8)
+        generator = torch.Generator().manual_seed(21)
+        for step in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            if step == 1:
+                params[0].grad = (torch._efficientzerotensor(params[0].shape) if memoryless
+                                  else torch.zeros(params[0].shape))
+            opt.step()
+        runs.append((opt, params))
+    (a, pa), (b, pb) = runs
+    assert pb[0].grad._is_zerotensor()
+    assert_same_optimizer_state(a, b, pa, pb, "memoryless zeros")
+
+
 FLAT_CASES = [
     Precision(param="bf16", grad="fp32", exp_avg="fp8", exp_avg_sq="fp16", master="rem"),
     Precision(param="fp32", grad="bf16", exp_avg="bf16", exp_avg_sq="fp32"),
