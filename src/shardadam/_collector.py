@@ -29,6 +29,8 @@ import os
 import sys
 import threading
 
+from ._held_signals import _on_stack
+
 _isenabled, _disable, _enable = gc.isenabled, gc.disable, gc.enable
 _get_ident = threading.get_ident
 
@@ -60,14 +62,6 @@ class paused:
             _enable()
         if self in _LIVE:  # after the switch: a cut before it leaves it to undo
             _LIVE.remove(self)
-
-
-def _on_stack(frame, top) -> bool:
-    while top is not None:
-        if top is frame:
-            return True
-        top = top.f_back
-    return False
 
 
 def _undo_left(thread: int, top) -> None:
