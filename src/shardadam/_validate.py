@@ -187,9 +187,16 @@ def _is_switch(value) -> bool:
 
 
 def _same_value(key: str, value, own) -> bool:
-    if key in _SWITCHES:
+    if key in _SWITCHES or (key == "set_grad_none" and value is not None
+                            and own is not None):  # None is its own meaning there
         return _is_switch(value) and bool(value) == bool(own)
+    if _is_int(value) and _is_int(own):  # numpy's ints as the constructor takes them
+        return int(value) == int(own)
     return type(value) is type(own) and value == own
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _torch_option_like_fused_adam(key: str, group: dict, settings: dict):
@@ -369,6 +376,11 @@ def group_params(param_group, group_index: int) -> list:
         raise fail(ValueError, "names some parameters and not others (rule S8, as torch's: "
                                "(name, tensor) pairs throughout, or tensors throughout)",
                    group=group_index)
+    for i, pair in enumerate(params if any(named) else ()):
+        if len(pair) != 2:
+            raise fail(ValueError, f"a named parameter must be a (name, tensor) pair, got "
+                                   f"a tuple of {len(pair)} (rule S8)", group=group_index,
+                       param=i)
     return params
 
 

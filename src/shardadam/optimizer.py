@@ -133,11 +133,12 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self._scales = {}  # {param: {state name: 0-dim fp32 scale}} (S2.3)
         self._formats = {}  # {param: {state name: the _formats.Format it was stored in}}
-        # {param: True} for masters seeded from their parameter that have not stepped
+        # {param: the master tensor seeded from it} for masters that have not stepped
         # since: they follow the parameter until its first step (S1.6).
         self._seeded = {}
-        # Groups (by index) at step 0 whose moments were set by hand (S5.4's moments=set).
-        self._moments_set = set()
+        # The groups at step 0 whose moments were set by hand (S5.4's moments=set): the
+        # dicts themselves, which stay marked when another group is removed.
+        self._moments_set = []
         self._plans = []
         self._plan_set = None  # every plan checked as one (_plan.PlanSet)
         self._param_index = {}
@@ -185,7 +186,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._seeded = {param: self.state[param]["master_param"] if mark is True else mark
                         for param, mark in (state.get("_seeded") or {}).items()
                         if mark is not True or "master_param" in self.state.get(param, {})}
-        self._moments_set = set(state.get("_moments_set") or ())
+        # An older pickle marked the groups by index.
+        self._moments_set = [self.param_groups[m] if isinstance(m, int) else m
+                             for m in state.get("_moments_set") or ()
+                             if not isinstance(m, int) or m < len(self.param_groups)]
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
         _state.claim_all(self.state, self._formats, self)  # restored with their scales
@@ -224,6 +228,9 @@ class FusedAdam(torch.optim.Optimizer):
         # nothing, not even the records of a state taken out by hand to be put back.
         _state.drop_replaced_masters(self._seeded, self.state)  # S1.6
         self._forget_dropped()
+        # A plan slot for the new group: removed before it steps, the groups are then
+        # fewer than the slots, which tells the next step to drop its state (S1.6).
+        self._plans.extend([None] * (len(self.param_groups) - len(self._plans)))
         group = self.param_groups[-1]
         group.setdefault("step", 0)
         group[LAYOUT_KEY] = config.record()
@@ -555,7 +562,10 @@ class FusedAdam(torch.optim.Optimizer):
         ``param.decoupled_grad`` and leaves ``param.grad`` alone."""
         if set_to_none is not None:  # read by truth value: "False" would be true
             _validate.check_flag("set_to_none", set_to_none)
+        # Attributes read here, which may have changed since construction (S1.5).
+        _validate.check_flag("use_decoupled_grad", self.use_decoupled_grad)
         if self.set_grad_none is not None:
+            _validate.check_flag("set_grad_none", self.set_grad_none)
             if set_to_none is not None and set_to_none != self.set_grad_none:
                 raise ValueError(
                     f"Called zero_grad with set_to_none={set_to_none}, "
@@ -721,9 +731,9 @@ class FusedAdam(torch.optim.Optimizer):
         if state_name == "master_param":  # set by hand, it no longer follows (S1.6)
             self._seeded.pop(param, None)
         else:  # moments before the first step: a checkpoint now must still load (S5.5)
-            g = self._locate(param)[0]
-            if self.param_groups[g].get("step", 0) == 0:
-                self._moments_set.add(g)
+            group = self.param_groups[self._locate(param)[0]]
+            if group.get("step", 0) == 0 and all(m is not group for m in self._moments_set):
+                self._moments_set.append(group)
         if entry is not None and _state.entry_matches(spec, entry, scales,
                                                       self._formats.get(param), local,
                                                       layout):
@@ -752,10 +762,11 @@ class FusedAdam(torch.optim.Optimizer):
         _validate.check_groups(self.param_groups)
         config = self._checked_config()
         # Only a group still at step 0 keeps the mark of moments set by hand.
-        self._moments_set = {g for g in self._moments_set if g < len(self.param_groups)
-                             and self.param_groups[g].get("step", 0) == 0}
-        records = [config.record(g in self._moments_set)
-                   for g in range(len(self.param_groups))]
+        held = set(map(id, self.param_groups))
+        self._moments_set = [m for m in self._moments_set
+                             if id(m) in held and m.get("step", 0) == 0]
+        marked = set(map(id, self._moments_set))
+        records = [config.record(id(group) in marked) for group in self.param_groups]
         param_groups, packed_state, start, rounded = [], {}, 0, []
         for group, record in zip(self.param_groups, records):
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -838,13 +849,13 @@ class FusedAdam(torch.optim.Optimizer):
         seeded = {param: new_state[param]["master_param"] for param, _, _, writes in prepared
                   if "master_param" in writes.seeded}
         # Saved hyper-parameters win; keys the checkpoint lacks keep their values.
-        self._moments_set = {g for g, (marked, saved) in enumerate(zip(presets, saved_groups))
-                             if marked and saved["step"] == 0}
+        marks = [marked and saved["step"] == 0 for marked, saved in zip(presets, saved_groups)]
         config = self._config()  # as _prepare_load checked it
         self.param_groups = [{**group, **saved, "params": group["params"],
-                              LAYOUT_KEY: config.record(g in self._moments_set)}
-                             for g, (group, saved) in enumerate(zip(self.param_groups,
-                                                                    saved_groups))]
+                              LAYOUT_KEY: config.record(mark)}
+                             for group, saved, mark in zip(self.param_groups, saved_groups,
+                                                           marks)]
+        self._moments_set = [group for group, mark in zip(self.param_groups, marks) if mark]
         self.state = new_state
         self._scales = new_scales
         self._formats = new_formats

@@ -719,7 +719,7 @@ def snapshot(opt, extra_params=()):
         "formats": [(id(p), dict(f)) for p, f in getattr(opt, "_formats", {}).items()],
         "seeded_keys": [id(p) for p in getattr(opt, "_seeded", {})],
         # The groups whose moments were set by hand before their first step (S5.5).
-        "moments_set": sorted(getattr(opt, "_moments_set", ())),
+        "moments_set": sorted(map(id, getattr(opt, "_moments_set", ()))),
         "groups": [{k: (_clone(v) if k != "params" else [id(q) for q in v])
                     for k, v in group.items()} for group in opt.param_groups],
     }

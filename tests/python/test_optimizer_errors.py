@@ -248,7 +248,10 @@ REPEATED_OPTIONS = [
      dict(adam_w_mode=False, maximize=False, foreach=True, fused=False, differentiable=None,
           decoupled_weight_decay=False)),
     (dict(weight_decay=0.1), dict(decoupled_weight_decay=True, foreach=None)),
-    (dict(adam_w_mode=False), dict(decoupled_weight_decay=True, weight_decay=0.0))]
+    (dict(adam_w_mode=False), dict(decoupled_weight_decay=True, weight_decay=0.0)),
+    # equal values of another type: set_grad_none by truth value (not None), numpy's ints
+    (dict(set_grad_none=True, moment_format="block8", moment_block_size=np.int64(256)),
+     dict(set_grad_none=1, moment_block_size=256))]
 
 
 @pytest.mark.parametrize("options,repeated", REPEATED_OPTIONS, ids=str)
@@ -365,6 +368,41 @@ PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_
                "lazy": r"uninitialized lazy.*rule: .*forward pass",
                "negated-view": r"lazily negated view.*rule S1.4: .*resolve_neg",
                "storage-freed": FREED}
+
+
+@pytest.mark.parametrize("entry", [0, 1, 3])
+@pytest.mark.parametrize("call", ["constructor", "add_param_group"])
+def test_named_parameters_are_pairs(entry, call):
+    """S8: a named parameter is a (name, tensor) pair: a tuple of another length is
+    refused by name (it was torch's bare IndexError, or a third item ignored)."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    bad = (("a", param, "b") if entry == 3 else (param,) if entry == 1 else ())
+    pattern = facts(*at(0 if call == "constructor" else 1, 0),
+                    rf"a named parameter must be a \(name, tensor\) pair, got a tuple of "
+                    rf"{entry}", r"rule S8")
+    if call == "constructor":
+        with pytest.raises(ValueError, match=pattern):
+            fused_adam()([bad])
+        return
+    opt = fused_adam()([("w", torch.nn.Parameter(torch.ones(3)))])
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=pattern):
+        opt.add_param_group({"params": [bad]})
+    assert_unchanged(opt, before, "optimizer after a refused add_param_group")
+
+
+def test_zero_grad_checks_the_switch_it_reads():
+    """S1.2, S1.5: ``use_decoupled_grad``, read by ``zero_grad`` too, is checked there as
+    at a step: "False" would be true, and zero_grad cleared the decoupled gradients and
+    left ``grad`` alone."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = fused_adam()([param])
+    param.grad = torch.ones(4)
+    opt.use_decoupled_grad = "False"
+    with pytest.raises(ValueError, match=facts("use_decoupled_grad must be a bool",
+                                               "'False'")):
+        opt.zero_grad()
+    assert torch.equal(param.grad, torch.ones(4))
 
 
 @pytest.mark.parametrize("kind", list(PARAM_KINDS))

@@ -1070,6 +1070,26 @@ def test_a_group_removed_after_its_moments_were_set_leaves_no_mark():
         "exp_avg=fp32 exp_avg_sq=fp32 master=none"]
 
 
+def test_the_moments_set_mark_stays_with_its_group_when_another_is_removed():
+    """S5.4, S5.5: ``moments=set`` marks the group whose moments were set, not a
+    position: with a group before it removed by hand, the mark goes on describing it,
+    and the optimizer's own checkpoint loads back (the mark fell off, and the load was
+    refused as a torch checkpoint whose step counter was lost)."""
+    a, b, c = (torch.nn.Parameter(torch.randn(4)) for _ in range(3))
+    opt = fused_adam()([dict(params=[a]), dict(params=[b]), dict(params=[c])], lr=0.1)
+    opt.set_scaled_state(c, "exp_avg", torch.full((4,), 0.5))
+    del opt.param_groups[0]
+    saved = opt.state_dict()
+    assert [g["state_layout"].endswith(" moments=set") for g in saved["param_groups"]] == [
+        False, True]
+    loaded = fused_adam()([dict(params=[torch.nn.Parameter(p.detach().clone())])
+                           for p in (b, c)], lr=0.1)
+    loaded.load_state_dict(saved)
+    assert torch.equal(loaded.get_unscaled_state(loaded.param_groups[1]["params"][0],
+                                                 "exp_avg"), torch.full((4,), 0.5))
+    assert loaded.state_dict()["param_groups"][1]["state_layout"].endswith(" moments=set")
+
+
 def test_a_stepped_group_drops_moments_set_from_its_live_record():
     """S5.4: ``moments=set`` describes a group at step 0; the step that rebinds a group
     (here its first) records the layout without it, as state_dict() does."""

@@ -166,17 +166,20 @@ def test_module_to_with_swapping_steps_on():
                                 "model.to(float32), swapped and set")
 
 
-@pytest.mark.parametrize("which", ["last", "first"])
+@pytest.mark.parametrize("which", ["last", "first", "added-never-stepped"])
 def test_state_of_a_removed_group_is_dropped(which):
     """S1.6: a group removed from ``param_groups`` takes its parameters out of every
     group: the next step drops their state (the last group's too, whose removal leaves
-    every other group's plan current), and one put back later starts afresh."""
+    every other group's plan current, also one added and removed before it stepped),
+    and one put back later starts afresh."""
     params = _whole("fp32")
     opt = fused_adam()([{"params": [p]} for p in params], lr=1e-2, moment_format="block8")
     for step in (1, 2, 3):
         _set_grads(params, step)
         opt.step()
-    removed = opt.param_groups.pop(-1 if which == "last" else 0)["params"][0]
+    if which == "added-never-stepped":
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(4, 256))]})
+    removed = opt.param_groups.pop(0 if which == "first" else -1)["params"][0]
     for step in (4, 5):
         _set_grads(params, step)
         opt.step()
