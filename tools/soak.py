@@ -65,6 +65,10 @@ def _parse(argv):
     args.out = args.out or os.path.join("runs", time.strftime("soak-%Y%m%d-%H%M%S"))
     if os.path.exists(args.out):
         parser.error(f"{args.out} exists; give a fresh folder")
+    try:  # made now, so a folder that cannot be made is a usage error, not a traceback
+        os.makedirs(args.out)
+    except OSError as error:
+        parser.error(f"--out: cannot make {args.out!r}: {error.strerror or error}")
     return args
 
 
@@ -113,7 +117,6 @@ def main(argv=None):
     args = _parse(argv)
     import _soak
 
-    os.makedirs(args.out)
     try:
         report = _soak.soak(args.plan, os.path.abspath(args.out),
                             log=lambda m: print(m, flush=True))

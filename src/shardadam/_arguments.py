@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import tempfile
 from typing import Optional
 
 
@@ -33,10 +34,18 @@ def writable_file(suffix=None):
             raise argparse.ArgumentTypeError("expected a file name, got an empty one")
         if os.path.isdir(path):
             raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise argparse.ArgumentTypeError(f"cannot write into {folder!r}")
-        if os.path.exists(path) and not os.access(path, os.W_OK):
-            raise argparse.ArgumentTypeError(f"cannot write {text!r}")
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"cannot write into {folder!r}: no such folder")
+        # Tried, not asked: os.access says yes to root, and on file systems such as
+        # sysfs, where the write then fails at the end of the run.
+        try:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+            if os.path.exists(path):
+                open(path, "ab").close()  # appends nothing
+        except OSError as error:
+            raise argparse.ArgumentTypeError(
+                f"cannot write {text!r}: {error.strerror or error}") from None
         if suffix is not None and not text.lower().endswith(suffix):
             raise argparse.ArgumentTypeError(f"{text!r} must end in {suffix}")
         return text

@@ -5,6 +5,7 @@ benchmarks do not gate CI)."""
 import json
 import math
 import operator
+import os
 import random
 import struct
 import subprocess
@@ -99,7 +100,9 @@ def test_help_and_bad_arguments(capsys):
                         ("--settle-ms", "-5"), ("--json", "/nonexistent/b.json"),
                         ("--png", "/nonexistent/b.png"),
                         # checked before the run, not when the files are written after it
-                        ("--json", "/"), ("--png", "chart.svg")):
+                        ("--json", "/"), ("--png", "chart.svg")) + (
+                            # tried, not asked: os.access says yes to root there
+                            (("--json", "/proc/b.json"),) if os.path.isdir("/proc") else ()):
         with pytest.raises(SystemExit) as bad:
             main(["bench", flag, value])
         assert bad.value.code == 2 and flag in capsys.readouterr().err, (flag, value)
@@ -420,6 +423,21 @@ def test_core_call_steps_as_step_does(preset):
         assert sorted(mine) == sorted(its)
         for name, value in mine.items():
             assert_bitwise_equal(its[name], value, name)
+
+
+def test_core_call_is_unavailable_without_the_core():
+    """Where the core does not step the tensors (not built), the in-process yardstick
+    is a contender that cannot run here, reported as such, not a crash of the run."""
+    import torch
+
+    from shardadam import FusedAdam, _backend
+    from shardadam.bench.core_call import CoreCall
+    from shardadam.peers import Unavailable
+
+    param = torch.nn.Parameter(torch.ones(8))
+    param.grad = torch.ones(8)
+    with _backend.use_backend("torch"), pytest.raises(Unavailable, match="C\+\+ core"):
+        CoreCall(FusedAdam([param]))
 
 
 @pytest.mark.parametrize("n", [6, 7, 15, 16, 45])

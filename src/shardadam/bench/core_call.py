@@ -16,6 +16,7 @@ advancing.
 from __future__ import annotations
 
 from shardadam import FusedAdam, _backend
+from shardadam.peers import Unavailable
 
 
 class CoreCall:
@@ -28,8 +29,9 @@ class CoreCall:
         _, self.hyper, batches = optimizer._prepare_group(0, group,
                                                            optimizer._config())
         (item,) = [_backend.prepare(batch) for batch in batches]
-        if item.call is None:
-            raise RuntimeError("the C++ core does not step these tensors")
+        if item.call is None:  # reported as a contender that cannot run here
+            raise Unavailable("the C++ core does not step these tensors (not built, or "
+                              "not for their device)")
         self.item = item
         self.step_count = self.hyper.step - 1  # the step just taken; the next is hyper's
         self.__self__ = optimizer  # for contenders.state_bytes

@@ -135,7 +135,8 @@ def write_png(path, meta, records) -> None:
     for row, record in zip(y, timed):  # a failed measurement is no bar at 0
         if "memory_error" in record:
             mem.text(0, row, " not measured", va="center", fontsize=6, color="tab:red")
-    mem.set_xlabel("peak extra memory of a step, % of params + grads + state")
+    # On two lines: the quarter-width panel cut one line short.
+    mem.set_xlabel("peak extra memory of a step,\n% of params + grads + state")
     title = (f"shardadam bench ({meta['mode']}, scale {meta['scale']}): "
              f"{meta['threads']} threads, {meta['cpu']}, load avg at start "
              f"{meta['load_average_start'][0]:.2f}")
