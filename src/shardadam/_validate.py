@@ -58,16 +58,25 @@ def fail(exc_type, rule: str, *, group=None, param=None, name=None):
     return exc_type(f"{where(group, param, name)}: {rule}")
 
 
+_SHOWN_MAX = 200  # characters of a value's repr in a message: a log line, not a dump
+
+
 def shown(value) -> str:
     """``value`` as an error message may show it: never a tensor's contents (S8: a model
     tensor given by mistake must not reach the logs), only its kind, dtype and shape,
     and its value when it holds a single element of a plain local tensor (a DTensor's
-    would need communication, a meta tensor has none). Anything else as its repr."""
+    would need communication, a meta tensor has none). A numpy array likewise; anything
+    else as its repr, cut at ``_SHOWN_MAX`` characters."""
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (list, tuple, dict, set)) and _holds_tensor(value):
             items = "item" if len(value) == 1 else "items"
             return f"a {type(value).__name__} of {len(value)} {items}, tensors among them"
-        return repr(value)
+        if type(value).__module__ == "numpy" and getattr(value, "ndim", 0):
+            # An array's repr is its contents, which may be a model's (as a tensor's).
+            return f"a numpy array of dtype {value.dtype} and shape {list(value.shape)}"
+        text = repr(value)
+        return text if len(text) <= _SHOWN_MAX else (
+            f"{text[:_SHOWN_MAX]}... ({type(value).__name__}, {len(text)} characters)")
     kind = "a DTensor" if _dtensor.is_dtensor(value) else "a tensor"
     text = f"{kind} of dtype {value.dtype} and shape {list(value.shape)}"
     if value.is_meta:
@@ -382,6 +391,17 @@ def group_params(param_group, group_index: int) -> list:
                                    f"a tuple of {len(pair)} (rule S8)", group=group_index,
                        param=i)
     return params
+
+
+def check_names_like(named: dict, groups: list, group_index: int) -> None:
+    """A new group names its parameters (``param_names`` in ``named``) if and only if
+    the groups before it do (S8, torch's rule, refused by name before torch refuses it)."""
+    if groups and ("param_names" in named) != ("param_names" in groups[0]):
+        new, old = (("names", "do not") if "param_names" in named else ("does not name",
+                                                                           "do"))
+        raise fail(ValueError, f"{new} its parameters where the groups before it {old} "
+                               f"(rule S8, as torch's: every group named, or none)",
+                   group=group_index)
 
 
 def hyper_parameters(group: dict, group_index: Optional[int] = None,

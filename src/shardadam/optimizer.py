@@ -145,6 +145,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
         self._constructing = True  # add_param_group leaves the parameters' overlaps to us
+        if isinstance(params, dict):  # torch would step the group's keys as parameters
+            raise TypeError(f"{_validate.CLASS_NAME}: params must be an iterable of tensors or of "
+                            f"parameter groups, got a dict (rule S8: one group goes in a "
+                            f"list, [group])")
         super().__init__(params, defaults)
         self._constructing = False
         _validate.check_disjoint_params(self.param_groups)  # S1.4, all groups at once
@@ -212,6 +216,7 @@ class FusedAdam(torch.optim.Optimizer):
         # (name, tensor) pairs: torch sets param_names later; name them now.
         named = ({"param_names": [p[0] for p in params]}
                  if params and isinstance(params[0], tuple) else param_group)
+        _validate.check_names_like(named, self.param_groups, index)
         _validate.check_group_options(param_group, index, self._group_settings())
         _validate.check_step_counter(param_group, index)  # as step() would
         placed = {id(p): (g, i) for g, group in enumerate(self.param_groups)

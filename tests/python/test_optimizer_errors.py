@@ -959,15 +959,14 @@ def test_a_following_master_taken_out_and_put_back_still_follows(between, backen
     assert param.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
-@pytest.mark.parametrize("refused_by", ["this optimizer", "torch"])
+@pytest.mark.parametrize("refused_by", ["a value", "names"])
 def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out(refused_by):
     """A state taken out of ``optimizer.state`` by hand and put back continues as if it
-    never left, also when an ``add_param_group`` in between was refused, by this
-    optimizer's checks or by torch's own (a group without names beside named ones): the
-    records of states no longer held (formats, scales) are dropped only once the group
-    is in."""
-    refusals = {"this optimizer": (dict(lr=-1.0), r"Invalid learning rate"),
-                "torch": (dict(), r"with/without names")}
+    never left, also when an ``add_param_group`` in between was refused (a value, or a
+    group without names beside named ones, which torch refuses too): the records of
+    states no longer held (formats, scales) are dropped only once the group is in."""
+    refusals = {"a value": (dict(lr=-1.0), r"Invalid learning rate"),
+                "names": (dict(), r"does not name its parameters where")}
 
     def run(refusal):
         param = torch.nn.Parameter(torch.linspace(-1, 1, 1024).reshape(4, 256))
@@ -979,7 +978,7 @@ def test_refused_add_param_group_keeps_the_records_of_a_state_taken_out(refused_
         if refusal is not None:
             extra = torch.nn.Parameter(torch.zeros(3))
             options, message = refusal
-            params = [extra] if refused_by == "torch" else [("extra", extra)]
+            params = [extra] if refused_by == "names" else [("extra", extra)]
             before = snapshot(opt, [extra])
             with pytest.raises(ValueError, match=message):
                 opt.add_param_group(dict(params=params, **options))
@@ -2061,7 +2060,14 @@ def test_messages_show_no_tensor_contents(where, backend):
      r"group 1: 'params' must be a tensor .*got 3"),
     (lambda p, q: fused_adam()([p]).add_param_group(["x"]), TypeError,
      r"group 1: a parameter group must be a dict, got \['x'\]"),
-], ids=["no-params", "params-none", "params-set", "mixed-names", "apg-int", "apg-list"])
+    (lambda p, q: fused_adam()({"params": [p]}), TypeError,
+     r"params must be an iterable of tensors or of parameter groups, got a dict"),
+    (lambda p, q: fused_adam()([{"params": [("a", p)]}, {"params": [q]}]), ValueError,
+     r"group 1: does not name its parameters where the groups before it do"),
+    (lambda p, q: fused_adam()([p]).add_param_group({"params": [("b", q)]}), ValueError,
+     r"group 1: names its parameters where the groups before it do not"),
+], ids=["no-params", "params-none", "params-set", "mixed-names", "apg-int", "apg-list",
+        "params-dict", "named-then-unnamed", "unnamed-then-named"])
 def test_malformed_groups_handed_in_are_refused_by_name(build, error, pattern):
     """S8: a group handed to the constructor or add_param_group that torch's rules refuse
     is refused naming the class, the group and the rule, not with torch's or Python's
@@ -2069,6 +2075,19 @@ def test_malformed_groups_handed_in_are_refused_by_name(build, error, pattern):
     p, q = (torch.nn.Parameter(torch.randn(3)) for _ in range(2))
     with pytest.raises(error, match=facts("FusedAdam", pattern, "rule S8")):
         build(p, q)
+
+
+@pytest.mark.parametrize("value, shown", [
+    (np.ones(1000), "a numpy array of dtype float64 and shape [1000]"),
+    ([0.5] * 1000, "... (list, 5000 characters)"),
+], ids=["numpy-array", "long-list"])
+def test_messages_show_long_values_cut(value, shown):
+    """S8: a value shown in a message is a log line: a numpy array (a model's data, as a
+    tensor's) as its dtype and shape, any other long repr cut."""
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match=facts("Invalid learning rate")) as raised:
+        fused_adam()([p], lr=value)
+    assert str(raised.value).endswith(shown) and len(str(raised.value)) < 400, raised.value
 
 
 @pytest.mark.parametrize("call", ["step", "state_dict", "zero_grad", "get_unscaled_state",
