@@ -137,6 +137,25 @@ def test_progress_and_summary_printed(demo):
     assert str(out / "demo.png") in result.stdout
 
 
+def test_short_runs_say_what_their_columns_cover(demo):
+    """The resumed run has fewer steps than the "last 10 mean" column averages: its
+    figure is the mean of the steps it has, and a footnote says so; a one-step run's
+    step time is its first step's, also said."""
+    from shardadam.demo import report
+
+    _, result, figures = demo
+    resumed = figures["runs"]["resume"]
+    assert resumed["last_mean_steps"] == STEPS - STEPS // 2
+    assert resumed["last_mean_loss"] == pytest.approx(
+        sum(resumed["loss"]) / len(resumed["loss"]), rel=1e-12)
+    assert f"{resumed['label']}: last 10 mean over its {STEPS - STEPS // 2} steps." \
+        in result.stdout
+    assert "opt step times its only step" not in result.stdout
+    one_step = dict(resumed, label="one", last_mean_steps=1, opt_ms_steps=0)
+    assert report._short_runs({"one": one_step}) == [
+        "one: last 10 mean over its 1 step.", "one: opt step times its only step, the first."]
+
+
 def _bad_input_cases(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -53,12 +53,14 @@ def _run_figures(ranks):
         "tokens_per_s": [s["tokens_per_s"] for s in steps],
         "first_loss": steps[0]["loss"], "final_loss": steps[-1]["loss"],
         "last_mean_loss": statistics.fmean(s["loss"] for s in steps[-LAST_STEPS:]),
+        "last_mean_steps": len(steps[-LAST_STEPS:]),
         "state_bytes_per_param": sum(r["state_bytes"] for r in ranks) / params,
         "param_bytes_per_param": sum(r["param_bytes"] for r in ranks) / params,
         "peak_rss_mib": max(r["peak_rss_bytes"] for r in ranks) / 2**20,
         # Growth of the highest rank over its RSS before training (torch alone).
         "training_rss_mib": max(r["peak_rss_bytes"] - (r["start_rss_bytes"] or 0)
                                 for r in ranks) / 2**20,
+        "opt_ms_steps": len(opt_ms) - 1,  # 0: a one-step run times its first step
         "opt_ms_mean": statistics.fmean(timed),
         "opt_ms_median": statistics.median(timed),
         "tokens_per_s_median": statistics.median(s["tokens_per_s"] for s in steps),
@@ -125,9 +127,23 @@ def table(figures):
         "torch's working memory; the shardadam run also saves the checkpoint).",
         "opt step: optimizer.step() time, mean (median) over the steps after the first, "
         "ranks averaged.",
+        *_short_runs(runs),
         f"wall time {figures['wall_s']:.0f} s after the argument check",
     ]
     return "\n".join(lines)
+
+
+def _short_runs(runs):
+    """Footnotes for runs too short for a column's rule (a resumed run of few steps)."""
+    notes = []
+    for run in runs.values():
+        if run["last_mean_steps"] < LAST_STEPS:
+            count = run["last_mean_steps"]
+            notes.append(f"{run['label']}: last {LAST_STEPS} mean over its {count} "
+                         f"step{'s' if count > 1 else ''}.")
+        if run["opt_ms_steps"] == 0:
+            notes.append(f"{run['label']}: opt step times its only step, the first.")
+    return notes
 
 
 def write(out, figures):
