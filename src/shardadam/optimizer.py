@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import operator
+import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -144,6 +145,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
+        self._stepping = threading.Lock()  # held while a step checks and steps (S3.1)
         self._constructing = True  # add_param_group leaves the parameters' overlaps to us
         if isinstance(params, dict):  # torch would step the group's keys as parameters
             raise TypeError(f"{_validate.CLASS_NAME}: params must be an iterable of tensors or of "
@@ -202,6 +204,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._param_index = {}
         self._checked = {}
         self._settings_passed = None
+        self._stepping = threading.Lock()
 
     # ------------------------------------------------------------------ groups
 
@@ -373,7 +376,15 @@ class FusedAdam(torch.optim.Optimizer):
         # garbage collector is off meanwhile (_collector): switched inside the hold, so
         # that no handler can raise between the switches and leave it off.
         with _held_signals.held(), _collector.paused():
-            self._step_groups()
+            # Another step of this optimizer inside this one (a signal handler's, another
+            # thread's) would step state this one has checked and is stepping.
+            if self._stepping.locked():
+                raise RuntimeError(
+                    f"{_validate.CLASS_NAME}: step() was called while another step() of "
+                    f"this optimizer runs (from a signal handler or another thread); "
+                    f"nothing changed (rule S3.1: one step at a time)")
+            with self._stepping:
+                self._step_groups()
         return loss
 
     def _step_groups(self):

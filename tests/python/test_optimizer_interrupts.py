@@ -1,7 +1,9 @@
 """A step is whole or not taken (S3.1) when Ctrl-C, SIGTERM or an error lands in the
 middle of it, and state made under ``torch.inference_mode`` steps outside it (S1.6)."""
 
+import re
 import signal
+import threading
 
 import pytest
 import torch
@@ -89,6 +91,43 @@ def test_ctrl_c_during_a_step_waits_until_the_step_is_whole(backend, monkeypatch
     assert len(calls) == 2
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     _assert_same(params, ref, opt, ref_opt, "after the interrupted step")
+
+
+@pytest.mark.parametrize("caller", ["a signal handler", "another thread"])
+def test_a_step_inside_a_step_is_refused(backend, monkeypatch, caller):
+    """step() of the optimizer while its step runs (a SIGALRM handler's, called between
+    the core's batches, or another thread's) is refused with nothing changed; the step
+    it interrupted ends as the uninterrupted one, and the next steps run."""
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=3)
+    ref, opt, ref_opt = _stepped_reference(params)
+    refusals = []
+
+    def step_again():
+        try:
+            opt.step()
+        except RuntimeError as error:
+            refusals.append(str(error))
+
+    def nested(call):
+        if call != 1:
+            return
+        if caller == "another thread":
+            thread = threading.Thread(target=step_again)
+            thread.start()
+            thread.join()
+        else:
+            step_again()
+
+    calls = _calls_to_run(monkeypatch, nested)
+    opt.step()
+    assert len(calls) == 2, "the nested step ran a batch"
+    assert len(refusals) == 1 and re.search(
+        r"FusedAdam: step\(\) was called while another step\(\) of this optimizer runs.*"
+        r"nothing changed \(rule S3\.1", refusals[0]), refusals
+    _assert_same(params, ref, opt, ref_opt, "after the step")
+    opt.step()
+    ref_opt.step()
+    _assert_same(params, ref, opt, ref_opt, "after the next step")
 
 
 @pytest.fixture
