@@ -532,10 +532,12 @@ def loaded_step(step, group_index: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         value = _number(step)  # an integral float; ints stay exact beyond 2**53
         value = int(value) if value is not None and value.is_integer() else None
-    if value is None or not 0 <= value <= MAX_STEP:
-        raise fail(ValueError, f"loaded step must be an integer in [0, 2**63 - 2] (the "
-                               f"step taken next is a signed 64-bit count), got "
-                               f"{shown(step)}", group=group_index)
+    # One more than a step takes: the count its last step leaves, saved, loads (its next
+    # step is refused, as in the optimizer that saved it).
+    if value is None or not 0 <= value <= MAX_STEP + 1:
+        raise fail(ValueError, f"loaded step must be an integer in [0, 2**63 - 1] (a "
+                               f"signed 64-bit count), got {shown(step)}",
+                   group=group_index)
     return int(value)
 
 
