@@ -674,8 +674,9 @@ class FusedAdam(torch.optim.Optimizer):
         """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
         itself when stored as fp32, else a copy), the raw int16 for remainders, or the
         stored bf16 tensor when ``skip_unscale`` and the state is bf16. In the form the
-        configuration stores it, as ``state_dict()`` exports it: a setting changed since
-        the state was stored (S1.5) converts it, as the next step would."""
+        configuration exports, as ``state_dict()`` gives it: after a setting changed
+        (S1.5), the true values stored until then (a master as the remainder the next
+        step makes of it), not yet rounded to the new format."""
         where, spec = self._spec(param, state_name)
         entry = self.state.get(param)
         if entry is None or (isinstance(entry, dict) and entry.get(state_name) is None):
