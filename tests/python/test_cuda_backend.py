@@ -269,14 +269,16 @@ def nan_aware_fields(b):
                                     PRESETS[13], PRESETS[19]], ids=preset_id)
 def test_non_finite_gradients_match_cpu(preset):
     """The non-finite policy on the GPU: the same elements become NaN/Inf and every
-    other element and every scale is bitwise the CPU core's. NaN payloads may differ
-    (x86 propagates an operand's payload, CUDA returns its canonical NaN)."""
+    other element and every scale is bitwise the CPU core's. NaN signs and payloads may
+    differ (x86 propagates an operand's, CUDA returns its canonical NaN: S7.1), so a
+    -NaN gradient is among them."""
     twins = [Twin(preset, n, 90 + i) for i, n in enumerate((1, 100, 8193, 40_000))]
     for step in (1, 2):
         for i, twin in enumerate(twins):
             twin.new_grad()
             grad = twin.cpu.grad.float()
-            grad.view(-1)[::7] = (float("nan"), float("inf"), -float("inf"))[(i + step) % 3]
+            grad.view(-1)[::7] = (float("nan"), float("inf"), -float("inf"),
+                                  -float("nan"))[(i + step) % 4]
             twin.cpu.grad = grad.to(twin.cpu.grad.dtype)
             twin.gpu.grad = twin.cpu.grad.to(DEVICE)
         cpu_step([t.cpu for t in twins], HYPER, step)
