@@ -18,7 +18,7 @@ read from it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 
@@ -115,11 +115,17 @@ class StateConfig(NamedTuple):
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
 
-    def record(self, moments_set: bool = False) -> str:
+    def record(self, moments_set: bool = False, params: Iterable = ()) -> str:
         """The state layout in words, as checkpoints record it (S5.4), e.g.
-        ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``; ``moments_set`` adds
-        MOMENTS_SET_FIELD."""
+        ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``, of a group holding ``params``;
+        ``moments_set`` adds MOMENTS_SET_FIELD. Remainders are recorded only where a
+        bf16 parameter may hold them: beside fp16 parameters alone they are fp32
+        masters, and a checkpoint's reader knows no parameter's saved dtype (S6.4)."""
         master = self.master_format()
+        if master is _formats.REMAINDER:
+            dtypes = {p.dtype for p in params}
+            if master.pairs_with not in dtypes and torch.float16 in dtypes:
+                master = _formats.FP32
         exp_avg, exp_avg_sq = self.moment_formats()
         return (f"exp_avg={exp_avg.label} exp_avg_sq={exp_avg_sq.label} "
                 f"master={'none' if master is None else master.name}"

@@ -681,13 +681,14 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
     ``state_dict()``, casting to their dtype: int16 remainders saved under
     ``store_param_remainders`` arrive here as fp32 (exact, and turned back into int16),
     an fp32 / fp16 master loaded into this optimizer's int16 remainders has lost its
-    bits (refused). Where remainders were recorded, floating-point values that are no
-    int16 codes are an fp32 master, which the same record means beside an fp16
-    parameter (S5.4): the parameter was fp16 when saved. Whole numbers in int16's range
-    cannot be told apart from cast remainders, and are read as remainders.
+    bits (refused). The record names the saved storage whatever this parameter's dtype
+    is now (S5.4: remainders are recorded beside bf16 parameters only). Where it names
+    remainders, floating-point values that are no int16 codes are an fp32 master that an
+    fp16 parameter's group recorded so before that rule, or in a group that also held
+    bf16 parameters; whole numbers in int16's range cannot be told apart from cast
+    remainders, and are read as remainders.
     """
-    saved_formats = {s.name: s.format for s in saved.specs(param_dtype)}
-    saved_format = saved_formats.get("master_param")
+    saved_format = saved.master_format()
     if saved_format is None:
         return value
     codes = _formats.REMAINDER.value_dtype  # int16: remainder codes, the only such values
@@ -709,8 +710,9 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
             f"{where_}: the checkpoint holds a floating-point 'master_param' (saved with "
             f"{saved.record()}) but it arrived as int16: torch.distributed.checkpoint "
             f"cast it into this optimizer's remainders ({config.record()}), which loses "
-            f"its bits (rule S6.4: load it into an optimizer with the saved "
-            f"store_param_remainders, or through load_state_dict with the values as saved)")
+            f"its bits (rule S6.4: load it into an optimizer whose master is floating "
+            f"point, store_param_remainders=False, or through load_state_dict with the "
+            f"values as saved; the next step with remainders converts it)")
     return value
 
 
@@ -724,8 +726,11 @@ def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str) -> N
                            f"values, got torch.int16 (rule S5.4: only 'master_param' "
                            f"holds int16 remainder codes)")
     if value.dtype == codes.value_dtype and param_dtype != codes.pairs_with:
-        raise RuntimeError(f"{where_}: an int16 remainder {spec.name!r} needs a bf16 "
-                           f"parameter, this one is {param_dtype}")
+        raise RuntimeError(f"{where_}: the loaded {spec.name!r} holds int16 remainders, "
+                           f"whose true value needs the bf16 parameter they were saved "
+                           f"beside; this one is {param_dtype} (rule S6.4: load with the "
+                           f"parameter dtype saved, then change it: the next step "
+                           f"converts the state, S2.5)")
     if value.dtype != codes.value_dtype and not value.is_floating_point():
         raise RuntimeError(f"{where_}: state {spec.name!r} must hold floating "
                            f"point values (or int16 remainders), got {value.dtype}")

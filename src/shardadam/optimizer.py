@@ -241,7 +241,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans.extend([None] * (len(self.param_groups) - len(self._plans)))
         group = self.param_groups[-1]
         group.setdefault("step", 0)
-        group[LAYOUT_KEY] = config.record()
+        group[LAYOUT_KEY] = config.record(params=group["params"])
         for param, writes, local, layout in planned:
             self._apply(param, writes, local, layout)
 
@@ -463,7 +463,7 @@ class FusedAdam(torch.optim.Optimizer):
         for group, (plan, hyper, _) in zip(self.param_groups, work):
             group["step"] = hyper.step
             if id(plan) in rebound:  # its record describes the state again (S1.5)
-                group[LAYOUT_KEY] = config.record()
+                group[LAYOUT_KEY] = config.record(params=group["params"])
         if unbound or len(self._plans) > len(groups):
             # The groups' parameters changed (a group removed leaves the other plans
             # current): some may have left them.
@@ -783,7 +783,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._moments_set = [m for m in self._moments_set
                              if id(m) in held and m.get("step", 0) == 0]
         marked = set(map(id, self._moments_set))
-        records = [config.record(id(group) in marked) for group in self.param_groups]
+        records = [config.record(id(group) in marked, group["params"])
+                   for group in self.param_groups]
         param_groups, packed_state, start, rounded = [], {}, 0, []
         for group, record in zip(self.param_groups, records):
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -869,7 +870,7 @@ class FusedAdam(torch.optim.Optimizer):
         marks = [marked and saved["step"] == 0 for marked, saved in zip(presets, saved_groups)]
         config = self._config()  # as _prepare_load checked it
         self.param_groups = [{**group, **saved, "params": group["params"],
-                              LAYOUT_KEY: config.record(mark)}
+                              LAYOUT_KEY: config.record(mark, group["params"])}
                              for group, saved, mark in zip(self.param_groups, saved_groups,
                                                            marks)]
         self._moments_set = [group for group, mark in zip(self.param_groups, marks) if mark]

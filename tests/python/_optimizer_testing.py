@@ -696,6 +696,17 @@ def _clone(value):
     return value
 
 
+def facts(*patterns):
+    """A regex that requires every pattern somewhere in the message (any order); a
+    pattern starting with (?i) is matched ignoring case."""
+    parts = []
+    for p in patterns:
+        flags = "i" if p.startswith("(?i)") else ""
+        p = p[4:] if flags else p
+        parts.append(f"(?=.*(?{flags}:{p}))" if flags else f"(?=.*(?:{p}))")
+    return "(?s)" + "".join(parts)
+
+
 def snapshot(opt, extra_params=()):
     """Params, their grads and decoupled grads, every state entry (moments, masters,
     scales, anything else) and every group's settings, copied."""

@@ -27,18 +27,7 @@ import torch
 
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
-    fused_adam, have_core, snapshot, state_tensors)
-
-
-def facts(*patterns):
-    """A regex that requires every pattern somewhere in the message (any order); a
-    pattern starting with (?i) is matched ignoring case."""
-    parts = []
-    for p in patterns:
-        flags = "i" if p.startswith("(?i)") else ""
-        p = p[4:] if flags else p
-        parts.append(f"(?=.*(?{flags}:{p}))" if flags else f"(?=.*(?:{p}))")
-    return "(?s)" + "".join(parts)
+    facts, fused_adam, have_core, snapshot, state_tensors)
 
 
 def at(group, param):

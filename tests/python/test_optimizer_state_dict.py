@@ -15,10 +15,10 @@ import torch
 
 from _optimizer_testing import (
     FP32_TINY, MASTER_FORMATS, MOMENT_FORMATS, Precision, SCALE_TARGET, SCALED_FORMATS,
-    TORCH_DTYPE, assert_bitwise_equal,
-    assert_same_optimizer_state, clone_params, decode_codes, fused_adam, make_params,
+    TORCH_DTYPE, assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged,
+    clone_params, decode_codes, facts, fused_adam, make_params,
     merge_remainder, near_ties, quantize_like_spec, run_precision_steps, scale_of,
-    split_master, state_tensors)
+    snapshot, split_master, state_tensors)
 
 # id -> (state name, Precision that stores it in the format named by the id): every
 # format in every state it may hold, bf16 parameters (fp32 moments once, beside an fp32
@@ -890,13 +890,16 @@ def test_moments_set_before_the_first_step_survive_a_checkpoint(route, tmp_path,
     assert fresh.state_dict()["param_groups"][0]["state_layout"] == layout
 
 
+@pytest.mark.parametrize("record", ["as-recorded", "older-record"])
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainder"])
-def test_fp16_parameters_master_under_a_remainder_record_loads_into_bf16(remainders,
-                                                                         backend):
-    """S5.4: master=remainder means an fp32 master beside fp16 parameters. Such a
-    checkpoint loads into the same model in bf16 (the master, not whole numbers, is no
-    remainder code: it was refused as one), and the master arrives exactly: as an fp32
-    master, or split into the bf16 parameter and its remainder."""
+def test_fp16_parameters_master_under_remainders_loads_into_bf16(remainders, record,
+                                                                 backend):
+    """S5.4: beside fp16 parameters alone, store_param_remainders keeps an fp32 master
+    and the group records master=fp32. Such a checkpoint loads into the same model in
+    bf16, and the master arrives exactly: as an fp32 master, or split into the bf16
+    parameter and its remainder. A checkpoint that recorded master=remainder for them
+    (as before that rule) loads so too: its master, not whole numbers, is no remainder
+    code."""
     gen = torch.Generator().manual_seed(25)
     src_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).half())]
     src = fused_adam()(src_params, lr=1e-2, master_weights=True, store_param_remainders=True)
@@ -904,7 +907,11 @@ def test_fp16_parameters_master_under_a_remainder_record_loads_into_bf16(remaind
         src_params[0].grad = torch.randn(4, 8, generator=gen).half()
         src.step()
     saved = src.state_dict()
-    assert saved["param_groups"][0]["state_layout"].endswith("master=remainder")
+    layout = saved["param_groups"][0]["state_layout"]
+    assert layout.endswith("master=fp32"), layout
+    if record == "older-record":
+        saved["param_groups"][0]["state_layout"] = layout.replace("master=fp32",
+                                                                  "master=remainder")
     want = saved["state"][0]["master_param"].clone()
     assert want.dtype == torch.float32 and not torch.equal(want, want.round())
     params = [torch.nn.Parameter(src_params[0].detach().bfloat16())]
@@ -916,6 +923,73 @@ def test_fp16_parameters_master_under_a_remainder_record_loads_into_bf16(remaind
         got = ((params[0].detach().view(torch.int16).to(torch.int32) << 16)
                + got.to(torch.int32)).view(torch.float32)
     assert_bitwise_equal(got, want, "master")
+
+
+def _remainder_checkpoint(seed):
+    """A checkpoint of bf16 parameters with int16 remainders, two steps in."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    for _ in range(2):
+        params[0].grad = torch.randn(4, 8, generator=gen).bfloat16()
+        opt.step()
+    return opt.state_dict(), params
+
+
+@pytest.mark.parametrize("arrives", ["as-saved", "cast-to-fp32"])
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainder"])
+def test_remainders_loaded_beside_fp16_parameters_are_refused(remainders, arrives,
+                                                              backend):
+    """S6.4: int16 remainders are half of a master whose other half is the bf16
+    parameter they were saved beside; loaded beside an fp16 parameter they are refused,
+    as they are (load_state_dict) and as DCP casts them into this optimizer's fp32
+    master (whole numbers: they were taken as the master itself, and the next step wrote
+    them into the parameter), with nothing changed."""
+    saved, src_params = _remainder_checkpoint(26)
+    assert saved["param_groups"][0]["state_layout"].endswith("master=remainder")
+    if arrives == "cast-to-fp32":
+        saved["state"][0]["master_param"] = saved["state"][0]["master_param"].float()
+    params = [torch.nn.Parameter(src_params[0].detach().half())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                       store_param_remainders=remainders)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(
+            r"group 0, param 0", "holds int16 remainders", "bf16 parameter",
+            "this one is torch.float16", "rule S6.4")):
+        opt.load_state_dict(saved)
+    assert_unchanged(opt, before, "after the refused load")
+
+
+def test_fp16_master_cast_into_remainders_is_refused(backend):
+    """S6.4: an fp16 parameter's fp32 master (store_param_remainders on: recorded fp32)
+    that DCP cast into a bf16 model's int16 remainders has lost its bits: refused, where
+    the record's remainder read them as remainders, truncated."""
+    gen = torch.Generator().manual_seed(27)
+    src_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).half())]
+    src = fused_adam()(src_params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    src_params[0].grad = torch.randn(4, 8, generator=gen).half()
+    src.step()
+    saved = src.state_dict()
+    saved["state"][0]["master_param"] = saved["state"][0]["master_param"].to(torch.int16)
+    params = [torch.nn.Parameter(src_params[0].detach().bfloat16())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    before = snapshot(opt)
+    with pytest.raises(RuntimeError, match=facts(r"group 0, param 0", "arrived as int16",
+                                                 "rule S6.4")):
+        opt.load_state_dict(saved)
+    assert_unchanged(opt, before, "after the refused load")
+
+
+def test_a_group_of_bf16_and_fp16_parameters_records_remainders():
+    """S5.4: remainders are recorded where a bf16 parameter holds them; a group that
+    also holds fp16 parameters records them (its fp16 parameters' masters are fp32)."""
+    dtypes = (torch.float16, torch.bfloat16, torch.float16, torch.float16, torch.float32)
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=dtype)) for dtype in dtypes]
+    opt = fused_adam()([dict(params=params[:1]), dict(params=params[1:3]),
+                        dict(params=params[3:])], master_weights=True,
+                       store_param_remainders=True)
+    assert [g["state_layout"].split()[-1] for g in opt.state_dict()["param_groups"]] \
+        == ["master=fp32", "master=remainder", "master=fp32"]
 
 
 def test_load_splits_a_master_into_an_inference_tensor_parameter(backend):
