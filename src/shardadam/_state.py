@@ -31,6 +31,9 @@ LAYOUT_KEY = "state_layout"
 # The field a group's record gains while it is at step 0 with moments set by hand (S5.4):
 # moments at step 0 are otherwise taken for those of a lost counter (S5.5).
 MOMENTS_SET_FIELD = "moments=set"
+# A group at step 0 whose masters all still follow their parameters (S1.6): loaded at
+# step 0 they follow again, whatever shard each rank now holds (S5.4).
+MASTERS_FOLLOW_FIELD = "masters=follow"
 
 
 class StateSpec(NamedTuple):
@@ -115,10 +118,12 @@ class StateConfig(NamedTuple):
     def uses_remainders(self, param_dtype: torch.dtype) -> bool:
         return any(s.format.pairs_with is not None for s in self.specs(param_dtype))
 
-    def record(self, moments_set: bool = False, params: Iterable = ()) -> str:
+    def record(self, moments_set: bool = False, params: Iterable = (),
+               masters_follow: bool = False) -> str:
         """The state layout in words, as checkpoints record it (S5.4), e.g.
         ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``, of a group holding ``params``;
-        ``moments_set`` adds MOMENTS_SET_FIELD. Remainders are recorded only where a
+        ``moments_set`` adds MOMENTS_SET_FIELD, ``masters_follow`` MASTERS_FOLLOW_FIELD.
+        Remainders are recorded only where a
         bf16 parameter may hold them: beside fp16 parameters alone they are fp32
         masters, and a checkpoint's reader knows no parameter's saved dtype (S6.4)."""
         master = self.master_format()
@@ -129,7 +134,8 @@ class StateConfig(NamedTuple):
         exp_avg, exp_avg_sq = self.moment_formats()
         return (f"exp_avg={exp_avg.label} exp_avg_sq={exp_avg_sq.label} "
                 f"master={'none' if master is None else master.name}"
-                + (f" {MOMENTS_SET_FIELD}" if moments_set else ""))
+                + (f" {MOMENTS_SET_FIELD}" if moments_set else "")
+                + (f" {MASTERS_FOLLOW_FIELD}" if masters_follow else ""))
 
     @staticmethod
     def moments_set_in(record) -> bool:
@@ -137,10 +143,15 @@ class StateConfig(NamedTuple):
         return isinstance(record, str) and MOMENTS_SET_FIELD in record.split()
 
     @staticmethod
+    def masters_follow_in(record) -> bool:
+        """Whether a ``record()`` string says its masters followed their parameters."""
+        return isinstance(record, str) and MASTERS_FOLLOW_FIELD in record.split()
+
+    @staticmethod
     def from_record(record) -> "StateConfig":
         """The configuration a ``record()`` string describes; ValueError if it is not one."""
         items = [item.partition("=")[::2] for item in str(record).split()
-                 if item != MOMENTS_SET_FIELD]
+                 if item not in (MOMENTS_SET_FIELD, MASTERS_FOLLOW_FIELD)]
         fields = dict(items)
         if len(fields) != len(items):  # a field named twice is no layout
             fields = {}

@@ -783,7 +783,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._moments_set = [m for m in self._moments_set
                              if id(m) in held and m.get("step", 0) == 0]
         marked = set(map(id, self._moments_set))
-        records = [config.record(id(group) in marked, group["params"])
+        records = [config.record(id(group) in marked, group["params"],
+                                 self._masters_follow(group, config))
                    for group in self.param_groups]
         param_groups, packed_state, start, rounded = [], {}, 0, []
         for group, record in zip(self.param_groups, records):
@@ -832,6 +833,16 @@ class FusedAdam(torch.optim.Optimizer):
             exported[spec.name] = layout.wrap(value)
         exported.update((k, v) for k, v in entry.items() if k not in STATE_NAMES)
         return exported, param_bits
+
+    def _masters_follow(self, group: dict, config) -> bool:
+        """Whether ``group``, at step 0, has masters seeded from their parameters and
+        every one still follows its parameter (S1.6, S5.4's masters=follow)."""
+        if group.get("step", 0) != 0:
+            return False
+        seeding = [p for p in group["params"]
+                   if any(map(_state.seeds_from_param, config.specs(p.dtype)))]
+        return bool(seeding) and all(_state.follows(self._seeded, self.state, p)
+                                     for p in seeding)
 
     def _param_values(self, param, spec) -> torch.Tensor:
         """``param``'s local tensor, where state ``spec`` is to be seeded from it: one
@@ -894,7 +905,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{where}: loaded state dict has a different number of "
                              f"parameter groups ({len(saved_groups)} vs "
                              f"{len(self.param_groups)})")
-        own_steps, saved_layouts, presets = [], [], []
+        own_steps, saved_layouts, presets, following = [], [], [], []
         for g, (group, saved, original) in enumerate(
                 zip(self.param_groups, saved_groups, state_dict["param_groups"])):
             if len(saved["params"]) != len(group["params"]):
@@ -914,6 +925,7 @@ class FusedAdam(torch.optim.Optimizer):
                 saved.pop(key, None)  # its state converts through state_layout
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             presets.append(_state.StateConfig.moments_set_in(saved.get(LAYOUT_KEY)))
+            following.append(_state.StateConfig.masters_follow_in(saved.get(LAYOUT_KEY)))
             if own_steps[-1] and not presets[-1]:
                 _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
@@ -952,9 +964,10 @@ class FusedAdam(torch.optim.Optimizer):
                                      f"{_validate.shown(key)}) must be a dict of its "
                                      f"states, as state_dict() makes it, got "
                                      f"{_validate.shown(values)}")
+                at_step_0 = saved_groups[g]["step"] == 0
                 prepared.append(self._prepare_param_load(
-                    param, values, config, here, saved_layout, own_steps[g],
-                    saved_groups[g]["step"] == 0))
+                    param, values, config, here, saved_layout, own_steps[g], at_step_0,
+                    at_step_0 and following[g]))
                 writes = prepared[-1][3]
                 if kept_bits is not None:  # its kept master made a remainder (S1.5)
                     writes.param_bits = kept_bits
@@ -973,12 +986,13 @@ class FusedAdam(torch.optim.Optimizer):
                 for spec in config.specs_of(local, layout) if spec.name != "master_param"}
 
     def _prepare_param_load(self, param, values: dict, config, here: str, saved_layout,
-                            own_step: bool, at_step_0: bool = False):
+                            own_step: bool, at_step_0: bool = False,
+                            masters_followed: bool = False):
         """The new state of one parameter from its saved ``values`` (S5.5): a DTensor
         value must have the parameter's layout, a plain one is taken as this rank's local
         part and must have the local shape. ``saved_layout``: the ``StateConfig`` the
         checkpoint recorded (None if it recorded none); ``at_step_0``: its group loads
-        at step 0."""
+        at step 0; ``masters_followed``: its record says its masters followed."""
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         error = _validate.param_error(param)
         if error is not None:
@@ -1006,14 +1020,17 @@ class FusedAdam(torch.optim.Optimizer):
                                                 here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
-            if at_step_0 and _state.seeds_from_param(spec) and _state.is_seeded_value(
-                    spec, loaded[spec.name], local):
+            if at_step_0 and _state.seeds_from_param(spec) and (
+                    masters_followed
+                    or _state.is_seeded_value(spec, loaded[spec.name], local)):
                 # Exported while it followed its parameter (a round trip through
                 # state_dict() before the first step, as accelerate's prepare() makes):
                 # it goes on following, so weights loaded into the model afterwards are
-                # still what the first step starts from (S1.6, S5.5). Only at step 0: a
-                # master that stepped (its bits may still match, a one-element shard's
-                # fp16 master easily) keeps its own value and scale.
+                # still what the first step starts from (S1.6, S5.5). The record says
+                # so; one without the mark (saved before it, or a group with a master
+                # set by hand), its bits: an fp16 master's depend on the shard's scale.
+                # Only at step 0: a master that stepped (its bits may still match, a
+                # one-element shard's fp16 master easily) keeps its own value and scale.
                 seeded.add(spec.name)
         writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
         writes.seeded = seeded

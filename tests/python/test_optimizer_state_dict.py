@@ -925,6 +925,38 @@ def test_fp16_parameters_master_under_remainders_loads_into_bf16(remainders, rec
     assert_bitwise_equal(got, want, "master")
 
 
+@pytest.mark.parametrize("master", ["fp32", "fp16"])
+def test_step_0_record_says_the_masters_follow(master, backend):
+    """S5.4: a group at step 0 whose masters all follow their parameters records
+    masters=follow, and a load at step 0 keeps them following whatever their bits (an
+    fp16 master exported at another shard's scale, here: loaded before the model's
+    weights): weights loaded afterwards are what the first step starts from. A master
+    set by hand, or one that stepped, takes the mark away."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[master]
+    settings = dict(lr=1e-2, master_weights=True, master_weight_dtype=dtype)
+    gen = torch.Generator().manual_seed(29)
+    saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    saved = fused_adam()(saved_params, **settings).state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith(" masters=follow")
+    params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    opt = fused_adam()(params, **settings)
+    opt.load_state_dict(saved)
+    pretrained = torch.randn(4, 8, generator=gen).bfloat16()
+    params[0].data.copy_(pretrained)
+    grad = torch.randn(4, 8, generator=gen).bfloat16()
+    fresh_params = [torch.nn.Parameter(pretrained.clone())]
+    fresh = fused_adam()(fresh_params, **settings)
+    for p, o in ((params[0], opt), (fresh_params[0], fresh)):
+        p.grad = grad.clone()
+        o.step()
+    assert_bitwise_equal(params[0], fresh_params[0], "param after the first step")
+    assert "masters=follow" not in opt.state_dict()["param_groups"][0]["state_layout"]
+    by_hand = fused_adam()(saved_params, **settings)
+    by_hand.set_scaled_state(saved_params[0], "master_param",
+                             saved_params[0].detach().float() + 1)
+    assert "masters=follow" not in by_hand.state_dict()["param_groups"][0]["state_layout"]
+
+
 def _remainder_checkpoint(seed):
     """A checkpoint of bf16 parameters with int16 remainders, two steps in."""
     gen = torch.Generator().manual_seed(seed)
@@ -988,7 +1020,7 @@ def test_a_group_of_bf16_and_fp16_parameters_records_remainders():
     opt = fused_adam()([dict(params=params[:1]), dict(params=params[1:3]),
                         dict(params=params[3:])], master_weights=True,
                        store_param_remainders=True)
-    assert [g["state_layout"].split()[-1] for g in opt.state_dict()["param_groups"]] \
+    assert [g["state_layout"].split()[2] for g in opt.state_dict()["param_groups"]] \
         == ["master=fp32", "master=remainder", "master=fp32"]
 
 

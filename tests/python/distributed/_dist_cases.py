@@ -113,6 +113,11 @@ def _build():
         cases.append(Case(save, 2, "fsdp2_dcp_save", preset))
         cases.append(Case(f"W=3-fsdp2-dcp-2to3-{preset}", 3, "fsdp2_dcp_resume", preset, "2",
                           needs=(save,)))
+    for preset in ("p=bf16-master=fp32-m=bf16", "p=bf16-master=fp16-m=fp16"):
+        save = f"W=2-fsdp2-dcp-save-before-the-first-step-{preset}"
+        cases.append(Case(save, 2, "fsdp2_step0_save", preset))
+        cases.append(Case(f"W=3-fsdp2-dcp-2to3-at-step-0-then-pretrained-weights-{preset}",
+                          3, "fsdp2_step0_resume", preset, "2", needs=(save,)))
     for preset in MEGATRON_FSDP_PRESETS:
         save = f"W=2-megatron-fsdp-dcp-save-{preset}"
         cases.append(Case(save, 2, "megatron_fsdp_save", preset, job="megatron-save"))

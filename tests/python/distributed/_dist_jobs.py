@@ -668,6 +668,57 @@ def fsdp2_dcp_resume(ctx, case):
         _fsdp2_step_and_check(step, model, opt, ref, refs, preset)
 
 
+def fsdp2_step0_save(ctx, case):
+    """Save an FSDP2 model and its optimizer before the first step (DCP, get_state_dict):
+    its masters still follow their parameters (S1.6)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    preset = Preset(case.preset)
+    model = _fsdp2_model(ctx, preset, seed_of("fsdp2-step0", case.preset))
+    opt, _, _ = _fsdp2_optimizers(model, preset)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2-step0", case.preset,
+                                      ctx.world_size)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dist.barrier()
+
+
+def fsdp2_step0_resume(ctx, case):
+    """S1.6 / S5.4 / S6.2: a checkpoint taken before the first step, loaded at another
+    world size, then weights loaded into the model (a pretrained load): the first step
+    starts from those weights on every rank, as a fresh optimizer's does. Its fp16
+    masters were exported at the old shards' scales, so only the group's record
+    (masters=follow), not their bits, says they followed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    preset = Preset(case.preset)
+    path = _dist_cases.checkpoint_dir(ctx.params["shared_dir"], "fsdp2-step0", case.preset,
+                                      int(case.detail))
+    assert os.path.isdir(path), f"no checkpoint at {path}: the case that saves it failed"
+    model = _fsdp2_model(ctx, preset, seed_of(case.id))
+    opt, _, _ = _fsdp2_optimizers(model, preset)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    layouts = [g["state_layout"] for g in opt.state_dict()["param_groups"]]
+
+    def recorded():
+        assert all(layout.endswith("masters=follow") for layout in layouts), layouts
+
+    symmetric(recorded)
+    pretrained = _fsdp2_model(ctx, preset, seed_of(case.id, "pretrained"))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), pretrained.parameters()):
+            local_of(p).copy_(local_of(q))
+    # The reference: a fresh optimizer over plain copies of the pretrained local shards.
+    _, ref, refs = _fsdp2_optimizers(model, preset)
+    gen = torch.Generator().manual_seed(seed_of(case.id, "data", ctx.rank))
+    _fsdp2_backward(model, gen)
+    _fsdp2_step_and_check(1, model, opt, ref, refs, preset)
+
+
 def fsdp2_frozen_dcp(ctx, case):
     """A parameter frozen (requires_grad=False) but handed to FusedAdam, with moments
     set by hand: torch's set_state_dict leaves its state out of what it hands to
@@ -1093,6 +1144,8 @@ KINDS = {
     "fsdp2_dcp_save": fsdp2_dcp_save,
     "fsdp2_dcp_resume": fsdp2_dcp_resume,
     "fsdp2_frozen_dcp": fsdp2_frozen_dcp,
+    "fsdp2_step0_save": fsdp2_step0_save,
+    "fsdp2_step0_resume": fsdp2_step0_resume,
     "fsdp2_built_before_sharding": fsdp2_built_before_sharding,
     "zero_redundancy": zero_redundancy,
     "fsdp2_torch_adamw_dcp": fsdp2_torch_adamw_dcp,

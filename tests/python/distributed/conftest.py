@@ -24,6 +24,7 @@ _CASE_COST_S = {"numerics": 2.0, "empty_shard_none_grads": 1.5, "zero_collective
                 "layout_error": 1.0, "fsdp2": 4.0, "fresh_get_state_dict": 2.0,
                 "dcp_save": 2.0, "dcp_resume": 3.0, "fsdp2_dcp_save": 4.0,
                 "fsdp2_dcp_resume": 4.0, "fsdp2_frozen_dcp": 4.0,
+                "fsdp2_step0_save": 3.0, "fsdp2_step0_resume": 4.0,
                 "fsdp2_built_before_sharding": 4.0, "fsdp2_torch_adamw_dcp": 5.0,
                 "state_access": 1.5,
                 "megatron_layout": 2.0, "megatron_fsdp_save": 4.0,

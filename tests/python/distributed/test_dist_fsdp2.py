@@ -8,7 +8,9 @@ not an unsharded model: it would test gloo's gradient reduction rather than the 
 
 Also: model and optimizer saved with DCP at world size 2 and loaded into a fresh FSDP2
 model at 3 (uneven and empty shards), then trained on; and a DCP round trip with a frozen
-parameter, whose state torch's helpers leave out of the checkpoint; and an optimizer built
+parameter, whose state torch's helpers leave out of the checkpoint; a checkpoint taken
+before the first step, resharded, then pretrained weights loaded (the masters still follow
+them); and an optimizer built
 over the whole model and then handed the sharded parameters (as accelerate's FSDP2
 ``prepare`` does), which steps as one built over the shards and drops the whole state.
 """
@@ -30,6 +32,16 @@ def test_fsdp2_checkpoint_reloads_at_another_world_size(case, dist_jobs):
 
 @pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_dcp_save"), ids=str)
 def test_fsdp2_checkpoint_save(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_step0_save"), ids=str)
+def test_fsdp2_checkpoint_save_before_the_first_step(case, dist_jobs):
+    dist_jobs.check(case)
+
+
+@pytest.mark.parametrize("case", _dist_cases.of_kind("fsdp2_step0_resume"), ids=str)
+def test_fsdp2_step_0_checkpoint_resharded_keeps_masters_following(case, dist_jobs):
     dist_jobs.check(case)
 
 
