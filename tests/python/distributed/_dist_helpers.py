@@ -669,6 +669,8 @@ class PlainReference:
                 sd["state"][i][sname] = value.clone()
         for group, step in zip(sd["param_groups"], snapshot["steps"]):
             group["step"] = step
+            # Masters written in by hand: not the ones that followed (S5.4), at step 0.
+            group["state_layout"] = group["state_layout"].replace(" masters=follow", "")
         self.opt.load_state_dict(sd)
 
     def copy_raw_from(self, run):
