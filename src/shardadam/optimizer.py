@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from . import (_backend, _collector, _dtensor, _formats, _held_signals, _plan, _state,
-               _step_hooks, _stored_by, _validate)
+from . import (_backend, _collector, _dtensor, _formats, _held_signals, _last_export,
+               _plan, _state, _step_hooks, _stored_by, _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
@@ -146,6 +146,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
         self._stepping = threading.Lock()  # held while a step checks and steps (S3.1)
+        self._last_export = _last_export.LastExport()  # state_dict()'s, weakly (S5.5)
         self._constructing = True  # add_param_group leaves the parameters' overlaps to us
         if isinstance(params, dict):  # torch would step the group's keys as parameters
             raise TypeError(f"{_validate.CLASS_NAME}: params must be an iterable of tensors or of "
@@ -205,6 +206,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._checked = {}
         self._settings_passed = None
         self._stepping = threading.Lock()
+        self._last_export = _last_export.LastExport()
 
     # ------------------------------------------------------------------ groups
 
@@ -786,7 +788,7 @@ class FusedAdam(torch.optim.Optimizer):
         records = [config.record(id(group) in marked, group["params"],
                                  self._masters_follow(group, config))
                    for group in self.param_groups]
-        param_groups, packed_state, start, rounded = [], {}, 0, []
+        param_groups, packed_state, start, rounded, exported = [], {}, 0, [], []
         for group, record in zip(self.param_groups, records):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed[LAYOUT_KEY] = record  # the configuration may have changed (S1.5)
@@ -794,6 +796,7 @@ class FusedAdam(torch.optim.Optimizer):
             param_groups.append(packed)
             for index, param in zip(packed["params"], group["params"]):
                 packed_state[index], bits = self._exported_state(param, config)
+                exported.append((param, packed_state[index]))
                 if bits is not None:
                     rounded.append((_dtensor.to_local(param), bits))
             start += len(group["params"])
@@ -801,6 +804,7 @@ class FusedAdam(torch.optim.Optimizer):
             group[LAYOUT_KEY] = record
         for local, bits in rounded:  # masters made remainders since (S1.5): paired now
             _state.write_param_bits(local, bits)
+        self._last_export.record(exported)
         state_dict = {"state": packed_state, "param_groups": param_groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -935,6 +939,8 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.hyper_parameters(merged, g)
         config = self._checked_config()
         saved_state = state_dict["state"]
+        # The template this optimizer's state_dict() made (dcp.load filled it in place).
+        template = self._last_export.holds_any(saved_state)
         prepared = []
         for g, group in enumerate(self.param_groups):
             keys = state_dict["param_groups"][g]["params"]
@@ -946,9 +952,12 @@ class FusedAdam(torch.optim.Optimizer):
                 kept_bits = None
                 if values is None and not param.requires_grad:
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
-                    # state out: it keeps its state, re-stored as by any load.
-                    values, kept_bits = self._exported_state(param, config)
-                    saved_layout = None
+                    # state out: read from the template it was loaded into, else it
+                    # keeps its state, re-stored as by any load.
+                    values = self._last_export.frozen_entry(param) if template else None
+                    if values is None:
+                        values, kept_bits = self._exported_state(param, config)
+                        saved_layout = None
                 elif values is None and saved_layout is None:
                     # TE's and torch's optimizers create a parameter's state at its
                     # first gradient: one that never had one (unused, or a checkpoint

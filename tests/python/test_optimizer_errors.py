@@ -1931,6 +1931,49 @@ def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
             assert_bitwise_equal(actual[key], value, f"param {i} {key} after the load")
 
 
+@pytest.mark.parametrize("template", ["last-state_dict", "an-earlier-one"])
+def test_a_frozen_parameter_left_out_reads_the_template_its_load_filled(template,
+                                                                       backend):
+    """S5.5: torch's set_optimizer_state_dict drops a frozen parameter's state after
+    dcp.load wrote the checkpoint into the template this optimizer's state_dict()
+    exported: the load reads it back from there (a fresh optimizer's own state is the
+    initial one); from a template of an earlier state_dict() call, which it no longer
+    knows, the parameter keeps its state. bf16 moments: exported as copies."""
+    def make(seed):
+        generator = torch.Generator().manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())
+                  for _ in range(2)]
+        opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                           exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(5, generator=generator).bfloat16()
+            opt.step()
+        return opt, params
+
+    saved, saved_params = make(9)
+    checkpoint = copy.deepcopy(saved.state_dict())
+    opt, params = make(10)
+    params[1].requires_grad_(False)
+    kept = {k: v.clone() for k, v in state_tensors(opt, params[1]).items()}
+    sd = opt.state_dict()
+    if template == "an-earlier-one":
+        opt.state_dict()  # the export opt knows is another one now
+    for i, entry in sd["state"].items():  # as dcp.load writes into the template
+        for name, value in entry.items():
+            value.copy_(checkpoint["state"][i][name])
+    del sd["state"][1]  # as torch's _split_optim_state_dict drops it
+    opt.load_state_dict(sd)
+    now = state_tensors(opt, params[1])
+    expected = state_tensors(saved, saved_params[1])
+    if template == "an-earlier-one":  # kept, but for the fp32 master exported by reference,
+        expected = dict(kept, master_param=expected["master_param"])  # written in place
+    for key, value in expected.items():
+        assert_bitwise_equal(now[key], value, f"frozen parameter's {key}")
+    for key, value in state_tensors(saved, saved_params[0]).items():
+        assert_bitwise_equal(state_tensors(opt, params[0])[key], value, f"param 0 {key}")
+
+
 # ------------------------------------------------------------------------------------
 # No tensor contents in messages (S8): every error of the tables above, raised with
 # parameters, gradients and states that all hold a sentinel value, and a tensor given

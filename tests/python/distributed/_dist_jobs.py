@@ -724,7 +724,8 @@ def fsdp2_frozen_dcp(ctx, case):
     set by hand: torch's set_state_dict leaves its state out of what it hands to
     load_state_dict. Loading
     after a further step restores every other parameter's state and the step count
-    bitwise, and the frozen parameter keeps the state it has (S5.5, S6.1)."""
+    bitwise, and the frozen parameter's (which it read from the template dcp.load
+    filled, S5.5, S6.1); so does a fresh optimizer, whose own state is the initial one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -765,6 +766,18 @@ def fsdp2_frozen_dcp(ctx, case):
         assert sorted(values) == sorted(expected), f"{name}: state names"
         for key, value in expected.items():
             assert_bitwise(values[key], value, f"{name}.{key} after the load")
+    # A fresh model and optimizer (a resumed process) with the same layer frozen: the
+    # template dcp.load filled holds the frozen layer's state, read from there.
+    model = _fsdp2_model(ctx, preset, seed_of(case.id, "resumed"))
+    named = list(model.named_parameters())
+    named[0][1].requires_grad_(False)
+    opt = fused_adam()([p for _, p in named], **dict(OPT_DEFAULTS, **preset.kwargs()))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for name, values in states().items():
+        for key, value in saved[name].items():
+            assert_bitwise(values[key], value, f"{name}.{key} loaded by a fresh optimizer")
 
 
 def _check_fsdp2_step(step, names, params, opt, refs, ref, adamw_check, ptrs, preset):

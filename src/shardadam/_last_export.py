@@ -1,0 +1,50 @@
+"""What the last ``state_dict()`` exported, held weakly (S5.5).
+
+torch's ``set_optimizer_state_dict`` leaves a frozen parameter's state out of what it
+hands to ``load_state_dict`` (``_split_optim_state_dict`` keeps only parameters that
+require grad), after ``dcp.load`` wrote the checkpoint into the very tensors this
+optimizer's ``state_dict()`` exported as its template. A load given other tensors of
+that export reads the frozen parameters' states back from it, instead of keeping states
+that a fresh process has only just initialised. Held by ``id`` and weak reference: the
+export is the caller's, freed with it, and a parameter with a weak reference could not
+be swapped in place (``torch.utils.swap_tensors``, as FSDP2's ``to_empty`` does).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+
+class LastExport:
+    def __init__(self):
+        self._tensors = {}  # id(tensor) -> weak reference, every tensor exported
+        self._frozen = {}  # id(param) -> {state name: weak reference}, frozen ones
+
+    def record(self, exported) -> None:
+        """``exported``: (parameter, its exported entry) for every parameter."""
+        self._tensors, self._frozen = {}, {}
+        for param, entry in exported:
+            refs = {name: weakref.ref(value) for name, value in entry.items()
+                    if isinstance(value, torch.Tensor)}
+            self._tensors.update((id(ref()), ref) for ref in refs.values())
+            if not param.requires_grad:
+                self._frozen[id(param)] = refs
+
+    def holds_any(self, loaded_state: dict) -> bool:
+        """Whether a loaded dict's ``state`` holds a tensor of this export (it is the
+        template ``state_dict()`` made, filled in place)."""
+        for entry in loaded_state.values():
+            for value in entry.values() if isinstance(entry, dict) else ():
+                ref = self._tensors.get(id(value))
+                if ref is not None and ref() is value:
+                    return True
+        return False
+
+    def frozen_entry(self, param) -> Optional[dict]:
+        """The entry exported for frozen ``param``, while every tensor of it lives."""
+        refs = self._frozen.get(id(param))
+        entry = {name: ref() for name, ref in (refs or {}).items()}
+        return entry if refs and all(v is not None for v in entry.values()) else None
