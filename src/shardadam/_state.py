@@ -600,7 +600,9 @@ def _form_error(stored, param) -> Optional[str]:
     if local.layout is not torch.strided:
         return f"is a {local.layout} tensor; states are dense (torch.strided, rule S2.2)"
     if local.is_meta and not _dtensor.to_local(param).is_meta:
-        return "is on the meta device, without values (rule S2.2)"
+        return ("is on the meta device, without values (rule S2.2; an optimizer built "
+                "over a model on meta holds such state for every parameter until "
+                "initialize_state runs for each)")
     return None
 
 

@@ -2186,7 +2186,8 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
         opt.state[b] = dict(entry, exp_avg=values[bad])
         pattern = {"float": r"state 'exp_avg' must be a tensor, got float",
                    "list": r"state 'exp_avg' must be a tensor, got list",
-                   "meta": r"state 'exp_avg' is on the meta device",
+                   "meta": r"state 'exp_avg' is on the meta device.*for every "
+                           r"parameter until initialize_state runs for each",
                    "sparse": r"state 'exp_avg' is a torch.sparse_coo tensor"}[bad] + ".*S2.2"
     calls = {"step": opt.step, "state_dict": opt.state_dict,
              "get_unscaled_state": lambda: opt.get_unscaled_state(b, "exp_avg")}
