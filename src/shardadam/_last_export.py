@@ -18,27 +18,42 @@ from typing import Optional
 import torch
 
 
+# Trainable parameters whose exported tensors witness that a loaded dict is the export:
+# a few suffice, and every weak reference to a new tensor costs microseconds.
+WITNESSES = 4
+
+
 class LastExport:
     def __init__(self):
-        self._tensors = {}  # id(tensor) -> weak reference, every tensor exported
-        self._frozen = {}  # id(param) -> {state name: weak reference}, frozen ones
+        self._witnesses = {}  # id(tensor) -> weak reference, a few trainable ones'
+        self._frozen = {}  # id(param) -> {state name: weak reference}
 
     def record(self, exported) -> None:
-        """``exported``: (parameter, its exported entry) for every parameter."""
-        self._tensors, self._frozen = {}, {}
-        for param, entry in exported:
-            refs = {name: weakref.ref(value) for name, value in entry.items()
-                    if isinstance(value, torch.Tensor)}
-            self._tensors.update((id(ref()), ref) for ref in refs.values())
-            if not param.requires_grad:
-                self._frozen[id(param)] = refs
+        """``exported``: (parameter, its exported entry) for every parameter. Nothing
+        is kept where no parameter is frozen."""
+        witnesses, frozen = {}, {}
+        if any(not param.requires_grad for param, _ in exported):
+            trainable = 0
+            for param, entry in exported:
+                if param.requires_grad and trainable == WITNESSES:
+                    continue
+                refs = {name: weakref.ref(value) for name, value in entry.items()
+                        if isinstance(value, torch.Tensor)}
+                if param.requires_grad:
+                    trainable += 1
+                    witnesses.update((id(ref()), ref) for ref in refs.values())
+                else:
+                    frozen[id(param)] = refs
+        self._witnesses, self._frozen = witnesses, frozen
 
     def holds_any(self, loaded_state: dict) -> bool:
         """Whether a loaded dict's ``state`` holds a tensor of this export (it is the
         template ``state_dict()`` made, filled in place)."""
+        if not self._frozen:
+            return False
         for entry in loaded_state.values():
             for value in entry.values() if isinstance(entry, dict) else ():
-                ref = self._tensors.get(id(value))
+                ref = self._witnesses.get(id(value))
                 if ref is not None and ref() is value:
                     return True
         return False

@@ -843,8 +843,9 @@ class FusedAdam(torch.optim.Optimizer):
         every one still follows its parameter (S1.6, S5.4's masters=follow)."""
         if group.get("step", 0) != 0:
             return False
-        seeding = [p for p in group["params"]
-                   if any(map(_state.seeds_from_param, config.specs(p.dtype)))]
+        seeds = {dtype: any(map(_state.seeds_from_param, config.specs(dtype)))
+                 for dtype in {p.dtype for p in group["params"]}}
+        seeding = [p for p in group["params"] if seeds[p.dtype]]
         return bool(seeding) and all(_state.follows(self._seeded, self.state, p)
                                      for p in seeding)
 
