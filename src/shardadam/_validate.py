@@ -674,7 +674,7 @@ def loaded_layout(record, group_index: int):
                    group=group_index) from None
 
 
-def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
+def loaded_master(value: torch.Tensor, saved, local: torch.Tensor, config, where_: str):
     """A loaded ``master_param`` checked against the layout it was saved with (S6.4).
 
     torch.distributed.checkpoint loads into the tensors of this optimizer's own
@@ -685,8 +685,10 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
     is now (S5.4: remainders are recorded beside bf16 parameters only). Where it names
     remainders, floating-point values that are no int16 codes are an fp32 master that an
     fp16 parameter's group recorded so before that rule, or in a group that also held
-    bf16 parameters; whole numbers in int16's range cannot be told apart from cast
-    remainders, and are read as remainders.
+    bf16 parameters; so are whole numbers in int16's range beside a parameter (``local``)
+    that is no bf16 one and holds them rounded (a master's parameter is rounded from it;
+    cast remainder codes match no such parameter). Beside a bf16 parameter they cannot be
+    told apart from cast remainders, and are read as remainders.
     """
     saved_format = saved.master_format()
     if saved_format is None:
@@ -698,9 +700,12 @@ def loaded_master(value: torch.Tensor, saved, param_dtype, config, where_: str):
             return value  # check_loaded_dtype names it
         exact = bool((value == value.round()).all() & (value >= low).all()
                      & (value <= high).all())
+        if exact and local.dtype != _formats.REMAINDER.pairs_with and torch.equal(
+                value.to(device=local.device, dtype=local.dtype), local):
+            return value  # the master of the parameter it rounds to
         return value.to(codes) if exact else value
     if (saved_format.value_dtype != codes and value.dtype == codes
-            and not config.uses_remainders(param_dtype)):
+            and not config.uses_remainders(local.dtype)):
         raise RuntimeError(
             f"{where_}: the checkpoint recorded a floating-point 'master_param' "
             f"({saved.record()}) but holds int16 values (rule S6.4: a recorded layout "

@@ -958,7 +958,7 @@ class FusedAdam(torch.optim.Optimizer):
                     values = self._last_export.frozen_entry(param) if template else None
                     if values is None:
                         values, kept_bits = self._exported_state(param, config)
-                        saved_layout = None
+                        saved_layout = None  # its own: no record of the checkpoint's
                 elif values is None and saved_layout is None:
                     # TE's and torch's optimizers create a parameter's state at its
                     # first gradient: one that never had one (unused, or a checkpoint
@@ -977,7 +977,7 @@ class FusedAdam(torch.optim.Optimizer):
                 at_step_0 = saved_groups[g]["step"] == 0
                 prepared.append(self._prepare_param_load(
                     param, values, config, here, saved_layout, own_steps[g], at_step_0,
-                    at_step_0 and following[g]))
+                    at_step_0 and following[g] and saved_layout is not None))
                 writes = prepared[-1][3]
                 if kept_bits is not None:  # its kept master made a remainder (S1.5)
                     writes.param_bits = kept_bits
@@ -1026,8 +1026,7 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.check_value(param, spec, value, here)
             value = _dtensor.to_local(value).resolve_neg()  # read by value (S3.2)
             if saved_layout is not None and spec.name == "master_param":
-                value = _validate.loaded_master(value, saved_layout, local.dtype, config,
-                                                here)
+                value = _validate.loaded_master(value, saved_layout, local, config, here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
             if at_step_0 and _state.seeds_from_param(spec) and (

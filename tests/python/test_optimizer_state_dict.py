@@ -1012,6 +1012,52 @@ def test_fp16_master_cast_into_remainders_is_refused(backend):
     assert_unchanged(opt, before, "after the refused load")
 
 
+@pytest.mark.parametrize("record", ["mixed-group", "older-record"])
+def test_whole_number_fp16_masters_under_a_remainder_record_load_back(record, backend):
+    """S6.4: under a remainder record (a group of bf16 and fp16 parameters, or an fp16
+    group's checkpoint saved before fp16-only groups recorded fp32), an fp16 parameter's
+    fp32 master of whole numbers (a zero bias, a norm's ones) loads back beside that
+    parameter as the master it is: its parameter holds it rounded, which cast remainder
+    codes would not (they were refused as remainders beside an fp16 parameter)."""
+    def make():
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 8).bfloat16()),
+                  torch.nn.Parameter(torch.zeros(8, dtype=torch.float16)),
+                  torch.nn.Parameter(torch.ones(8, dtype=torch.float16))]
+        if record == "older-record":
+            params = params[1:]
+        return params, fused_adam()(params, lr=1e-2, master_weights=True,
+                                    store_param_remainders=True)
+
+    params, opt = make()
+    saved = opt.state_dict()
+    if record == "older-record":
+        layout = saved["param_groups"][0]["state_layout"]
+        saved["param_groups"][0]["state_layout"] = layout.replace("master=fp32",
+                                                                  "master=remainder")
+    assert " master=remainder" in saved["param_groups"][0]["state_layout"]
+    loaded_params, loaded = make()
+    loaded.load_state_dict(saved)
+    for p, q in zip(loaded_params, params):
+        for name, value in state_tensors(opt, q).items():
+            assert_bitwise_equal(state_tensors(loaded, p)[name], value, name)
+
+
+def test_a_frozen_parameter_left_out_keeps_a_master_set_by_hand_at_step_0(backend):
+    """S1.6 / S5.5: a frozen parameter that a step-0 checkpoint leaves out keeps its
+    state, also a master set by hand: the checkpoint's masters=follow speaks for the
+    masters it holds, not for state the load keeps."""
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 4).bfloat16()) for _ in range(2)]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True)
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith(" masters=follow")
+    del saved["state"][1]
+    params[1].requires_grad_(False)
+    opt.set_scaled_state(params[1], "master_param", torch.full((4,), 3.0))
+    opt.load_state_dict(saved)
+    assert_bitwise_equal(opt.get_unscaled_state(params[1], "master_param"),
+                         torch.full((4,), 3.0), "the kept master")
+
+
 def test_a_group_of_bf16_and_fp16_parameters_records_remainders():
     """S5.4: remainders are recorded where a bf16 parameter holds them; a group that
     also holds fp16 parameters records them (its fp16 parameters' masters are fp32)."""
