@@ -1285,7 +1285,7 @@ def test_a_round_trip_keeps_a_following_master_following(master, stepped):
     for trip in (False, True):
         gen = torch.Generator().manual_seed(21)
         param = torch.nn.Parameter(torch.randn(4, 64, generator=gen).bfloat16())
-        opt = fused_adam()([param], lr=1e-3, **kwargs)
+        opt = fused_adam()([param], lr=1e-2, **kwargs)
         if stepped:
             param.grad = torch.randn(4, 64, generator=gen).bfloat16()
             opt.step()
@@ -1298,5 +1298,6 @@ def test_a_round_trip_keeps_a_following_master_following(master, stepped):
         opt.step()
         runs.append(param.detach().clone())
     assert_bitwise_equal(runs[1], runs[0], "after the round trip")
-    if not stepped:  # Adam's first step moves each weight by about lr from 1.0
-        assert torch.allclose(runs[0].float(), torch.full((4, 64), 1.0 - 1e-3), atol=2**-8)
+    if not stepped:  # Adam's first step moves each weight by about lr from 1.0: to
+        # 0.99 within half a bf16 step below 1 (2^-9), which 1.0 is not
+        assert torch.allclose(runs[0].float(), torch.full((4, 64), 1.0 - 1e-2), atol=2**-9)
