@@ -27,10 +27,12 @@ class LastExport:
     def __init__(self):
         self._witnesses = {}  # id(tensor) -> weak reference, a few trainable ones'
         self._frozen = {}  # id(param) -> {state name: weak reference}
+        self._records = ()  # the groups' state_layout strings
 
-    def record(self, exported) -> None:
-        """``exported``: (parameter, its exported entry) for every parameter. Nothing
-        is kept where no parameter is frozen."""
+    def record(self, exported, records) -> None:
+        """``exported``: (parameter, its exported entry) for every parameter, and the
+        groups' ``records``. No tensor is kept where no parameter is frozen."""
+        self._records = tuple(records)
         witnesses, frozen = {}, {}
         if any(not param.requires_grad for param, _ in exported):
             trainable = 0
@@ -57,6 +59,11 @@ class LastExport:
                 if ref is not None and ref() is value:
                     return True
         return False
+
+    def made(self, record) -> bool:
+        """Whether ``record`` is a state_layout string this export made (the object
+        itself: one loaded from a checkpoint is a new string)."""
+        return any(record is mine for mine in self._records)
 
     def frozen_entry(self, param) -> Optional[dict]:
         """The entry exported for frozen ``param``, while every tensor of it lives."""

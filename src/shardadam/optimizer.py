@@ -804,7 +804,7 @@ class FusedAdam(torch.optim.Optimizer):
             group[LAYOUT_KEY] = record
         for local, bits in rounded:  # masters made remainders since (S1.5): paired now
             _state.write_param_bits(local, bits)
-        self._last_export.record(exported)
+        self._last_export.record(exported, records)
         state_dict = {"state": packed_state, "param_groups": param_groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -930,7 +930,10 @@ class FusedAdam(torch.optim.Optimizer):
                 saved.pop(key, None)  # its state converts through state_layout
             saved["step"] = _validate.loaded_group_step(saved, state_dict["state"], g)
             presets.append(_state.StateConfig.moments_set_in(saved.get(LAYOUT_KEY)))
-            following.append(_state.StateConfig.masters_follow_in(saved.get(LAYOUT_KEY)))
+            # A record this optimizer's last state_dict() made (DCP left the template's
+            # where the checkpoint has none) says nothing of the checkpoint's masters.
+            following.append(_state.StateConfig.masters_follow_in(saved.get(LAYOUT_KEY))
+                             and not self._last_export.made(saved.get(LAYOUT_KEY)))
             if own_steps[-1] and not presets[-1]:
                 _validate.check_moments_of_step_0(saved, state_dict["state"], g)
             saved_layouts.append(_validate.loaded_layout(saved.pop(LAYOUT_KEY, None), g))
@@ -950,7 +953,7 @@ class FusedAdam(torch.optim.Optimizer):
                 values, saved_layout = saved_state.get(key), saved_layouts[g]
                 if saved_layout is None and isinstance(values, dict) and not values:
                     values = None  # torch's defaultdict state exports {} for a lookup
-                kept_bits = None
+                kept_bits, kept = None, False
                 if values is None and not param.requires_grad:
                     # torch's set_optimizer_state_dict leaves a frozen parameter's
                     # state out: read from the template it was loaded into, else it
@@ -958,7 +961,7 @@ class FusedAdam(torch.optim.Optimizer):
                     values = self._last_export.frozen_entry(param) if template else None
                     if values is None:
                         values, kept_bits = self._exported_state(param, config)
-                        saved_layout = None  # its own: no record of the checkpoint's
+                        saved_layout, kept = None, True  # its own, not the checkpoint's
                 elif values is None and saved_layout is None:
                     # TE's and torch's optimizers create a parameter's state at its
                     # first gradient: one that never had one (unused, or a checkpoint
@@ -981,8 +984,7 @@ class FusedAdam(torch.optim.Optimizer):
                 writes = prepared[-1][3]
                 if kept_bits is not None:  # its kept master made a remainder (S1.5)
                     writes.param_bits = kept_bits
-                if (key not in saved_state
-                        and _state.follows(self._seeded, self.state, param)
+                if (kept and _state.follows(self._seeded, self.state, param)
                         and "master_param" in writes.stored):
                     writes.seeded.add("master_param")  # a kept master still follows
         return prepared, presets
@@ -1009,12 +1011,13 @@ class FusedAdam(torch.optim.Optimizer):
             raise RuntimeError(f"{here}: {error}")
         loaded, seeded = {}, set()
         for spec in config.specs_of(local, layout):
-            if spec.name == "master_param" and (
+            if spec.name == "master_param" and (masters_followed or (
                     saved_layout.master_format() is None if saved_layout is not None
-                    else spec.name not in values):
+                    else spec.name not in values)):
                 # Saved without masters (a master here is then the template's own: DCP
-                # leaves what the checkpoint lacks as it was): seeded from the loaded
-                # parameter, as at initialisation (S1.6, S5.5).
+                # leaves what the checkpoint lacks as it was), or with masters that
+                # followed their parameters (S5.4's masters=follow): seeded from the
+                # loaded parameter, as at initialisation (S1.6, S5.5).
                 loaded[spec.name] = _state.initial_value(spec, local, to_store=True)
                 seeded.add(spec.name)
                 continue
@@ -1029,17 +1032,17 @@ class FusedAdam(torch.optim.Optimizer):
                 value = _validate.loaded_master(value, saved_layout, local, config, here)
             _validate.check_loaded_dtype(value, spec, local.dtype, here)
             loaded[spec.name] = value.to(local.device)
-            if at_step_0 and _state.seeds_from_param(spec) and (
-                    masters_followed
-                    or _state.is_seeded_value(spec, loaded[spec.name], local)):
+            if at_step_0 and _state.seeds_from_param(spec) and _state.is_seeded_value(
+                    spec, loaded[spec.name], local):
                 # Exported while it followed its parameter (a round trip through
-                # state_dict() before the first step, as accelerate's prepare() makes):
-                # it goes on following, so weights loaded into the model afterwards are
-                # still what the first step starts from (S1.6, S5.5). The record says
-                # so; one without the mark (saved before it, or a group with a master
-                # set by hand), its bits: an fp16 master's depend on the shard's scale.
-                # Only at step 0: a master that stepped (its bits may still match, a
-                # one-element shard's fp16 master easily) keeps its own value and scale.
+                # state_dict() before the first step, as accelerate's prepare() makes),
+                # in a group whose record does not say so (saved before the mark, or
+                # beside a master set by hand): told by its bits, which for an fp16
+                # master depend on the shard's scale. It goes on following, so weights
+                # loaded into the model afterwards are still what the first step starts
+                # from (S1.6, S5.5). Only at step 0: a master that stepped (its bits may
+                # still match, a one-element shard's fp16 master easily) keeps its own
+                # value and scale.
                 seeded.add(spec.name)
         writes = _state.entry_from_values(config.specs_of(local, layout), loaded, local)
         writes.seeded = seeded

@@ -957,6 +957,80 @@ def test_step_0_record_says_the_masters_follow(master, backend):
     assert "masters=follow" not in by_hand.state_dict()["param_groups"][0]["state_layout"]
 
 
+def test_masters_that_followed_load_into_remainders_as_fresh_ones(backend):
+    """S1.6 / S5.4: a step-0 checkpoint whose masters followed (masters=follow), loaded
+    into an optimizer with remainders, leaves the parameters as they are (the weights
+    loaded into the model) with zero remainders: it wrote the checkpoint's weights into
+    them, as the split of its fp32 master."""
+    gen = torch.Generator().manual_seed(31)
+    saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    saved = fused_adam()(saved_params, lr=1e-2, master_weights=True).state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith(" masters=follow")
+    weights = torch.randn(4, 8, generator=gen).bfloat16()
+    params = [torch.nn.Parameter(weights.clone())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True, store_param_remainders=True)
+    opt.load_state_dict(saved)
+    assert_bitwise_equal(params[0], weights, "the parameter after the load")
+    assert_bitwise_equal(opt.state[params[0]]["master_param"],
+                         torch.zeros(4, 8, dtype=torch.int16), "the remainder")
+
+
+def test_a_template_record_says_nothing_of_the_checkpoints_masters(backend):
+    """S5.5: DCP leaves the template's own state_layout where a checkpoint records none
+    (TE's, with masters set by hand before the first step); its masters=follow is this
+    optimizer's, not the checkpoint's: the masters written into the template load as
+    they are."""
+    gen = torch.Generator().manual_seed(32)
+    params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True)
+    template = opt.state_dict()
+    assert template["param_groups"][0]["state_layout"].endswith(" masters=follow")
+    given = torch.randn(4, 8, generator=gen)
+    template["state"][0]["master_param"].copy_(given)  # as dcp.load writes the saved one
+    opt.load_state_dict(template)
+    assert_bitwise_equal(opt.get_unscaled_state(params[0], "master_param"), given,
+                         "the master written into the template")
+
+
+def test_a_frozen_parameters_master_read_from_the_template_is_the_saved_one(backend):
+    """S5.5: a frozen parameter's state read from the template dcp.load filled is the
+    checkpoint's, master included: a fresh optimizer's master that followed its
+    parameter does not go on following (the checkpoint's master was seeded from the
+    parameter again), and the layer unfrozen steps as in the run that never stopped."""
+    def stepped(seed):
+        gen = torch.Generator().manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())
+                  for _ in range(2)]
+        opt = fused_adam()(params, lr=1e-2, master_weights=True)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(4, 8, generator=gen).bfloat16()
+            opt.step()
+        return opt, params
+
+    saved, saved_params = stepped(33)
+    checkpoint = copy.deepcopy(saved.state_dict())
+    params = [torch.nn.Parameter(p.detach().clone()) for p in saved_params]
+    params[1].requires_grad_(False)
+    opt = fused_adam()(params, lr=1e-2, master_weights=True)  # its masters follow
+    template = opt.state_dict()
+    for i, entry in template["state"].items():
+        for name, value in entry.items():
+            value.copy_(checkpoint["state"][i][name])
+    template["param_groups"][0]["step"] = checkpoint["param_groups"][0]["step"]
+    del template["state"][1]
+    opt.load_state_dict(template)
+    params[1].requires_grad_(True)
+    gen = torch.Generator().manual_seed(34)
+    for p, q in zip(params, saved_params):
+        p.grad = torch.randn(4, 8, generator=gen).bfloat16()
+        q.grad = p.grad.clone()
+    opt.step()
+    saved.step()
+    for i, (p, q) in enumerate(zip(params, saved_params)):
+        assert_bitwise_equal(p, q, f"param {i} after the next step")
+
+
 def _remainder_checkpoint(seed):
     """A checkpoint of bf16 parameters with int16 remainders, two steps in."""
     gen = torch.Generator().manual_seed(seed)
