@@ -1895,25 +1895,28 @@ def test_load_refuses_a_float_master_cast_into_remainders(backend):
     assert_unchanged(opt, before, "after a cast master")
 
 
+def _stepped_bf16_moments(seed, count):
+    """``count`` bf16 parameters of 5 elements with bf16 moments and fp32 masters, two
+    steps in: exact storage."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())
+              for _ in range(count)]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True,
+                       exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(5, generator=generator).bfloat16()
+        opt.step()
+    return opt, params
+
+
 def test_load_state_dict_keeps_the_state_of_frozen_parameters_left_out(backend):
     """torch's DCP state-dict helpers leave out the state of parameters that do not
     require grad (FSDP2): such a parameter keeps its state, everything else is loaded.
     A trainable parameter left out is still an error (LOAD_ERRORS). Exact storage (bf16
     moments, fp32 master), so "keeps" is bitwise."""
-    def make():
-        generator = torch.Generator().manual_seed(8)
-        params = [torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())
-                  for _ in range(3)]
-        opt = fused_adam()(params, lr=1e-2, master_weights=True,
-                           exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
-        for _ in range(2):
-            for p in params:
-                p.grad = torch.randn(5, generator=generator).bfloat16()
-            opt.step()
-        return opt, params
-
-    opt, params = make()
-    twin, twin_params = make()
+    opt, params = _stepped_bf16_moments(8, 3)
+    twin, twin_params = _stepped_bf16_moments(8, 3)
     sd = copy.deepcopy(opt.state_dict())  # fp32 state is exported by reference
     opt.step()  # moved on: the load must rewind every other parameter
     params[1].requires_grad_(False)
@@ -1939,21 +1942,9 @@ def test_a_frozen_parameter_left_out_reads_the_template_its_load_filled(template
     exported: the load reads it back from there (a fresh optimizer's own state is the
     initial one); from a template of an earlier state_dict() call, which it no longer
     knows, the parameter keeps its state. bf16 moments: exported as copies."""
-    def make(seed):
-        generator = torch.Generator().manual_seed(seed)
-        params = [torch.nn.Parameter(torch.randn(5, generator=generator).bfloat16())
-                  for _ in range(2)]
-        opt = fused_adam()(params, lr=1e-2, master_weights=True,
-                           exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
-        for _ in range(2):
-            for p in params:
-                p.grad = torch.randn(5, generator=generator).bfloat16()
-            opt.step()
-        return opt, params
-
-    saved, saved_params = make(9)
+    saved, saved_params = _stepped_bf16_moments(9, 2)
     checkpoint = copy.deepcopy(saved.state_dict())
-    opt, params = make(10)
+    opt, params = _stepped_bf16_moments(10, 2)
     params[1].requires_grad_(False)
     kept = {k: v.clone() for k, v in state_tensors(opt, params[1]).items()}
     sd = opt.state_dict()
