@@ -26,6 +26,7 @@ DCP's), and two where there are two. Without a GPU, the same checks run under a 
 import contextlib
 import os
 import re
+import sys
 import traceback
 from unittest import mock
 
@@ -158,8 +159,24 @@ def _assert_same(got, want, what):
 
 
 def _job(rank, world, device_type, workdir, presets):
-    """One rank: every preset in turn (one process group: starting ranks costs more than
-    a preset's checks), then an error naming each preset that failed."""
+    """One rank (``_rank``), ended without the interpreter's teardown: torch 2.15's gloo
+    thread can release a finished collective's work while Python finalizes, and abort
+    the process (std::terminate, its thread taking the GIL as the interpreter exits).
+    A failure's traceback goes to stderr and the exit status says it failed."""
+    status = 0
+    try:
+        _rank(rank, world, device_type, workdir, presets)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _rank(rank, world, device_type, workdir, presets):
+    """Every preset in turn (one process group: starting ranks costs more than a
+    preset's checks), then an error naming each preset that failed."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if device_type == "cuda":
