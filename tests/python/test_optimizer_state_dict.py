@@ -992,23 +992,25 @@ def test_a_template_record_says_nothing_of_the_checkpoints_masters(backend):
                          "the master written into the template")
 
 
+def _stepped_bf16_with_masters(seed, steps):
+    """Two bf16 parameters of 4 x 8 with fp32 masters, ``steps`` steps in."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())
+              for _ in range(2)]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(4, 8, generator=gen).bfloat16()
+        opt.step()
+    return opt, params
+
+
 def test_a_frozen_parameters_master_read_from_the_template_is_the_saved_one(backend):
     """S5.5: a frozen parameter's state read from the template dcp.load filled is the
     checkpoint's, master included: a fresh optimizer's master that followed its
     parameter does not go on following (the checkpoint's master was seeded from the
     parameter again), and the layer unfrozen steps as in the run that never stopped."""
-    def stepped(seed):
-        gen = torch.Generator().manual_seed(seed)
-        params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())
-                  for _ in range(2)]
-        opt = fused_adam()(params, lr=1e-2, master_weights=True)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(4, 8, generator=gen).bfloat16()
-            opt.step()
-        return opt, params
-
-    saved, saved_params = stepped(33)
+    saved, saved_params = _stepped_bf16_with_masters(33, steps=3)
     checkpoint = copy.deepcopy(saved.state_dict())
     params = [torch.nn.Parameter(p.detach().clone()) for p in saved_params]
     params[1].requires_grad_(False)
@@ -1149,14 +1151,7 @@ def test_load_splits_a_master_into_an_inference_tensor_parameter(backend):
     masters into remainders writes such a parameter's bits too (in that mode: torch
     refuses the write outside it, which left the earlier parameters rewritten and the
     state not, with torch's own message)."""
-    gen = torch.Generator().manual_seed(23)
-    src_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen).bfloat16())
-                  for _ in range(2)]
-    src = fused_adam()(src_params, lr=1e-2, master_weights=True)
-    for _ in range(2):
-        for p in src_params:
-            p.grad = torch.randn(4, 8, generator=gen).bfloat16()
-        src.step()
+    src, src_params = _stepped_bf16_with_masters(23, steps=2)
     saved = src.state_dict()
     with torch.inference_mode():
         frozen = src_params[1].detach().clone()
