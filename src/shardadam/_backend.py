@@ -91,7 +91,9 @@ def check_before_binding(works: list, state, scales) -> None:
     state that exist already (buffers that binding creates are new memory)."""
     def written(entry):
         tensors = [("param", entry.local)]
-        tensors += state.get(entry.param, {}).items()
+        stored = state.get(entry.param)
+        # Anything but a dict (None put there by hand) is replaced or refused later.
+        tensors += stored.items() if isinstance(stored, dict) else ()
         tensors += [(f"{name}_scale", scale)
                     for name, scale in (scales.get(entry.param) or {}).items()]
         return [(name, _dtensor.to_local(tensor)) for name, tensor in tensors

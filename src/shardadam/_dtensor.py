@@ -421,6 +421,22 @@ def param_layout_error(param: torch.Tensor) -> Optional[str]:
     local = to_local(param)
     if local.layout is not torch.strided:
         return f"sparse local tensors are not supported (layout {local.layout})"
+    return _local_shape_error(param.shape, tuple(local.shape), param.placements)
+
+
+def _local_shape_error(shape, local: tuple, placements) -> Optional[str]:
+    """Why a local tensor of shape ``local`` cannot be a run of a global tensor of
+    ``shape`` under ``placements``, or None: the kernels index the local tensor by the
+    global shape (its rows, its packed last dimension), so a local tensor of another
+    rank, or shorter in a dimension no placement splits, would be read past its end."""
+    split = {p.dim for p in placements if _splits(p)}
+    if len(local) != len(shape) or any(
+            size > whole if dim in split or dim - len(shape) in split else size != whole
+            for dim, (size, whole) in enumerate(zip(local, shape))):
+        return (f"the local tensor's shape {list(local)} cannot be part of the global "
+                f"shape {list(shape)} under placements {tuple(placements)} (rule S1.4: "
+                f"the same number of dimensions, each as long as the global one unless a "
+                f"placement splits it, then no longer)")
     return None
 
 

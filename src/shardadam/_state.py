@@ -24,6 +24,7 @@ import torch
 
 from . import _dtensor, _formats, _stored_by
 from ._formats import Format
+from ._memory import short_storage
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
 # The param_groups key under which state_dict() records the state layout (S5.4).
@@ -354,7 +355,7 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
         return False
     stored = _dtensor.to_local(stored)
     if stored_format(stored, formats, spec.name) is not spec.format \
-            or stored.device != param.device:
+            or stored.device != param.device or short_storage(stored) is not None:
         return False
     if stored.shape != spec.format.storage_shape(param.shape) or not (
             stored.is_contiguous() if spec.strides is None
@@ -603,6 +604,11 @@ def _form_error(stored, param) -> Optional[str]:
         return ("is on the meta device, without values (rule S2.2; an optimizer built "
                 "over a model on meta holds such state for every parameter until "
                 "initialize_state runs for each)")
+    short = short_storage(local)
+    if short is not None:
+        return (f"has a storage of {short[0]} bytes, fewer than its elements span "
+                f"({short[1]}): its memory was freed or shrunk (rule S2.2: a state holds "
+                f"its values)")
     return None
 
 

@@ -9,6 +9,7 @@ and layouts, ``ValueError`` for bad hyper-parameter values and malformed state d
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import operator
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import _dtensor, _formats
+from ._memory import extent, short_storage
 from ._formats import PARAM_TAGS
 from ._state import StateConfig
 
@@ -363,6 +365,27 @@ def check_groups(groups: list, first_index: int = 0) -> None:
                        f"one; a tensor there would be read as its rows)", group=g)
 
 
+def check_grads_clearable(groups: list, decoupled: bool, set_to_none: bool) -> None:
+    """Before ``zero_grad`` clears anything (S4, S8): every parameter put into the groups
+    by hand is a tensor, and a ``decoupled_grad`` it would zero is one."""
+    for g, group in enumerate(groups):
+        params = group["params"]
+        if all(map(isinstance, params, itertools.repeat(torch.Tensor))):
+            if not decoupled or set_to_none:
+                continue
+            grads = [getattr(p, "decoupled_grad", None) for p in params]
+            bad = [i for i, grad in enumerate(grads)
+                   if grad is not None and not isinstance(grad, torch.Tensor)]
+            if bad:
+                raise fail(TypeError, f"decoupled_grad must be a tensor or None, got "
+                                      f"{shown(grads[bad[0]])} (rule S3.2)", group=g,
+                           param=bad[0], name=param_name(group, bad[0]))
+            continue
+        i = next(i for i, p in enumerate(params) if not isinstance(p, torch.Tensor))
+        raise fail(TypeError, f"parameters must be tensors, got {shown(params[i])} "
+                              f"(rule S8)", group=g, param=i)
+
+
 def group_params(param_group, group_index: int) -> list:
     """The ``params`` of a group handed to the constructor or ``add_param_group``, as the
     list torch stores: a tensor alone, or an ordered iterable of tensors, or of
@@ -639,10 +662,13 @@ def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) ->
             continue
         for name in ("exp_avg", "exp_avg_sq"):
             value = values.get(name)
-            # A sparse or mkldnn value is left to check_value, which refuses it by name.
-            if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and not value.is_meta and value.layout is torch.strided
-                    and bool(_dtensor.to_local(value).any())):
+            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+                continue
+            local = _dtensor.to_local(value)
+            # A sparse, mkldnn or freed value is left to check_value, which refuses it by
+            # name.
+            if (not local.is_meta and local.layout is torch.strided
+                    and short_storage(local) is None and bool(local.any())):
                 raise fail(ValueError, f"the loaded step is 0 but {name} of parameter key "
                                        f"{shown(key)} is not zero (rule S5.5: a group at step 0 "
                                        f"has zero moments unless its state_layout says "
@@ -788,8 +814,8 @@ def _overlaps_itself(tensor) -> bool:
                   if size > 1)
     if any(stride == 0 for stride, _ in dims):
         return True
-    extent = _extent(tensor)
-    if 0 < extent < tensor.numel():
+    reach_all = extent(tensor)
+    if 0 < reach_all < tensor.numel():
         return True
     # Sorted by stride, each dimension stepping past all the smaller ones' reach
     # proves every element its own address (contiguous, transposed, sliced views).
@@ -802,7 +828,7 @@ def _overlaps_itself(tensor) -> bool:
         return False
     if tensor.is_meta:  # no memory, so no storage bounds the reach: not counted
         return False
-    mask = torch.zeros(extent, dtype=torch.bool)
+    mask = torch.zeros(reach_all, dtype=torch.bool)
     mask.as_strided(tensor.shape, tensor.stride()).fill_(True)
     return int(mask.sum()) < tensor.numel()
 
@@ -810,7 +836,7 @@ def _overlaps_itself(tensor) -> bool:
 def freed_error(local) -> Optional[str]:
     """Why the local tensor of a parameter holds no values (its storage freed or
     shrunk below the elements it spans), or None (S1.4)."""
-    short = _short_storage(local)
+    short = short_storage(local)
     if short is None:
         return None
     return (f"the parameter's storage holds {short[0]} bytes, fewer than its elements span "
@@ -818,16 +844,6 @@ def freed_error(local) -> Optional[str]:
             f"parameters a forward leaves on the root module: build the optimizer from "
             f"the sharded ones, before the first forward or after model.reshard(); rule "
             f"S1.4: a parameter holds its values)")
-
-
-def _short_storage(local) -> Optional[tuple]:
-    """``(bytes held, bytes spanned)`` where a tensor's storage holds fewer bytes than
-    its elements span (freed or shrunk in place), else None."""
-    if local.numel() == 0 or local.is_meta:
-        return None
-    held = local.untyped_storage().nbytes()
-    spanned = (local.storage_offset() + _extent(local)) * local.element_size()
-    return (held, spanned) if held < spanned else None
 
 
 def storages_hold(tensors: list) -> bool:
@@ -841,12 +857,6 @@ def storages_hold(tensors: list) -> bool:
 
 
 _nbytes_of = operator.attrgetter("nbytes")
-
-
-def _extent(tensor) -> int:
-    """Elements from a non-empty tensor's first element to its last, both included."""
-    return 1 + sum((size - 1) * abs(stride)
-                   for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 def check_params(params, group_index: int, group: dict,
@@ -886,7 +896,7 @@ def memory_span(tensor) -> tuple:
     start = tensor.data_ptr()
     if tensor.is_contiguous():
         return start, start + tensor.nbytes
-    return start, start + _extent(tensor) * tensor.element_size()
+    return start, start + extent(tensor) * tensor.element_size()
 
 
 def spans_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -1015,7 +1025,7 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     if local_grad.device != local_param.device:
         return (f"gradient is on {local_grad.device} but the parameter is on "
                 f"{local_param.device} (rule S3.4: a gradient is on its parameter's device)")
-    short = _short_storage(local_grad)
+    short = short_storage(local_grad)
     if short is not None:
         return (f"the gradient's storage holds {short[0]} bytes, fewer than its elements "
                 f"span ({short[1]}): its memory was freed or shrunk (rule S3.2: a gradient "
@@ -1039,6 +1049,12 @@ def check_value(param: torch.Tensor, spec, value, where_: str) -> None:
     if local.layout is not torch.strided:
         raise RuntimeError(f"{where_}: state {spec.name!r} must be dense, "
                            f"got layout {local.layout} (rule S5.3)")
+    short = short_storage(local)
+    if short is not None:
+        raise RuntimeError(f"{where_}: state {spec.name!r} has a storage of {short[0]} bytes, "
+                           f"fewer than its elements span ({short[1]}): its memory was "
+                           f"freed or shrunk (rule S5.3: a value is read as S3.2 reads a "
+                           f"gradient, so it must hold its values)")
     if tuple(local.shape) != tuple(local_param.shape):
         hint = ""
         if _dtensor.is_dtensor(param) and not _dtensor.is_dtensor(value):

@@ -405,6 +405,8 @@ class FusedAdam(torch.optim.Optimizer):
         # (2) validate everything, (3) only then mutate (S3.1).
         listing = _plan.Listing()  # the state containers, listed once for every group
         groups = self.param_groups
+        if type(groups) is not list:  # refused by name, as every other method does
+            _validate.check_groups(groups)
         plan_set = self._plan_set
         current = plan_set is not None and plan_set.is_current(
             groups, self._plans, config, self.state, self._scales, self._formats, listing)
@@ -592,6 +594,8 @@ class FusedAdam(torch.optim.Optimizer):
         if set_to_none is None:
             set_to_none = True
         _validate.check_groups(self.param_groups)
+        _validate.check_grads_clearable(self.param_groups, self.use_decoupled_grad,
+                                        set_to_none)
         if not self.use_decoupled_grad:
             super().zero_grad(set_to_none=set_to_none)
             return

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import torch
 
+from shardadam import _dtensor
+
 from _optimizer_testing import (
     assert_bitwise_equal, assert_same_optimizer_state, assert_unchanged, backend_context,
     facts, fused_adam, have_core, snapshot, state_tensors)
@@ -1547,6 +1549,13 @@ def remainder_optimizer():
 FOREIGN = torch.nn.Parameter(torch.randn(4))
 
 
+def without_storage(value, nbytes=0):
+    """A copy of ``value`` whose storage then holds ``nbytes`` (freed, or shrunk)."""
+    value = value.clone()
+    value.untyped_storage().resize_(nbytes)
+    return value
+
+
 def call(method, target, *args, **kwargs):
     """`opt.<method>(param, *args, **kwargs)` where `target` is the parameter's index in
     the test's list, or "foreign" for a tensor the optimizer does not hold."""
@@ -1584,6 +1593,12 @@ ACCESS_ERRORS = [
      RuntimeError, facts(*at(0, 1), "(?i)shape", r"rule S5\.3")),
     ("set-not-a-tensor", call("set_scaled_state", 1, "exp_avg", [0.0, 0.0, 0.0]),
      RuntimeError, facts(*at(0, 1), "(?i)tensor|list", r"rule S5\.3")),
+    # read as S3.2 reads a gradient: one whose storage was freed killed the process
+    ("set-freed-value", call("set_scaled_state", 1, "exp_avg", without_storage(torch.ones(3))),
+     RuntimeError, facts(*at(0, 1), "storage of 0 bytes", "freed or shrunk", r"rule S5\.3")),
+    ("set-shrunk-value", call("set_scaled_state", 0, "exp_avg_sq",
+                              without_storage(torch.ones(4), 8)),
+     RuntimeError, facts(*at(0, 0), "storage of 8 bytes", "freed or shrunk", r"rule S5\.3")),
     ("initialize-remainders-true-on-fp32-param",
      call("initialize_state", 0, store_param_remainders=True), RuntimeError,
      facts(*at(0, 0), "store_param_remainders")),
@@ -1607,7 +1622,7 @@ def test_state_access_rejects_and_changes_nothing(action, exc, pattern, backend)
 
 
 @pytest.mark.parametrize("remainders", [False, True], ids=["fp32-master", "remainder"])
-@pytest.mark.parametrize("value", ["wrong-shape", "wrong-dtype", "not-a-tensor"])
+@pytest.mark.parametrize("value", ["wrong-shape", "wrong-dtype", "not-a-tensor", "freed"])
 def test_refused_master_keeps_following_its_parameter(value, remainders, backend):
     """S1.6: a master that follows its parameter (none has stepped) stops following only
     when a master is set; a refused set_scaled_state leaves it following: weights loaded
@@ -1617,7 +1632,8 @@ def test_refused_master_keeps_following_its_parameter(value, remainders, backend
     right = torch.int16 if remainders else torch.float32
     bad = {"wrong-shape": torch.zeros(4, 3, dtype=right),
            "wrong-dtype": torch.zeros(3, 4, dtype=torch.float64),
-           "not-a-tensor": [[0.0] * 4] * 3}[value]
+           "not-a-tensor": [[0.0] * 4] * 3,
+           "freed": without_storage(torch.zeros(3, 4, dtype=right))}[value]
     before = snapshot(opt)
     assert before["seeded_keys"] == [id(param)]
     with pytest.raises(RuntimeError, match=facts(*at(0, 0), "master_param")):
@@ -1737,14 +1753,20 @@ def _meta_step_per_parameter(sd):
     sd["state"][2]["step"] = torch.empty((), device="meta")
 
 
-def _sparse_moment_at_step_0(sd):
-    """Group 0 at step 0 with zero moments, one of them a sparse CSR tensor: refused as
-    not dense, not by the step-0 check, which cannot read one."""
-    sd["param_groups"][0]["step"] = 0
-    for key in sd["param_groups"][0]["params"]:
-        for name in ("exp_avg", "exp_avg_sq"):
-            sd["state"][key][name] = torch.zeros_like(sd["state"][key][name])
-    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].to_sparse_csr()
+def _moment_at_step_0(kind):
+    """Group 0 at step 0 with zero moments, one of them a sparse CSR tensor, or one
+    whose storage was freed: refused by name, not by the step-0 check, which cannot read
+    one (it read the freed one's memory: a segmentation fault)."""
+    def edit(sd):
+        sd["param_groups"][0]["step"] = 0
+        for key in sd["param_groups"][0]["params"]:
+            for name in ("exp_avg", "exp_avg_sq"):
+                sd["state"][key][name] = torch.zeros_like(sd["state"][key][name])
+        value = sd["state"][0]["exp_avg"]
+        sd["state"][0]["exp_avg"] = (value.to_sparse_csr() if kind == "sparse-csr"
+                                     else without_storage(value))
+    return edit
+
 
 
 LOAD_ERRORS = [
@@ -1836,8 +1858,15 @@ LOAD_ERRORS = [
     ("state_layout-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
         "state_layout", torch.ones(3)),
      ValueError, facts(r"group\W*1\b", "state_layout must be a str", r"shape \[3\]")),
-    ("sparse-csr-moment-at-step-0", _sparse_moment_at_step_0, RuntimeError,
+    ("sparse-csr-moment-at-step-0", _moment_at_step_0("sparse-csr"), RuntimeError,
      facts(*at(0, 0), "'exp_avg' must be dense", "torch.sparse_csr", r"rule S5\.3")),
+    ("freed-moment-at-step-0", _moment_at_step_0("freed"), RuntimeError,
+     facts(*at(0, 0), "'exp_avg' has a storage of 0 bytes", "freed or shrunk",
+           r"rule S5\.3")),
+    ("shrunk-state-value", lambda sd: sd["state"][2].__setitem__(
+        "exp_avg_sq", without_storage(sd["state"][2]["exp_avg_sq"], 8)),
+     RuntimeError, facts(*at(1, 0), "'exp_avg_sq' has a storage of 8 bytes",
+                         "freed or shrunk", r"rule S5\.3")),
     ("meta-state-value", lambda sd: sd["state"][2].__setitem__(
         "exp_avg", torch.zeros(6, device="meta")),
      RuntimeError, facts(*at(1, 0), "'exp_avg' is a meta tensor")),
@@ -2121,7 +2150,7 @@ def test_messages_show_long_values_cut(value, shown):
 
 @pytest.mark.parametrize("call", ["step", "state_dict", "zero_grad", "get_unscaled_state",
                                   "load_state_dict", "add_param_group"])
-@pytest.mark.parametrize("broken", ["params-tensor", "params-none", "group-str"])
+@pytest.mark.parametrize("broken", ["params-tensor", "params-none", "group-str", "groups-tuple"])
 def test_param_groups_edited_into_an_unreadable_form_are_refused(call, broken):
     """S8: a group of ``param_groups`` edited by hand into something no reader can take is
     refused by name; a tensor put in as ``params`` was read as its rows, each stepped as
@@ -2133,10 +2162,13 @@ def test_param_groups_edited_into_an_unreadable_form_are_refused(call, broken):
     opt.step()
     saved = opt.state_dict()
     before = snapshot(opt)
-    group = opt.param_groups[0]
+    groups, group = opt.param_groups, opt.param_groups[0]
     if broken == "group-str":
         opt.param_groups[0] = "x"
         pattern = r"group 0: a parameter group must be a dict, got 'x'"
+    elif broken == "groups-tuple":  # step() read it as it was, the others refused it
+        opt.param_groups = tuple(groups)
+        pattern = r"param_groups must be a list of dicts, got a tuple of 1 item"
     else:
         group["params"] = a if broken == "params-tensor" else None
         shown = "a tensor of dtype torch.float32 and shape \\[4, 3\\]" \
@@ -2149,14 +2181,41 @@ def test_param_groups_edited_into_an_unreadable_form_are_refused(call, broken):
                  {"params": [torch.nn.Parameter(torch.randn(2))]})}
     with pytest.raises(TypeError, match=facts("FusedAdam", pattern, "rule S8")):
         calls[call]()
-    opt.param_groups[0] = group
+    opt.param_groups = groups
+    groups[0] = group
     group["params"] = [a, b]
     assert len(opt.param_groups) == 1 and len(opt.state) == 2
     assert_unchanged(opt, before)
 
 
+@pytest.mark.parametrize("bad", ["param-int", "decoupled-grad-list"])
+def test_zero_grad_refuses_what_it_cannot_clear_before_clearing_any(bad):
+    """S4, S8: a parameter put into a group by hand that is no tensor, or (clearing to
+    zero with use_decoupled_grad) a decoupled_grad that is none, is refused by name
+    before any gradient is cleared (the first group's were cleared, then a bare
+    AttributeError)."""
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))
+    decoupled = bad == "decoupled-grad-list"
+    opt = fused_adam()([a, b], lr=0.1, use_decoupled_grad=decoupled)
+    grads = {a: torch.randn(4), b: [1.0] * 5 if decoupled else torch.randn(5)}
+    for p, grad in grads.items():
+        setattr(p, "decoupled_grad" if decoupled else "grad", grad)
+    if decoupled:
+        pattern = r"group 0, param 1\b.*decoupled_grad must be a tensor or None, got \[1\.0"
+    else:
+        opt.param_groups[0]["params"].append(7)
+        pattern = r"group 0, param 2\b.*parameters must be tensors, got 7 \(rule S8\)"
+    kept = {p: g.clone() if isinstance(g, torch.Tensor) else g for p, g in grads.items()}
+    with pytest.raises(TypeError, match=pattern):
+        opt.zero_grad(set_to_none=False)
+    for p in (a, b):
+        now = getattr(p, "decoupled_grad" if decoupled else "grad")
+        assert now is grads[p] and (now == kept[p] if decoupled and p is b
+                                    else torch.equal(now, kept[p])), p.shape
+
+
 @pytest.mark.parametrize("call", ["step", "state_dict", "get_unscaled_state"])
-@pytest.mark.parametrize("bad", ["float", "list", "entry-int", "meta", "sparse"])
+@pytest.mark.parametrize("bad", ["float", "list", "entry-int", "meta", "sparse", "freed"])
 def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     """S2.2, S5.1: a state (or a whole entry) put into ``optimizer.state`` from outside
     that is not a dense tensor with values is refused naming the parameter, the state
@@ -2169,7 +2228,7 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     before = snapshot(opt)
     entry = opt.state[b]
     values = {"float": 0.0, "list": [1.0] * 5, "meta": torch.zeros(5, device="meta"),
-              "sparse": torch.zeros(5).to_sparse()}
+              "sparse": torch.zeros(5).to_sparse(), "freed": without_storage(entry["exp_avg"])}
     if bad == "entry-int":
         opt.state[b] = 5
         pattern = r"state entry must be a dict of state tensors, got int \(rule S5.1\)"
@@ -2178,7 +2237,9 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
         pattern = {"float": r"state 'exp_avg' must be a tensor, got float",
                    "list": r"state 'exp_avg' must be a tensor, got list",
                    "meta": r"state 'exp_avg' is on the meta device",
-                   "sparse": r"state 'exp_avg' is a torch.sparse_coo tensor"}[bad] + ".*S2.2"
+                   "sparse": r"state 'exp_avg' is a torch.sparse_coo tensor",
+                   "freed": r"state 'exp_avg' has a storage of 0 bytes, fewer than its "
+                            r"elements span \(20\): its memory was freed"}[bad] + ".*S2.2"
     calls = {"step": opt.step, "state_dict": opt.state_dict,
              "get_unscaled_state": lambda: opt.get_unscaled_state(b, "exp_avg")}
     every = ["for every parameter until initialize_state runs for each"] * (bad == "meta")
@@ -2189,6 +2250,9 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     opt.state[b] = entry
     assert_unchanged(opt, before)
     opt.state[b] = broken
+    if bad == "freed":  # set_scaled_state replaces it (it wrote into the freed memory)
+        opt.set_scaled_state(b, "exp_avg", torch.ones(5))
+        assert torch.equal(opt.get_unscaled_state(b, "exp_avg"), torch.ones(5))
     opt.initialize_state(b)
     assert sorted(opt.state[b]) == ["exp_avg", "exp_avg_sq"]
     assert torch.equal(opt.get_unscaled_state(b, "exp_avg"), torch.zeros(5))
@@ -2204,6 +2268,52 @@ def test_a_state_set_to_none_reads_as_cleared():
     with pytest.raises(KeyError, match=facts(*at(0, 0), "no state 'exp_avg' yet",
                                              "rule S5.2")):
         opt.get_unscaled_state(p, "exp_avg")
+
+
+@pytest.mark.parametrize("options", [{}, {"master_weights": True, "moment_format": "block8"}],
+                         ids=["fp32", "bf16-master-block8"])
+def test_a_state_entry_set_to_none_steps_from_fresh_state(options, backend):
+    """S1.6: a whole entry set to None reads as a parameter without state, as for a
+    single state: the step creates it and steps as a fresh optimizer would (it was a
+    bare AttributeError, where the parameter had a gradient)."""
+    dtype = torch.bfloat16 if options else torch.float32
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(4, 256, generator=gen).to(dtype))
+    q = torch.nn.Parameter(p.detach().clone())
+    p.grad = torch.randn(4, 256, generator=gen).to(dtype)
+    q.grad = p.grad.clone()
+    opt, fresh = fused_adam()([p], **options), fused_adam()([q], **options)
+    opt.state[p] = None
+    opt.step()
+    fresh.step()
+    assert torch.equal(p, q), "the parameter stepped otherwise than a fresh optimizer's"
+    for name in fresh.state[q]:
+        assert torch.equal(opt.get_unscaled_state(p, name),
+                           fresh.get_unscaled_state(q, name)), name
+
+
+@pytest.mark.parametrize("local, placements, fits", [
+    ((2, 4), "S0", True), ((0, 4), "S0", True), ((5, 4), "S0", True), ((6, 4), "S0", False),
+    ((2, 3), "S0", False), ((2, 4, 1), "S0", False), ((8,), "S0", False),
+    ((5, 2), "S1", True), ((5, 5), "S1", False), ((4, 4), "S1", False),
+    ((5, 4), "R", True), ((5, 3), "R", False), ((2, 2), "S0,S1", True),
+    ((2, 4), "R,S0", True), ((2, 4), "S0,R", True), ((5, 3), "R,S0", False)])
+def test_a_local_tensor_that_is_no_part_of_the_global_shape_is_named(local, placements,
+                                                                     fits):
+    """S1.4: a DTensor parameter's local tensor has the global tensor's dimensions, each
+    as long as the global one where no placement splits it and no longer where one
+    does (any run of rows, as Megatron FSDP hands out); anything else would be indexed
+    by the global shape past its end (block4's packed rows read the global row)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    chosen = tuple(kinds[k] for k in placements.split(","))
+    error = _dtensor._local_shape_error((5, 4), local, chosen)
+    if fits:
+        assert error is None, error
+    else:
+        assert error is not None and f"local tensor's shape {list(local)}" in error, error
+        assert "global shape [5, 4]" in error and "rule S1.4" in error, error
 
 
 def test_a_parameter_name_that_is_a_tensor_is_shown_without_its_values():

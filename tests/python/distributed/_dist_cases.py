@@ -32,6 +32,7 @@ BLOCK8_PRESETS = ("p=fp32-m=block8", "p=bf16-master=remainder-m=block8",
                   "p=bf16-master=remainder-m=block4", "p=bf16-sr-m=block4")
 
 LAYOUT_ERRORS = ("grad-placements", "grad-mesh", "grad-global-shape", "partial-param",
+                 "local-shape-param",
                  "plain-grad-for-dtensor-param", "dtensor-grad-for-plain-param",
                  "state-plain-for-dtensor-param", "state-placements",
                  "state-dtensor-for-plain-param")

@@ -238,8 +238,8 @@ def layout_error(ctx, case):
              ParamSpec("mat3x5", (3, 5), ("S1",), group=1),
              ParamSpec(culprit, (n, 3), ("plain",) if plain else ("S0",), group=1)]
     where = (1, (1, 3))  # group 1; index 1 in the group, 3 overall
-    if what == "partial-param":
-        return _partial_param(ctx, case, preset, specs, n)
+    if what in ("partial-param", "local-shape-param"):
+        return _bad_param(ctx, case, preset, specs, n)
     # torch refuses these as ``.grad`` (size/type checks); Megatron's decoupled_grad is
     # where the optimizer itself must catch them.
     decoupled = what in ("grad-global-shape", "plain-grad-for-dtensor-param",
@@ -312,26 +312,37 @@ def _bad_state(ctx, run, culprit, where, what, mesh):
     assert steps == [2, 2], f"group steps {steps} after one rejected and two good steps"
 
 
-def _partial_param(ctx, case, preset, specs, n):
-    """S1.4: a Partial parameter is refused at construction and by add_param_group."""
+def _bad_param(ctx, case, preset, specs, n):
+    """S1.4: a Partial parameter, or a Shard(0) one whose local rows are shorter than the
+    global rows (no run of the global tensor), is refused at construction and by
+    add_param_group."""
     run = ManualRun(ctx, preset, specs, case.id)
     run.set_grads(run.full_grads(1))
     run.step()
-    local = full_param((n, 3), seed_of(case.id, "partial", ctx.rank), preset.param_dtype)
-    partial = nn.Parameter(DTensor.from_local(local.clone(), ctx.mesh(), [Partial()]))
+    seed = seed_of(case.id, "bad", ctx.rank)
+    if case.detail == "partial-param":
+        local = full_param((n, 3), seed, preset.param_dtype)
+        bad = DTensor.from_local(local.clone(), ctx.mesh(), [Partial()])
+        mentions = ["Partial"]
+    else:
+        local = full_param((1, 2), seed, preset.param_dtype)
+        bad = DTensor.from_local(local.clone(), ctx.mesh(), [Shard(0)], run_check=False,
+                                 shape=(n, 3), stride=(3, 1))
+        mentions = ["S1.4", "[1, 2]", f"[{n}, 3]"]
+    bad = nn.Parameter(bad)
     groups = [{"params": [run.params["vec7"], run.params["rep4x3"]]},
-              {"params": [run.params["mat3x5"], partial]}]
+              {"params": [run.params["mat3x5"], bad]}]
     error = _attempt(lambda: fused_adam()(groups, **run.opt_kwargs))
-    symmetric(_check_rejection, error, 1, (1, 3), ["Partial"])
+    symmetric(_check_rejection, error, 1, (1, 3), mentions)
     before = local_snapshot(run)
     groups_before = len(run.opt.param_groups)
-    error = _attempt(lambda: run.opt.add_param_group({"params": [partial]}))
-    symmetric(_check_rejection, error, 2, (0, 4), ["Partial"])
+    error = _attempt(lambda: run.opt.add_param_group({"params": [bad]}))
+    symmetric(_check_rejection, error, 2, (0, 4), mentions)
 
     def unchanged():
         assert len(run.opt.param_groups) == groups_before, "add_param_group added a group"
         assert_snapshots_bitwise(local_snapshot(run), before, "after the rejected group")
-        assert_bitwise(local_of(partial), local, "the Partial parameter")
+        assert_bitwise(local_of(bad), local, "the refused parameter")
 
     symmetric(unchanged)
 
