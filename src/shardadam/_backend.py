@@ -85,10 +85,14 @@ def prepare(work) -> Prepared:
     return Prepared(work, path, path.prepare(work))
 
 
-def check_before_binding(works: list, state, scales) -> None:
+def check_before_binding(works: list, standing: list, state, scales) -> None:
     """Before a step binds plans, which creates or converts state (a change that a
     refused step must not leave, S3.1): each gradient against the parameters and the
-    state that exist already (buffers that binding creates are new memory)."""
+    state that exist already (buffers that binding creates are new memory), and the
+    scales of the plans that stand (``standing``'s batches: checked when they were
+    built, they may have been changed in place since, which ``check_together`` would
+    find only after binding wrote)."""
+    _torch_path.check_scales(standing)
     def written(entry):
         tensors = [("param", entry.local)]
         stored = state.get(entry.param)

@@ -461,8 +461,10 @@ def _fast_kinds(grads: list, batch: DeviceBatch) -> Optional[list]:
         if grad is None:
             kinds.append(0)
             continue
-        # The layout first: sparse and mkldnn tensors have no is_contiguous or storage.
-        if (type(grad) is not _Tensor or grad.layout is not _STRIDED or grad.shape != shape
+        # The layout first: sparse and mkldnn tensors have no is_contiguous or storage;
+        # nested ones (strided, some of them) have no shape.
+        if (type(grad) is not _Tensor or grad.layout is not _STRIDED or grad.is_nested
+                or grad.shape != shape
                 or not grad.is_contiguous() or grad.is_neg() or grad._is_zerotensor()
                 or not (grad.is_cpu if is_cpu else grad.device == device)):
             return None

@@ -1011,9 +1011,10 @@ def grad_error(param: torch.Tensor, grad) -> Optional[str]:
     # The local tensor's own: Megatron FSDP keeps one gradient DTensor and swaps the
     # local tensor inside it (S3.4), so the wrapper's dtype may not be the data's.
     local_param, local_grad = _dtensor.to_local(param), _dtensor.to_local(grad)
-    if local_grad.layout is not torch.strided:
-        return (f"gradient layout must be torch.strided (dense), got {local_grad.layout} "
-                f"(rule S3.2: a gradient is dense; sparse and mkldnn ones are not "
+    if local_grad.layout is not torch.strided or local_grad.is_nested:
+        layout = "a nested tensor" if local_grad.is_nested else local_grad.layout
+        return (f"gradient layout must be torch.strided (dense), got {layout} (rule "
+                f"S3.2: a gradient is dense; sparse, mkldnn and nested ones are not "
                 f"supported)")
     if local_grad.dtype not in PARAM_TAGS:
         return (f"gradient dtype must be fp32, fp16 or bf16, got {local_grad.dtype} (rule "

@@ -430,8 +430,9 @@ class FusedAdam(torch.optim.Optimizer):
                 nonlocal checked
                 if not checked:
                     _backend.check_before_binding(
-                        [b for _, _, batches in work for b in batches], self.state,
-                        self._scales)
+                        [b for _, _, batches in work for b in batches],
+                        [b for plan, _, batches in work if plan.bound for b in batches],
+                        self.state, self._scales)
                     checked = True
 
             with _making_state():

@@ -710,6 +710,54 @@ def test_refused_step_that_would_convert_state_converts_nothing(backend, aliased
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("binds", ["new-param", "state-put-in"])
+def test_bad_scale_of_a_standing_plan_is_refused_before_another_group_binds(backend, binds):
+    """S3.1, S2.11: a per-block scale made invalid in place in a group whose plan stands
+    is refused before another group's plan binds (which creates state for a parameter
+    added by hand, or converts a state put in as fp64 true values): the refusal came
+    from the last check, after that state had been written."""
+    if backend == "auto" and not have_core():
+        pytest.skip("the C++ core is not built")
+    generator = torch.Generator().manual_seed(21)
+    a, b = (torch.nn.Parameter(torch.randn(4, 256, generator=generator)) for _ in range(2))
+    opt = fused_adam()([{"params": [a]}, {"params": [b]}], lr=0.1, moment_format="block8")
+    with backend_context(backend):
+        a.grad, b.grad = (torch.randn(4, 256, generator=generator) for _ in range(2))
+        opt.step()
+        if binds == "new-param":
+            c = torch.nn.Parameter(torch.randn(4, 256, generator=generator))
+            c.grad = torch.randn(4, 256, generator=generator)
+            opt.param_groups[1]["params"].append(c)
+        else:
+            opt.state[b]["exp_avg"] = opt.get_unscaled_state(b, "exp_avg").double()
+        opt._scales[a]["exp_avg"][0] = float("nan")
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=facts(*at(0, 0), r"exp_avg_scale\[0\] nan",
+                                                   "not a valid scale")):
+            opt.step()
+    assert_unchanged(opt, before, "optimizer after a refused step")
+    assert binds != "new-param" or c not in opt.state
+
+
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_a_nested_gradient_is_refused_by_name(layout):
+    """S3.2, S8: a nested gradient is refused naming the parameter and the rule (a
+    strided-layout one reached torch's "NestedTensorImpl doesn't support sizes")."""
+    p = torch.nn.Parameter(torch.randn(4, 8))
+    opt = fused_adam()([p], lr=0.1, use_decoupled_grad=True)
+    before = snapshot(opt)  # without the gradient, which a snapshot cannot compare
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
+        p.decoupled_grad = torch.nested.nested_tensor([torch.randn(8)] * 4,
+                                                      layout=getattr(torch, layout))
+    with pytest.raises(RuntimeError, match=facts(*at(0, 0), "gradient layout must be",
+                                                 "rule S3.2")):
+        opt.step()
+    p.decoupled_grad = None
+    assert_unchanged(opt, before, "optimizer after a refused step")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_gradient_partly_overlapping_a_written_buffer_changes_nothing(backend):
     """Sharing part of a buffer is sharing: a gradient that covers the middle of another
     parameter's exp_avg is refused before anything is updated."""
