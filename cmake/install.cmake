@@ -36,18 +36,23 @@ install(EXPORT shardadam-targets
         NAMESPACE shardadam::
         DESTINATION "${SHARDADAM_CMAKE_DIR}")
 
+# Written below the build tree's root, in a folder find_package never searches: the
+# config works only installed (beside shardadam-targets.cmake), and a project pointed at
+# the build tree would find a package that fails.
+set(_shardadam_staged "${PROJECT_BINARY_DIR}/install-staging")
 configure_package_config_file(
   "${CMAKE_CURRENT_LIST_DIR}/shardadam-config.cmake.in"
-  "${PROJECT_BINARY_DIR}/shardadam-config.cmake"
+  "${_shardadam_staged}/shardadam-config.cmake"
   INSTALL_DESTINATION "${SHARDADAM_CMAKE_DIR}")
 # 0.x: a minor release may change the API, so only the same minor version matches.
 write_basic_package_version_file(
-  "${PROJECT_BINARY_DIR}/shardadam-config-version.cmake"
+  "${_shardadam_staged}/shardadam-config-version.cmake"
   VERSION "${PROJECT_VERSION}"
   COMPATIBILITY SameMinorVersion)
-install(FILES "${PROJECT_BINARY_DIR}/shardadam-config.cmake"
-              "${PROJECT_BINARY_DIR}/shardadam-config-version.cmake"
+install(FILES "${_shardadam_staged}/shardadam-config.cmake"
+              "${_shardadam_staged}/shardadam-config-version.cmake"
         DESTINATION "${SHARDADAM_CMAKE_DIR}")
+unset(_shardadam_staged)
 
 # The licence, and the notices of what the archives and the extension take in.
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" "${PROJECT_SOURCE_DIR}/THIRD_PARTY_NOTICES.md"
