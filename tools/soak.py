@@ -32,20 +32,25 @@ def _parse(argv):
     from shardadam.demo.config import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=600, help="steps of the run")
     parser.add_argument("--every", type=int, default=10, help="steps between checkpoints")
     parser.add_argument("--kills", type=int, default=16,
                         help="attempts that lose a rank (phases in turn, shuffled)")
     parser.add_argument("--kill-window", type=float, default=3.0,
                         help="a rank dies within this many checkpoint intervals of its "
                              "attempt's start")
-    parser.add_argument("--world-sizes", default="2,3")
+    parser.add_argument("--world-sizes", default="2,3",
+                        help="two or more different world sizes, comma-separated")
     parser.add_argument("--presets", default=",".join(PRESETS),
-                        help=f"demo presets, comma-separated (default all: {', '.join(PRESETS)})")
-    parser.add_argument("--seed", type=int, default=0)
+                        help=f"demo presets, comma-separated, each once (default all: "
+                             f"{', '.join(PRESETS)})")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the data, the model and where kills strike (>= 0)")
     parser.add_argument("--out", default=None,
                         help="fresh folder for everything (default runs/soak-<date>-<time>)")
     args = parser.parse_args(argv)
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     unknown = set(args.presets.split(",")) - set(PRESETS)
     if unknown:
         parser.error(f"unknown preset(s) {sorted(unknown)}; choose from {list(PRESETS)}")

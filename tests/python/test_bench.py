@@ -288,6 +288,18 @@ def test_a_failed_memory_measurement_is_shown_as_failed(tiny_run):
     assert "failed" not in report.table([record]).splitlines()[-1]
 
 
+def test_a_failed_kernel_bench_is_said_where_its_rows_are_missing():
+    """A kernel_bench that fails leaves its rows out of the table; the log says so and
+    why (it was said only in the JSON's meta)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardadam", "bench", "--quick", "--scale", "0.001", "--reps",
+         "2", "--cases", "large", "--no-memory"], capture_output=True, text=True,
+        timeout=600, env=dict(os.environ, SHARDADAM_KERNEL_BENCH="/bin/false"))
+    assert done.returncode == 0, done.stderr
+    assert "kernel_bench failed, its rows are left out: /bin/false" in done.stderr, \
+        done.stderr
+
+
 def test_peak_memory_is_measured_per_contender(tiny_run):
     _, data, _ = tiny_run
     for record in data["results"]:

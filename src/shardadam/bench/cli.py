@@ -201,7 +201,8 @@ def run(args) -> int:
         _log(f"kernel_bench: {path} --numel {numel} --threads {threads}"
              + (f" --preset {preset}" if preset else ""))
         found = probe.kernel_bench_figures(path, numel, reps, threads, settle_s, preset)
-        if "error" in found:
+        if "error" in found:  # its rows are missing: say why, not only in the JSON
+            _log(f"kernel_bench failed, its rows are left out: {found['error']}")
             meta.setdefault("kernel_bench_errors", []).append(found.pop("error"))
         rows.update(found)
 

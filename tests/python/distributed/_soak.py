@@ -539,8 +539,16 @@ def plan_error(plan):
                 f"{plan.steps}, every {plan.every}, kills {plan.kills}")
     if not 0 < plan.kill_window < float("inf"):
         return f"kill_window must be finite and > 0, got {plan.kill_window}"
-    if len(plan.world_sizes) < 2 or min(plan.world_sizes) < 1:
-        return f"two or more world sizes of at least 1 rank, got {plan.world_sizes}"
+    if (len(plan.world_sizes) < 2 or min(plan.world_sizes) < 1
+            or len(set(plan.world_sizes)) != len(plan.world_sizes)):
+        return (f"two or more different world sizes of at least 1 rank (the last attempt "
+                f"loads at another one), got {plan.world_sizes}")
+    if len(set(plan.presets)) != len(plan.presets):
+        return f"each preset once, got {plan.presets}"
+    if int(plan.kill_window * plan.every) <= plan.every:
+        return (f"kill_window must span more than one checkpoint interval (a rank killed "
+                f"in backward or step() dies after its attempt's first checkpoint), got "
+                f"{plan.kill_window} intervals of {plan.every} steps")
     room = plan.kills * int(plan.kill_window * plan.every) + plan.every
     if plan.steps <= room:
         return (f"{plan.kills} kills within {plan.kill_window} intervals of {plan.every} "
@@ -565,6 +573,12 @@ def soak(plan, root, log=print):
     sup.run()
     soak_s = time.monotonic() - began
     segments = sup.lineage()
+    if plan.kills and len(segments) == 1:
+        # Every kill struck before its attempt's first checkpoint was complete (while
+        # writing it, or from outside): a pass would say nothing of resuming.
+        raise SoakError(f"the final state was never loaded from a checkpoint (lineage "
+                        f"{segments[0][0]}-{segments[0][1]} at W={segments[0][2]}): the "
+                        f"soak tested no resume; run it again with another seed")
     runs = _reference(sup, segments, os.path.join(root, "reference"), log)
     compared = _compare(sup, segments, runs)
     judged, problems = _resources(sup, runs)

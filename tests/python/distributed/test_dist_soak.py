@@ -14,6 +14,9 @@ model's RSS bound, half its state per checkpoint, could not tell from a leak.
 """
 
 import collections
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -75,8 +78,11 @@ def test_fds_threads_objects_and_rss_flat_after_warm_up(report):
     (dict(every=0), "steps and every must be at least 1"),
     (dict(kills=-1), "kills at least 0"),
     (dict(kill_window=float("nan")), "kill_window must be finite and > 0"),
-    (dict(world_sizes=(2,)), "two or more world sizes"),
-    (dict(world_sizes=(0, 2)), "two or more world sizes"),
+    (dict(world_sizes=(2,)), "two or more different world sizes"),
+    (dict(world_sizes=(0, 2)), "two or more different world sizes"),
+    (dict(world_sizes=(2, 2)), "two or more different world sizes"),
+    (dict(presets=("fp32", "fp32")), "each preset once"),
+    (dict(kill_window=1.2), "kill_window must span more than one checkpoint interval"),
     (dict(steps=20), "4 kills within 1.5 intervals of 4 steps need more than 28 steps"),
 ])
 def test_a_plan_that_cannot_run_is_refused_before_anything_starts(change, named):
@@ -87,3 +93,20 @@ def test_a_plan_that_cannot_run_is_refused_before_anything_starts(change, named)
     assert _soak.plan_error(PLAN) is None
     error = _soak.plan_error(dataclasses.replace(PLAN, **change))
     assert error is not None and named in error, error
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--presets", "fp32,fp32"], "each preset once"),
+    (["--world-sizes", "2,2"], "two or more different world sizes"),
+    (["--kill-window", "1"], "kill_window must span more than one checkpoint interval")])
+def test_the_soak_command_refuses_bad_usage_before_it_runs(flags, named, tmp_path):
+    """tools/soak.py: a repeated world size crashed after training had begun, a repeated
+    preset failed as a soak that differed, and a window of one interval could pass
+    without a kill after a checkpoint; each is a usage error now, and no folder is made."""
+    tool = os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools", "soak.py")
+    out = tmp_path / "soak"
+    done = subprocess.run([sys.executable, tool, *flags, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and named in done.stderr, done.stderr
+    assert not out.exists()
