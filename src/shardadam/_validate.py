@@ -365,6 +365,22 @@ def check_groups(groups: list, first_index: int = 0) -> None:
                        f"one; a tensor there would be read as its rows)", group=g)
 
 
+def check_params_argument(params) -> None:
+    """The constructor's ``params`` (S8): an iterable of tensors or of groups, which a
+    dict (torch would step its keys as parameters), a lone tensor and a non-iterable
+    are not."""
+    if isinstance(params, dict):
+        why = "one group goes in a list, [group]"
+    elif isinstance(params, torch.Tensor):
+        why = "a lone tensor goes in a list, [tensor]"
+    elif not isinstance(params, Iterable):
+        why = "a list of tensors, of (name, tensor) pairs, or of groups"
+    else:
+        return
+    raise TypeError(f"{CLASS_NAME}: params must be an iterable of tensors or of parameter "
+                    f"groups, got {shown(params)} (rule S8: {why})")
+
+
 def check_grads_clearable(groups: list, decoupled: bool, set_to_none: bool) -> None:
     """Before ``zero_grad`` clears anything (S4, S8): every parameter put into the groups
     by hand is a tensor, and a ``decoupled_grad`` it would zero is one."""

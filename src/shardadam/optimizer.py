@@ -148,10 +148,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._stepping = threading.Lock()  # held while a step checks and steps (S3.1)
         self._last_export = _last_export.LastExport()  # state_dict()'s, weakly (S5.5)
         self._constructing = True  # add_param_group leaves the parameters' overlaps to us
-        if isinstance(params, dict):  # torch would step the group's keys as parameters
-            raise TypeError(f"{_validate.CLASS_NAME}: params must be an iterable of "
-                            f"tensors or of parameter groups, got a dict (rule S8: one "
-                            f"group goes in a list, [group])")
+        _validate.check_params_argument(params)
         super().__init__(params, defaults)
         self._constructing = False
         _validate.check_disjoint_params(self.param_groups)  # S1.4, all groups at once

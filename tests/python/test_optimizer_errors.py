@@ -2168,12 +2168,18 @@ def test_messages_show_no_tensor_contents(where, backend):
      r"group 1: a parameter group must be a dict, got \['x'\]"),
     (lambda p, q: fused_adam()({"params": [p]}), TypeError,
      r"params must be an iterable of tensors or of parameter groups, got a dict"),
+    (lambda p, q: fused_adam()(p), TypeError,
+     r"params must be an iterable .* got a tensor of dtype torch.float32 and shape \[3\]"
+     r".*a lone tensor goes in a list"),
+    (lambda p, q: fused_adam()(3), TypeError,
+     r"params must be an iterable of tensors or of parameter groups, got 3"),
     (lambda p, q: fused_adam()([{"params": [("a", p)]}, {"params": [q]}]), ValueError,
      r"group 1: does not name its parameters where the groups before it do"),
     (lambda p, q: fused_adam()([p]).add_param_group({"params": [("b", q)]}), ValueError,
      r"group 1: names its parameters where the groups before it do not"),
 ], ids=["no-params", "params-none", "params-set", "mixed-names", "apg-int", "apg-list",
-        "params-dict", "named-then-unnamed", "unnamed-then-named"])
+        "params-dict", "params-tensor", "params-int", "named-then-unnamed",
+        "unnamed-then-named"])
 def test_malformed_groups_handed_in_are_refused_by_name(build, error, pattern):
     """S8: a group handed to the constructor or add_param_group that torch's rules refuse
     is refused naming the class, the group and the rule, not with torch's or Python's
