@@ -81,7 +81,7 @@ def test_callers_flush_denormal_mode_does_not_reach_the_core(cfg):
     """torch.set_flush_denormal(True) sets flush-to-zero on the calling thread only; the
     C++ core computes in the IEEE mode on every thread anyway, so steps whose gradients
     square to subnormals give the same bits with the flag on or off, for any thread
-    count. (The pure-torch path follows torch's mode instead.)"""
+    count. (The pure-torch path keeps subnormals too, test_block_moments_api.py.)"""
     def tiny_run(threads, flush):
         torch.set_num_threads(threads)
         params = make_params(cfg.param_dtypes(len(BIG_SHAPES)), BIG_SHAPES, seed=3)

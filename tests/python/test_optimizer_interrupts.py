@@ -215,17 +215,21 @@ def test_handlers_are_put_back_when_a_pending_handler_raises(monkeypatch, fail_a
                                                              sigterm_handler):
     """Holding SIGINT and SIGTERM replaces two handlers (calls 1, 2) and puts them back
     (calls 3, 4 and on): an exception from a pending handler in any of those calls is
-    raised, with every handler back in place."""
+    raised, with every handler back in place, and a signal caught while they were held
+    still reaches its handler."""
     from shardadam import _held_signals
 
     fake = _FailingSignal(_held_signals._signal, fail_at)
     monkeypatch.setattr(_held_signals, "_signal", fake)
+    entered = 2 not in fail_at  # entering refused: the body never runs
     with pytest.raises(RuntimeError, match="pending handler raised"):
         with _held_signals.held():
-            pass
+            signal.raise_signal(signal.SIGTERM)
+            assert sigterm_handler == [], "delivered while held"
+    assert sigterm_handler == [signal.SIGTERM] * entered, "the held SIGTERM was dropped"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     signal.raise_signal(signal.SIGTERM)
-    assert sigterm_handler == [signal.SIGTERM]
+    assert sigterm_handler == [signal.SIGTERM] * (entered + 1)
 
 
 def test_raising_a_held_signal_again_leaves_the_mask_as_it_was(monkeypatch,

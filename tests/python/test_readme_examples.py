@@ -49,21 +49,39 @@ ASYNC = "future = dcp.async_save("
 SINGLE = 'torch.save(opt.state_dict(), "opt.pt")'
 YOUR_MODEL = "for block in model.blocks:"
 
-# Around the DCP recipe (which saves, then loads at once): the state it loads is the
-# state it saved; after the async-save recipe, its checkpoint is complete.
+# Around the DCP recipe (which saves, then, after the line that says "later", loads):
+# one more step between the two, which the load undoes: the state it loads is the state
+# it saved (copies: remainders are exported as the stored tensors); after the async-save
+# recipe, its checkpoint is complete.
+_DCP_LATER = "# later, on any number of ranks"
 _BEFORE_DCP = """
 import os
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-before = get_optimizer_state_dict(model, opt)
+
+def local_copies():
+    # each rank its own shards (gloo gathers no int16 remainders, README)
+    exported = get_optimizer_state_dict(model, opt)
+    return ({key: {name: value.to_local().clone() for name, value in entry.items()}
+             for key, entry in exported["state"].items()},
+            [group["step"] for group in exported["param_groups"]])
+
+before = local_copies()
+"""
+_BETWEEN_DCP = """
+for p in model.parameters():
+    p.grad = torch.ones_like(p)
+opt.step()
+opt.zero_grad()
+assert local_copies()[1] != before[1]
 """
 _AFTER_DCP = """
-after = get_optimizer_state_dict(model, opt)
-assert before["state"].keys() == after["state"].keys()
-for key, entry in before["state"].items():
+after = local_copies()
+assert after[1] == before[1], (after[1], before[1])
+assert before[0].keys() == after[0].keys()
+for key, entry in before[0].items():
     for name, value in entry.items():
-        # each rank its own shards (gloo gathers no int16 remainders, README)
-        assert torch.equal(value.to_local(), after["state"][key][name].to_local()), name
+        assert torch.equal(value, after[0][key][name]), name
 print(f"rank {dist.get_rank()}: example stepped {opt.param_groups[0]['step']} times, "
       f"checkpoint loaded back", flush=True)
 """
@@ -100,7 +118,9 @@ def _run(args: list, cwd, timeout: int = 240) -> str:
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_the_fsdp2_example_and_the_checkpoint_recipes_run_under_torchrun(tmp_path):
-    script = "\n".join([_block(EXAMPLE), _BEFORE_DCP, _block(DCP), _AFTER_DCP,
+    save, later = _block(DCP).split(_DCP_LATER)
+    script = "\n".join([_block(EXAMPLE), _BEFORE_DCP, save, _BETWEEN_DCP, _DCP_LATER + later,
+                        _AFTER_DCP,
                         _block(ASYNC), _AFTER_ASYNC, _YOUR_MODEL, _block(YOUR_MODEL),
                         _STEP_YOUR_MODEL])
     (tmp_path / "train.py").write_text(script)
