@@ -49,8 +49,8 @@ def where(group: Optional[int] = None, param: Optional[int] = None,
 
 
 def param_name(group: dict, index: int) -> Optional[str]:
-    names = group.get("param_names")
-    if names is not None and index < len(names):
+    names = group.get("param_names")  # anything but a list or tuple names nothing
+    if isinstance(names, (list, tuple)) and index < len(names):
         return names[index]
     return None
 
@@ -616,6 +616,19 @@ def check_loaded_dict(state_dict, whole: bool = False) -> None:
                 raise fail(ValueError, f"the loaded group's 'params' lists {shown(key)}, "
                                        f"which cannot key 'state' ({rule}: ints, or "
                                        f"names)", group=g) from None
+
+
+def check_loaded_names(saved: dict, group_index: int) -> None:
+    """A loaded group's ``param_names``, which replace the group's own (S5.5, as torch's
+    load does): one per parameter, in a list or tuple."""
+    if "param_names" not in saved:
+        return
+    names = saved["param_names"]
+    if not isinstance(names, (list, tuple)) or len(names) != len(saved["params"]):
+        raise fail(ValueError, f"the loaded group's param_names must list one name per "
+                               f"parameter ({len(saved['params'])}), got {shown(names)} "
+                               f"(rule S5.5: they replace the group's own)",
+                   group=group_index)
 
 
 def check_loaded_options(saved: dict, adam_w_mode, group_index: int,

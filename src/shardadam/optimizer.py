@@ -868,14 +868,14 @@ class FusedAdam(torch.optim.Optimizer):
         (never the parameter's dtype), fresh scales, ``step``. Everything is checked and
         prepared first; on any error the optimizer is unchanged."""
         _validate.check_loaded_dict(state_dict)
-        state_dict = state_dict.copy()
+        state_dict = dict(state_dict)  # any Mapping, as checked
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         _validate.check_loaded_dict(state_dict, whole=True)
         _validate.check_groups(self.param_groups)
-        saved_groups = deepcopy(state_dict["param_groups"])
+        saved_groups = deepcopy([dict(group) for group in state_dict["param_groups"]])
         prepared, presets = self._prepare_load(state_dict, saved_groups)
         # Nothing above wrote anything; from here on nothing can fail.
         new_state, new_scales, new_formats = defaultdict(dict), {}, {}
@@ -921,6 +921,7 @@ class FusedAdam(torch.optim.Optimizer):
                     f"that doesn't match the size of optimizer's group "
                     f"({len(saved['params'])} vs {len(group['params'])} parameters)")
             saved["params"] = original["params"]  # the keys of "state", not copies
+            _validate.check_loaded_names(saved, g)
             # A group without its own step takes its parameters' (torch's Adam layout):
             # then their per-parameter "step" is consumed, not kept as an extra key.
             own_steps.append("step" in saved)

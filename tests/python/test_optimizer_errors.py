@@ -1897,6 +1897,13 @@ LOAD_ERRORS = [
     ("param-state-not-a-dict", lambda sd: sd["state"].__setitem__(2, torch.zeros(6)),
      ValueError, facts(*at(1, 0), "must be a dict of its states",
                        r"a tensor of dtype torch.float32 and shape \[6\]")),
+    # kept, they broke every later step and load with a bare TypeError (len of a float)
+    ("param_names-a-float", lambda sd: sd["param_groups"][1].__setitem__("param_names", 0.1),
+     ValueError, facts(r"group\W*1\b", "param_names must list one name per parameter",
+                       r"got 0\.1", r"rule S5\.5")),
+    ("param_names-one-short", lambda sd: sd["param_groups"][1].__setitem__(
+        "param_names", ["a"]),
+     ValueError, facts(r"group\W*1\b", r"one name per parameter \(2\)", r"\['a'\]")),
     ("group-without-params", lambda sd: sd["param_groups"][1].pop("params"), ValueError,
      facts("^FusedAdam", r"group\W*1\b", "'params' lists its parameters' keys")),
     ("decoupled_weight_decay-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
@@ -1943,6 +1950,40 @@ def test_load_state_dict_rejects_and_changes_nothing(edit, exc, pattern, backend
     with pytest.raises(exc, match=pattern):
         opt.load_state_dict(sd)
     assert_unchanged(opt, before, "optimizer after a rejected load_state_dict")
+
+
+def test_load_state_dict_takes_any_mapping_as_a_dict(backend):
+    """S5.5, S8: the loaded dict and its groups may be any Mapping (read-only ones too,
+    as check_loaded_dict accepts them): they load as their dict copies do (a Mapping
+    without copy() or item assignment, or a mappingproxy group, was a bare error)."""
+    import collections.abc
+    import types
+
+    class ReadOnly(collections.abc.Mapping):
+        def __init__(self, data):
+            self._data = data
+
+        def __getitem__(self, key):
+            return self._data[key]
+
+        def __iter__(self):
+            return iter(self._data)
+
+        def __len__(self):
+            return len(self._data)
+
+    opt, params = stepped_optimizer(False)
+    sd = opt.state_dict()
+    opt.step()
+    wrapped = ReadOnly(dict(sd, param_groups=[
+        ReadOnly(sd["param_groups"][0]), types.MappingProxyType(sd["param_groups"][1])]))
+    other = copy.deepcopy(opt)
+    opt.load_state_dict(wrapped)
+    other.load_state_dict(sd)
+    assert_same_optimizer_state(opt, other, opt.param_groups[0]["params"]
+                                + opt.param_groups[1]["params"],
+                                other.param_groups[0]["params"]
+                                + other.param_groups[1]["params"], "Mapping load")
 
 
 def test_load_state_dict_refuses_what_is_no_dict(backend):
