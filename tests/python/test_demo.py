@@ -137,6 +137,35 @@ def test_progress_and_summary_printed(demo):
     assert str(out / "demo.png") in result.stdout
 
 
+def test_the_machine_is_recorded(demo):
+    """The report names what its figures come from: CPU, versions, SIMD target."""
+    import torch
+
+    import shardadam
+
+    _, result, figures = demo
+    machine = figures["machine"]
+    assert machine["torch"] == torch.__version__
+    assert machine["shardadam"] == shardadam.__version__
+    assert machine["cpu"] and machine["logical_cpus"] == os.cpu_count()
+    assert (f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs; torch "
+            f"{machine['torch']}" in result.stdout)
+
+
+def test_a_failed_resume_check_reads_as_one(demo):
+    """A FAIL prints its difference as above the bound (it printed "<=" either way)."""
+    import copy
+
+    from shardadam.demo import report
+
+    _, _, figures = demo
+    failed = copy.deepcopy(figures)
+    check = failed["resume_check"]
+    check["passed"], check["early_max_abs_diff"] = False, 1e-2
+    line = next(l for l in report.table(failed).splitlines() if l.startswith("resume check"))
+    assert "FAIL" in line and f"1.0e-02 > {check['early_tolerance']:.0e}" in line, line
+
+
 def test_short_runs_say_what_their_columns_cover(demo):
     """The resumed run has fewer steps than the "last 10 mean" column averages: its
     figure is the mean of the steps it has, and a footnote says so; a one-step run's
@@ -163,7 +192,8 @@ def _bad_input_cases(tmp_path):
         (["--state", "nope"], r"--state: invalid choice: 'nope'"),
         (["--ranks", "0"], r"--ranks: must be at least 1, got 0"),
         (["--resume-ranks", "0"], r"--resume-ranks: must be at least 1, got 0"),
-        (["--steps", "1"], r"--steps: must be at least 2, got 1"),
+        # 2 would judge only a resumed step taken before any resumed update
+        (["--steps", "2"], r"--steps: must be at least 3, got 2"),
         (["--model", "tiny", "--ranks", "9"], r"--ranks 9 exceeds the 8 sequences"),
         (["--out", str(blocker / "out")], r"cannot write to output folder"),
         # seed * 1_000_003 + step seeds the data order: torch takes up to 2**64 - 1
@@ -178,7 +208,7 @@ def _bad_input_cases(tmp_path):
 
 
 @pytest.mark.parametrize("index", range(11), ids=["unknown-preset", "zero-ranks",
-                                                   "zero-resume-ranks", "one-step",
+                                                   "zero-resume-ranks", "two-steps",
                                                    "more-ranks-than-rows", "unwritable-out",
                                                    "seed-beyond-torch", "unknown-peer",
                                                    "peer-without-dtensor", "peer-twice",
@@ -349,9 +379,16 @@ def test_crashed_rank_stops_every_rank(tmp_path):
     marker = f"SHARDADAM_DEMO_TEST={uuid.uuid4().hex}"
     env = dict(os.environ, SHARDADAM_DEMO_TEST=marker.split("=", 1)[1])
     out = tmp_path / "out"
+    # An earlier run's report and logs in the same folder are removed first, so the
+    # failed run leaves none of them beside its own (they stayed, read as this run's).
+    (out / "logs").mkdir(parents=True)
+    (out / "demo.json").write_text("{}")
+    (out / "logs" / "shardadam-rank0.json").write_text("{}")
     began = time.monotonic()
     result = _run_demo(out, "--fail-at", "1:2", env=env)
     assert result.returncode == 1, result.stderr
+    assert f"{out} held an earlier run's report and logs (2 files): removed" in result.stdout
+    assert not (out / "logs" / "shardadam-rank0.json").exists()
     assert re.search(r"rank 1 of 2 failed in the adamw phase \(exit code 1\): "
                      r"RuntimeError: injected failure on rank 1 at step 2", result.stderr)
     assert "all ranks stopped" in result.stderr
@@ -408,3 +445,61 @@ def test_bf16_sr_block8_preset():
         params[name] = p.detach()
     assert torch.equal(params["bf16-block8"], torch.ones(4, 256))
     assert not torch.equal(params["bf16-sr-block8"], params["bf16-block8"])
+
+
+def _start_and_wait_for_ranks(tmp_path, marker):
+    """A long tiny demo whose processes carry ``marker``, once its first phase's ranks
+    have started; ``(process, out, its TMPDIR)``."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, SHARDADAM_DEMO_TEST=marker.split("=", 1)[1], TMPDIR=str(tmp))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "shardadam", "demo", "--model", "tiny", "--steps",
+               "4000", "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path, env=env)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not all((out / "logs" / f"adamw-rank{r}.log").exists() for r in range(2)):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    return process, out, tmp
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to list processes")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_demo_killed_alone_takes_its_ranks_with_it(tmp_path, signum):
+    """A signal to the demo's own process only (a job runner's SIGTERM, timeout's, or
+    SIGKILL) ends its fork server and ranks too: they kept training, the server held
+    alive by the pipe multiprocessing hands every child. SIGTERM ends it as Ctrl-C
+    does: a message, exit status 128 + 15, the temporary folder removed."""
+    import signal
+
+    marker = f"SHARDADAM_DEMO_TEST={uuid.uuid4().hex}"
+    process, out, tmp = _start_and_wait_for_ranks(tmp_path, marker)
+    process.send_signal(getattr(signal, signum))
+    stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while _processes_with(marker.encode()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with(marker.encode()) == []
+    if signum == "SIGTERM":
+        assert process.returncode == 128 + signal.SIGTERM, stderr
+        assert "interrupted; all ranks stopped" in stderr
+        assert list(tmp.iterdir()) == []  # the run's temporary folder removed
+    else:
+        assert process.returncode == -signal.SIGKILL
+
+
+def test_stopping_a_phase_interrupted_while_starting_joins_only_started_ranks():
+    """Ctrl-C while a phase's ranks start leaves some never started: stopping the phase
+    joins only those that were (it was "can only join a started process")."""
+    import multiprocessing
+
+    from shardadam.demo import launcher
+
+    started = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    unstarted = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    started.start()
+    launcher._stop([started, unstarted])
+    assert started.exitcode is not None and unstarted.pid is None

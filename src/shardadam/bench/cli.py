@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import platform
-import subprocess
 import sys
 import time
 
+from .. import _machine
 from .._arguments import (missing_modules, same_file_error, whole_number_at_least,
                           writable_file)
 from .timing import SETTLE_S
@@ -89,64 +88,10 @@ def add_arguments(parser):
                         help="do not run build/cpp/benchmarks/kernel_bench even if built")
 
 
-def _cpu() -> dict:
-    """The first processor's identity in /proc/cpuinfo: a VM's model name is often
-    only "AMD EPYC", and family / model / stepping tell its generations apart."""
-    fields = ("model name", "vendor_id", "cpu family", "model", "stepping", "flags")
-    found = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if not key:  # the first processor's block ends
-                    break
-                if key in fields:
-                    found[key] = value.strip()
-    except OSError:
-        pass
-    if "flags" in found:  # only the SIMD ones
-        found["flags"] = " ".join(f for f in found["flags"].split()
-                                  if f.startswith(("avx", "sse", "fma", "f16c", "amx")))
-    return found
-
-
-def _commit():
-    """The source's git commit (with "+changes" where tracked files differ from it),
-    or None outside a git checkout (an installed wheel)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain",
-                                "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def _meta(args, mode, threads, size):
-    import torch
-
-    import shardadam
-
-    try:
-        from shardadam import _C
-
-        simd = _C.info()["simd_target"]
-    except ImportError:
-        simd = None
-    cpu = _cpu()
     return {"mode": mode, "scale": args.scale, "threads": threads, "reps": size["reps"],
             "warmup": size["warmup"], "settle_s": size["settle_s"],
-            "cpu": cpu.pop("model name", None) or platform.processor()
-            or platform.machine(), "cpu_id": cpu, "commit": _commit(),
-            "logical_cpus": os.cpu_count(),
-            "torch": torch.__version__, "shardadam": shardadam.__version__,
-            "simd_target": simd, "load_average_start": list(os.getloadavg()),
+            **_machine.describe(), "load_average_start": list(os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "allocation": "every buffer allocated by torch (64-byte aligned, fresh "
                           "mappings for large tensors), one allocation per tensor",

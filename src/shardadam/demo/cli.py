@@ -17,8 +17,10 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from .. import peers
@@ -81,9 +83,10 @@ def add_arguments(parser):
     parser.add_argument("--resume-ranks", type=_int_at_least(1), default=3,
                         help="processes that resume the shardadam run from its mid-way "
                              "checkpoint; differ from --ranks to reshard (default 3)")
-    parser.add_argument("--steps", type=_int_at_least(2), default=100,
-                        help="training steps of each full run; the checkpoint is taken "
-                             "after steps // 2 (default 100)")
+    # 3: the resume check judges a resumed step taken after a resumed update.
+    parser.add_argument("--steps", type=_int_at_least(3), default=100,
+                        help="training steps of each full run, at least 3; the "
+                             "checkpoint is taken after steps // 2 (default 100)")
     parser.add_argument("--state", choices=list(PRESETS), default=DEFAULT_PRESET,
                         metavar="PRESET",
                         help=f"shardadam state preset (default {DEFAULT_PRESET}). {presets}")
@@ -160,9 +163,23 @@ def _check(args):
         os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
         with tempfile.TemporaryFile(dir=args.out):
             pass
+        args.replaced = _clear_earlier_run(args.out)
     except OSError as error:
         reason = error.strerror or str(error)
         raise DemoError(f"cannot write to output folder {args.out!r}: {reason}") from None
+
+
+def _clear_earlier_run(out):
+    """Removes what an earlier demo wrote into ``out`` (its report and rank files), so
+    that a run that fails never leaves them beside its own; returns how many files."""
+    logs = os.path.join(out, "logs")
+    paths = [os.path.join(out, name) for name in ("demo.json", "demo.png")]
+    paths += [os.path.join(logs, name) for name in os.listdir(logs)
+              if "-rank" in name and name.endswith((".json", ".error", ".log"))]
+    found = [path for path in paths if os.path.isfile(path)]
+    for path in found:
+        os.remove(path)
+    return len(found)
 
 
 def _threads_per_rank(ranks):
@@ -234,6 +251,18 @@ def _train(args, workdir, corpus_path):
     return phases, walls
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived (raised by its handler, caught in ``run``)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminated(signum, _frame):
+    raise _Terminated(signum)
+
+
 def run(args):
     """The demo; returns the process exit status."""
     try:
@@ -245,7 +274,14 @@ def run(args):
     from .corpus import CorpusError, build_corpus
     from .launcher import RankFailure
 
+    if args.replaced:
+        print(f"shardadam demo: {args.out} held an earlier run's report and logs "
+              f"({args.replaced} files): removed", flush=True)
     began = time.monotonic()
+    # SIGTERM (a job runner's, timeout's) ends the run as Ctrl-C does: ranks stopped,
+    # the temporary folder removed, a message.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         with tempfile.TemporaryDirectory(prefix="shardadam-demo-") as workdir:
             corpus_path = os.path.join(workdir, "corpus.bin")
@@ -257,9 +293,12 @@ def run(args):
     except (RankFailure, CorpusError) as failure:
         print(f"shardadam demo: error: {failure}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated) as stop:
         print("shardadam demo: interrupted; all ranks stopped", file=sys.stderr)
-        return 130
+        return 128 + (stop.signum if isinstance(stop, _Terminated) else signal.SIGINT)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     figures = report.summarize(args, corpus, phases, walls, time.monotonic() - began)
     json_path, png_path = report.write(args.out, figures)
     print(report.table(figures))

@@ -7,8 +7,10 @@ temporary folder, so concurrent demos never share a rendezvous.
 
 Nothing is left behind: the first rank that exits non-zero stops the phase and every
 other rank is killed; a phase that outlives its deadline is killed; each rank asks the
-kernel to kill it if the fork server goes away, and the fork server exits with this
-process. The report names the rank that failed first by the time each recorded, not
+kernel to kill it if the fork server goes away, and the fork server asks the same of
+this process (``_fork_server``, its first preload: multiprocessing hands every child the
+pipe by which the server would see this process end, so while ranks run the server
+would not notice, and a demo killed by a signal left its ranks training). The report names the rank that failed first by the time each recorded, not
 the first exit seen: its peers fail milliseconds later on the lost connection, and
 exits seen together are taken in rank order.
 """
@@ -21,7 +23,7 @@ import signal
 import time
 
 # Modules the fork server imports once for all ranks of all phases.
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+_PRELOAD = ["shardadam.demo._fork_server", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.checkpoint", "shardadam",
             "shardadam.demo.worker"]
 # Time the other ranks get to end on their own once one has failed, before being killed.
@@ -44,8 +46,8 @@ def _fork_server_context():
     return _context
 
 
-def _die_with_parent():
-    """Linux: deliver SIGKILL to this process when its parent (the fork server) ends."""
+def die_with_parent():
+    """Linux: deliver SIGKILL to this process when its parent ends."""
     try:
         import ctypes
 
@@ -56,7 +58,7 @@ def _die_with_parent():
 
 
 def _rank_entry(rank, world_size, store_path, config):
-    _die_with_parent()
+    die_with_parent()  # the fork server
     from . import worker  # preloaded in the fork server: no import cost here
 
     worker.main(rank, world_size, store_path, config)
@@ -74,7 +76,8 @@ def _stop(processes):
         if process.is_alive():
             process.kill()
     for process in processes:
-        process.join(timeout=10)
+        if process.pid is not None:  # interrupted while starting: some never started
+            process.join(timeout=10)
 
 
 def run_phase(config, world_size, workdir, deadline_s):

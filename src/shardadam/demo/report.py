@@ -7,6 +7,7 @@ import json
 import os
 import statistics
 
+from .. import _machine
 from .config import PRESETS
 
 # Resume check: the resumed curve against the same steps of the uninterrupted run.
@@ -96,6 +97,7 @@ def summarize(args, corpus, phases, phase_wall_s, wall_s):
         "corpus": corpus,
         "runs": runs,
         "resume_check": resume_check(runs["shardadam"], runs["resume"]),
+        "machine": _machine.describe(),
         "wall_s": wall_s,
     }
 
@@ -116,12 +118,15 @@ def table(figures):
                      f"{run['state_bytes_per_param']:>13.2f} "
                      f"{run['param_bytes_per_param']:>13.2f} {rss:>14} "
                      f"{run['opt_ms_mean']:>11.2f} {run['opt_ms_median']:>8.2f}")
-    verdict = "PASS" if check["passed"] else "FAIL"
+    verdict, within = ("PASS", "<=") if check["passed"] else ("FAIL", ">")
+    machine = figures["machine"]
     lines += [
         f"resume check, {check['ranks'][0]} -> {check['ranks'][1]} ranks from step "
         f"{check['from_step']}: {verdict}  (max |loss diff| first {check['early_steps']} "
-        f"steps {check['early_max_abs_diff']:.1e} <= {check['early_tolerance']:.0e}; "
+        f"steps {check['early_max_abs_diff']:.1e} {within} {check['early_tolerance']:.0e}; "
         f"all {len(check['diff'])} steps {check['max_abs_diff']:.1e}, not judged)",
+        f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs; torch "
+        f"{machine['torch']}, shardadam {machine['shardadam']} ({machine['simd_target']})",
         "state B/param: optimizer state bytes, all ranks, per model parameter.",
         "peak RSS: highest rank (+ its growth while training: at this model size mostly "
         "torch's working memory; the shardadam run also saves the checkpoint).",
@@ -180,7 +185,8 @@ def plot(path, figures):
     verdict = "pass" if check["passed"] else "FAIL"
     top.set_title(f"{figures['config']['model']} transformer, FSDP2 on CPU; checkpoint "
                   f"at step {check['from_step']} resumed on {check['ranks'][1]} ranks: "
-                  f"{verdict}, max |loss diff| {check['max_abs_diff']:.1e}", fontsize=10)
+                  f"{verdict}, max |loss diff| first {check['early_steps']} steps "
+                  f"{check['early_max_abs_diff']:.1e}", fontsize=10)
     top.set_ylabel("training loss (nats/byte)")
     top.legend()
     bottom.set_ylabel("optimizer step (ms)")
