@@ -7,10 +7,13 @@ temporary folder, so concurrent demos never share a rendezvous.
 
 Nothing is left behind: the first rank that exits non-zero stops the phase and every
 other rank is killed; a phase that outlives its deadline is killed; each rank asks the
-kernel to kill it if the fork server goes away, and the fork server asks the same of
-this process (``_fork_server``, its first preload: multiprocessing hands every child the
-pipe by which the server would see this process end, so while ranks run the server
-would not notice, and a demo killed by a signal left its ranks training). The report names the rank that failed first by the time each recorded, not
+kernel to kill it if the fork server goes away, and the fork server exits when this
+process ends, however it ends: it sees the write end of a pipe close. multiprocessing
+hands a copy of that write end to every child (so that a child may start processes of
+its own), and while a rank held it the server never saw this process end: a demo killed
+by a signal left its ranks training. Each rank closes its copy
+(``drop_fork_server_pipe``, which reads multiprocessing's private
+``forkserver._forkserver._forkserver_alive_fd``, there since Python 3.4). The report names the rank that failed first by the time each recorded, not
 the first exit seen: its peers fail milliseconds later on the lost connection, and
 exits seen together are taken in rank order.
 """
@@ -23,7 +26,7 @@ import signal
 import time
 
 # Modules the fork server imports once for all ranks of all phases.
-_PRELOAD = ["shardadam.demo._fork_server", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.checkpoint", "shardadam",
             "shardadam.demo.worker"]
 # Time the other ranks get to end on their own once one has failed, before being killed.
@@ -57,8 +60,25 @@ def die_with_parent():
         pass  # elsewhere the launcher's own kill on failure has to do
 
 
+def drop_fork_server_pipe():
+    """In a process forked by multiprocessing's fork server: closes this process's copy
+    of the pipe's write end by which the server sees its parent end (see the module
+    docstring). The process can then start no process through the server itself."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
 def _rank_entry(rank, world_size, store_path, config):
     die_with_parent()  # the fork server
+    drop_fork_server_pipe()
     from . import worker  # preloaded in the fork server: no import cost here
 
     worker.main(rank, world_size, store_path, config)

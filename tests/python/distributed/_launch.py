@@ -38,7 +38,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from shardadam.demo.launcher import die_with_parent
+from shardadam.demo.launcher import die_with_parent, drop_fork_server_pipe
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -113,10 +113,7 @@ class JobResult:
 # Modules the fork server imports once; every rank is forked from it with them loaded.
 # ``torch._dynamo`` is the big one: DTensor imports it lazily on first use, which costs
 # each rank of each job several CPU-seconds otherwise.
-# First, the module that makes the server die with the process that started it: ranks
-# keep the pipe by which it would see that process end (multiprocessing hands it to every
-# child), so without it a killed pytest or soak left its ranks running.
-_PRELOAD = ["_fork_server", "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.checkpoint"]
 _mp_context = None
 
@@ -423,9 +420,12 @@ def _redirect_faults():
 
 def _forked_child(job, rank, world_size, workdir):
     """Entry point of a rank forked from the server: own session, own log, then run;
-    killed with the server."""
+    killed with the server, which ends with the process that started it once no rank
+    holds its pipe (shardadam.demo.launcher's docstring: a killed soak left ranks
+    running)."""
     os.setsid()
     die_with_parent()
+    drop_fork_server_pipe()
     log = os.open(os.path.join(workdir, f"rank{rank}.log"),
                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
