@@ -351,11 +351,11 @@ def entry_matches(spec: StateSpec, entry: dict, scales: Optional[dict],
     whose parameter has ``layout``: in its format, with the scale its granularity
     gives (a plain local fp32 tensor; 0-dim for a per-tensor scale)."""
     stored = entry.get(spec.name)
-    if stored is None or layout.of(spec.format).state_error(stored) is not None:
+    if not holds_values(stored) or layout.of(spec.format).state_error(stored) is not None:
         return False
     stored = _dtensor.to_local(stored)
     if stored_format(stored, formats, spec.name) is not spec.format \
-            or stored.device != param.device or short_storage(stored) is not None:
+            or stored.device != param.device:
         return False
     if stored.shape != spec.format.storage_shape(param.shape) or not (
             stored.is_contiguous() if spec.strides is None
@@ -478,9 +478,22 @@ def drop_replaced_masters(seeded: dict, state) -> dict:
     return dropped
 
 
+def holds_values(stored) -> bool:
+    """Whether ``stored`` (``entry[name]``) is a dense tensor whose storage holds its
+    elements: not a number or list put there by hand, not sparse, mkldnn or nested, not
+    freed (a meta tensor passes: beside a meta parameter it is the state)."""
+    if not isinstance(stored, torch.Tensor):
+        return False
+    local = _dtensor.to_local(stored)
+    return (local.layout is torch.strided and not local.is_nested
+            and short_storage(local) is None)
+
+
 def _holds_tensor_of(stored, formats: Optional[dict], name: str,
                      param: torch.Tensor) -> bool:
     """Whether storage ``stored`` (``entry[name]``) holds a value of ``param``'s shape."""
+    if not holds_values(stored):
+        return False
     local = _dtensor.to_local(stored)
     fmt = stored_format(local, formats, name)
     shape = fmt.storage_shape(param.shape) if fmt is not None else tuple(param.shape)
@@ -598,8 +611,9 @@ def _form_error(stored, param) -> Optional[str]:
     if not isinstance(stored, torch.Tensor):
         return f"must be a tensor, got {type(stored).__name__} (rule S2.2)"
     local = _dtensor.to_local(stored)
-    if local.layout is not torch.strided:
-        return f"is a {local.layout} tensor; states are dense (torch.strided, rule S2.2)"
+    if local.layout is not torch.strided or local.is_nested:
+        kind = "nested" if local.is_nested else local.layout
+        return f"is a {kind} tensor; states are dense (torch.strided, rule S2.2)"
     if local.is_meta and not _dtensor.to_local(param).is_meta:
         return ("is on the meta device, without values (rule S2.2; an optimizer built "
                 "over a model on meta holds such state for every parameter until "

@@ -440,7 +440,11 @@ class FusedAdam(torch.optim.Optimizer):
         # Masters that follow a parameter stepping now are re-seeded in place before
         # the calls run (S1.6).
         attr = "decoupled_grad" if self.use_decoupled_grad else "grad"
-        following = [p for p in self._seeded if getattr(p, attr, None) is not None]
+        following = []
+        if self._seeded:  # of parameters the groups hold (one taken out is not stepped)
+            held = {id(p) for group in self.param_groups for p in group["params"]}
+            following = [p for p in self._seeded
+                         if id(p) in held and getattr(p, attr, None) is not None]
         # The core's own checks (buffers shared between tensors), for every group at
         # once: the last check before anything is updated, a lone call's too when
         # masters are re-seeded before it runs (it would check itself only after).
@@ -746,7 +750,7 @@ class FusedAdam(torch.optim.Optimizer):
         if entry is not None and not isinstance(entry, dict):
             raise RuntimeError(f"{where}: {_state.entry_type_error(entry)}")
         stored = entry.get(state_name) if entry is not None else None
-        if isinstance(stored, torch.Tensor) and _validate.spans_meet(
+        if _state.holds_values(stored) and _validate.spans_meet(
                 value, _dtensor.to_local(stored)):
             value = value.clone()  # a view of the state itself: read before it is written
         if state_name == "master_param":  # set by hand, it no longer follows (S1.6)
@@ -1026,7 +1030,7 @@ class FusedAdam(torch.optim.Optimizer):
                 continue
             if spec.name not in values:
                 raise ValueError(f"{here}: the loaded state has no {spec.name!r} "
-                                 f"(it holds {sorted(values)}; rule S5.5: a checkpoint "
+                                 f"(it holds {sorted(values, key=str)}; rule S5.5: a checkpoint "
                                  f"holds every state its state_layout records)")
             value = values[spec.name]
             _validate.check_value(param, spec, value, here)

@@ -1904,6 +1904,10 @@ LOAD_ERRORS = [
     ("param_names-one-short", lambda sd: sd["param_groups"][1].__setitem__(
         "param_names", ["a"]),
      ValueError, facts(r"group\W*1\b", r"one name per parameter \(2\)", r"\['a'\]")),
+    # its message listed the state's keys sorted: an int beside a str raised TypeError
+    ("missing-state-beside-an-int-key", lambda sd: sd["state"][2].update(
+        {99: 0}) or sd["state"][2].pop("exp_avg_sq"),
+     ValueError, facts(*at(1, 0), r"no 'exp_avg_sq' \(it holds \[99, 'exp_avg'")),
     ("group-without-params", lambda sd: sd["param_groups"][1].pop("params"), ValueError,
      facts("^FusedAdam", r"group\W*1\b", "'params' lists its parameters' keys")),
     ("decoupled_weight_decay-a-tensor", lambda sd: sd["param_groups"][1].__setitem__(
@@ -2310,7 +2314,8 @@ def test_zero_grad_refuses_what_it_cannot_clear_before_clearing_any(bad):
 
 
 @pytest.mark.parametrize("call", ["step", "state_dict", "get_unscaled_state"])
-@pytest.mark.parametrize("bad", ["float", "list", "entry-int", "meta", "sparse", "freed"])
+@pytest.mark.parametrize("bad", ["float", "list", "entry-int", "meta", "sparse", "freed",
+                                 "nested"])
 def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     """S2.2, S5.1: a state (or a whole entry) put into ``optimizer.state`` from outside
     that is not a dense tensor with values is refused naming the parameter, the state
@@ -2324,6 +2329,9 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     entry = opt.state[b]
     values = {"float": 0.0, "list": [1.0] * 5, "meta": torch.zeros(5, device="meta"),
               "sparse": torch.zeros(5).to_sparse(), "freed": without_storage(entry["exp_avg"])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
+        values["nested"] = torch.nested.nested_tensor([torch.zeros(5)])
     if bad == "entry-int":
         opt.state[b] = 5
         pattern = r"state entry must be a dict of state tensors, got int \(rule S5.1\)"
@@ -2334,7 +2342,8 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
                    "meta": r"state 'exp_avg' is on the meta device",
                    "sparse": r"state 'exp_avg' is a torch.sparse_coo tensor",
                    "freed": r"state 'exp_avg' has a storage of 0 bytes, fewer than its "
-                            r"elements span \(20\): its memory was freed"}[bad] + ".*S2.2"
+                            r"elements span \(20\): its memory was freed",
+                   "nested": r"state 'exp_avg' is a nested tensor"}[bad] + ".*S2.2"
     calls = {"step": opt.step, "state_dict": opt.state_dict,
              "get_unscaled_state": lambda: opt.get_unscaled_state(b, "exp_avg")}
     every = ["for every parameter until initialize_state runs for each"] * (bad == "meta")
@@ -2345,7 +2354,8 @@ def test_state_put_in_that_holds_no_readable_tensor_is_refused(call, bad):
     opt.state[b] = entry
     assert_unchanged(opt, before)
     opt.state[b] = broken
-    if bad == "freed":  # set_scaled_state replaces it (it wrote into the freed memory)
+    if bad != "entry-int":  # set_scaled_state replaces it (it wrote into freed memory,
+        # or failed on it with a bare error after marking the group's moments set)
         opt.set_scaled_state(b, "exp_avg", torch.ones(5))
         assert torch.equal(opt.get_unscaled_state(b, "exp_avg"), torch.ones(5))
     opt.initialize_state(b)
@@ -2409,6 +2419,38 @@ def test_a_local_tensor_that_is_no_part_of_the_global_shape_is_named(local, plac
     else:
         assert error is not None and f"local tensor's shape {list(local)}" in error, error
         assert "global shape [5, 4]" in error and "rule S1.4" in error, error
+
+
+@pytest.mark.parametrize("junk", [None, 7, [0.0] * 8], ids=["none", "int", "list"])
+def test_a_master_put_beside_an_fp32_parameter_by_hand_is_dropped(junk, backend):
+    """S2.1, S8: an fp32 parameter has no master; one put into its entry from outside
+    that holds no tensor is dropped at the step as a tensor there is (the step failed
+    with a bare AttributeError)."""
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = fused_adam()([p], lr=0.1)
+    opt.state[p]["master_param"] = junk
+    p.grad = torch.ones(8)
+    opt.step()
+    assert sorted(opt.state[p]) == ["exp_avg", "exp_avg_sq"]
+    assert opt.param_groups[0]["step"] == 1
+
+
+def test_a_parameter_taken_out_of_every_group_is_not_reseeded(backend):
+    """S1.6: a parameter taken out of its group by hand is not stepped; its master,
+    which still followed it, is not re-seeded from it either (re-seeded from a value of
+    another shape, every later step failed with torch's bare size error), and it loses
+    its state while the others step."""
+    a = torch.nn.Parameter(torch.randn(3, 6).half())
+    b = torch.nn.Parameter(torch.randn(4))
+    opt = fused_adam()([a, b], master_weights=True)
+    a.data = torch.randn(19).half()
+    a.grad = torch.randn(19).half()
+    opt.param_groups[0]["params"].remove(a)
+    b.grad = torch.ones(4)
+    for step in (1, 2):
+        before = b.detach().clone()
+        opt.step()
+        assert not torch.equal(b, before) and a not in opt.state, step
 
 
 def test_a_parameter_name_that_is_a_tensor_is_shown_without_its_values():
