@@ -28,7 +28,17 @@ from .config import PRESETS
 #   legitimate    exact state (fp32, bf16, remainders): first steps <= 3.6e-7: bound 2e-6
 #                 fp8 exp_avg (re-quantized, up to half an E4M3 step per value): first
 #                 steps <= 1e-4 (small), 6.2e-4 (tiny): bound 2e-3
-#   broken        remainders' low byte lost on load: 1.1e-5 (tiny)
+#                 block8 presets (cut blocks re-scaled; tiny seeds 0-5 and small seed 0,
+#                 2026-12-07): remainder-block8 <= 1.1e-6, bf16-block8 <= 2.4e-7,
+#                 bf16-sr-block8 <= 2.0e-6: bound 1e-5
+#                 block4 (its stochastic codes flip where a block is cut): <= 9.2e-5
+#                 (tiny), 6e-8 (small): bound 5e-4
+#   broken        remainders' low byte lost on load: 1.1e-5 (tiny); block8 6.3e-6 to
+#                 1.2e-4, block4 2.5e-5 to 9.8e-5 (tiny seeds 0-2: block4's bound cannot
+#                 tell it from a legitimate resume)
+#                 remainders zeroed on load: block8 2.1e-4 to 5.1e-4, block4 2.1e-4 to
+#                 6.9e-4 (tiny seeds 0-2); before 2026-12-07 the block presets' bound was
+#                 fp8's 2e-3, which passed all of these
 #                 exp_avg through an fp8 round trip on load: 4.9e-4 (tiny)
 #                 step count reset (bias correction restarts): 6.5e-3 after one update
 #                 moments lost: 5.4e-2 after one update
