@@ -565,19 +565,45 @@ def _update(container: dict, param, changes: dict) -> None:
         del container[param]
 
 
-def claim_all(state, formats: dict, owner) -> None:
+def claim_all(state, formats: dict, owner, moved=()) -> None:
     """Claims every scaled state in ``state`` as ``owner``'s (``_stored_by``): an
-    optimizer restored from its pickled state (or ``copy.copy``) holds them with the
-    scales restored beside them."""
+    optimizer restored from its pickled state (or ``deepcopy``) holds them with the
+    scales restored beside them, each where it lies, but for those ``moved_claims``
+    found moved by hand: claimed where they were, they are refused in the copy as in
+    the original."""
+    places = {(id(param), name): (claimed, claimed_name)
+              for param, name, claimed, claimed_name in moved}
     for param, entry in state.items():
         if not isinstance(param, torch.Tensor) or not isinstance(entry, dict):
             continue
         for name in STATE_NAMES:
             stored = entry.get(name)
             if isinstance(stored, torch.Tensor):
-                fmt = stored_format(_dtensor.to_local(stored), formats.get(param), name)
+                claimed, claimed_name = places.get((id(param), name), (param, name))
+                # The format it was stored in, as the claim in the original says.
+                fmt = stored_format(_dtensor.to_local(stored), formats.get(claimed),
+                                    claimed_name)
                 if fmt is not None and fmt.scaled:
-                    _stored_by.claim(stored, owner, param, name, fmt.label)
+                    _stored_by.claim(stored, owner, claimed, claimed_name, fmt.label)
+
+
+def moved_claims(state, owner) -> list:
+    """``(param, name, claimed param, claimed name)`` for each scaled state of
+    ``state`` that ``owner`` claimed at another place (moved by hand); the claimed
+    parameter is ``_stored_by.ELSEWHERE`` where ``state`` no longer holds it."""
+    params = {id(param): param for param in state if isinstance(param, torch.Tensor)}
+    moved = []
+    for param, entry in state.items():
+        if not isinstance(param, torch.Tensor) or not isinstance(entry, dict):
+            continue
+        for name in STATE_NAMES:
+            stored = entry.get(name)
+            place = (_stored_by.claimed_place(stored, owner)
+                     if isinstance(stored, torch.Tensor) else None)
+            if place is not None and place != (id(param), name):
+                moved.append((param, name, params.get(place[0], _stored_by.ELSEWHERE),
+                              place[1]))
+    return moved
 
 
 def entry_type_error(entry) -> str:

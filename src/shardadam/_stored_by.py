@@ -45,6 +45,20 @@ def claim(stored: torch.Tensor, owner, param: torch.Tensor, name: str, label: st
     _CLAIMS[key] = (ref, weakref.ref(owner), id(param), name, label)
 
 
+# The parameter of a claim whose parameter the optimizer no longer holds, in a copy: no
+# parameter is this object.
+ELSEWHERE = object()
+
+
+def claimed_place(stored: torch.Tensor, owner) -> Optional[tuple]:
+    """``(id of the parameter, state name)`` that ``owner`` claimed ``stored`` for, or
+    None where ``owner`` holds no claim on it."""
+    held = _CLAIMS.get(id(stored))
+    if held is None or held[0]() is not stored or held[1]() is not owner:
+        return None
+    return held[2], held[3]
+
+
 def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,
                 name: str) -> Optional[str]:
     """A sentence if ``stored`` (found as ``param``'s ``name`` in ``owner``) was stored

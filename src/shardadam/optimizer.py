@@ -167,6 +167,7 @@ class FusedAdam(torch.optim.Optimizer):
         state["_formats"] = self._formats
         state["_seeded"] = self._seeded
         state["_moments_set"] = self._moments_set
+        state["_moved"] = _state.moved_claims(self.state, self)  # refused in a copy too
         return state
 
     def __copy__(self):
@@ -196,7 +197,9 @@ class FusedAdam(torch.optim.Optimizer):
                              if not isinstance(m, int) or m < len(self.param_groups)]
         if "_scales" not in state:  # an older pickle kept them beside their states
             _state.migrate_scales(self.state, self._scales)
-        _state.claim_all(self.state, self._formats, self)  # restored with their scales
+        # Restored with their scales; those moved by hand claimed where they were.
+        _state.claim_all(self.state, self._formats, self, state.get("_moved") or ())
+        self.__dict__.pop("_moved", None)  # torch's __setstate__ put every key here
         self._plans = []
         self._plan_set = None
         self._param_index = {}
