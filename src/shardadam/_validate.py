@@ -261,7 +261,8 @@ def check_moment_format(moment_format, moment_block_size, exp_avg_dtype,
         raise ValueError(f"FusedAdam: moment_format={moment_format!r} chooses both moments' "
                          f"storage, so exp_avg_dtype and exp_avg_sq_dtype must stay at "
                          f"their default torch.float32 (got exp_avg_dtype="
-                         f"{shown(exp_avg_dtype)}, exp_avg_sq_dtype={shown(exp_avg_sq_dtype)})")
+                         f"{shown(exp_avg_dtype)}, exp_avg_sq_dtype={shown(exp_avg_sq_dtype)}; "
+                         f"rule S2.11)")
     if master_weights and master_weight_dtype is _formats.FP16.argument:
         raise ValueError(f"FusedAdam: moment_format={moment_format!r} steps in one pass "
                          f"per block, but master_weight_dtype=torch.float16 is scaled per "
@@ -558,8 +559,9 @@ def check_step_counter(group: dict, group_index: int) -> int:
     directly) has taken no step."""
     step = group.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise fail(ValueError, f"group['step'] must be an int in [0, 2**63 - 2] (the step "
-                               f"taken next is a signed 64-bit count), got {shown(step)}",
+        raise fail(ValueError, f"group['step'] must be an int in [0, 2**63 - 2] (rule S2.8: "
+                               f"the step taken next is a signed 64-bit count), got "
+                               f"{shown(step)}",
                    group=group_index)
     return step
 

@@ -918,7 +918,8 @@ class FusedAdam(torch.optim.Optimizer):
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{where}: loaded state dict has a different number of "
                              f"parameter groups ({len(saved_groups)} vs "
-                             f"{len(self.param_groups)})")
+                             f"{len(self.param_groups)}; rule S5.5: groups load in order, "
+                             f"one for one)")
         own_steps, saved_layouts, presets, following = [], [], [], []
         for g, (group, saved, original) in enumerate(
                 zip(self.param_groups, saved_groups, state_dict["param_groups"])):
@@ -926,7 +927,8 @@ class FusedAdam(torch.optim.Optimizer):
                 raise ValueError(
                     f"{_validate.where(g)}: loaded state dict contains a parameter group "
                     f"that doesn't match the size of optimizer's group "
-                    f"({len(saved['params'])} vs {len(group['params'])} parameters)")
+                    f"({len(saved['params'])} vs {len(group['params'])} parameters; rule "
+                    f"S5.5: parameters load in order, one for one)")
             saved["params"] = original["params"]  # the keys of "state", not copies
             _validate.check_loaded_names(saved, g)
             # A group without its own step takes its parameters' (torch's Adam layout):
