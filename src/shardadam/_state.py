@@ -571,26 +571,29 @@ def claim_all(state, formats: dict, owner, moved=()) -> None:
     scales restored beside them, each where it lies, but for those ``moved_claims``
     found moved by hand: claimed where they were, they are refused in the copy as in
     the original."""
-    places = {(id(param), name): (claimed, claimed_name)
-              for param, name, claimed, claimed_name in moved}
+    places = {(id(param), name): rest for param, name, *rest in moved}
     for param, entry in state.items():
         if not isinstance(param, torch.Tensor) or not isinstance(entry, dict):
             continue
         for name in STATE_NAMES:
             stored = entry.get(name)
-            if isinstance(stored, torch.Tensor):
-                claimed, claimed_name = places.get((id(param), name), (param, name))
-                # The format it was stored in, as the claim in the original says.
-                fmt = stored_format(_dtensor.to_local(stored), formats.get(claimed),
-                                    claimed_name)
-                if fmt is not None and fmt.scaled:
-                    _stored_by.claim(stored, owner, claimed, claimed_name, fmt.label)
+            if not isinstance(stored, torch.Tensor):
+                continue
+            if (id(param), name) in places:
+                ours, claimed, claimed_name, label = places[id(param), name]
+                _stored_by.claim(stored, owner if ours else _stored_by.ELSEWHERE, claimed,
+                                 claimed_name, label)
+                continue
+            fmt = stored_format(_dtensor.to_local(stored), formats.get(param), name)
+            if fmt is not None and fmt.scaled:
+                _stored_by.claim(stored, owner, param, name, fmt.label)
 
 
 def moved_claims(state, owner) -> list:
-    """``(param, name, claimed param, claimed name)`` for each scaled state of
-    ``state`` that ``owner`` claimed at another place (moved by hand); the claimed
-    parameter is ``_stored_by.ELSEWHERE`` where ``state`` no longer holds it."""
+    """``(param, name, claimed by owner, claimed param, claimed name, format label)``
+    for each state of ``state`` claimed at another place (moved by hand, within
+    ``owner`` or from another optimizer); the claimed parameter is
+    ``_stored_by.ELSEWHERE`` where ``state`` does not hold it."""
     params = {id(param): param for param in state if isinstance(param, torch.Tensor)}
     moved = []
     for param, entry in state.items():
@@ -598,11 +601,15 @@ def moved_claims(state, owner) -> list:
             continue
         for name in STATE_NAMES:
             stored = entry.get(name)
-            place = (_stored_by.claimed_place(stored, owner)
-                     if isinstance(stored, torch.Tensor) else None)
-            if place is not None and place != (id(param), name):
-                moved.append((param, name, params.get(place[0], _stored_by.ELSEWHERE),
-                              place[1]))
+            held = (_stored_by.claim_of(stored, owner)
+                    if isinstance(stored, torch.Tensor) else None)
+            if held is None:
+                continue
+            ours, param_id, claimed_name, label = held
+            if not ours or (param_id, claimed_name) != (id(param), name):
+                claimed = params.get(param_id, _stored_by.ELSEWHERE) if ours else \
+                    _stored_by.ELSEWHERE
+                moved.append((param, name, ours, claimed, claimed_name, label))
     return moved
 
 

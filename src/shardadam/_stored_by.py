@@ -45,18 +45,26 @@ def claim(stored: torch.Tensor, owner, param: torch.Tensor, name: str, label: st
     _CLAIMS[key] = (ref, weakref.ref(owner), id(param), name, label)
 
 
-# The parameter of a claim whose parameter the optimizer no longer holds, in a copy: no
-# parameter is this object.
-ELSEWHERE = object()
+class _Elsewhere:
+    """In a copy (deepcopy, pickle) of an optimizer, the stand-in for what a moved
+    state's claim named and the copy does not hold: the parameter (one the optimizer no
+    longer holds) or the optimizer (another one, or one since freed). One object, also
+    through pickle and deepcopy: a claim names it by ``id``."""
+
+    def __reduce__(self):
+        return "ELSEWHERE"
 
 
-def claimed_place(stored: torch.Tensor, owner) -> Optional[tuple]:
-    """``(id of the parameter, state name)`` that ``owner`` claimed ``stored`` for, or
-    None where ``owner`` holds no claim on it."""
+ELSEWHERE = _Elsewhere()
+
+
+def claim_of(stored: torch.Tensor, owner) -> Optional[tuple]:
+    """``(claimed by owner, id of the parameter, state name, format label)`` of the claim
+    on ``stored``, or None where nobody claimed it."""
     held = _CLAIMS.get(id(stored))
-    if held is None or held[0]() is not stored or held[1]() is not owner:
+    if held is None or held[0]() is not stored:
         return None
-    return held[2], held[3]
+    return held[1]() is owner, held[2], held[3], held[4]
 
 
 def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,

@@ -384,11 +384,13 @@ def test_crashed_rank_stops_every_rank(tmp_path):
     (out / "logs").mkdir(parents=True)
     (out / "demo.json").write_text("{}")
     (out / "logs" / "shardadam-rank0.json").write_text("{}")
+    (out / "logs" / "train-rank0.log").write_text("not the demo's")  # kept
     began = time.monotonic()
     result = _run_demo(out, "--fail-at", "1:2", env=env)
     assert result.returncode == 1, result.stderr
     assert f"{out} held an earlier run's report and logs (2 files): removed" in result.stdout
     assert not (out / "logs" / "shardadam-rank0.json").exists()
+    assert (out / "logs" / "train-rank0.log").read_text() == "not the demo's"
     assert re.search(r"rank 1 of 2 failed in the adamw phase \(exit code 1\): "
                      r"RuntimeError: injected failure on rank 1 at step 2", result.stderr)
     assert "all ranks stopped" in result.stderr

@@ -1113,16 +1113,16 @@ def test_scaled_state_moved_by_hand_within_or_between_optimizers_is_refused(pres
                                                      "scales stayed there", r"rule S2\.3")):
             call()
         assert_unchanged(target, before)
-    if move != "another optimizer":  # a copy refuses what the original does (it read
-        # them where they lay: block8 exp_avg read as exp_avg_sq gave NaN weights)
-        import pickle
+    # A copy refuses what the original does (it read them where they lay: block8 exp_avg
+    # read as exp_avg_sq gave NaN weights), a copy of a copy too.
+    import pickle
 
-        for copied in (copy.deepcopy(target), pickle.loads(pickle.dumps(target))):
-            held = copied.param_groups[0]["params"]
-            for p in held:
-                p.grad = torch.full((4, 256), 1e-3)
-            with pytest.raises(RuntimeError, match=facts(*at(0, 0), re.escape(where))):
-                copied.step()
+    once = copy.deepcopy(target)
+    for copied in (once, copy.deepcopy(once), pickle.loads(pickle.dumps(target))):
+        for p in copied.param_groups[0]["params"]:
+            p.grad = torch.full((4, 256), 1e-3)
+        with pytest.raises(RuntimeError, match=facts(*at(0, 0), re.escape(where))):
+            copied.step()
     if move == "another optimizer":  # the supported way, from the optimizer that stored it
         source = fused_adam()([a], lr=1e-2, **_SCALED_PRESETS[preset])
         source.state[a] = opt.state[a]

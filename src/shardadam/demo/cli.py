@@ -173,9 +173,11 @@ def _clear_earlier_run(out):
     """Removes what an earlier demo wrote into ``out`` (its report and rank files), so
     that a run that fails never leaves them beside its own; returns how many files."""
     logs = os.path.join(out, "logs")
+    phases = "|".join(re.escape(name) for name in ("adamw", "shardadam", "resume",
+                                                   *peers.DTENSOR_PEERS))
+    ours = re.compile(rf"({phases})-rank\d+\.(json|error|log)")  # launcher's names
     paths = [os.path.join(out, name) for name in ("demo.json", "demo.png")]
-    paths += [os.path.join(logs, name) for name in os.listdir(logs)
-              if "-rank" in name and name.endswith((".json", ".error", ".log"))]
+    paths += [os.path.join(logs, name) for name in os.listdir(logs) if ours.fullmatch(name)]
     found = [path for path in paths if os.path.isfile(path)]
     for path in found:
         os.remove(path)

@@ -9,9 +9,9 @@ Nothing is left behind: the first rank that exits non-zero stops the phase and e
 other rank is killed; a phase that outlives its deadline is killed; each rank asks the
 kernel to kill it if the fork server goes away, and the fork server exits when this
 process ends, however it ends: it sees the write end of a pipe close. multiprocessing
-hands a copy of that write end to every child (so that a child may start processes of
-its own), and while a rank held it the server never saw this process end: a demo killed
-by a signal left its ranks training. Each rank closes its copy
+hands a copy of that write end to every child it forks, and while a rank held it the
+server never saw this process end: a demo killed by a signal left its ranks training.
+Each rank closes its copy
 (``drop_fork_server_pipe``, which reads multiprocessing's private
 ``forkserver._forkserver._forkserver_alive_fd``, there since Python 3.4). The report names the rank that failed first by the time each recorded, not
 the first exit seen: its peers fail milliseconds later on the lost connection, and
@@ -63,7 +63,8 @@ def die_with_parent():
 def drop_fork_server_pipe():
     """In a process forked by multiprocessing's fork server: closes this process's copy
     of the pipe's write end by which the server sees its parent end (see the module
-    docstring). The process can then start no process through the server itself."""
+    docstring). Nothing in the process uses it: one that starts processes through a
+    fork server starts a server of its own."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
