@@ -11,11 +11,12 @@ kernel to kill it if the fork server goes away, and the fork server exits when t
 process ends, however it ends: it sees the write end of a pipe close. multiprocessing
 hands a copy of that write end to every child it forks, and while a rank held it the
 server never saw this process end: a demo killed by a signal left its ranks training.
-Each rank closes its copy
-(``drop_fork_server_pipe``, which reads multiprocessing's private
-``forkserver._forkserver._forkserver_alive_fd``, there since Python 3.4). The report names the rank that failed first by the time each recorded, not
-the first exit seen: its peers fail milliseconds later on the lost connection, and
-exits seen together are taken in rank order.
+Each rank closes its copy (``drop_fork_server_pipe``, which reads multiprocessing's
+private ``forkserver._forkserver._forkserver_alive_fd``, there since Python 3.4).
+
+The report names the rank that failed first by the time each recorded, not the first
+exit seen: its peers fail milliseconds later on the lost connection, and exits seen
+together are taken in rank order.
 """
 
 import math
