@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import _dtensor, _formats
+from . import _dtensor, _formats, _state
 from ._memory import extent, short_storage
 from ._formats import PARAM_TAGS
 from ._state import StateConfig
@@ -693,13 +693,10 @@ def check_moments_of_step_0(saved: dict, saved_state: dict, group_index: int) ->
             continue
         for name in ("exp_avg", "exp_avg_sq"):
             value = values.get(name)
-            if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
-                continue
-            local = _dtensor.to_local(value)
-            # A sparse, mkldnn or freed value is left to check_value, which refuses it by
-            # name.
-            if (not local.is_meta and local.layout is torch.strided
-                    and short_storage(local) is None and bool(local.any())):
+            # One without values here (sparse, mkldnn, nested, freed, meta) is left to
+            # check_value, which refuses it by name.
+            if (_state.holds_values(value) and value.is_floating_point()
+                    and not value.is_meta and bool(_dtensor.to_local(value).any())):
                 raise fail(ValueError, f"the loaded step is 0 but {name} of parameter key "
                                        f"{shown(key)} is not zero (rule S5.5: a group at step 0 "
                                        f"has zero moments unless its state_layout says "
