@@ -93,13 +93,20 @@ TEST(CudaBlockCodecTest, EveryBlockFormatOfTheCoreHasACodec) {
   }
 }
 
+// The order an emulated step runs a group's lanes in, phase by phase. On the GPU
+// they run at once, so both orders must give the kernel's bits: reversed, with lane 0
+// writing the scale slots before the other lanes' canonical step, shows two lanes
+// that write one byte (4-bit pairs) or a lane that reads a slot lane 0 wrote.
+enum class LaneOrder { kForward, kReversed };
+
 // One step of `t` as the per-block kernel takes it: CUDA block after CUDA block,
 // scale block after scale block, its lanes one after another (each updates its
 // elements and stores their weights), the group's absmax, then each lane's
 // moments with the new scales, the group's highest stochastic codes and each
 // lane's canonical block (S2.13), then the scale slots.
 template <bool kAdamW>
-void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t step) {
+void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t step,
+                       LaneOrder order) {
   cuda::DeviceSlot t = cuda::MakeDeviceSlot(slot, step);
   ASSERT_TRUE(cuda::HasBlockScales(t));
   cuda::VisitLayout(cuda::LayoutOf(t), [&](auto layout) {
@@ -107,6 +114,8 @@ void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t s
     ASSERT_TRUE(L::kMayBlock) << "a block tensor got a per-tensor layout";
     L::Fix(t);
     const int lanes = cuda::LanesPerScaleBlock(t.scale_block);
+    std::vector<int> lane_order(static_cast<size_t>(lanes));
+    for (int k = 0; k < lanes; ++k) lane_order[k] = order == LaneOrder::kForward ? k : lanes - 1 - k;
     std::vector<cuda::BlockLane> group(static_cast<size_t>(lanes));
     int64_t next = 0;  // the chunks cover the scale blocks once, in order
     for (int64_t chunk = 0; chunk < cuda::ChunksOf(t); ++chunk) {
@@ -116,23 +125,27 @@ void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t s
       next = range.end;
       for (int64_t j = range.begin; j < range.end; ++j) {
         uint32_t best[2] = {0, 0};
-        for (int lane = 0; lane < lanes; ++lane) {
+        for (int lane : lane_order) {
           cuda::UpdateBlockLane<kAdamW>(t, c, j, lane, group[lane]);
           for (int k = 0; k < 2; ++k) best[k] = std::max(best[k], group[lane].best[k]);
         }
-        cuda::Scales now = cuda::NewBlockScales(t, best);
+        const cuda::Scales stored = cuda::NewBlockScales(t, best);
         uint32_t top[2] = {0, 0};
-        for (int lane = 0; lane < lanes; ++lane) {
-          cuda::StoreBlockLane(t, j, lane, now, group[lane]);
+        for (int lane : lane_order) {
+          cuda::StoreBlockLane(t, j, lane, stored, group[lane]);
           for (int k = 0; k < 2; ++k) top[k] = std::max(top[k], group[lane].top[k]);
         }
-        // Each lane finds the group's scales from the same maxima.
-        const cuda::Scales stored = now;
-        for (int lane = 0; lane < lanes; ++lane) {
-          now = stored;
+        // Each lane finds the group's scales from the same maxima; lane 0 writes them.
+        cuda::Scales written = stored;
+        cuda::CanonicalBlockLane(t, j, 0, top, written);
+        if (order == LaneOrder::kReversed) cuda::WriteBlockScales(t, j, written);
+        for (int lane : lane_order) {
+          if (lane == 0) continue;
+          cuda::Scales now = stored;
           cuda::CanonicalBlockLane(t, j, lane, top, now);
+          for (int k = 0; k < 3; ++k) ASSERT_EQ(BitsOf(now.s[k]), BitsOf(written.s[k])) << lane;
         }
-        cuda::WriteBlockScales(t, j, now);
+        if (order == LaneOrder::kForward) cuda::WriteBlockScales(t, j, written);
       }
     }
     ASSERT_EQ(next, ScaleCount(DType::kFloat8E4M3Block, slot.first_index, slot.numel,
@@ -140,12 +153,13 @@ void EmulatedBlockStep(const TensorSlot& slot, const StepConstants& c, int64_t s
   });
 }
 
-void EmulatedBlockStep(const TensorSlot& slot, const StepParams& params) {
+void EmulatedBlockStep(const TensorSlot& slot, const StepParams& params,
+                       LaneOrder order = LaneOrder::kForward) {
   const StepConstants c = MakeStepConstants(params);
   if (params.adam_w_mode) {
-    EmulatedBlockStep<true>(slot, c, params.step);
+    EmulatedBlockStep<true>(slot, c, params.step, order);
   } else {
-    EmulatedBlockStep<false>(slot, c, params.step);
+    EmulatedBlockStep<false>(slot, c, params.step, order);
   }
 }
 
@@ -173,9 +187,12 @@ TEST_P(CudaBlockStepMathTest, MatchesCpuCoreBitwise) {
     for (size_t k = 0; k < shards.size(); ++k) {
       SCOPED_TRACE("shard " + std::to_string(k) + " " + ShardName(shards[k]));
       ASSERT_TRUE(SameShard(core[k], reference[k])) << "the CPU core and the reference";
-      Shard got = shards[k];
-      EmulatedBlockStep(got.Slot(), params);
-      ASSERT_TRUE(SameShard(core[k], got));
+      for (LaneOrder order : {LaneOrder::kForward, LaneOrder::kReversed}) {
+        SCOPED_TRACE(order == LaneOrder::kForward ? "lanes in order" : "lanes reversed");
+        Shard got = shards[k];
+        EmulatedBlockStep(got.Slot(), params, order);
+        ASSERT_TRUE(SameShard(core[k], got));
+      }
     }
     shards = core;
   }
