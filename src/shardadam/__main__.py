@@ -17,7 +17,9 @@ def _info(_args):
     try:
         from shardadam import _C
     except ImportError as error:
-        print(f"C++ core:       not built ({error})")
+        from shardadam import _slots
+        state = "not built" if _slots.missing else "built, but it does not load"
+        print(f"C++ core:       {state} ({error})")
         print("backends:       torch")
         return 0
     info = _C.info()

@@ -58,6 +58,7 @@ def path_of(batch):
         if batch.is_cpu:
             if _cpu_path.available():
                 return _cpu_path
+            _cpu_path.warn_unbuilt()
         elif (batch.is_cuda and _cuda_path.available(batch.device)
               and _cuda_path.steps_formats(batch)):
             return _cuda_path

@@ -6,6 +6,8 @@ The batch's slot rows come from ``_slots``; the core splits the work over
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from . import _slots
@@ -14,6 +16,20 @@ from . import _slots
 def available() -> bool:
     """Whether the C++ extension is built and importable."""
     return _slots.extension is not None
+
+
+_warned_unbuilt = False
+
+
+def warn_unbuilt() -> None:
+    """Once per process, where CPU tensors step on the torch path because the extension
+    was never built (one that failed to load was named at import)."""
+    global _warned_unbuilt
+    if _slots.missing and not _warned_unbuilt:
+        _warned_unbuilt = True
+        warnings.warn("shardadam._C is not built: CPU tensors step on the torch path, many "
+                      "times slower than the C++ core; install a wheel or build the "
+                      "extension (README, Install)", RuntimeWarning)
 
 
 prepare = _slots.prepare  # the batch's slot rows, with this step's gradients

@@ -24,12 +24,16 @@ try:
     extension = importlib.import_module(f"{__package__}._C")
 except ImportError as _error:
     extension = None  # every batch takes the torch path
-    # Not built: silently (`python -m shardadam info` says so). Built but not loadable
-    # (an undefined symbol, another Python's build): said.
-    if not (isinstance(_error, ModuleNotFoundError) and _error.name == f"{__package__}._C"):
+    # Not built (a source tree on PYTHONPATH): said at the first CPU step
+    # (_cpu_path.warn_unbuilt), so a package used only on other devices is quiet.
+    # Built but not loadable (an undefined symbol, another Python's build): said now.
+    missing = isinstance(_error, ModuleNotFoundError) and _error.name == f"{__package__}._C"
+    if not missing:
         warnings.warn(f"shardadam._C could not be loaded ({_error}); every step takes "
                       f"the torch path, much slower on CPU: rebuild the extension",
                       RuntimeWarning)
+else:
+    missing = False
 
 # What a slot row holds, in the order _row() lists it.
 NAMES = ("numel", "param", "param_dtype", "grad", "grad_dtype",

@@ -1,7 +1,9 @@
 """Importing the package without its compiled core, as a source tree that was not
-built, or with a core that cannot load: the first steps every batch with torch ops
-without a word (``python -m shardadam info`` says "not built"); the second says why
-the core did not load. Each case imports a copy of the package in a fresh interpreter.
+built, or with a core that cannot load: every batch then steps with torch ops. The
+first imports quietly and says so at its first CPU step (a package used only on other
+devices stays quiet), once; the second says why the core did not load, at import.
+``python -m shardadam info`` tells the two apart. Each case imports a copy of the
+package in a fresh interpreter.
 """
 
 import importlib.machinery
@@ -22,20 +24,37 @@ import sys
 # and build: only the copy on PYTHONPATH is wanted.
 sys.meta_path = [f for f in sys.meta_path if "_editable" not in type(f).__module__]
 import warnings
-warnings.simplefilter("error")  # any warning fails the import
+warnings.simplefilter("error")  # any warning while importing fails
 import torch
 import shardadam
 from shardadam import _slots
 assert _slots.extension is None, _slots.extension
 p = torch.nn.Parameter(torch.ones(4))
 opt = shardadam.FusedAdam([p], lr=0.5)
-p.grad = torch.ones(4)
-opt.step()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        opt.step()
+for warning in caught:
+    print("warned:", warning.category.__name__, warning.message)
 q = torch.nn.Parameter(torch.ones(4))
-q.grad = torch.ones(4)
-torch.optim.AdamW([q], lr=0.5, weight_decay=0.0, fused=True).step()
+theirs = torch.optim.AdamW([q], lr=0.5, weight_decay=0.0, fused=True)
+for _ in range(2):
+    q.grad = torch.ones(4)
+    theirs.step()
 assert torch.equal(p, q), (p, q)  # the C++ core's bits, and torch's fused AdamW's
 print("stepped")
+"""
+
+INFO = """
+import sys
+sys.meta_path = [f for f in sys.meta_path if "_editable" not in type(f).__module__]
+import warnings
+warnings.simplefilter("ignore")
+sys.argv = ["shardadam", "info"]
+import runpy
+runpy.run_module("shardadam", run_name="__main__")
 """
 
 
@@ -53,13 +72,21 @@ def _run(tmp_path, code):
                                                        "PATH": "/usr/bin:/bin"})
 
 
-def test_a_package_without_its_core_steps_with_torch_ops_silently(tmp_path):
-    """No "circular import" warning: a module that is not there is not a broken one."""
+def test_a_package_without_its_core_says_so_at_its_first_cpu_step(tmp_path):
+    """Not at import (no "circular import" warning either: a module that is not there
+    is not a broken one), and once."""
     _copy_without_core(tmp_path)
     result = _run(tmp_path, STEP)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "stepped", result.stdout
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "stepped", result.stdout
+    warned = [line for line in lines if line.startswith("warned:")]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("warned: RuntimeWarning shardadam._C is not built"), warned
+    assert "torch path" in warned[0], warned
     assert "Warning" not in result.stderr, result.stderr
+    info = _run(tmp_path, INFO)
+    assert "C++ core:       not built" in info.stdout, (info.stdout, info.stderr)
 
 
 def test_a_core_that_cannot_load_is_named(tmp_path):
@@ -70,6 +97,10 @@ def test_a_core_that_cannot_load_is_named(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "RuntimeWarning: shardadam._C could not be loaded" in result.stderr, result.stderr
     assert "circular import" not in result.stderr
+    assert "warned:" not in result.stdout, result.stdout  # said at import, not again
+    info = _run(tmp_path, INFO)
+    assert "C++ core:       built, but it does not load" in info.stdout, (info.stdout,
+                                                                          info.stderr)
 
 
 NO_METADATA = """
@@ -100,4 +131,4 @@ def test_a_source_tree_never_installed_imports_with_its_headers_version(tmp_path
     result = _run(tmp_path / "src", NO_METADATA)
     assert result.returncode == 0, result.stderr
     expected = "3.14.15" if header == "with the header" else "0+unknown"
-    assert result.stdout.split() == ["stepped", expected], result.stdout
+    assert result.stdout.splitlines()[-2:] == ["stepped", expected], result.stdout
