@@ -85,7 +85,8 @@ def add_arguments(parser):
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory subprocesses")
     parser.add_argument("--no-kernel-bench", action="store_true",
-                        help="do not run build/cpp/benchmarks/kernel_bench even if built")
+                        help="do not run kernel_bench (a checkout's build/cpp/benchmarks/"
+                             "kernel_bench, or $SHARDADAM_KERNEL_BENCH) even if built")
 
 
 def _meta(args, mode, threads, size):

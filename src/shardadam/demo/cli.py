@@ -103,8 +103,9 @@ def add_arguments(parser):
                         help="also train with these optimizers of other packages, on fp32 "
                              "parameters, same data and ranks, for their losses and state "
                              "beside shardadam's (comma-separated: "
-                             f"{', '.join(peers.DTENSOR_PEERS)}; `make bench` installs "
-                             "them)")
+                             f"{', '.join(peers.DTENSOR_PEERS)}; they need torchao: "
+                             "0.14.1 for torch 2.9, the version a checkout's `make "
+                             "bench` installs)")
     parser.add_argument("--out", default=None, type=_folder_name,
                         help="folder for demo.json, demo.png and the rank logs "
                              "(default runs/demo-<date>-<time> under the current folder)")
@@ -155,8 +156,9 @@ def _check(args):
     for name in args.also:
         package = peers.PEERS[name][0].split(".")[0]
         if importlib.util.find_spec(package) is None:
-            raise DemoError(f"--also {name}: {package} is not installed (requirements-"
-                            "bench.txt pins the version `make bench` installs)")
+            raise DemoError(f"--also {name}: {package} is not installed (`pip install "
+                            f"{package}`; a checkout's requirements-bench.txt pins the "
+                            "version `make bench` installs)")
     if args.out is None:
         args.out = _fresh_folder(os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     try:
