@@ -28,10 +28,19 @@ def _fails_on_last_rank_before_collective():
     _sum_of_ranks()
 
 
+class _NotAnException(BaseException):
+    """As torch's CheckpointException (torch 2.9), which derives from BaseException."""
+
+
+def _raises_a_base_exception():
+    raise _NotAnException("deliberate BaseException")
+
+
 def isolation(ctx):
     ctx.run_case("passes", _sum_of_ranks)
     ctx.run_case("one-thread-per-rank", _one_thread)
     ctx.run_case("fails", _fails_on_last_rank_before_collective)
+    ctx.run_case("raises-a-base-exception", _raises_a_base_exception)
     ctx.run_case("passes-after-failure", _sum_of_ranks)
     ctx.run_case("uses-a-2d-mesh-after-failure", lambda: ctx.mesh((1, ctx.world_size)))
 

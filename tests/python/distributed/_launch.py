@@ -382,7 +382,9 @@ class Context:
             if self.rank in dies:
                 raise AssertionError(f"rank {self.rank} was meant to die in this case, "
                                      f"but the case returned")
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # also torch's CheckpointException, a BaseException in 2.9
             error = traceback.format_exc()
         ok_here = not error
         # A rank that passed while a peer failed records a pass; the test still fails

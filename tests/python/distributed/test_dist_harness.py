@@ -31,6 +31,8 @@ def test_cases_are_isolated_and_failures_carry_the_rank_traceback(tmp_path):
     assert "rank(s) [1]" in failure
     assert "ValueError: deliberate failure on the last rank" in failure
     assert "_fails_on_last_rank_before_collective" in failure  # the traceback, not just text
+    failure = result.case_failure("raises-a-base-exception")
+    assert failure is not None and "_NotAnException: deliberate BaseException" in failure
 
 
 def test_hung_rank_fails_the_job_and_every_rank_is_killed(tmp_path):
