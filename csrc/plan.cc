@@ -113,6 +113,8 @@ TensorPlan MakePlan(const KernelTable& kt, const TensorSlot& s, int64_t step) {
   p.decode_v = kt.decode[p.v_codec];
   if (p.m_codec != kCodecF32) p.encode_m = kt.encode[p.m_codec];
   if (p.v_codec != kCodecF32) p.encode_v = kt.encode[p.v_codec];
+  // All three roundings index from s.first_index (S2.13): FusedBlockSpan hands the
+  // param's index hashes to the moments' encoders (kKeepHash) on that ground.
   if (s.exp_avg_rounding == Rounding::kStochastic) {
     p.encode_m_stochastic = kt.encode_f4_stochastic;
     p.m_rounding = {ExpAvgStepKey(s.rounding_key, step), s.first_index};
