@@ -19,7 +19,6 @@ import contextlib
 import functools
 import inspect
 import operator
-import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable
@@ -29,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import (_backend, _collector, _dtensor, _formats, _held_signals, _last_export,
-               _plan, _state, _step_hooks, _stored_by, _validate)
+               _plan, _state, _step_hooks, _step_lock, _stored_by, _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
@@ -145,7 +144,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._param_index = {}
         self._checked = {}  # _backend.check_together's last passed lists, per device
         self._settings_passed = None  # _checked_config's last passed settings
-        self._stepping = threading.Lock()  # held while a step checks and steps (S3.1)
+        self._stepping = _step_lock.StepLock()  # held while a step checks and steps (S3.1)
         self._last_export = _last_export.LastExport()  # state_dict()'s, weakly (S5.5)
         self._constructing = True  # add_param_group leaves the parameters' overlaps to us
         _validate.check_params_argument(params)
@@ -205,7 +204,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._param_index = {}
         self._checked = {}
         self._settings_passed = None
-        self._stepping = threading.Lock()
+        self._stepping = _step_lock.StepLock()
         self._last_export = _last_export.LastExport()
 
     # ------------------------------------------------------------------ groups
@@ -378,16 +377,26 @@ class FusedAdam(torch.optim.Optimizer):
         # garbage collector is off meanwhile (_collector): switched inside the hold, so
         # that no handler can raise between the switches and leave it off.
         with _held_signals.held(), _collector.paused():
+            self._check_whole("step()")
             # Another step of this optimizer inside this one (a signal handler's, another
             # thread's) would step state this one has checked and is stepping.
-            if self._stepping.locked():
+            if self._stepping.busy():
                 raise RuntimeError(
                     f"{_validate.CLASS_NAME}: step() was called while another step() of "
                     f"this optimizer runs (from a signal handler or another thread); "
                     f"nothing changed (rule S3.1: one step at a time)")
-            with self._stepping:
+            with self._stepping.held():
                 self._step_groups()
         return loss
+
+    def _check_whole(self, call):
+        if self._stepping.torn:
+            raise RuntimeError(
+                f"{_validate.CLASS_NAME}: {call} refused: this process was forked while "
+                f"another thread was inside step() of this optimizer, so here its "
+                f"parameters and state may be partly stepped (some tensors or groups "
+                f"updated, their step counts not); load a checkpoint (load_state_dict "
+                f"ends this) or build a new optimizer (rule S3.1)")
 
     def _step_groups(self):
         config = self._checked_config()
@@ -785,6 +794,7 @@ class FusedAdam(torch.optim.Optimizer):
         ``master_param`` where there is one, as fp32 true values (int16 for remainders),
         wrapped like the parameter, plus any other key kept in its state; each group
         records the state layout under ``state_layout`` (S5.4)."""
+        self._check_whole("state_dict()")
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         _validate.check_groups(self.param_groups)
@@ -906,6 +916,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans = []
         self._plan_set = None
         self._checked = {}
+        self._stepping.torn = False  # whole again (_step_lock)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 

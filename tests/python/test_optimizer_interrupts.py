@@ -1,6 +1,7 @@
 """A step is whole or not taken (S3.1) when Ctrl-C, SIGTERM or an error lands in the
 middle of it, and state made under ``torch.inference_mode`` steps outside it (S1.6)."""
 
+import copy
 import re
 import signal
 import threading
@@ -375,6 +376,59 @@ def test_a_child_forked_by_another_thread_during_a_step_is_not_held(monkeypatch,
     opt.step()
     thread.join(60)
     assert seen["child"] == bytes([True, False])
+
+
+def test_a_child_forked_while_another_thread_steps_refuses_the_cut_state(monkeypatch):
+    """The child's copy of the optimizer was cut inside its step (here: between its two
+    groups): step() and state_dict() refuse it by name, not as "another step runs"
+    (the lock's holder does not exist there), until load_state_dict makes it whole; the
+    parent's step goes on and ends as usual."""
+    import os
+    import threading
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=8)
+    opt = fused_adam()(_two_groups(params), **SETTINGS)
+    attach_grads(params, _grads(params), False)
+    saved = copy.deepcopy(opt.state_dict())  # its fp32 states are the live tensors
+    inside, forked, seen = threading.Event(), threading.Event(), {}
+    _calls_to_run(monkeypatch, lambda call: (inside.set(), forked.wait(30))
+                  if call == 2 else None)
+
+    def step():
+        opt.step()
+        seen["parent"] = [g["step"] for g in opt.param_groups]
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    assert inside.wait(30)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            torch.set_num_threads(1)  # the parent's OpenMP threads are not here
+            outcomes = []
+            for call in (opt.step, opt.state_dict, lambda: opt.load_state_dict(saved),
+                         opt.step):
+                try:
+                    call()
+                    outcomes.append(0)
+                except RuntimeError as error:
+                    outcomes.append(1 if "forked while another thread was inside step()"
+                                    in str(error) and "S3.1" in str(error) else 2)
+                except BaseException:
+                    outcomes.append(3)
+            outcomes += [g["step"] for g in opt.param_groups]
+            os.write(write, bytes(outcomes))
+        finally:
+            os._exit(0)
+    os.close(write)
+    forked.set()
+    child = os.read(read, 16)
+    os.close(read)
+    os.waitpid(pid, 0)
+    thread.join(60)
+    assert child == bytes([1, 1, 0, 0, 1, 1]), list(child)
+    assert seen["parent"] == [1, 1]
 
 
 def test_a_recorder_left_in_place_hands_its_signal_on(sigterm_handler):
