@@ -160,6 +160,7 @@ class FusedAdam(torch.optim.Optimizer):
     def __getstate__(self) -> dict:
         # torch pickles defaults, state and groups only; the configuration, the scales
         # and the formats go too (one pickle, so parameters stay shared between them).
+        self._check_whole("a copy (deepcopy, pickle)")
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in _CONFIG_ATTRIBUTES})
         state["_scales"] = self._scales

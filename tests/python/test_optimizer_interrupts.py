@@ -380,7 +380,7 @@ def test_a_child_forked_by_another_thread_during_a_step_is_not_held(monkeypatch,
 
 def test_a_child_forked_while_another_thread_steps_refuses_the_cut_state(monkeypatch):
     """The child's copy of the optimizer was cut inside its step (here: between its two
-    groups): step() and state_dict() refuse it by name, not as "another step runs"
+    groups): step(), state_dict() and a copy refuse it by name, not as "another step runs"
     (the lock's holder does not exist there), until load_state_dict makes it whole; the
     parent's step goes on and ends as usual."""
     import os
@@ -407,8 +407,8 @@ def test_a_child_forked_while_another_thread_steps_refuses_the_cut_state(monkeyp
         try:
             torch.set_num_threads(1)  # the parent's OpenMP threads are not here
             outcomes = []
-            for call in (opt.step, opt.state_dict, lambda: opt.load_state_dict(saved),
-                         opt.step):
+            for call in (opt.step, opt.state_dict, lambda: copy.deepcopy(opt),
+                         lambda: opt.load_state_dict(saved), opt.step):
                 try:
                     call()
                     outcomes.append(0)
@@ -427,7 +427,7 @@ def test_a_child_forked_while_another_thread_steps_refuses_the_cut_state(monkeyp
     os.close(read)
     os.waitpid(pid, 0)
     thread.join(60)
-    assert child == bytes([1, 1, 0, 0, 1, 1]), list(child)
+    assert child == bytes([1, 1, 1, 0, 0, 1, 1]), list(child)
     assert seen["parent"] == [1, 1]
 
 
