@@ -781,6 +781,36 @@ TEST_P(AdamErrorTest, RejectsAndWritesNothing) {
   });
 }
 
+// Two buffers of one tensor that share one byte, at either end, overlap; two that
+// only touch do not (an fp16 param of 80 bytes beside an fp8 exp_avg_sq of 40).
+TEST(CheckStepSlotsTest, OneSharedByteIsAnOverlapAndTouchingBuffersAreNot) {
+  std::mt19937 rng(23);
+  std::vector<Tensor> tensors = {MakeTensor(
+      {DType::kFloat16, DType::kFloat16, DType::kFloat16, DType::kFloat8E4M3,
+       DType::kFloat16, true},
+      40, &rng)};
+  alignas(64) uint8_t arena[256] = {};
+  const struct {
+    int param, exp_avg_sq;  // byte offsets in the arena
+    bool overlap;
+  } cases[] = {{0, 80, false}, {0, 79, true}, {40, 0, false}, {40, 1, true}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE("param at " + std::to_string(c.param) + ", exp_avg_sq at " +
+                 std::to_string(c.exp_avg_sq));
+    std::vector<TensorSlot> slots = Slots(&tensors);
+    slots[0].param = arena + c.param;
+    slots[0].exp_avg_sq = arena + c.exp_avg_sq;
+    Error error;
+    const Status status = CheckStepSlots(slots.data(), 1, false, &error);
+    if (c.overlap) {
+      EXPECT_EQ(status, Status::kInvalidArgument);
+      EXPECT_NE(error.message.find("overlap"), std::string::npos) << error.message;
+    } else {
+      EXPECT_EQ(status, Status::kOk) << error.message;
+    }
+  }
+}
+
 // Scale slots in device memory are checked for presence and alignment, never
 // read: a NaN there is the device's business, not a host read.
 TEST(CheckStepSlotsTest, DeviceScalesAreNotRead) {

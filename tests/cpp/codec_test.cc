@@ -584,10 +584,12 @@ TEST(StochasticRoundingTest, UnsignedMeanOfManyCodesIsTheValue) {
 // several keys, flat indices below and above 2^32, and scales (each value in
 // some combination: the key and index only reach the hash, the scale only the
 // division, so their cross product adds time, not paths).
+// `a`, `b`: S2.13's rule below the format's first normal value, code
+// `(trunc(|x| · 2^a) + r) >> b` with b random bits.
 void ExpectStochasticEncoderMatchesReference(
     DType dtype, const Format& format,
     internal::StochasticEncodeFn internal::KernelTable::*encoder,
-    uint8_t (*reference)(float u, float scale, uint32_t random)) {
+    uint8_t (*reference)(float u, float scale, uint32_t random), int a, int b) {
   std::vector<float> inputs = InputsWithGrid(format);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
@@ -619,6 +621,25 @@ void ExpectStochasticEncoderMatchesReference(
         ASSERT_EQ(ref::CodeAt(codes.data(), dtype, static_cast<int64_t>(i)), want)
             << "fp32 0x" << std::hex << BitsOf(x[i]);
       }
+      // Below the first normal value, each lane's |x| · 2^a is t + 0.5 where its
+      // random bits r carry t + r to the next code only if t is rounded up: an
+      // encoder that rounds instead of truncating differs in every lane (random
+      // inputs meet such a value about once in 2^b).
+      std::vector<float> edge(n);
+      for (size_t i = 0; i < n; ++i) {
+        const uint32_t r = RandomBits(run.key, run.index + i) & ((1u << b) - 1);
+        const uint32_t t = (2u << b) - 1 - r;  // t + r = 2^(b+1) - 1: code 1, not 2
+        edge[i] = std::ldexp(static_cast<float>(t) + 0.5f, -a) * run.scale *
+                  (i % 2 ? -1.0f : 1.0f);
+      }
+      (kt.*encoder)(edge.data(), n, view, {run.key, static_cast<int64_t>(run.index)},
+                    codes.data());
+      for (size_t i = 0; i < n; ++i) {
+        const uint8_t want =
+            reference(edge[i], run.scale, RandomBits(run.key, run.index + i));
+        ASSERT_EQ(ref::CodeAt(codes.data(), dtype, static_cast<int64_t>(i)), want)
+            << "fp32 0x" << std::hex << BitsOf(edge[i]);
+      }
     }
   });
 }
@@ -628,19 +649,20 @@ TEST(SimdCodecTest, StochasticE2M1MatchesReference) {
                                           &internal::KernelTable::encode_f4_stochastic,
                                           [](float u, float scale, uint32_t random) {
                                             return EncodeFloat4E2M1Stochastic(u / scale, random);
-                                          });
+                                          },
+                                          23, 22);
 }
 
 TEST(SimdCodecTest, StochasticUnsignedE3M1MatchesReference) {
   ExpectStochasticEncoderMatchesReference(DType::kUFloat4E3M1Block, kUFloat4Format,
                                           &internal::KernelTable::encode_uf4_stochastic,
-                                          EncodeUFloat4E3M1Stochastic);
+                                          EncodeUFloat4E3M1Stochastic, 25, 22);
 }
 
 TEST(SimdCodecTest, StochasticUnsignedE4M4MatchesReference) {
   ExpectStochasticEncoderMatchesReference(DType::kUFloat8E4M4Block, kUFloat8Format,
                                           &internal::KernelTable::encode_uf8_stochastic,
-                                          EncodeUFloat8E4M4Stochastic);
+                                          EncodeUFloat8E4M4Stochastic, 29, 19);
 }
 
 // The unsigned E4M4 encoder at scale 1, rounded stochastically.
