@@ -58,11 +58,20 @@ def path_of(batch):
         if batch.is_cpu:
             if _cpu_path.available():
                 return _cpu_path
-            _cpu_path.warn_unbuilt()
         elif (batch.is_cuda and _cuda_path.available(batch.device)
               and _cuda_path.steps_formats(batch)):
             return _cuda_path
     return None
+
+
+def warn_unbuilt(groups) -> None:
+    """Before a step: says once where CPU tensors would take the torch path because the
+    C++ extension was never built (``_cpu_path.warn_unbuilt``); groups not yet checked."""
+    if _mode == "auto":
+        _cpu_path.warn_unbuilt(
+            p for group in (groups if isinstance(groups, (list, tuple)) else ())
+            if isinstance(group, dict) and isinstance(group.get("params"), (list, tuple))
+            for p in group["params"])
 
 
 def reads_lr_on_device(batches) -> bool:

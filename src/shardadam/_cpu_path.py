@@ -21,11 +21,14 @@ def available() -> bool:
 _warned_unbuilt = False
 
 
-def warn_unbuilt() -> None:
-    """Once per process, where CPU tensors step on the torch path because the extension
-    was never built (one that failed to load was named at import)."""
+def warn_unbuilt(params) -> None:
+    """Once per process, before a step whose ``params`` hold a CPU tensor, where the
+    extension was never built (one that failed to load was named at import). Before the
+    step, so that the warning turned into an error leaves nothing changed."""
     global _warned_unbuilt
-    if _slots.missing and not _warned_unbuilt:
+    if not _slots.missing or _warned_unbuilt:
+        return
+    if any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in params):
         _warned_unbuilt = True
         warnings.warn("shardadam._C is not built: CPU tensors step on the torch path, many "
                       "times slower than the C++ core; install a wheel or build the "

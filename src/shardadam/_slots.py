@@ -24,8 +24,9 @@ try:
     extension = importlib.import_module(f"{__package__}._C")
 except ImportError as _error:
     extension = None  # every batch takes the torch path
-    # Not built (a source tree on PYTHONPATH): said at the first CPU step
-    # (_cpu_path.warn_unbuilt), so a package used only on other devices is quiet.
+    # Not built (a source tree on PYTHONPATH): said before the first step of CPU
+    # parameters (_cpu_path.warn_unbuilt), so a package used only on other devices is
+    # quiet.
     # Built but not loadable (an undefined symbol, another Python's build): said now.
     missing = isinstance(_error, ModuleNotFoundError) and _error.name == f"{__package__}._C"
     if not missing:

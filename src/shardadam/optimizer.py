@@ -374,6 +374,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _backend.warn_unbuilt(self.param_groups)  # before anything changes
         # Ctrl-C and SIGTERM wait until the step is whole or refused (S3.1), and the
         # garbage collector is off meanwhile (_collector): switched inside the hold, so
         # that no handler can raise between the switches and leave it off.

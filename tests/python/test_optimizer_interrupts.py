@@ -3,6 +3,7 @@ middle of it, and state made under ``torch.inference_mode`` steps outside it (S1
 
 import copy
 import re
+import select
 import signal
 import threading
 
@@ -423,12 +424,46 @@ def test_a_child_forked_while_another_thread_steps_refuses_the_cut_state(monkeyp
             os._exit(0)
     os.close(write)
     forked.set()
-    child = os.read(read, 16)
+    ready, _, _ = select.select([read], [], [], 120)
+    child = os.read(read, 16) if ready else b"no answer"
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
     os.close(read)
     os.waitpid(pid, 0)
     thread.join(60)
     assert child == bytes([1, 1, 1, 0, 0, 1, 1]), list(child)
     assert seen["parent"] == [1, 1]
+
+
+@pytest.mark.parametrize("where", ["acquired", "working", "done"])
+def test_a_fork_frees_a_lock_another_thread_holds_and_marks_only_cut_work(where):
+    """Wherever the other thread was between taking the lock and giving it back (a fork
+    may come between any two bytecodes): the child's lock is free, and torn only where
+    that thread's step had begun its work and not ended it."""
+    from shardadam import _step_lock
+
+    lock = _step_lock.StepLock()
+    taken, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock._lock:  # as held() does, stopped at the chosen point
+            if where != "acquired":
+                lock._owner, lock._working = threading.get_ident(), where == "working"
+            taken.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert taken.wait(30)
+    try:
+        _step_lock._free_in_child()  # as the fork's child runs it, in this thread
+        assert not lock.busy()
+        assert lock.torn == (where == "working")
+        with lock.held():  # the child's own steps take it as usual
+            assert lock.busy()
+    finally:
+        done.set()
+        thread.join(30)
 
 
 def test_a_recorder_left_in_place_hands_its_signal_on(sigterm_handler):

@@ -89,6 +89,40 @@ def test_a_package_without_its_core_says_so_at_its_first_cpu_step(tmp_path):
     assert "C++ core:       not built" in info.stdout, (info.stdout, info.stderr)
 
 
+WARNING_AS_ERROR = """
+import sys
+sys.meta_path = [f for f in sys.meta_path if "_editable" not in type(f).__module__]
+import warnings
+import torch
+import shardadam
+p = torch.nn.Parameter(torch.ones(4))
+opt = shardadam.FusedAdam([p], lr=0.5)
+q = torch.nn.Parameter(torch.ones(4))
+opt.param_groups[0]["params"].append(q)  # its state is made by the next step
+p.grad, q.grad = torch.ones(4), torch.ones(4)
+before = {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+warnings.simplefilter("error")
+try:
+    opt.step()
+    print("not refused")
+except RuntimeWarning:
+    same = all(torch.equal(opt.state[p][k], v) for k, v in before.items())
+    print("refused", torch.equal(p, torch.ones(4)), same, q not in opt.state,
+          opt.param_groups[0]["step"])
+opt.step()  # said once: the next step steps
+print("stepped", not torch.equal(p, torch.ones(4)), opt.param_groups[0]["step"])
+"""
+
+
+def test_the_warning_comes_before_the_step_changes_anything(tmp_path):
+    """Turned into an error, it leaves parameters, state and count as they were."""
+    _copy_without_core(tmp_path)
+    result = _run(tmp_path, WARNING_AS_ERROR)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused", "True", "True", "True", "0",
+                                     "stepped", "True", "1"], result.stdout
+
+
 def test_a_core_that_cannot_load_is_named(tmp_path):
     target = _copy_without_core(tmp_path)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
