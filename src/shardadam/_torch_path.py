@@ -11,14 +11,13 @@ everything else, for one piece of the group at a time (``PIECE_CPU`` elements on
 
 from __future__ import annotations
 
-import contextlib
 import math
 from array import array
 from typing import Optional
 
 import torch
 
-from . import _codecs, _plan, _validate
+from . import _codecs, _float_mode, _plan, _validate
 
 
 def _f32(value: float) -> float:
@@ -175,32 +174,15 @@ def check_scales(works: list) -> None:
                         f"a finite value > 0)")
 
 
-def _flushing_denormals() -> bool:
-    """Whether CPU float ops flush subnormals (``torch.set_flush_denormal(True)``, which
-    torch offers no getter for): a subnormal times one then reads as zero."""
-    return bool(torch.tensor(2.0 ** -140, dtype=torch.float32).mul(1.0) == 0)
-
-
-@contextlib.contextmanager
-def _subnormals_kept(device):
-    """IEEE subnormals for the step, as the C++ core sets them for its own (float_mode.h):
-    a caller's flush-to-zero mode would change the bits on CPU."""
-    flushing = device.type == "cpu" and _flushing_denormals()
-    if flushing:
-        torch.set_flush_denormal(False)
-    try:
-        yield
-    finally:
-        if flushing:
-            torch.set_flush_denormal(True)
-
-
 def step(work, hyper) -> None:
     active = [(entry, grad) for entry, grad in zip(work.batch.entries, work.grads)
               if grad is not None and entry.numel > 0]
     if not active:
         return
-    with _subnormals_kept(work.batch.device):
+    if work.batch.device.type != "cpu":
+        _step(active, hyper, _piece_size(work.batch.device))
+        return
+    with _float_mode.kept():  # as the C++ core steps (float_mode.h)
         _step(active, hyper, _piece_size(work.batch.device))
 
 

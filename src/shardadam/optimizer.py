@@ -27,22 +27,23 @@ from typing import Optional
 
 import torch
 
-from . import (_backend, _collector, _dtensor, _formats, _held_signals, _last_export,
-               _plan, _state, _step_hooks, _step_lock, _stored_by, _validate)
+from . import (_backend, _collector, _dtensor, _float_mode, _formats, _held_signals,
+               _last_export, _plan, _state, _step_hooks, _step_lock, _stored_by, _validate)
 from ._state import LAYOUT_KEY, STATE_NAMES
 
 
 @contextlib.contextmanager
 def _making_state():
-    """Where state is created or converted: outside ``torch.inference_mode``, whose
-    tensors no later step outside that mode may update (torch's own optimizers create
-    state at their first step, so they meet this less), and without autograd (leaving
-    inference mode turns it on)."""
-    if not torch.is_inference_mode_enabled():
-        yield
-        return
-    with torch.inference_mode(False), torch.no_grad():
-        yield
+    """Where state is created or converted: with IEEE subnormals (_float_mode), and
+    outside ``torch.inference_mode``, whose tensors no later step outside that mode may
+    update (torch's own optimizers create state at their first step, so they meet this
+    less), and without autograd (leaving inference mode turns it on)."""
+    with _float_mode.kept():
+        if not torch.is_inference_mode_enabled():
+            yield
+            return
+        with torch.inference_mode(False), torch.no_grad():
+            yield
 
 
 def _normal_tensors(method):
@@ -52,6 +53,15 @@ def _normal_tensors(method):
         with _making_state():
             return method(*args, **kwargs)
     return making_state
+
+
+def _subnormals_kept(method):
+    """``method`` (one that reads state) run with IEEE subnormals (_float_mode)."""
+    @functools.wraps(method)
+    def reading_state(*args, **kwargs):
+        with _float_mode.kept():
+            return method(*args, **kwargs)
+    return reading_state
 
 
 # Settings beyond torch's defaults that travel with a pickled optimizer.
@@ -467,7 +477,8 @@ class FusedAdam(torch.optim.Optimizer):
         followed = []  # (param, mark) of the masters re-seeded
         try:
             if following:
-                self._follow_params(following, followed)
+                with _float_mode.kept():
+                    self._follow_params(following, followed)
             for (_, hyper, _), items in zip(work, prepared):
                 for item in items:
                     _backend.run(item, hyper)
@@ -692,6 +703,7 @@ class FusedAdam(torch.optim.Optimizer):
             writes.scales.setdefault(key, None)
         self._apply(param, writes, local, layout)
 
+    @_subnormals_kept
     def get_unscaled_state(self, param, state_name: str, skip_unscale: bool = False):
         """The true value of a state (S5.2), as a local tensor: fp32 (the stored tensor
         itself when stored as fp32, else a copy), the raw int16 for remainders, or the
@@ -791,6 +803,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    @_subnormals_kept
     def state_dict(self) -> dict:
         """torch's layout with, per parameter, ``exp_avg``, ``exp_avg_sq`` and
         ``master_param`` where there is one, as fp32 true values (int16 for remainders),

@@ -619,35 +619,3 @@ def test_lone_refused_call_counts_no_group():
         opt.step()
     assert_unchanged(opt, before)
     assert [g["step"] for g in opt.param_groups] == [1, 1]
-
-
-def test_torch_path_keeps_subnormals_under_a_callers_flush_to_zero():
-    """The C++ core steps with IEEE subnormals whatever the caller set (float_mode.h);
-    the torch path does the same, so torch.set_flush_denormal(True) changes neither's
-    bits (each path's results equal its own run with flush-to-zero off, and the two
-    paths agree), and the caller's mode is back after the step."""
-    if not have_core():
-        pytest.skip("C++ extension not built")
-
-    def run(backend):
-        with backend_context(backend):
-            p = torch.nn.Parameter(torch.full((300,), 1e-30))
-            opt = FusedAdam([p], lr=1e-3, eps=1e-30, moment_format="block8")
-            p.grad = torch.full((300,), 1e-21)
-            opt.step()
-            return opt, p
-
-    ieee = {backend: run(backend) for backend in ("auto", "torch")}
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush subnormals")
-    try:
-        flushed = {backend: run(backend) for backend in ("auto", "torch")}
-        assert bool(torch.tensor(2.0 ** -140).mul(1.0) == 0), "the caller's mode, restored"
-    finally:
-        torch.set_flush_denormal(False)
-    for backend, (opt, p) in flushed.items():
-        assert_same_optimizer_state(ieee[backend][0], opt, [ieee[backend][1]], [p],
-                                    f"backend={backend}: flush-to-zero on vs off")
-    (core, p), (torch_path, q) = flushed["auto"], flushed["torch"]
-    assert_same_optimizer_state(core, torch_path, [p], [q], "core vs torch path under FTZ")
-    assert bool((p.detach() != 0).all())  # subnormal arithmetic kept the weights
