@@ -89,27 +89,30 @@ bool CheckBeta(const char* name, double value, Error* error) {
 // The fp32 constants the step uses (element.h MakeStepConstants, S3.6) are
 // finite: a hyper-parameter past fp32's range (lr = 1e39, or lr / c1 or
 // lr * weight_decay beyond FLT_MAX) would turn every weight it touches to inf or
-// NaN. A device-memory lr is read when the kernels run, so it is not checked.
+// NaN. A device-memory lr is read when the kernels run: the constants made from
+// it are not checked, eps and an L2 weight_decay still are.
 bool CheckStepConstants(const StepParams& params, Error* error) {
-  if (params.lr_in_device_memory != nullptr) return true;
+  const bool lr_known = params.lr_in_device_memory == nullptr;
   const StepConstants k = MakeStepConstants(params);
   const struct {
     const char* name;
     float value;
+    bool checked;
   } used[] = {
-      {"lr / (1 - beta1^step)", k.step_size},
+      {"lr / (1 - beta1^step)", k.step_size, lr_known},
       {params.adam_w_mode ? "1 - lr * weight_decay" : "weight_decay",
-       params.adam_w_mode ? k.decay : k.weight_decay},
-      {"eps", k.eps},
+       params.adam_w_mode ? k.decay : k.weight_decay, lr_known || !params.adam_w_mode},
+      {"eps", k.eps, true},
   };
   for (const auto& c : used) {
-    if (!std::isinf(c.value)) continue;
+    if (!c.checked || !std::isinf(c.value)) continue;
     return Fail(error, -1,
-                Format("%s is beyond fp32's range at step %" PRId64 " (lr %.9g, beta1 "
+                Format("%s is beyond fp32's range at step %" PRId64 " (lr %s, beta1 "
                        "%.9g, weight_decay %.9g, eps %.9g; rule: each fp32 constant of "
                        "the step is finite)",
-                       c.name, params.step, params.lr, params.beta1, params.weight_decay,
-                       params.eps));
+                       c.name, params.step,
+                       lr_known ? Format("%.9g", params.lr).c_str() : "in device memory",
+                       params.beta1, params.weight_decay, params.eps));
   }
   // Below half fp32's smallest subnormal a positive eps would be added as 0: a
   // zero gradient on zero moments would then step 0 / 0 into NaN.

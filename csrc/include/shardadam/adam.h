@@ -142,7 +142,8 @@ struct StepParams {
   int64_t step = 1;             // the step being taken, counted from 1
   // AdamStepCuda only: where non-null, lr is read from this fp64 in device memory
   // when the kernels run (the `lr` above is then not used), so a learning rate held
-  // in a GPU tensor never waits for the device; its value is not validated. 8-byte
+  // in a GPU tensor never waits for the device; its value is not validated, nor
+  // the constants made from it (eps and an L2 weight_decay still are). 8-byte
   // aligned. The CPU core refuses it.
   const double* lr_in_device_memory = nullptr;
 };

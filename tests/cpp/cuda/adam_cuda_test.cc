@@ -704,6 +704,45 @@ TEST(CudaValidationTest, LrInDeviceMemoryIsCheckedForAlignmentOnly) {
   }
 }
 
+// Beside an lr in device memory, the constants made without lr are still checked
+// (adam.h StepParams): eps past fp32's range or rounding to 0 in it, an L2
+// weight_decay past it; AdamW's 1 - lr * weight_decay, made from the lr, is not.
+TEST(CudaValidationTest, LrInDeviceMemoryLeavesTheOtherConstantsChecked) {
+  float buffers[4][8] = {};
+  TensorSlot s = Fp32Slot(buffers);
+  alignas(8) static const double lr = 1e-3;  // stands in for device memory
+  const struct {
+    double eps, weight_decay;
+    bool adam_w_mode;
+    const char* rule;  // nullptr: accepted by these checks
+  } cases[] = {
+      {1e39, 0.0, true, "eps is beyond fp32's range"},
+      {1e-46, 0.0, true, "eps 1e-46 rounds to 0 in fp32"},
+      {1e-8, 1e39, false, "weight_decay is beyond fp32's range"},
+      {1e-8, 1e39, true, nullptr},
+  };
+  for (const auto& c : cases) {
+    StepParams params;
+    params.lr_in_device_memory = &lr;
+    params.eps = c.eps;
+    params.weight_decay = c.weight_decay;
+    params.adam_w_mode = c.adam_w_mode;
+    Error error;
+    // Without a workspace: a call past the hyper-parameters' checks is refused for it.
+    EXPECT_EQ(AdamStepCuda(&s, 1, params, nullptr, 0, nullptr, -1, &error),
+              Status::kInvalidArgument);
+    const std::string expected = c.rule != nullptr ? c.rule : "workspace";
+    EXPECT_NE(error.message.find(expected), std::string::npos) << error.message;
+    if (expected.find("beyond") != std::string::npos) {  // the lr is not a host value
+      EXPECT_NE(error.message.find("(lr in device memory,"), std::string::npos)
+          << error.message;
+    }
+  }
+  for (int k = 0; k < 4; ++k) {
+    for (float x : buffers[k]) EXPECT_EQ(x, 0.0f);
+  }
+}
+
 TEST(CudaValidationTest, WithoutDeviceAValidCallReportsTheRuntimeError) {
   if (HaveDevice()) GTEST_SKIP() << "a CUDA device is present";
   float buffers[4][8] = {};
