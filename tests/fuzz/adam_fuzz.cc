@@ -136,10 +136,24 @@ struct Arena {
   }
 };
 
-// A pointer for one buffer: its own block, null, or into a block already made.
+// Offsets are whole elements of the buffer's dtype (a byte for 4-bit codes):
+// aligned to their element, as real tensors are, but not to 4 or 16 bytes.
+size_t ElementBytes(DType dtype) {
+  const int bits = FormatOf(dtype).item_bits;
+  return bits >= 8 ? static_cast<size_t>(bits / 8) : 1;
+}
+
+// A pointer for one buffer: its own block (at an offset of up to 15 bytes), null,
+// or into a block already made.
 Ptr PickPtr(FuzzedDataProvider& in, Arena& arena, size_t bytes, DType dtype) {
+  const size_t element = ElementBytes(dtype);
   const uint8_t b = in.ConsumeIntegral<uint8_t>();
-  if (b < 216 || arena.blocks.empty()) return arena.Add(bytes, dtype, in);
+  if (b < 216 || arena.blocks.empty()) {
+    const size_t lead = element * in.ConsumeIntegralInRange<size_t>(0, 15 / element);
+    Ptr p = arena.Add(lead + bytes, dtype, in);
+    p.offset = lead;
+    return p;
+  }
   if (b < 228) return {};
   // The alias always has room for `bytes`: a call the core may accept (the
   // block could belong to an empty tensor or an unused scale) must stay in
@@ -149,8 +163,7 @@ Ptr PickPtr(FuzzedDataProvider& in, Arena& arena, size_t bytes, DType dtype) {
   const size_t size = arena.blocks[static_cast<size_t>(p.block)].size();
   if (size < bytes) return arena.Add(bytes, dtype, in);
   const size_t slack = size - bytes;
-  // Multiples of 4: element-aligned for every dtype, as real tensors are.
-  p.offset = 4 * in.ConsumeIntegralInRange<size_t>(0, (slack < 8 ? slack : 8) / 4);
+  p.offset = element * in.ConsumeIntegralInRange<size_t>(0, slack / element);
   return p;
 }
 
@@ -173,7 +186,8 @@ TensorSlot Bind(const SlotSpec& s, Arena& arena) {
   return t;
 }
 
-int PickThreads(FuzzedDataProvider& in) { return in.ConsumeIntegralInRange(1, 4); }
+// -1 and 0 mean all hardware threads (adam.h).
+int PickThreads(FuzzedDataProvider& in) { return in.ConsumeIntegralInRange(-1, 4); }
 
 int64_t PickNumel(FuzzedDataProvider& in) {
   if (in.ConsumeIntegralInRange(0, 15) == 0) {
