@@ -11,8 +11,10 @@ torch's OpenMP pool keeps the mode of the thread that started it, so a pool star
 while the caller flushed keeps flushing after the caller's thread is switched back.
 ``kept()`` switches the calling thread to IEEE mode and, where the pool's workers still
 flush, runs the section on that one thread (``torch.set_num_threads(1)``); it gives
-both back after. Nothing is done, beyond a one-element probe, where the caller does
-not flush.
+both back after (the thread count is the process's: another thread's torch ops run on
+one thread meanwhile, as the caller's do). Nothing is done, beyond a one-element
+probe, where the caller does not flush. The probes are CPU tensors whatever the
+default device (an optimizer may be made under ``with torch.device("meta")``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ _SUBNORMAL_BITS = 8  # the fp32 bits of 2^-146
 def _flushes(numel: int) -> bool:
     """Whether a product over ``numel`` subnormal elements loses any: read through the
     integer bits, which no flush mode changes."""
-    probe = torch.full((numel,), _SUBNORMAL_BITS, dtype=torch.int32).view(torch.float32)
+    probe = torch.full((numel,), _SUBNORMAL_BITS, dtype=torch.int32, device="cpu")
+    probe = probe.view(torch.float32)
     return bool(probe.mul(1.0).view(torch.int32).ne(_SUBNORMAL_BITS).any())
 
 

@@ -235,3 +235,23 @@ def test_torch_workers_that_flush_do_not_change_the_bits():
     if done.stdout.startswith("SKIP"):
         pytest.skip(done.stdout.strip())
     assert done.stdout.strip() == "OK", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("mode", ["ieee", "flush"])
+def test_a_default_device_context_does_not_reach_the_probe(mode):
+    """Under ``with torch.device("meta")`` (where models are built for meta init) an
+    optimizer of CPU parameters is made, read and written as elsewhere: the mode is
+    probed on CPU tensors, which a default device does not change."""
+    p = torch.nn.Parameter(torch.full((4, 64), TINY))
+    v = _moments_with_subnormals(p.shape)
+    ieee = FusedAdam([torch.nn.Parameter(p.detach().clone())], moment_format="block8")
+    ieee.set_scaled_state(ieee.param_groups[0]["params"][0], "exp_avg_sq", v)
+    with (flush_to_zero() if mode == "flush" else contextlib.nullcontext()), \
+            torch.device("meta"):
+        opt = FusedAdam([p], moment_format="block8")
+        opt.set_scaled_state(p, "exp_avg_sq", v)
+        exported = opt.state_dict()["state"][0]["exp_avg_sq"]
+    assert exported.device.type == "cpu"
+    assert_same_optimizer_state(ieee, opt, ieee.param_groups[0]["params"], [p],
+                                f"{mode}: under a meta default device")
+    assert_bitwise_equal(exported, ieee.state_dict()["state"][0]["exp_avg_sq"], "export")
