@@ -166,7 +166,7 @@ class Format:
         codes = stored if stored.dtype == self.codes else stored.view(self.codes)
         if not self.scaled:
             return codes.float()
-        return codes.float() * scale
+        return codes.to(torch.float32, copy=True).mul_(scale)  # one fp32 tensor, not two
 
     def encode(self, value: torch.Tensor, stored: torch.Tensor,
                scale: Optional[torch.Tensor], first: int = 0,
@@ -270,8 +270,8 @@ class Format:
         return self.scale_block
 
 
-# Elements per chunk of a per-block format's torch codecs (Format._chunks).
-_CHUNK = 1 << 20
+# Elements per chunk of a format's torch codecs (Format._chunks).
+_CHUNK = _codecs.CHUNK
 
 FP32 = Format("fp32", 1, torch.float32, torch.float32, ("moment", "master"),
               argument=torch.float32)

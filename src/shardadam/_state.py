@@ -426,6 +426,7 @@ def plan_entry(specs: tuple, entry: Optional[dict], scales: Optional[dict],
             value = initial_value(spec, param, to_store=True)
             writes.seeded.add(spec.name)
         writes.put(spec, value, param)
+        del value  # a converted state's fp32 values: one state's at a time
     for name in STATE_NAMES:
         if name not in wanted:
             if name in entry:
