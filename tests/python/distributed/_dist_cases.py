@@ -104,6 +104,9 @@ def _build():
         cases.append(Case(f"W=2-fsdp2-frozen-param-dcp-{preset}", 2, "fsdp2_frozen_dcp",
                           preset))
     cases.append(Case(f"W=2-fsdp2-torch-adamw-dcp-{FP32}", 2, "fsdp2_torch_adamw_dcp", FP32))
+    for preset in (FP32, REMAINDER):
+        cases.append(Case(f"W=2-tensor-parallel-sequence-parallel-{preset}", 2,
+                          "tensor_parallel", preset))
     for preset in (FP32, "p=bf16-master=fp32-m=fp8"):
         cases.append(Case(f"W=2-fsdp2-built-before-sharding-{preset}", 2,
                           "fsdp2_built_before_sharding", preset))

@@ -1156,6 +1156,80 @@ def zero_redundancy(ctx, case):
         f"states compared per rank {owners}: each parameter must be owned exactly once"
 
 
+# ------------------------------------------------------------------ tensor parallelism
+
+class _TPBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def tensor_parallel(ctx, case):
+    """Tensor parallelism without FSDP (README, Layout rules): SequenceParallel's
+    LayerNorm parameters are Replicate and their gradients come back Partial, which
+    step() refuses by name with nothing changed (S3.3: the optimizer communicates
+    nothing); redistributed to the parameters' placements as the README shows, the step
+    equals FusedAdam over the full tensors fed the full gradients, bitwise."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
+
+    preset = Preset(case.preset)
+    torch.manual_seed(seed_of(case.id))
+    model = _TPBlock().to(preset.param_dtype)
+    parallelize_module(model, ctx.mesh(), {
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1))})
+    named = list(model.named_parameters())
+    opt = fused_adam()(named, **OPT_DEFAULTS, **preset.kwargs())
+    gen = torch.Generator().manual_seed(seed_of(case.id, dist.get_rank()))
+    x = torch.randn(2, 3, 16, generator=gen).to(preset.param_dtype)  # this rank's tokens
+    model(x).float().pow(2).mean().backward()
+
+    partial = [n for n, p in named if p.grad.placements != p.placements]
+    assert partial == ["norm.weight", "norm.bias"], partial
+    before = {n: local_of(p).clone() for n, p in named}
+    state_before = {n: {k: local_of(v).clone() for k, v in opt.state[p].items()}
+                    for n, p in named}
+    error = _attempt(opt.step)
+    assert isinstance(error, RuntimeError) and "norm.weight" in str(error) \
+        and "Partial" in str(error) and "S3.3" in str(error), repr(error)
+    for n, p in named:
+        assert_bitwise(local_of(p), before[n], f"refused: param {n}")
+        for k, v in opt.state[p].items():
+            assert_bitwise(local_of(v), state_before[n][k], f"refused: {n} {k}")
+    assert [g["step"] for g in opt.param_groups] == [0], "refused: step counted"
+
+    for p in model.parameters():  # the README's recipe
+        if p.grad is not None and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    # Copies: a Replicate DTensor's full_tensor() is its local tensor itself.
+    full = [nn.Parameter(p.full_tensor().clone()) for _, p in named]
+    for q, (_, p) in zip(full, named):
+        q.grad = p.grad.full_tensor().clone()
+    reference = fused_adam()(full, **OPT_DEFAULTS, **preset.kwargs())
+    opt.step()
+    reference.step()
+    rank = dist.get_rank()
+
+    def shard(tensor, placement):  # this rank's part, as Shard(d) splits (torch.chunk)
+        if placement.is_shard():
+            return tensor.chunk(ctx.world_size, dim=placement.dim)[rank]
+        return tensor
+
+    # Compared shard by shard: gloo gathers no int16 remainders (README).
+    for q, (n, p) in zip(full, named):
+        assert_bitwise(local_of(p), shard(q.detach(), p.placements[0]), f"param {n}")
+        for k, v in opt.state[p].items():
+            assert_bitwise(local_of(v), shard(reference.state[q][k], p.placements[0]),
+                           f"{n} {k}")
+
+
 KINDS = {
     "numerics": numerics,
     "empty_shard_none_grads": empty_shard_none_grads,
@@ -1174,6 +1248,7 @@ KINDS = {
     "zero_redundancy": zero_redundancy,
     "fsdp2_torch_adamw_dcp": fsdp2_torch_adamw_dcp,
     "state_access": state_access,
+    "tensor_parallel": tensor_parallel,
 }
 
 

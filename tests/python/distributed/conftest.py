@@ -26,7 +26,7 @@ _CASE_COST_S = {"numerics": 2.0, "empty_shard_none_grads": 1.5, "zero_collective
                 "fsdp2_dcp_resume": 4.0, "fsdp2_frozen_dcp": 4.0,
                 "fsdp2_step0_save": 3.0, "fsdp2_step0_resume": 4.0,
                 "fsdp2_built_before_sharding": 4.0, "fsdp2_torch_adamw_dcp": 5.0,
-                "state_access": 1.5,
+                "state_access": 1.5, "tensor_parallel": 2.0,
                 "megatron_layout": 2.0, "megatron_fsdp_save": 4.0,
                 "megatron_fsdp_resume": 4.0, "megatron_handling": 3.0,
                 "state_layout_mismatch": 3.0, "megatron_real_save": 6.0,

@@ -46,3 +46,8 @@ def test_bad_layout_rejected_and_nothing_changes(case, dist_jobs):
 @_params("state_access")
 def test_te_state_methods_on_dtensor_parameters(case, dist_jobs):
     dist_jobs.check(case)
+
+
+@_params("tensor_parallel")
+def test_tensor_parallel_gradients_redistributed_by_the_caller(case, dist_jobs):
+    dist_jobs.check(case)
