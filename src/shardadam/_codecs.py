@@ -43,37 +43,46 @@ def merge_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tenso
     """The fp32 master rebuilt from a bf16 parameter and its int16 remainder (S2.5). A
     parameter whose dtype changed since (``param.data = param.data.half()``) pairs its
     value rounded to bf16, the bf16 parameter it was converted from."""
+    if param.numel() <= CHUNK:  # the torch path's pieces: no copy into an output
+        return _merged(param, remainder)
     out = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    # The two int16 halves of each fp32 (little-endian: the remainder first).
-    halves = out.view(-1).view(torch.int16).view(-1, 2)
-    params, remainders = param.reshape(-1), remainder.reshape(-1)
-    for b in range(0, params.numel(), CHUNK):
-        low = remainders[b:b + CHUNK]
-        high = params[b:b + CHUNK].to(torch.bfloat16).view(torch.int16)
-        # The split rounded the high half up when the low half was >= 0x8000
-        # (negative as int16): undone here.
-        halves[b:b + CHUNK, 0] = low
-        halves[b:b + CHUNK, 1] = high - (low < 0).to(torch.int16)
+    flat, params, remainders = out.view(-1), param.reshape(-1), remainder.reshape(-1)
+    for b in range(0, flat.numel(), CHUNK):
+        flat[b:b + CHUNK] = _merged(params[b:b + CHUNK], remainders[b:b + CHUNK])
     return out
+
+
+def _merged(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    # The split rounded the high half up when the low half was >= 0x8000 (negative as
+    # int16); undo that, then lay the halves side by side (little-endian) as one fp32.
+    high = param.to(torch.bfloat16).view(torch.int16) - (remainder < 0).to(torch.int16)
+    pair = torch.stack((remainder, high), dim=-1)
+    return pair.view(torch.float32).squeeze(-1)
 
 
 def split_remainder(master: torch.Tensor):
     """The bf16 parameter bits and the int16 remainder of an fp32 master (S2.5)."""
-    flat = master.reshape(-1)
-    high_out = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
-    low_out = torch.empty(master.shape, dtype=torch.int16, device=master.device)
-    highs, lows = high_out.view(-1).view(torch.int16), low_out.view(-1)
+    if master.numel() <= CHUNK:
+        return _split(master)
+    high = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device)
+    low = torch.empty(master.shape, dtype=torch.int16, device=master.device)
+    flat, highs, lows = master.reshape(-1), high.view(-1), low.view(-1)
     for b in range(0, flat.numel(), CHUNK):
-        bits = flat[b:b + CHUNK].view(torch.int32)
-        # A NaN splits as the quiet NaN with its sign, so that the parameter is NaN
-        # too: its own bits may round the high half from 0x7FFF to 0x8000 (-0).
-        nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        bits = torch.where(nan, (bits & -0x80000000) | 0x7FC00000, bits)
-        halves = bits.view(torch.int16).view(-1, 2)
-        low = halves[:, 0]
-        lows[b:b + CHUNK] = low
-        highs[b:b + CHUNK] = halves[:, 1] + (low < 0).to(torch.int16)
-    return high_out, low_out
+        highs[b:b + CHUNK], lows[b:b + CHUNK] = _split(flat[b:b + CHUNK])
+    return high, low
+
+
+def _split(master: torch.Tensor):
+    bits = master.contiguous().reshape(-1).view(torch.int32)
+    # A NaN splits as the quiet NaN with its sign, so that the parameter is NaN too:
+    # its own bits may round the high half from 0x7FFF to 0x8000 (-0).
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    bits = torch.where(nan, (bits & -0x80000000) | 0x7FC00000, bits)
+    halves = bits.view(torch.int16).view(-1, 2)
+    low, high = halves[:, 0], halves[:, 1]
+    high = high + (low < 0).to(torch.int16)
+    return (high.view(torch.bfloat16).reshape(master.shape),
+            low.reshape(master.shape))
 
 
 # ---------------------------------------------------------------------------

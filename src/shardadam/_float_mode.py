@@ -11,10 +11,16 @@ torch's OpenMP pool keeps the mode of the thread that started it, so a pool star
 while the caller flushed keeps flushing after the caller's thread is switched back.
 ``kept()`` switches the calling thread to IEEE mode and, where the pool's workers still
 flush, runs the section on that one thread (``torch.set_num_threads(1)``); it gives
-both back after (the thread count is the process's: another thread's torch ops run on
-one thread meanwhile, as the caller's do). Nothing is done, beyond a one-element
-probe, where the caller does not flush. The probes are CPU tensors whatever the
-default device (an optimizer may be made under ``with torch.device("meta")``).
+both back after, also when the section is interrupted. torch's thread count is also
+what a thread takes at its first parallel op: one that starts using torch while a
+section runs narrowed keeps one thread (threads already running keep theirs).
+Nothing is done, beyond a one-element probe, where the caller does not flush.
+
+Private torch API used: ``torch.utils._python_dispatch._disable_current_modes``, so
+that the probes are real CPU tensors under a caller's dispatch mode (``FakeTensorMode``,
+whose tensors hold no value, or a mode that counts ops); they are made on the CPU
+whatever the default device (an optimizer may be made under
+``with torch.device("meta")``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ _SUBNORMAL_BITS = 8  # the fp32 bits of 2^-146
 def _flushes(numel: int) -> bool:
     """Whether a product over ``numel`` subnormal elements loses any: read through the
     integer bits, which no flush mode changes."""
-    probe = torch.full((numel,), _SUBNORMAL_BITS, dtype=torch.int32, device="cpu")
-    probe = probe.view(torch.float32)
-    return bool(probe.mul(1.0).view(torch.int32).ne(_SUBNORMAL_BITS).any())
+    with torch.utils._python_dispatch._disable_current_modes():
+        probe = torch.full((numel,), _SUBNORMAL_BITS, dtype=torch.int32, device="cpu")
+        probe = probe.view(torch.float32)
+        return bool(probe.mul(1.0).view(torch.int32).ne(_SUBNORMAL_BITS).any())
 
 
 def flushing() -> bool:
@@ -49,14 +56,18 @@ def kept():
     if not flushing():
         yield
         return
-    torch.set_flush_denormal(False)
     threads = torch.get_num_threads()
-    narrowed = threads > 1 and _flushes(threads * _GRAIN)
-    if narrowed:
-        torch.set_num_threads(1)
+    narrowed = False
+    # Every switch inside the try, so that an interrupt anywhere gives both back.
     try:
+        torch.set_flush_denormal(False)
+        if threads > 1 and _flushes(threads * _GRAIN):
+            narrowed = True  # set first: giving the count back twice is harmless
+            torch.set_num_threads(1)
         yield
     finally:
-        if narrowed:
-            torch.set_num_threads(threads)
-        torch.set_flush_denormal(True)
+        try:
+            if narrowed:
+                torch.set_num_threads(threads)
+        finally:
+            torch.set_flush_denormal(True)

@@ -255,3 +255,46 @@ def test_a_default_device_context_does_not_reach_the_probe(mode):
     assert_same_optimizer_state(ieee, opt, ieee.param_groups[0]["params"], [p],
                                 f"{mode}: under a meta default device")
     assert_bitwise_equal(exported, ieee.state_dict()["state"][0]["exp_avg_sq"], "export")
+
+
+def test_an_optimizer_is_made_under_fake_tensor_mode():
+    """The mode is probed on real tensors under a caller's dispatch mode: an optimizer
+    over fake parameters (memory estimates, dry runs) gets fake state, as before the
+    probe existed, in either mode."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    for mode in ("ieee", "flush"):
+        with (flush_to_zero() if mode == "flush" else contextlib.nullcontext()), \
+                FakeTensorMode():
+            p = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+            opt = FusedAdam([p], master_weights=True)
+        assert all(isinstance(v, FakeTensor) for v in opt.state[p].values()), mode
+
+
+def test_an_interrupt_while_switching_gives_the_mode_and_threads_back(monkeypatch):
+    """Ctrl-C at the workers' probe (the longest part of the switch) or inside the
+    section leaves the caller's flush mode and thread count as they were."""
+    from shardadam import _float_mode
+
+    probe = _float_mode._flushes
+
+    def interrupted_wide_probe(numel):
+        if numel > 1:
+            raise KeyboardInterrupt
+        return probe(numel)
+
+    threads = torch.get_num_threads()
+    with flush_to_zero():
+        with monkeypatch.context() as patch:
+            patch.setattr(_float_mode, "_flushes", interrupted_wide_probe)
+            if threads == 1:
+                patch.setattr(torch, "get_num_threads", lambda: 2)
+            with pytest.raises(KeyboardInterrupt):
+                with _float_mode.kept():
+                    pass
+        assert _flushes()
+        with pytest.raises(KeyboardInterrupt):
+            with _float_mode.kept():
+                assert not _flushes()
+                raise KeyboardInterrupt
+    assert torch.get_num_threads() == threads
