@@ -450,9 +450,13 @@ void FuzzConvert(FuzzedDataProvider& in) {
     }
   }
 
-  // Round trip of the original source values: dtype -> fp32 -> dtype.
-  const std::vector<uint8_t>& original = before.blocks[static_cast<size_t>(src.block)];
-  if (src.block >= 0 && src.offset == 0 && original.size() == static_cast<size_t>(BufferBytes(src_dtype, n)) && n > 0) {
+  // Round trip of the original source values: dtype -> fp32 -> dtype (copied out of
+  // their block, at any offset).
+  if (src.block >= 0 && n > 0) {
+    const auto first = before.blocks[static_cast<size_t>(src.block)].begin() +
+                       static_cast<std::ptrdiff_t>(src.offset);
+    const std::vector<uint8_t> original(
+        first, first + static_cast<std::ptrdiff_t>(BufferBytes(src_dtype, n)));
     std::vector<float> wide(n);
     std::vector<uint8_t> back(original.size());
     if (Convert(original.data(), src_dtype, wide.data(), DType::kFloat32, numel, 1.0f,
