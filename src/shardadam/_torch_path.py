@@ -11,6 +11,7 @@ everything else, for one piece of the group at a time (``PIECE_CPU`` elements on
 
 from __future__ import annotations
 
+import contextlib
 import math
 from array import array
 from typing import Optional
@@ -179,10 +180,9 @@ def step(work, hyper) -> None:
               if grad is not None and entry.numel > 0]
     if not active:
         return
-    if work.batch.device.type != "cpu":
-        _step(active, hyper, _piece_size(work.batch.device))
-        return
-    with _float_mode.kept():  # as the C++ core steps (float_mode.h)
+    # On CPU with IEEE subnormals, as the C++ core steps (float_mode.h).
+    on_cpu = work.batch.device.type == "cpu"
+    with _float_mode.kept() if on_cpu else contextlib.nullcontext():
         _step(active, hyper, _piece_size(work.batch.device))
 
 
