@@ -124,12 +124,15 @@ class StateConfig(NamedTuple):
         """The state layout in words, as checkpoints record it (S5.4), e.g.
         ``exp_avg=bf16 exp_avg_sq=fp8 master=remainder``, of a group holding ``params``;
         ``moments_set`` adds MOMENTS_SET_FIELD, ``masters_follow`` MASTERS_FOLLOW_FIELD.
-        Remainders are recorded only where a
-        bf16 parameter may hold them: beside fp16 parameters alone they are fp32
-        masters, and a checkpoint's reader knows no parameter's saved dtype (S6.4)."""
+        The master is recorded as the group's parameters keep it, for a checkpoint's
+        reader knows no parameter's saved dtype (S6.4): none where they are all fp32
+        (each its own master, S2.1: none is exported), and remainders only where a bf16
+        parameter may hold them (beside fp16 parameters alone they are fp32 masters)."""
         master = self.master_format()
-        if master is _formats.REMAINDER:
-            dtypes = {p.dtype for p in params}
+        dtypes = {p.dtype for p in params}
+        if dtypes == {torch.float32}:
+            master = None
+        elif master is _formats.REMAINDER:
             if master.pairs_with not in dtypes and torch.float16 in dtypes:
                 master = _formats.FP32
         exp_avg, exp_avg_sq = self.moment_formats()

@@ -14,7 +14,8 @@ import math
 import numbers
 import operator
 import sys
-from collections.abc import Iterable, Mapping
+import types
+from collections.abc import Collection, Iterable, Mapping, Sized
 from typing import Optional
 
 import torch
@@ -67,16 +68,24 @@ def shown(value) -> str:
     """``value`` as an error message may show it: never a tensor's contents (S8: a model
     tensor given by mistake must not reach the logs), only its kind, dtype and shape,
     and its value when it holds a single element of a plain local tensor (a DTensor's
-    would need communication, a meta tensor has none). A numpy array likewise; anything
-    else as its repr, cut at ``_SHOWN_MAX`` characters."""
+    would need communication, a meta tensor has none). A numpy array likewise; a value
+    whose repr could print one (``_hidden``) by its kind (and length); anything else as
+    its repr, cut at ``_SHOWN_MAX`` characters."""
     if not isinstance(value, torch.Tensor):
-        if isinstance(value, (list, tuple, dict, set)) and _holds_tensor(value):
-            items = "item" if len(value) == 1 else "items"
-            return f"a {type(value).__name__} of {len(value)} {items}, tensors among them"
-        if type(value).__module__ == "numpy" and getattr(value, "ndim", 0):
+        if _is_array(value):
             # An array's repr is its contents, which may be a model's (as a tensor's).
             return f"a numpy array of dtype {value.dtype} and shape {list(value.shape)}"
-        text = repr(value)
+        why = _hidden(value)
+        text = repr(value) if why is None else ""
+        if why is None and not _is_numpy(value) and any(map(text.__contains__,
+                                                            _CONTENTS_MARKS)):
+            why = "its repr could show tensor contents"  # held where no scan looks
+        if why is not None:
+            kind = type(value).__name__
+            count = len(value) if isinstance(value, Sized) and not _is_numpy(value) else None
+            if count is not None:
+                kind += f" of {count} {'item' if count == 1 else 'items'}"
+            return f"a {kind}, {why}"
         return text if len(text) <= _SHOWN_MAX else (
             f"{text[:_SHOWN_MAX]}... ({type(value).__name__}, {len(text)} characters)")
     kind = "a DTensor" if _dtensor.is_dtensor(value) else "a tensor"
@@ -88,15 +97,65 @@ def shown(value) -> str:
     return text
 
 
-def _holds_tensor(value, depth: int = 0) -> bool:
-    """Whether a container (lists, tuples, dicts, sets; a few levels deep) holds a
-    tensor, which its repr would print."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if depth > 8 or not isinstance(value, (list, tuple, dict, set)):
-        return False
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
-    return any(_holds_tensor(item, depth + 1) for item in items)
+# How a tensor's (any subclass's, a DTensor's local one) and an array's repr begin.
+_CONTENTS_MARKS = ("tensor(", "array(")
+_HIDDEN_SCAN = 10_000  # values looked through for tensors before a value is not shown
+# Values whose repr prints none of what they hold (or that hold nothing).
+_LEAVES = (str, bytes, bytearray, numbers.Number, type, types.ModuleType,
+           types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
+           torch.device)
+
+
+def _is_numpy(value) -> bool:
+    return type(value).__module__ == "numpy"
+
+
+def _is_array(value) -> bool:
+    return _is_numpy(value) and bool(getattr(value, "ndim", 0))
+
+
+def _hidden(value) -> Optional[str]:
+    """Why ``value``'s repr may not be shown (it could print a tensor's or an array's
+    contents): "tensors among them" where it holds one, at any depth, in a collection,
+    a mapping (keys too) or the attributes its repr prints (``SimpleNamespace``,
+    dataclasses); "too large to look through" past ``_HIDDEN_SCAN`` values, or where
+    looking fails. None where it holds none."""
+    stack, seen, budget = [value], set(), _HIDDEN_SCAN
+    try:
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor) or _is_array(item):
+                return "tensors among them"
+            if isinstance(item, _LEAVES) or _is_numpy(item) or id(item) in seen:
+                continue  # (a numpy value that is no array: one number)
+            seen.add(id(item))
+            for child in _held(item):
+                budget -= 1
+                if budget < 0:
+                    return "too large to look through"
+                stack.append(child)
+    except Exception:  # noqa: BLE001 - a container that cannot be read is not shown
+        return "too large to look through"
+    return None
+
+
+def _held(item):
+    """What ``item``'s repr may print of its own: a mapping's keys and values, a
+    collection's items, else the attributes of an object with a repr of its own."""
+    if isinstance(item, Mapping):
+        return itertools.chain(item.keys(), item.values())
+    if isinstance(item, Collection):
+        return iter(item)
+    if type(item).__repr__ is object.__repr__:
+        return ()  # its address only
+    attributes = getattr(item, "__dict__", None)
+    held = list(attributes.values()) if isinstance(attributes, dict) else []
+    for cls in type(item).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if hasattr(item, name):
+                held.append(getattr(item, name))
+    return held
 
 
 # ---------------------------------------------------------------------------
@@ -382,25 +441,32 @@ def check_params_argument(params) -> None:
                     f"groups, got {shown(params)} (rule S8: {why})")
 
 
+def check_params_are_tensors(groups: list) -> None:
+    """Every parameter put into the (readable, ``check_groups``) groups by hand is a
+    tensor (S8), for the methods that read them all; ``step()`` checks each parameter
+    as S1.4 says, without this scan of every group at every step."""
+    for g, group in enumerate(groups):
+        params = group["params"]
+        if not all(map(isinstance, params, itertools.repeat(torch.Tensor))):
+            i = next(i for i, p in enumerate(params) if not isinstance(p, torch.Tensor))
+            raise fail(TypeError, f"parameters must be tensors, got {shown(params[i])} "
+                                  f"(rule S8)", group=g, param=i)
+
+
 def check_grads_clearable(groups: list, decoupled: bool, set_to_none: bool) -> None:
     """Before ``zero_grad`` clears anything (S4, S8): every parameter put into the groups
     by hand is a tensor, and a ``decoupled_grad`` it would zero is one."""
+    check_params_are_tensors(groups)
+    if not decoupled or set_to_none:
+        return
     for g, group in enumerate(groups):
-        params = group["params"]
-        if all(map(isinstance, params, itertools.repeat(torch.Tensor))):
-            if not decoupled or set_to_none:
-                continue
-            grads = [getattr(p, "decoupled_grad", None) for p in params]
-            bad = [i for i, grad in enumerate(grads)
-                   if grad is not None and not isinstance(grad, torch.Tensor)]
-            if bad:
-                raise fail(TypeError, f"decoupled_grad must be a tensor or None, got "
-                                      f"{shown(grads[bad[0]])} (rule S3.2)", group=g,
-                           param=bad[0], name=param_name(group, bad[0]))
-            continue
-        i = next(i for i, p in enumerate(params) if not isinstance(p, torch.Tensor))
-        raise fail(TypeError, f"parameters must be tensors, got {shown(params[i])} "
-                              f"(rule S8)", group=g, param=i)
+        grads = [getattr(p, "decoupled_grad", None) for p in group["params"]]
+        bad = [i for i, grad in enumerate(grads)
+               if grad is not None and not isinstance(grad, torch.Tensor)]
+        if bad:
+            raise fail(TypeError, f"decoupled_grad must be a tensor or None, got "
+                                  f"{shown(grads[bad[0]])} (rule S3.2)", group=g,
+                       param=bad[0], name=param_name(group, bad[0]))
 
 
 def group_params(param_group, group_index: int) -> list:
@@ -801,7 +867,7 @@ def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str) -> N
 def param_error(param) -> Optional[str]:
     """Why ``param`` cannot be optimized (S1.4), or None."""
     if not isinstance(param, torch.Tensor):
-        return f"parameters must be tensors, got {type(param).__name__}"
+        return f"parameters must be tensors, got {type(param).__name__} (rule S1.4)"
     if isinstance(param, torch.nn.parameter.UninitializedTensorMixin):
         return ("the parameter is an uninitialized lazy one (rule: state is created "
                 "with the optimizer, so run a forward pass to materialize lazy modules "

@@ -226,6 +226,7 @@ class FusedAdam(torch.optim.Optimizer):
         config = self._checked_config()  # before torch adds the group
         index = len(self.param_groups)
         _validate.check_groups(self.param_groups)
+        _validate.check_params_are_tensors(self.param_groups)
         params = param_group["params"] = _validate.group_params(param_group, index)
         tensors = [p[1] if isinstance(p, tuple) else p for p in params]
         # (name, tensor) pairs: torch sets param_names later; name them now.
@@ -614,9 +615,11 @@ class FusedAdam(torch.optim.Optimizer):
         if self.set_grad_none is not None:
             _validate.check_flag("set_grad_none", self.set_grad_none)
             if set_to_none is not None and set_to_none != self.set_grad_none:
-                raise ValueError(
+                raise ValueError(  # TE's message, and the rule
                     f"Called zero_grad with set_to_none={set_to_none}, "
-                    f"but FusedAdam was initialized with set_grad_none={self.set_grad_none}")
+                    f"but FusedAdam was initialized with set_grad_none={self.set_grad_none} "
+                    f"(rule S4: the deprecated set_grad_none decides; pass no set_to_none "
+                    f"or the same value)")
             set_to_none = self.set_grad_none
         if set_to_none is None:
             set_to_none = True
@@ -813,6 +816,7 @@ class FusedAdam(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         _validate.check_groups(self.param_groups)
+        _validate.check_params_are_tensors(self.param_groups)
         config = self._checked_config()
         # Only a group still at step 0 keeps the mark of moments set by hand.
         held = set(map(id, self.param_groups))
@@ -1060,9 +1064,14 @@ class FusedAdam(torch.optim.Optimizer):
                 seeded.add(spec.name)
                 continue
             if spec.name not in values:
+                # A group that held fp32 parameters beside others records their master
+                # too, though each fp32 one was its own (S5.4).
+                hint = ("; a parameter that was fp32 when saved, its own master, has "
+                        "none: load with the saved parameter dtypes, then change them, "
+                        "S2.5" if spec.name == "master_param" else "")
                 raise ValueError(f"{here}: the loaded state has no {spec.name!r} "
                                  f"(it holds {sorted(values, key=str)}; rule S5.5: a checkpoint "
-                                 f"holds every state its state_layout records)")
+                                 f"holds every state its state_layout records{hint})")
             value = values[spec.name]
             _validate.check_value(param, spec, value, here)
             value = _dtensor.to_local(value).resolve_neg()  # read by value (S3.2)

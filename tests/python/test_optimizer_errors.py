@@ -14,10 +14,14 @@ unsupported dtypes/layouts, TE and torch style; ValueError for values and for to
 own load_state_dict size checks; KeyError for unknown state names, S5.2).
 """
 
+import collections
 import copy
+import dataclasses
+import functools
 import gc
 import math
 import re
+import types
 import warnings
 import weakref
 
@@ -2255,6 +2259,97 @@ def test_messages_show_long_values_cut(value, shown):
     with pytest.raises(ValueError, match=facts("Invalid learning rate")) as raised:
         fused_adam()([p], lr=value)
     assert str(raised.value).endswith(shown) and len(str(raised.value)) < 400, raised.value
+
+
+@dataclasses.dataclass
+class _Fields:
+    value: object
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotFields:
+    value: object
+
+
+def _holders(secret):
+    """Values that hold ``secret`` (a tensor of SENTINEL values) where a repr prints it."""
+    return {"deque": collections.deque([secret]), "frozenset": frozenset({secret}),
+            "namespace": types.SimpleNamespace(t=secret),
+            "mappingproxy": types.MappingProxyType({"t": secret}),
+            "dataclass": _Fields(secret), "slots-dataclass": _SlotFields(secret),
+            "partial": functools.partial(max, secret),  # held in C: its repr tells
+            "array-in-list": [[1.0, secret.numpy()]], "key": {(1, secret): 2},
+            "module": torch.nn.Linear(3, 1)}
+
+
+@pytest.mark.parametrize("kind", list(_holders(torch.zeros(1))))
+def test_values_holding_tensors_anywhere_are_not_shown(kind):
+    """S8: no message shows a tensor's contents, whatever holds the tensor (a deque,
+    frozenset, SimpleNamespace, read-only mapping, dataclass, a dict's key, an array in
+    a list, a module; a partial, whose arguments no scan reaches, by its repr's marks:
+    their reprs printed it), only the holder's kind."""
+    secret = torch.full((3,), SENTINEL)
+    value = _holders(secret)[kind]
+    if kind == "module":  # its repr shows no values; its weights are still a model's
+        with torch.no_grad():
+            value.weight.fill_(SENTINEL)
+    error = _attempt(lambda: fused_adam()([torch.nn.Parameter(torch.randn(3))], lr=value))
+    assert isinstance(error, ValueError), error
+    _assert_no_contents(error, kind)
+    why = "its repr could show tensor contents" if kind == "partial" else "tensors among them"
+    assert f"a {type(value).__name__}" in str(error) and why in str(error), str(error)
+
+
+def test_a_loaded_entry_holding_tensors_is_not_shown():
+    """S8: a loaded parameter entry that is no dict (a read-only mapping of its states)
+    is refused showing its kind, not its tensors' values."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = fused_adam()([p], lr=0.1)
+    sd = opt.state_dict()
+    secret = torch.full((3,), SENTINEL)
+    sd["state"][0] = types.MappingProxyType({"exp_avg": secret, "exp_avg_sq": secret})
+    before = snapshot(opt)
+    error = _attempt(lambda: opt.load_state_dict(sd))
+    assert isinstance(error, ValueError), error
+    _assert_no_contents(error, "load_state_dict")
+    assert "a mappingproxy of 2 items, tensors among them" in str(error), str(error)
+    assert_unchanged(opt, before)
+
+
+def test_values_too_large_to_look_through_are_not_shown():
+    """S8: a value holding more than the message looks through is shown by kind and
+    length (a tensor could be past what was looked at)."""
+    value = [0.5] * 20_000
+    error = _attempt(lambda: fused_adam()([torch.nn.Parameter(torch.randn(3))], lr=value))
+    assert str(error).endswith("a list of 20000 items, too large to look through"), error
+
+
+@pytest.mark.parametrize("call", ["state_dict", "add_param_group", "step", "load_state_dict"])
+def test_a_parameter_put_in_by_hand_that_is_no_tensor_is_refused_by_name(call):
+    """S8: a parameter put into a group by hand that is no tensor is refused naming it,
+    state_dict and add_param_group with TypeError (they failed with a bare
+    AttributeError), step and load_state_dict as S1.4 refuses a parameter; nothing
+    changes."""
+    a, b = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))
+    opt = fused_adam()([a, b], lr=0.1, master_weights=True)
+    a.grad, b.grad = torch.randn(4), torch.randn(5)
+    opt.step()
+    saved = opt.state_dict()
+    before = snapshot(opt)
+    opt.param_groups[0]["params"][1] = 7
+    calls = {"state_dict": opt.state_dict, "step": opt.step,
+             "load_state_dict": lambda: opt.load_state_dict(saved),
+             "add_param_group": lambda: opt.add_param_group(
+                 {"params": [torch.nn.Parameter(torch.randn(2))]})}
+    error, rule, shown = ((TypeError, "S8", "7") if call in ("state_dict", "add_param_group")
+                          else (RuntimeError, "S1.4", "int"))
+    with pytest.raises(error, match=facts("FusedAdam", r"group 0, param 1\b",
+                                          f"parameters must be tensors, got {shown}",
+                                          f"rule {rule}")):
+        calls[call]()
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["params"][1] = b
+    assert_unchanged(opt, before)
 
 
 @pytest.mark.parametrize("call", ["step", "state_dict", "zero_grad", "get_unscaled_state",

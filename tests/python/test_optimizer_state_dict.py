@@ -836,6 +836,58 @@ def test_checkpoint_without_masters_gives_masters_the_loaded_parameters(master, 
                              name)
 
 
+@pytest.mark.parametrize("remainders", [False, True])
+def test_a_group_of_fp32_parameters_records_no_master(remainders, backend):
+    """S5.4: fp32 parameters are their own masters (S2.1), so their group records
+    master=none under master_weights=True as it exports no master_param, and its
+    checkpoint loads into bf16 parameters that keep masters, each seeded from the loaded
+    parameter (S5.5; the record said fp32 or remainder, and the load refused the
+    optimizer's own checkpoint for the master it never saved)."""
+    gen = torch.Generator().manual_seed(31)
+    kwargs = dict(master_weights=True, store_param_remainders=remainders)
+    saved_params = [torch.nn.Parameter(torch.randn(4, 8, generator=gen))]
+    src = fused_adam()(saved_params, lr=1e-2, **kwargs)
+    saved_params[0].grad = torch.randn(4, 8, generator=gen)
+    src.step()
+    saved = src.state_dict()
+    assert saved["param_groups"][0]["state_layout"] == \
+        "exp_avg=fp32 exp_avg_sq=fp32 master=none"
+    assert sorted(saved["state"][0]) == ["exp_avg", "exp_avg_sq"]
+    params = [torch.nn.Parameter(saved_params[0].detach().bfloat16())]  # the model's load
+    opt = fused_adam()(params, lr=1e-2, **kwargs)
+    opt.load_state_dict(saved)
+    master = opt.get_unscaled_state(params[0], "master_param")
+    expected = (torch.zeros(4, 8, dtype=torch.int16) if remainders
+                else params[0].detach().float())
+    assert_bitwise_equal(master, expected, "seeded master")
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert_bitwise_equal(opt.get_unscaled_state(params[0], name), saved["state"][0][name],
+                             name)
+
+
+def test_a_missing_master_of_a_mixed_group_is_refused_with_the_way_round():
+    """S5.4, S5.5: a group of bf16 and fp32 parameters records its master, which the fp32
+    one, its own master, lacks; loaded into parameters that all keep one, that missing
+    master_param is refused by name, saying how to load it, and nothing changes."""
+    gen = torch.Generator().manual_seed(32)
+    saved_params = [torch.nn.Parameter(torch.randn(4, generator=gen).bfloat16()),
+                    torch.nn.Parameter(torch.randn(4, generator=gen))]
+    src = fused_adam()(saved_params, lr=1e-2, master_weights=True)
+    for p in saved_params:
+        p.grad = torch.randn(4, generator=gen).to(p.dtype)
+    src.step()
+    saved = src.state_dict()
+    assert saved["param_groups"][0]["state_layout"].endswith("master=fp32")
+    params = [torch.nn.Parameter(p.detach().bfloat16()) for p in saved_params]
+    opt = fused_adam()(params, lr=1e-2, master_weights=True)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=facts(
+            r"group 0, param 1\b", "has no 'master_param'", "rule S5.5",
+            "load with the saved parameter dtypes, then change them")):
+        opt.load_state_dict(saved)
+    assert_unchanged(opt, before)
+
+
 @pytest.mark.parametrize("route", ["plain", "dcp", "te-shaped"])
 def test_moments_set_before_the_first_step_survive_a_checkpoint(route, tmp_path, backend):
     """Moments set with set_scaled_state before the first step (a warm start) are marked
