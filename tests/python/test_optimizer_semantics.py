@@ -1133,6 +1133,38 @@ def test_closure_runs_with_grad_enabled_and_its_loss_is_returned(backend):
     verify_step(opt, params, inputs, [seen["grad"]], HYPER, 1, "closure step")
 
 
+def test_a_closure_may_step_and_one_that_raises_changes_nothing(backend):
+    """S3.1: the closure runs before the step's checks, so it may step itself (two steps,
+    each against the reference from the state before it); a closure that raises leaves
+    everything as it was."""
+    params = make_params([torch.float32, torch.bfloat16], [(4,), (3,)], seed=20)
+    opt = fused_adam()(params, master_weights=True, **HYPER.optimizer_kwargs())
+    dtypes = [torch.float32, torch.bfloat16]
+    first, second = (make_grads(params, dtypes, step, seed=21) for step in (1, 2))
+    seen = {}
+
+    def closure():
+        attach_grads(params, first, False)
+        inputs = capture_inputs(opt, params)
+        opt.step()
+        verify_step(opt, params, inputs, first, HYPER, 1, "the closure's step")
+        seen["after"] = capture_inputs(opt, params)
+        attach_grads(params, second, False)
+        return torch.tensor(3.0)
+
+    assert opt.step(closure).item() == 3.0
+    assert opt.param_groups[0]["step"] == 2
+    verify_step(opt, params, seen["after"], second, HYPER, 2, "the step after the closure's")
+    before = snapshot(opt)
+
+    def failing():
+        raise ZeroDivisionError("the closure failed")
+
+    with pytest.raises(ZeroDivisionError, match="the closure failed"):
+        opt.step(failing)
+    assert_unchanged(opt, before)
+
+
 # --------------------------------------------------------------------------------------
 # S4: zero_grad
 

@@ -1306,6 +1306,49 @@ def test_torch_checkpoint_loads_into_the_matching_weight_decay(torch_cls, adam_w
     assert twin.param_groups[0]["step"] == 1
 
 
+def test_saved_group_keys_replace_and_missing_ones_keep_their_values():
+    """S5.5: a saved group's keys replace the current ones, those it lacks keep their
+    current values (torch replaces each group whole), and keys of others (a scheduler's
+    ``initial_lr``, a trainer's tag) load as they are."""
+    params = make_params([torch.float32], [(4, 3)], seed=10)
+    src = fused_adam()(params, lr=1e-2, weight_decay=0.1)
+    src.param_groups[0]["initial_lr"] = 1e-2
+    src.param_groups[0]["tag"] = ("layer", 3)
+    params[0].grad = torch.ones(4, 3)
+    src.step()
+    saved = src.state_dict()
+    del saved["param_groups"][0]["weight_decay"]
+    saved["param_groups"][0]["lr"] = 5e-3
+    opt = fused_adam()(clone_params(params), lr=1e-1, weight_decay=0.3, eps=1e-6)
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["eps"], group["step"]) == \
+        (5e-3, 0.3, 1e-8, 1)
+    assert group["initial_lr"] == 1e-2 and group["tag"] == ("layer", 3)
+
+
+def test_state_dict_post_hooks_get_the_returned_dict():
+    """S5.4: a hook registered with register_state_dict_post_hook receives the very
+    dict state_dict() returns (attributes it sets on the exported tensors reach whoever
+    saves it), and one that returns a dict replaces it, as in torch."""
+    params = make_params([torch.float32], [(4,)], seed=11)
+    opt = fused_adam()(params)
+    params[0].grad = torch.ones(4)
+    opt.step()
+    seen = []
+
+    def mark(optimizer, state_dict):
+        assert optimizer is opt
+        state_dict["state"][0]["exp_avg"].chunk_meta = "kept"
+        seen.append(state_dict)
+
+    opt.register_state_dict_post_hook(mark)
+    sd = opt.state_dict()
+    assert len(seen) == 1 and seen[0] is sd and sd["state"][0]["exp_avg"].chunk_meta == "kept"
+    opt.register_state_dict_post_hook(lambda optimizer, state_dict: {"replaced": True})
+    assert opt.state_dict() == {"replaced": True}
+
+
 @pytest.mark.parametrize("torch_cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_torch_checkpoint_without_weight_decay_loads_into_either_mode(torch_cls):
     """With weight_decay 0 (torch Adam's default) L2 and decoupled decay are the same
