@@ -103,10 +103,16 @@ def test_block4_packs_rows_and_falls_back_to_block8():
         assert state[i]["exp_avg"].shape == p.shape
 
 
-def test_block_size_keyword():
-    opt, params = make(moment_block_size=128)
-    assert opt._scales[params[0]]["exp_avg"].shape == (15,)  # 1800 / 128, rounded up
-    assert opt._formats[params[0]]["exp_avg"].scale_block == 128
+@pytest.mark.parametrize("block", [128, 4096])
+@pytest.mark.parametrize("moment_format", ["block8", "block4"])
+def test_block_size_keyword(block, moment_format):
+    """S2.11: both ends of [128, 4096] are taken, and a step goes through."""
+    opt, params = make(moment_block_size=block, moment_format=moment_format)
+    # 1800 / block, rounded up
+    assert opt._scales[params[0]]["exp_avg"].shape == (blocks_touched(0, 1800, block),)
+    assert opt._formats[params[0]]["exp_avg"].scale_block == block
+    run(opt, params, 1, 2)
+    assert opt.param_groups[0]["step"] == 2
 
 
 @pytest.mark.parametrize("block", [0, 64, 100, 255, 8192, -256, np.int64(100)])

@@ -38,6 +38,10 @@ DTYPE = {"fp32": torch.float32}
 LAYOUTS = {
     "channels_last": ((8, 4, 3, 3), lambda t: t.contiguous(memory_format=torch.channels_last)),
     "transposed": ((12, 32), lambda t: t.t().contiguous().t()),
+    # dense, with a size-1 dimension's stride that torch's is_contiguous ignores and
+    # torch.empty_strided (or a DLPack import) may give; not contiguous all the same
+    "size-1-dim-strided": ((4, 1, 8), lambda t: torch.empty_strided(
+        t.shape, (1, 2, 4), dtype=t.dtype, device=t.device).copy_(t)),
 }
 
 

@@ -341,6 +341,10 @@ def bad_param(kind):
         # Offsets 3i + 2j: (0, 3) and (2, 0) share offset 6, though 13 addresses are
         # in reach of 12 elements.
         return torch.nn.Parameter(torch.zeros(16).as_strided((3, 4), (3, 2)))
+    if kind == "overlapping-3d":
+        # Offsets i + j + 10k: (0, 1, k) and (1, 0, k) share one; 13 addresses in
+        # reach of 8 elements.
+        return torch.nn.Parameter(torch.zeros(13).as_strided((2, 2, 2), (1, 1, 10)))
     if kind == "lazy":
         return torch.nn.parameter.UninitializedParameter()
     if kind == "negated-view":
@@ -360,6 +364,7 @@ PARAM_KINDS = {"int64": "int64", "float64": "float64", "float8_e4m3fn": "float8_
                "stride-0": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-strides": SHARED_ELEMENTS + ".*memory of its own",
                "overlapping-windows": SHARED_ELEMENTS + ".*memory of its own",
+               "overlapping-3d": SHARED_ELEMENTS + ".*memory of its own",
                "lazy": r"uninitialized lazy.*rule: .*forward pass",
                "negated-view": r"lazily negated view.*rule S1.4: .*resolve_neg",
                "storage-freed": FREED}

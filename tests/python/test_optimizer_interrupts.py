@@ -525,6 +525,36 @@ def test_a_failed_reseed_keeps_the_masters_following(backend, monkeypatch):
     _assert_same(params, ref, opt, ref_opt, "after a failed first step and a retry")
 
 
+def test_a_failed_call_after_the_reseed_keeps_the_masters_following(backend, monkeypatch):
+    """S1.6 with S3.1: a first step whose call fails after the masters were re-seeded
+    (out of memory in the call, a signal handler raising there) leaves them following,
+    so weights loaded into the model after it are what the next step starts from, as
+    a fresh optimizer's first step from those weights."""
+    from shardadam import _backend
+
+    params = make_params([torch.bfloat16] * 3, SHAPES, seed=7)
+    opt = fused_adam()(params, **SETTINGS)
+    attach_grads(params, _grads(params), False)
+    run = _backend.run
+
+    def failing(item, hyper):
+        raise MemoryError("out of memory in the call (simulated)")
+
+    monkeypatch.setattr(_backend, "run", failing)
+    with pytest.raises(MemoryError, match="simulated"):
+        opt.step()
+    monkeypatch.setattr(_backend, "run", run)
+    gen = torch.Generator().manual_seed(8)
+    for p in params:  # a model-only load after the failed step
+        p.data.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ref_opt = fused_adam()(ref, **SETTINGS)
+    attach_grads(ref, _grads(ref), False)
+    ref_opt.step()
+    opt.step()
+    _assert_same(params, ref, opt, ref_opt, "after a failed call and loaded weights")
+
+
 def test_inference_tensors_step_under_inference_mode(backend):
     """A model and optimizer made and stepped under ``torch.inference_mode`` (inference
     tensors as parameters) step there, on every path; the state is normal tensors."""

@@ -58,13 +58,18 @@ def test_bf16_master_equals_fp32_run_bitwise(master, adam_w_mode, backend):
 
 def test_single_argument_initialize_state_reseeds(backend):
     """S5.1: Megatron calls initialize_state(param) with one argument; it recreates the
-    state: zero moments, the master seeded from the parameter's current value."""
+    state: zero moments, the master seeded from the parameter's current value, and no
+    other key of the entry."""
     params = make_params([torch.bfloat16, torch.bfloat16], [(6,), (2, 2)], seed=13)
     opt = fused_adam()(params, lr=0.1, master_weights=True, use_decoupled_grad=True)
     for p in params:
         p.decoupled_grad = torch.randn(p.shape)
     opt.step()
+    opt.state[params[0]]["step"] = torch.tensor(1.0)  # as Megatron writes it
     opt.initialize_state(params[0])
+    # other keys go with the entry (TE keeps them), and so out of later checkpoints
+    assert sorted(opt.state[params[0]]) == ["exp_avg", "exp_avg_sq", "master_param"]
+    assert "step" not in opt.state_dict()["state"][0]
     assert_bitwise_equal(opt.get_unscaled_state(params[0], "master_param"),
                          params[0].detach().float(), "re-seeded master")
     for name in ("exp_avg", "exp_avg_sq"):

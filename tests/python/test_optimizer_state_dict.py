@@ -983,7 +983,8 @@ def test_step_0_record_says_the_masters_follow(master, backend):
     masters=follow, and a load at step 0 keeps them following whatever their bits (an
     fp16 master exported at another shard's scale, here: loaded before the model's
     weights): weights loaded afterwards are what the first step starts from. A master
-    set by hand, or one that stepped, takes the mark away."""
+    set by hand, or one that stepped, takes the mark away, and so does a step that
+    counts the group without stepping it."""
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[master]
     settings = dict(lr=1e-2, master_weights=True, master_weight_dtype=dtype)
     gen = torch.Generator().manual_seed(29)
@@ -1003,6 +1004,10 @@ def test_step_0_record_says_the_masters_follow(master, backend):
         o.step()
     assert_bitwise_equal(params[0], fresh_params[0], "param after the first step")
     assert "masters=follow" not in opt.state_dict()["param_groups"][0]["state_layout"]
+    idle = fused_adam()(saved_params, **settings)
+    idle.step()  # no gradient: counted (S2.8); its masters still follow, but at step 1
+    assert idle.param_groups[0]["step"] == 1
+    assert "masters=follow" not in idle.state_dict()["param_groups"][0]["state_layout"]
     by_hand = fused_adam()(saved_params, **settings)
     by_hand.set_scaled_state(saved_params[0], "master_param",
                              saved_params[0].detach().float() + 1)
@@ -1433,6 +1438,36 @@ def test_a_master_put_in_from_outside_is_read_as_it_is():
     assert_bitwise_equal(got, torch.full((4,), 3.0), "master read")
     assert_bitwise_equal(loaded, torch.full((4,), 3.0), "the master put in")
     assert opt.state[p]["master_param"] is loaded
+
+
+def test_a_master_equal_to_the_seeded_one_but_not_bit_for_bit_is_the_truth(backend):
+    """S1.6: a master loaded at step 0 without the masters=follow mark follows only where
+    it is bit for bit the master seeded from the loaded parameter. One equal as floats
+    but not in bits (+0.0 where the parameter holds -0.0) was set by hand: the first
+    step starts from it, not from weights put into the model after the load."""
+    settings = dict(lr=1e-2, master_weights=True)
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(4, 8, generator=gen).bfloat16()
+    x[0, 0] = 0.0
+    saver_param = torch.nn.Parameter(x.clone())
+    saver = fused_adam()([saver_param], **settings)
+    saver.set_scaled_state(saver_param, "master_param", x.float())
+    saved = saver.state_dict()
+    assert "masters=follow" not in saved["param_groups"][0]["state_layout"]
+    loading = x.clone()
+    loading[0, 0] = -0.0
+    param = torch.nn.Parameter(loading)
+    opt = fused_adam()([param], **settings)
+    opt.load_state_dict(saved)
+    param.data.copy_(torch.randn(4, 8, generator=gen).bfloat16())  # put in after the load
+    grad = torch.randn(4, 8, generator=gen).bfloat16()
+    param.grad = grad.clone()
+    opt.step()
+    ref_param = torch.nn.Parameter(x.clone())
+    ref = fused_adam()([ref_param], **settings)
+    ref_param.grad = grad.clone()
+    ref.step()
+    assert_bitwise_equal(param.detach(), ref_param.detach(), "the first step from the master")
 
 
 @pytest.mark.parametrize("master", ["fp32", "fp16", "remainder"])

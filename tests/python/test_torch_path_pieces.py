@@ -29,6 +29,9 @@ CONFIGS = {
     # per-tensor scales (S2.3): measured over every piece of a tensor first
     "p=bf16-master=fp32-m=fp8": (BF16, dict(master_weights=True, exp_avg_dtype=torch.uint8,
                                             exp_avg_sq_dtype=torch.uint8)),
+    # a scaled master beside fp32 moments, which the measuring pass must read, not update
+    "p=fp16-master=fp16": (torch.float16, dict(master_weights=True,
+                                               master_weight_dtype=torch.float16)),
     "p=fp16-master=fp16-m=fp16": (torch.float16, dict(
         master_weights=True, master_weight_dtype=torch.float16,
         exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)),
