@@ -208,6 +208,17 @@ def test_encode_fp8_matches_torch(threads):
                       nan_bits_matter=True)
 
 
+def test_torch_codec_encodes_fp8_as_the_reference():
+    """The torch path's E4M3 encoder (S2.4: a tie rounds to even, 464 to 448, past it the
+    NaN code with its sign, whatever torch's own conversion does there) on the same
+    inputs as the core's."""
+    from shardadam import _codecs
+
+    x = fp8_encode_inputs()
+    assert_same_codes(_codecs.e4m3_encode(x), e4m3_codes(x), "torch codec fp32 -> fp8",
+                      nan_bits_matter=True)
+
+
 @pytest.mark.parametrize("fmt", SCALED_FORMATS)
 @pytest.mark.parametrize("scale", [2.0 ** -7, 0.3, 1e-30, 3.5e4, "near-ties"])
 def test_scaled_codecs(fmt, scale):
