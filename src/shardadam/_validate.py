@@ -82,7 +82,10 @@ def shown(value) -> str:
             why = "its repr could show tensor contents"  # held where no scan looks
         if why is not None:
             kind = type(value).__name__
-            count = len(value) if isinstance(value, Sized) and not _is_numpy(value) else None
+            try:
+                count = len(value) if isinstance(value, Sized) else None
+            except Exception:  # noqa: BLE001 - a length that cannot be read is left out
+                count = None
             if count is not None:
                 kind += f" of {count} {'item' if count == 1 else 'items'}"
             return f"a {kind}, {why}"
