@@ -664,7 +664,9 @@ def _form_error(stored, param) -> Optional[str]:
 
 
 def _origin_error(stored, name: str, formats: Optional[dict], owner, key) -> Optional[str]:
-    moved = _stored_by.moved_error(stored, owner, key, name)
+    recorded = formats.get(name) if formats else None
+    moved = _stored_by.moved_error(stored, owner, key, name,
+                                   recorded.label if recorded is not None else None)
     if moved is not None:
         return moved
     local = _dtensor.to_local(stored)
@@ -677,7 +679,6 @@ def _origin_error(stored, name: str, formats: Optional[dict], owner, key) -> Opt
     if not fmt.holds(name):
         return (f"holds {local.dtype} values, which only {fmt.name} states are stored in, "
                 f"and state {name!r} is not one (rule S2.2)")
-    recorded = formats.get(name) if formats else None
     if fmt.scaled and recorded is not None and recorded.scaled and recorded is not fmt:
         return (f"holds {fmt.label} values, but the scales recorded for it are those of "
                 f"{recorded.label} values (rule S2.3: scaled values mean nothing without "

@@ -67,16 +67,24 @@ def claim_of(stored: torch.Tensor, owner) -> Optional[tuple]:
     return held[1]() is owner, held[2], held[3], held[4]
 
 
-def moved_error(stored: torch.Tensor, owner, param: torch.Tensor,
-                name: str) -> Optional[str]:
-    """A sentence if ``stored`` (found as ``param``'s ``name`` in ``owner``) was stored
-    by an optimizer at another place, else None."""
+def moved_error(stored: torch.Tensor, owner, param: torch.Tensor, name: str,
+                recorded: Optional[str]) -> Optional[str]:
+    """A sentence if ``stored`` (found as ``param``'s ``name`` in ``owner``, whose
+    recorded format there is labelled ``recorded``) was stored by an optimizer at another
+    place, or at this place in a format since replaced; else None."""
     held = _CLAIMS.get(id(stored))
     if held is None or held[0]() is not stored:
         return None
     by, for_param, for_name, label = held[1](), held[2], held[3], held[4]
     if by is owner and for_param == id(param) and for_name == name:
-        return None
+        if recorded is None or recorded == label:
+            return None
+        # Put back by hand after a setting change stored this state anew: the scales
+        # recorded here are the new format's (a dtype both share would read it as that).
+        return (f"holds the {label} values stored here before this state became "
+                f"{recorded}, whose scales were replaced (rule S2.3: scaled values mean "
+                f"nothing without their own scales; set a replaced state with "
+                f"set_scaled_state)")
     if by is not owner:
         where = "in another optimizer" if by is not None else "in an optimizer since freed"
     elif for_param != id(param):

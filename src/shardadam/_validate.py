@@ -181,6 +181,15 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
                 f"in {dtypes}, got {shown(dtype)}).")
 
 
+def _array_note(value, cast: str) -> str:
+    """What to pass instead of a numpy 0-d array, which torch's optimizers take as a
+    number; "" for anything else."""
+    if (type(value).__module__ == "numpy" and type(value).__name__ == "ndarray"
+            and value.ndim == 0):
+        return f" (a numpy 0-d array is not taken: pass {cast}(x))"
+    return ""
+
+
 def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
     """A switch, read by truth value as TE reads it: a bool, or an int 0 or 1 (numpy's
     bools and ints included). Anything else is refused: a string above all ("False" is
@@ -191,7 +200,8 @@ def check_flag(name: str, value, group_index: Optional[int] = None) -> None:
         return  # numpy.bool_, which is no numbers.Integral (a 0-d array is not taken:
         # it can change in place, where settings are re-read by identity, S1.5)
     raise fail(ValueError, f"{name} must be a bool (rule: True/False, or an int 0 or 1), "
-                           f"got {shown(value)}", group=group_index)
+                           f"got {shown(value)}{_array_note(value, 'bool')}",
+               group=group_index)
 
 
 # The settings FusedAdam keeps as attributes of the whole optimizer (beyond torch's
@@ -548,7 +558,8 @@ def _checked_hyper_parameters(group: dict, group_index: Optional[int],
                               lr_on_device: bool = False) -> tuple:
     """hyper_parameters for any value: tensors, numpy numbers, lists; refusals."""
     def bad(rule, value):
-        return fail(ValueError, f"{rule}: {shown(value)}", group=group_index)
+        return fail(ValueError, f"{rule}: {shown(value)}{_array_note(value, 'float')}",
+                    group=group_index)
 
     if "bias_correction" in group:
         check_flag("bias_correction", group["bias_correction"], group_index)

@@ -116,9 +116,14 @@ CONSTRUCTOR_ERRORS = [
      ValueError, facts(r"store_param_remainders must be a bool.*0\.5")),
     # A 0-d array can change in place, where settings are re-read by identity (S1.5).
     ("master_weights-0d-numpy-array", dict(master_weights=np.array(True)), ValueError,
-     facts(r"master_weights must be a bool.*array\(True\)")),
+     facts(r"master_weights must be a bool.*array\(True\).*pass bool\(x\)")),
     ("bias_correction-0d-numpy-array", dict(bias_correction=np.array(False)), ValueError,
      facts(r"bias_correction must be a bool.*array\(False\)")),
+    # torch's optimizers take a 0-d array as a number; the message says what to pass
+    ("lr-0d-numpy-array", dict(lr=np.array(1e-3)), ValueError,
+     facts(r"Invalid learning rate.*array\(0\.001\).*pass float\(x\)")),
+    ("beta2-0d-numpy-array", dict(betas=(0.9, np.array(0.99))), ValueError,
+     facts(r"beta parameter at index 1.*array\(0\.99\).*pass float\(x\)")),
     ("amsgrad-string", dict(amsgrad="False"), ValueError,
      facts(r"amsgrad must be a bool.*'False'")),
 ]
@@ -205,6 +210,8 @@ NOT_AN_OPTION = "an option of torch's Adam/AdamW that FusedAdam does not have"
     ("exp_avg_dtype", "torch.float32", WHOLE_OPTIMIZER, {}),
     # a group ported from torch: maximize=True would descend all the same
     ("maximize", True, NOT_AN_OPTION, {}), ("differentiable", True, NOT_AN_OPTION, {}),
+    # a switch takes a bool or an int 0 or 1: torch would read 0.0 as false
+    ("maximize", 0.0, NOT_AN_OPTION, {}), ("amsgrad", "", WHOLE_OPTIMIZER, {}),
     ("decoupled_weight_decay", False, NOT_AN_OPTION, dict(weight_decay=0.1)),
     ("decoupled_weight_decay", True, NOT_AN_OPTION, dict(weight_decay=0.1, adam_w_mode=False))])
 def test_a_group_cannot_change_what_the_whole_optimizer_sets(key, value, rule, options):
@@ -243,6 +250,9 @@ REPEATED_OPTIONS = [
      dict(adam_w_mode=False, maximize=False, foreach=True, fused=False, differentiable=None,
           decoupled_weight_decay=False)),
     (dict(weight_decay=0.1), dict(decoupled_weight_decay=True, foreach=None)),
+    # torch's switches as an int 0 or 1 or a numpy bool, as the optimizer's own flags
+    (dict(weight_decay=0.1), dict(maximize=0, differentiable=np.False_, amsgrad=np.int64(0),
+                                  decoupled_weight_decay=1)),
     (dict(adam_w_mode=False), dict(decoupled_weight_decay=True, weight_decay=0.0)),
     # equal values of another type: set_grad_none by truth value (not None), numpy's ints
     (dict(set_grad_none=True, moment_format="block8", moment_block_size=np.int64(256)),
@@ -1218,6 +1228,42 @@ def test_scaled_state_in_another_scaled_format_than_its_record_is_refused(shape)
         assert_unchanged(opt, before)
     opt.set_scaled_state(param, "exp_avg", want)
     assert_bitwise_equal(opt.get_unscaled_state(param, "exp_avg"), want, "exp_avg")
+
+
+@pytest.mark.parametrize("before, after, labels", [
+    (dict(moment_format="block8", moment_block_size=128), dict(moment_block_size=256),
+     ("fp8-block:128", "fp8-block:256")),
+    (dict(moment_format="block8", moment_block_size=128),
+     dict(moment_format=None, moment_block_size=None, exp_avg_dtype=torch.uint8),
+     ("fp8-block:128", "fp8")),
+    (dict(exp_avg_dtype=torch.uint8), dict(exp_avg_dtype=torch.float32, moment_format="block8"),
+     ("fp8", "fp8-block:256")),
+])
+def test_state_put_back_after_its_format_changed_is_refused(before, after, labels):
+    """S2.3: codes this optimizer stored at this very place, put back by hand after a
+    setting change stored the state anew in another format of the same dtype (uint8),
+    would be read with the new format's scales: refused, naming both formats, nothing
+    changed; set_scaled_state stores the values."""
+    param = torch.nn.Parameter(torch.linspace(-1, 1, 1024))
+    opt = fused_adam()([param], lr=1e-3, **before)
+    param.grad = torch.linspace(-2e-3, 1e-3, 1024)
+    opt.step()
+    old = opt.state[param]["exp_avg"]
+    want = opt.get_unscaled_state(param, "exp_avg")
+    for key, value in after.items():
+        setattr(opt, key, value)
+    opt.step()
+    assert opt.state[param]["exp_avg"] is not old
+    opt.state[param]["exp_avg"] = old
+    before_calls = snapshot(opt)
+    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(param, "exp_avg")):
+        with pytest.raises(RuntimeError, match=facts(
+                *at(0, 0), "state 'exp_avg'", re.escape(f"holds the {labels[0]} values"),
+                re.escape(f"became {labels[1]}"), r"rule S2\.3")):
+            call()
+        assert_unchanged(opt, before_calls)
+    opt.set_scaled_state(param, "exp_avg", want)
+    assert opt.get_unscaled_state(param, "exp_avg").dtype == torch.float32
 
 
 def test_claims_on_stored_states_go_with_their_tensors():

@@ -883,6 +883,56 @@ def test_group_without_step_counter_counts_from_zero(backend):
         assert_bitwise_equal(value, state_tensors(twin, twin_param)[key], key)
 
 
+def test_a_stepped_group_dict_brings_its_count_to_a_new_optimizer(backend):
+    """S2.8: the counter lives in the group dict, which is the dict handed to the
+    constructor (as torch's add_param_group keeps it): a new optimizer over a dict
+    another one stepped takes its next step from that count (fresh moments, step 3's
+    bias corrections), bitwise as a fresh optimizer whose counter was set to 2."""
+    params = make_params([torch.float32], [(6,)], seed=14)
+    group = {"params": params}
+    first = fused_adam()([group], lr=0.1)
+    assert first.param_groups[0] is group
+    for seed in (1, 2):
+        params[0].grad = torch.randn(6, generator=torch.Generator().manual_seed(seed))
+        first.step()
+    assert group["step"] == 2
+    twin_param = torch.nn.Parameter(params[0].detach().clone())
+    second = fused_adam()([group], lr=0.1)
+    twin = fused_adam()([twin_param], lr=0.1)
+    assert second.param_groups[0] is group and group["step"] == 2
+    twin.param_groups[0]["step"] = 2
+    grad = torch.randn(6, generator=torch.Generator().manual_seed(3))
+    params[0].grad, twin_param.grad = grad.clone(), grad.clone()
+    second.step()
+    twin.step()
+    assert group["step"] == twin.param_groups[0]["step"] == 3
+    assert_bitwise_equal(params[0].detach(), twin_param.detach(), "param")
+    for key, value in state_tensors(second, params[0]).items():
+        assert_bitwise_equal(value, state_tensors(twin, twin_param)[key], key)
+
+
+def test_numpy_numbers_step_as_the_floats_they_hold(backend):
+    """S1.2: hyper-parameters may be numpy numbers (np.float32, np.float64, numpy ints),
+    read as float(x): the step is bitwise that of the Python floats."""
+    numpy_values = dict(lr=np.float32(1e-2), betas=(np.float32(0.9), np.float64(0.99)),
+                        eps=np.float64(1e-6), weight_decay=np.int64(0))
+    as_floats = dict(lr=float(numpy_values["lr"]),
+                     betas=tuple(float(b) for b in numpy_values["betas"]),
+                     eps=1e-6, weight_decay=0.0)
+    runs = []
+    for options in (numpy_values, as_floats):
+        params = make_params([torch.float32, torch.bfloat16], [(5,), (3, 4)], seed=15)
+        opt = fused_adam()(params, master_weights=True, **options)
+        for step in range(2):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(
+                    10 * step + i)).to(p.dtype)
+            opt.step()
+        runs.append((opt, params))
+    (a, params_a), (b, params_b) = runs
+    assert_same_optimizer_state(a, b, params_a, params_b, "numpy numbers")
+
+
 def test_step_with_no_gradients_at_all_still_counts(backend):
     params = make_params([torch.float32], [(3,)], seed=12)
     opt = fused_adam()(params)
