@@ -593,10 +593,11 @@ def claim_all(state, formats: dict, owner, moved=()) -> None:
                 _stored_by.claim(stored, owner, param, name, fmt.label)
 
 
-def moved_claims(state, owner) -> list:
+def moved_claims(state, formats: dict, owner) -> list:
     """``(param, name, claimed by owner, claimed param, claimed name, format label)``
     for each state of ``state`` claimed at another place (moved by hand, within
-    ``owner`` or from another optimizer); the claimed parameter is
+    ``owner`` or from another optimizer) or in a format other than the one ``formats``
+    records there now (put back after a setting change); the claimed parameter is
     ``_stored_by.ELSEWHERE`` where ``state`` does not hold it."""
     params = {id(param): param for param in state if isinstance(param, torch.Tensor)}
     moved = []
@@ -610,7 +611,9 @@ def moved_claims(state, owner) -> list:
             if held is None:
                 continue
             ours, param_id, claimed_name, label = held
-            if not ours or (param_id, claimed_name) != (id(param), name):
+            recorded = (formats.get(param) or {}).get(name)
+            if (not ours or (param_id, claimed_name) != (id(param), name)
+                    or (recorded is not None and recorded.label != label)):
                 claimed = params.get(param_id, _stored_by.ELSEWHERE) if ours else \
                     _stored_by.ELSEWHERE
                 moved.append((param, name, ours, claimed, claimed_name, label))

@@ -177,7 +177,8 @@ class FusedAdam(torch.optim.Optimizer):
         state["_formats"] = self._formats
         state["_seeded"] = self._seeded
         state["_moments_set"] = self._moments_set
-        state["_moved"] = _state.moved_claims(self.state, self)  # refused in a copy too
+        # States moved by hand (or put back in a replaced format): refused in a copy too.
+        state["_moved"] = _state.moved_claims(self.state, self._formats, self)
         return state
 
     def __copy__(self):

@@ -1256,7 +1256,9 @@ def test_state_put_back_after_its_format_changed_is_refused(before, after, label
     assert opt.state[param]["exp_avg"] is not old
     opt.state[param]["exp_avg"] = old
     before_calls = snapshot(opt)
-    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(param, "exp_avg")):
+    copied = copy.deepcopy(opt)  # refuses it too
+    for call in (opt.step, opt.state_dict, lambda: opt.get_unscaled_state(param, "exp_avg"),
+                 copied.step):
         with pytest.raises(RuntimeError, match=facts(
                 *at(0, 0), "state 'exp_avg'", re.escape(f"holds the {labels[0]} values"),
                 re.escape(f"became {labels[1]}"), r"rule S2\.3")):
