@@ -855,19 +855,22 @@ def loaded_master(value: torch.Tensor, saved, local: torch.Tensor, config, where
     return value
 
 
-def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str) -> None:
+def check_loaded_dtype(value: torch.Tensor, spec, param_dtype, where_: str,
+                       saved=None) -> None:
     """A loaded state value holds true values in a floating dtype, or int16 remainder
     codes (S5.4: exported values are told apart by dtype) of a bf16 parameter's
-    ``master_param``: a moment never holds them."""
+    ``master_param``: a moment never holds them. ``saved``: the layout the checkpoint
+    recorded (a StateConfig), if any, named in the refusal."""
     codes = _formats.REMAINDER
     if value.dtype == codes.value_dtype and spec.name != "master_param":
         raise RuntimeError(f"{where_}: state {spec.name!r} must hold floating point "
                            f"values, got torch.int16 (rule S5.4: only 'master_param' "
                            f"holds int16 remainder codes)")
     if value.dtype == codes.value_dtype and param_dtype != codes.pairs_with:
-        raise RuntimeError(f"{where_}: the loaded {spec.name!r} holds int16 remainders, "
-                           f"whose true value needs the bf16 parameter they were saved "
-                           f"beside; this one is {param_dtype} (rule S6.4: load with the "
+        layout = f" (saved with {saved.record()})" if saved is not None else ""
+        raise RuntimeError(f"{where_}: the loaded {spec.name!r} holds int16 remainders"
+                           f"{layout}, whose true value needs the bf16 parameter they were "
+                           f"saved beside; this one is {param_dtype} (rule S6.4: load with the "
                            f"parameter dtype saved, then change it: the next step "
                            f"converts the state, S2.5)")
     if value.dtype != codes.value_dtype and not value.is_floating_point():

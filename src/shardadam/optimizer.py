@@ -1078,7 +1078,7 @@ class FusedAdam(torch.optim.Optimizer):
             value = _dtensor.to_local(value).resolve_neg()  # read by value (S3.2)
             if saved_layout is not None and spec.name == "master_param":
                 value = _validate.loaded_master(value, saved_layout, local, config, here)
-            _validate.check_loaded_dtype(value, spec, local.dtype, here)
+            _validate.check_loaded_dtype(value, spec, local.dtype, here, saved_layout)
             loaded[spec.name] = value.to(local.device)
             if at_step_0 and _state.seeds_from_param(spec) and _state.is_seeded_value(
                     spec, loaded[spec.name], local):
