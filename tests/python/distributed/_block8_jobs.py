@@ -4,7 +4,8 @@
 ``block8_dcp_save``: weights whose row length is a multiple of the block size, sharded
 by ``fully_shard`` over 2 ranks, take two steps on gradients built from full tensors
 (the same at every world size), and are saved with DCP. ``block8_dcp_resume``: loaded
-into a fresh model at 3 ranks, two more steps; the gathered parameters, codes and
+into a fresh model at 3, 4 (rank 3's shard of the 6-row weight empty) or 1 rank, two more
+steps; the gathered parameters, codes and
 scales are bitwise those of one process stepping the full tensors four times without
 stopping (the mesh rule: blocks keyed to the global flat index never cross a shard
 boundary of whole rows, so the shards store what the whole tensor stores).

@@ -146,8 +146,11 @@ def _build():
     for preset in BLOCK8_PRESETS:  # _block8_jobs: its own presets (moment_format)
         save = f"W=2-fsdp2-block8-dcp-save-{preset}"
         cases.append(Case(save, 2, "block8_dcp_save", preset, job="block8-save"))
-        cases.append(Case(f"W=3-fsdp2-block8-dcp-2to3-{preset}-equals-uninterrupted", 3,
-                          "block8_dcp_resume", preset, needs=(save,)))
+        # 3: 2 rows of each 6-row weight per rank; 4: an empty shard (6 rows in
+        # torch's chunks of 2); 1: the whole tensors.
+        for w in (3, 4, 1):
+            cases.append(Case(f"W={w}-fsdp2-block8-dcp-2to{w}-{preset}-equals-uninterrupted",
+                              w, "block8_dcp_resume", preset, needs=(save,)))
         cases.append(Case(f"W=3-fsdp2-{preset}-torch-path-in-pieces-equals-core", 3,
                           "torch_path_pieces", preset))
     for preset in ("p=fp32-m=block8", "p=bf16-master=remainder-m=block4"):
