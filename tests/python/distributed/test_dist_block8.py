@@ -1,7 +1,7 @@
 """block8 and block4 moments (S2.11, S2.12) under FSDP2 on a CPU gloo mesh: saved with DCP
 at world size 2, resumed at 3, at 4 (a rank's shard empty) and at 1, and bitwise the run
-that never stopped, codes and scales
-included (rows that are whole blocks: the stored state does not depend on the sharding).
+that never stopped, codes and scales included (rows that are whole blocks: the stored
+state does not depend on the sharding).
 Under ``megatron_fsdp.fully_shard`` (uneven runs of rows, blocks keyed to the global index
 Megatron marks them with): saved at 2, resumed at 2 and 3, bitwise the uninterrupted run
 where the mesh rule promises it (``_megatron_block_jobs``). block4 on uneven rows that
