@@ -134,6 +134,31 @@ TEST(MomentBoundTest, BoundsEveryElementOfTheBlock) {
   EXPECT_GT(checked, 20000);  // most bounds are finite
 }
 
+// A block whose stored moment is an fp16 subnormal code (far below the largest, which set
+// the old scale) holds the new maximum, just above a bound that halved subnormal codes
+// would give: it must not be skipped. beta1 = 1/2 makes element 0's new m exactly 0 (its
+// old m of 1 set the scale) and element 1's exactly 3/8 of the late one's old value,
+// whose new one is 1/2 of it; every other input is 0, v's late bound too.
+TEST(MeasureSkipTest, SubnormalStoredMomentIsBounded) {
+  using D = DType;
+  const Config config{D::kFloat32, D::kFloat32, D::kFloat16, D::kFloat16, D::kNone, true};
+  StepParams params;
+  params.beta1 = 0.5;
+  params.step = 3;
+  const int64_t n = 30001;
+  const float tiny = 1.5f * std::ldexp(1.0f, -31);  // / (1 / 32752): below 2^-14
+  std::vector<float> w(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n, 0.0f);
+  m[0] = 1.0f;
+  g[0] = -1.0f;
+  g[1] = 0.75f * tiny;
+  for (int64_t at : {n - 5, n / 2 + 3}) {
+    SCOPED_TRACE("late moment at " + std::to_string(at));
+    std::vector<float> late = m;
+    late[at] = tiny;
+    ExpectStepMatchesReference({TensorFromValues(config, w, late, v, g)}, params, {1, 2});
+  }
+}
+
 // Whole steps. The base state is quiet (the kernel benchmark's magnitudes);
 // one element then raises the largest new moment through one input. Where a
 // grad raises one moment, an early element keeps the other moment's maximum
