@@ -691,8 +691,11 @@ std::vector<ErrorCase> ErrorCases() {
              [](StepParams* p) { p->weight_decay = -0.1; });
   param_case("inf_weight_decay", "weight_decay",
              [](StepParams* p) { p->weight_decay = INFINITY; });
-  param_case("beta1_one", "beta1", [](StepParams* p) { p->beta1 = 1.0; });
+  // Each refused by its own rule, named (beta1 = 1 would also make lr / (1 - beta1^t)
+  // infinite; beta2 = 1 a zero bias correction, dividing by zero).
+  param_case("beta1_one", "beta1 1 is outside [0, 1)", [](StepParams* p) { p->beta1 = 1.0; });
   param_case("beta1_negative", "beta1", [](StepParams* p) { p->beta1 = -0.1; });
+  param_case("beta2_one", "beta2 1 is outside [0, 1)", [](StepParams* p) { p->beta2 = 1.0; });
   param_case("beta2_above_one", "beta2", [](StepParams* p) { p->beta2 = 1.5; });
   param_case("beta2_nan", "beta2", [](StepParams* p) { p->beta2 = NAN; });
   // Finite hyper-parameters whose fp32 step constants are not (S3.6).
@@ -719,7 +722,8 @@ std::vector<ErrorCase> ErrorCases() {
              [](StepParams* p) { p->eps = 1e-50; });
   param_case("eps_at_half_the_smallest_fp32", "rounds to 0 in fp32",  // a tie, to even: 0
              [](StepParams* p) { p->eps = std::ldexp(1.0, -150); });
-  param_case("step_zero", "step", [](StepParams* p) { p->step = 0; });
+  // Not only through step 0's infinite lr / (1 - beta1^0): by its own rule.
+  param_case("step_zero", "step 0 is less than 1", [](StepParams* p) { p->step = 0; });
   param_case("step_negative", "step", [](StepParams* p) { p->step = -2; });
   return cases;
 }
