@@ -78,9 +78,12 @@ def main(argv=None):
         "bench", help="time one Adam step on CPU: FusedAdam vs torch, DeepSpeed and the "
                       "multi-pass path, with a bandwidth probe; table, JSON, PNG",
         description="Times one optimizer step side by side (interleaved repetitions, "
-                    "medians with min/max) for each state preset on large tensors, a "
-                    "transformer's parameter list, 2,000 small tensors and DTensor "
-                    "parameters on 2 gloo ranks; reports elements/s, GB/s, the fraction "
+                    "medians with min/max) for each state preset on large tensors (also "
+                    "right after a forward and backward, as training calls it), a "
+                    "transformer's parameter list, 2,000 small tensors (in one group, "
+                    "and one group each), DTensor parameters on 2 gloo ranks, and 8- and "
+                    "4-bit states beside torchao and bitsandbytes (--cases picks them); "
+                    "reports elements/s, GB/s, the fraction "
                     "of a bandwidth probe with the step's access pattern, ratios between "
                     "contenders and each step's peak extra memory (docs/benchmarking.md).")
     bench_cli.add_arguments(bench)

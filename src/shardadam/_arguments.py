@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import tempfile
 from typing import Optional
 
 
@@ -23,29 +22,38 @@ def whole_number_at_least(low):
     return parse
 
 
+def write_error(path: str) -> Optional[str]:
+    """Why a file cannot be written at ``path`` (as given: relative to the current
+    folder), or None. Tried, not asked: os.access says yes to root, and on file systems
+    such as sysfs, where the write then fails at the end of the run; a file that is not
+    there yet is created and removed (a name too long, a folder's trailing slash)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path!r} is a folder, not a file"
+    if path.endswith(("/", os.sep)):
+        return f"{path!r} names a folder (it ends in {path[-1]!r}), not a file"
+    if not os.path.isdir(folder):
+        return f"cannot write into {folder!r}: no such folder"
+    try:
+        if os.path.exists(path):
+            open(path, "ab").close()  # appends nothing
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            os.remove(path)
+    except OSError as error:
+        return f"cannot write {path!r}: {error.strerror or error}"
+    return None
+
+
 def writable_file(suffix=None):
-    """argparse type: a path a file can be written to, neither a folder nor in a
-    folder that is missing or read-only; with ``suffix`` (e.g. ".png"), it must end so
-    (what writes it picks the format by the name)."""
+    """argparse type: a path a file can be written to (``write_error``); with ``suffix``
+    (e.g. ".png"), it must end so (what writes it picks the format by the name)."""
     def parse(text):
-        path = os.path.abspath(text)
-        folder = os.path.dirname(path)
         if not text:
             raise argparse.ArgumentTypeError("expected a file name, got an empty one")
-        if os.path.isdir(path):
-            raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
-        if not os.path.isdir(folder):
-            raise argparse.ArgumentTypeError(f"cannot write into {folder!r}: no such folder")
-        # Tried, not asked: os.access says yes to root, and on file systems such as
-        # sysfs, where the write then fails at the end of the run.
-        try:
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-            if os.path.exists(path):
-                open(path, "ab").close()  # appends nothing
-        except OSError as error:
-            raise argparse.ArgumentTypeError(
-                f"cannot write {text!r}: {error.strerror or error}") from None
+        error = write_error(text)
+        if error is not None:
+            raise argparse.ArgumentTypeError(error)
         if suffix is not None and not text.lower().endswith(suffix):
             raise argparse.ArgumentTypeError(f"{text!r} must end in {suffix}")
         return text

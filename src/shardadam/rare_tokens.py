@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -285,6 +286,20 @@ def describe(args) -> str:
     return text + f", exp_avg {args.exp_avg}, exp_avg_sq {args.exp_avg_sq}"
 
 
+def _least_bytes(args) -> int:
+    """A floor of what a run holds at once: both tables as drawn (fp32) and one batch's
+    fp32 logits (the step's gradients and states come on top)."""
+    return 4 * (2 * args.vocab * args.dim + args.batch * args.vocab)
+
+
+def _physical_memory():
+    """This machine's memory in bytes, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def run(args):
     import torch
 
@@ -292,14 +307,22 @@ def run(args):
             args.params, args.master, args.exp_avg, args.exp_avg_sq, args.moment_format,
             args.moment_block_size, args.param_rounding) != (
                 "fp32", "none", "fp32", "fp32", None, None, "nearest"):
-        print(f"shardadam rare-tokens: error: --optimizer {args.optimizer} takes no state "
-              "or parameter flags (it keeps its own state on fp32 parameters)",
+        print(f"python -m shardadam rare-tokens: error: --optimizer {args.optimizer} takes "
+              "no state or parameter flags (it keeps its own state on fp32 parameters)",
               file=sys.stderr)
         return 2
     if args.params == "fp32" and (args.master, args.param_rounding) != ("none", "nearest"):
-        print("shardadam rare-tokens: error: --master and --param-rounding apply to bf16 "
+        print("python -m shardadam rare-tokens: error: --master and --param-rounding apply to bf16 "
               "parameters only (fp32 parameters are their own master, S2.1): add "
               "--params bf16", file=sys.stderr)
+        return 2
+    needed = _least_bytes(args)
+    memory = _physical_memory()
+    if memory is not None and needed > memory:
+        print(f"python -m shardadam rare-tokens: error: --vocab {args.vocab}, --dim {args.dim} and "
+              f"--batch {args.batch} need at least {needed / 2**30:.3g} GiB (two fp32 "
+              f"tables and one batch's logits); this machine has {memory / 2**30:.3g} GiB",
+              file=sys.stderr)
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -328,7 +351,7 @@ def run(args):
             dtype = getattr(torch, _DTYPES[args.params])
             make([torch.nn.Parameter(torch.zeros(2, 2, dtype=dtype))], lr=workload.lr)
         except (ValueError, RuntimeError) as error:
-            print(f"shardadam rare-tokens: error: {error}", file=sys.stderr)
+            print(f"python -m shardadam rare-tokens: error: {error}", file=sys.stderr)
             return 2
     label = describe(args)
     print(f"rare tokens: embedding + head {workload.vocab} x {workload.dim}, Zipf "
@@ -344,7 +367,7 @@ def run(args):
         result = train(make, workload, label=label, progress=progress,
                        param_dtype=getattr(torch, _DTYPES[args.params]))
     except peers.Unavailable as error:
-        print(f"shardadam rare-tokens: error: {args.optimizer}: {error}", file=sys.stderr)
+        print(f"python -m shardadam rare-tokens: error: {args.optimizer}: {error}", file=sys.stderr)
         return 1
     if result.diverged_at is not None:
         print(f"{label}: DIVERGED at step {result.diverged_at} (loss "

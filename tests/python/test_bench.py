@@ -300,6 +300,20 @@ def test_a_failed_kernel_bench_is_said_where_its_rows_are_missing():
         done.stderr
 
 
+def test_a_kernel_bench_path_that_names_no_executable_is_refused(tmp_path):
+    """$SHARDADAM_KERNEL_BENCH naming no executable stops the bench before it runs (it
+    fell back to the checkout's build, timing a binary the user did not choose)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardadam", "bench", "--quick", "--scale", "0.001", "--reps",
+         "1", "--cases", "large", "--no-memory"], capture_output=True, text=True,
+        timeout=600, env=dict(os.environ, SHARDADAM_KERNEL_BENCH=str(tmp_path / "none")))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SHARDADAM_KERNEL_BENCH=" in lines[0], done.stderr
+    assert "is no executable file" in lines[0]
+
+
 def test_peak_memory_is_measured_per_contender(tiny_run):
     _, data, _ = tiny_run
     for record in data["results"]:

@@ -188,6 +188,8 @@ def test_short_runs_say_what_their_columns_cover(demo):
 def _bad_input_cases(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
+    taken = tmp_path / "taken"
+    (taken / "demo.json").mkdir(parents=True)  # where the report goes, after the run
     return [
         (["--state", "nope"], r"--state: invalid choice: 'nope'"),
         (["--ranks", "0"], r"--ranks: must be at least 1, got 0"),
@@ -204,15 +206,16 @@ def _bad_input_cases(tmp_path):
         (["--also", "torchao-adamw8bit,torchao-adamw8bit"], r"--also: a name is given twice"),
         # "" would write into the current folder, not a run folder of its own.
         (["--out", ""], r"--out: expected a folder name, got an empty one"),
+        (["--out", str(taken)], r"cannot write the report into .*demo\.json' is a folder"),
     ]
 
 
-@pytest.mark.parametrize("index", range(11), ids=["unknown-preset", "zero-ranks",
+@pytest.mark.parametrize("index", range(12), ids=["unknown-preset", "zero-ranks",
                                                    "zero-resume-ranks", "two-steps",
                                                    "more-ranks-than-rows", "unwritable-out",
                                                    "seed-beyond-torch", "unknown-peer",
                                                    "peer-without-dtensor", "peer-twice",
-                                                   "empty-out"])
+                                                   "empty-out", "report-name-taken"])
 def test_bad_input_one_line_and_nonzero_exit(index, tmp_path, capsys):
     args, pattern = _bad_input_cases(tmp_path)[index]
     try:

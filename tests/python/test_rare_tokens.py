@@ -170,6 +170,11 @@ def test_command_refuses_state_flags_for_adamw(capsys):
     (["--beta2", "x"], "--beta2: expected a number, got 'x'"),
     (["--json", "/nonexistent-folder/result.json"], "cannot write into '/nonexistent-folder'"),
     (["--json", "/"], "'/' is a folder, not a file"),
+    # tried before the run, not only its folder: these failed when the result was written
+    (["--json", "/nonexistent-folder/"], "names a folder (it ends in '/'), not a file"),
+    (["--json", "x" * 300 + ".json"], "File name too long"),
+    # sizes past the machine's memory: named, not torch's allocation traceback
+    (["--vocab", str(10**11)], "need at least"),
     # The bf16 options on fp32 parameters would run under a label they do not apply to.
     (["--master", "remainder"], "--master and --param-rounding apply to bf16 parameters"),
     (["--param-rounding", "stochastic"], "apply to bf16 parameters only"),

@@ -139,8 +139,12 @@ def run(args) -> int:
     kernel_rows, ceiling_rows = {}, {}
     large = [c for c in selected if c.kind in ("large", "training")]
     lowbit = [c for c in selected if c.kind == "lowbit"]
-    path = None if args.no_kernel_bench or not (large or lowbit) else \
-        probe.find_kernel_bench()
+    try:
+        path = None if args.no_kernel_bench or not (large or lowbit) else \
+            probe.find_kernel_bench()
+    except ValueError as error:
+        print(f"python -m shardadam bench: error: {error}", file=sys.stderr)
+        return 2
     meta["kernel_bench"] = path
 
     def kernel_bench(rows, numel, reps, threads, settle_s, preset=None):
@@ -168,13 +172,17 @@ def run(args) -> int:
 
     peaks = {}
     if not args.no_memory:
+        # A contender the timing found unavailable (not installed) would be found so
+        # again, after a subprocess built the case's tensors: its row already says why.
+        unavailable = {(record["case"], record["contender"]) for record in records
+                       if record.get("status") == "unavailable"}
         by_contender = {}
         for case in selected:
             # The training cases hold the large cases' state: their timing is the point.
             # The bare core call is shardadam's step without its Python: same memory.
             if case.kind not in ("dtensor", "training"):
                 for name in case.contenders:
-                    if name not in cases.BARE:
+                    if name not in cases.BARE and (case.id, name) not in unavailable:
                         by_contender.setdefault(name, []).append(case.id)
         _log(f"memory: one fresh subprocess per contender ({', '.join(by_contender)})")
         # After all timing, so they may overlap: each measures only its own RSS.

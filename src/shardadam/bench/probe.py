@@ -90,9 +90,17 @@ def _bytes(tensor, per_element, start, end):
 
 
 def find_kernel_bench():
-    """``build/cpp/benchmarks/kernel_bench`` of a source checkout, if built."""
-    candidates = [os.environ.get("SHARDADAM_KERNEL_BENCH", ""),
-                  os.path.join(os.getcwd(), "build/cpp/benchmarks/kernel_bench")]
+    """``$SHARDADAM_KERNEL_BENCH`` (ValueError where it names no executable: a run
+    would otherwise time another build's), else ``build/cpp/benchmarks/kernel_bench`` of
+    a source checkout, if built."""
+    chosen = os.environ.get("SHARDADAM_KERNEL_BENCH", "")
+    if chosen:
+        if not (os.path.isfile(chosen) and os.access(chosen, os.X_OK)):
+            raise ValueError(f"SHARDADAM_KERNEL_BENCH={chosen!r} is no executable file "
+                             f"(rule: it names a kernel_bench binary; unset it to use the "
+                             f"checkout's build/cpp/benchmarks/kernel_bench)")
+        return os.path.normpath(chosen)
+    candidates = [os.path.join(os.getcwd(), "build/cpp/benchmarks/kernel_bench")]
     here = os.path.dirname(os.path.abspath(__file__))
     candidates.append(os.path.join(here, "../../../build/cpp/benchmarks/kernel_bench"))
     for path in candidates:

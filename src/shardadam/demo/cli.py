@@ -24,7 +24,7 @@ import threading
 import time
 
 from .. import peers
-from .._arguments import missing_modules
+from .._arguments import missing_modules, write_error
 from .config import DEFAULT_PRESET, PRESETS, SIZES
 
 # A collective that waits longer than this fails instead of hanging the demo.
@@ -169,6 +169,10 @@ def _check(args):
     except OSError as error:
         reason = error.strerror or str(error)
         raise DemoError(f"cannot write to output folder {args.out!r}: {reason}") from None
+    for name in ("demo.json", "demo.png"):  # e.g. a folder of that name
+        error = write_error(os.path.join(args.out, name))
+        if error is not None:
+            raise DemoError(f"cannot write the report into {args.out!r}: {error}")
 
 
 def _clear_earlier_run(out):
@@ -272,7 +276,7 @@ def run(args):
     try:
         _check(args)
     except DemoError as error:
-        print(f"shardadam demo: error: {error}", file=sys.stderr)
+        print(f"python -m shardadam demo: error: {error}", file=sys.stderr)
         return 2
     from . import report
     from .corpus import CorpusError, build_corpus
@@ -295,17 +299,17 @@ def run(args):
                   f"({corpus['files']} files under {corpus['source']})", flush=True)
             phases, walls = _train(args, workdir, corpus_path)
     except (RankFailure, CorpusError) as failure:
-        print(f"shardadam demo: error: {failure}", file=sys.stderr)
+        print(f"python -m shardadam demo: error: {failure}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _Terminated) as stop:
-        print("shardadam demo: interrupted; all ranks stopped", file=sys.stderr)
+        print("python -m shardadam demo: interrupted; all ranks stopped", file=sys.stderr)
         return 128 + (stop.signum if isinstance(stop, _Terminated) else signal.SIGINT)
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
     figures = report.summarize(args, corpus, phases, walls, time.monotonic() - began)
+    print(report.table(figures))  # first: a failed write keeps it
     json_path, png_path = report.write(args.out, figures)
-    print(report.table(figures))
     print(f"wrote {json_path}\n      {png_path}\n      rank logs in "
           f"{os.path.join(args.out, 'logs')}")
     return 0 if figures["resume_check"]["passed"] else 1
