@@ -3,7 +3,8 @@
 processes (_dist_crash_jobs.py).
 
 A rank killed half way through writing checkpoint B leaves B without ``.metadata`` and
-checkpoint A byte for byte as it was; the surviving rank's save raises within a second.
+checkpoint A byte for byte as it was; the surviving rank's save raises within the
+process group's 10 s timeout.
 A new process group resumes from A bitwise like the run that never crashed. Loading B,
 or A with garbage / truncated ``.metadata``, fails on every rank before anything changes;
 A with a truncated data file fails on every rank after DCP has already overwritten part
