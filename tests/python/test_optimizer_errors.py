@@ -1265,7 +1265,7 @@ def test_state_put_back_after_its_format_changed_is_refused(before, after, label
             call()
         assert_unchanged(opt, before_calls)
     opt.set_scaled_state(param, "exp_avg", want)
-    assert opt.get_unscaled_state(param, "exp_avg").dtype == torch.float32
+    opt.step()  # taken now: the values are stored with scales of their own
 
 
 def test_claims_on_stored_states_go_with_their_tensors():
