@@ -1,6 +1,7 @@
 """Command line: ``python -m shardadam demo | bench | rare-tokens | info``."""
 
 import argparse
+import os
 import sys
 
 from shardadam import rare_tokens
@@ -106,7 +107,13 @@ def main(argv=None):
                                      "built backends") \
         .set_defaults(run=_info)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader of our output left (`| head`): stop quietly, as a shell tool does.
+        # Later writes, the interpreter's final flush among them, go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

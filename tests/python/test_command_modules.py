@@ -1,5 +1,6 @@
 """Each command's own module runs as that command: ``python -m shardadam.rare_tokens``
-is ``python -m shardadam rare-tokens`` (before, the module ran nothing and exited 0)."""
+is ``python -m shardadam rare-tokens`` (before, the module ran nothing and exited 0); a
+command whose reader leaves stops quietly."""
 
 import subprocess
 import sys
@@ -17,3 +18,18 @@ def test_module_runs_its_command(module, command):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"usage: python -m shardadam {command} "), result.stdout
+
+
+def test_a_reader_that_leaves_stops_the_command_quietly():
+    """`python -m shardadam rare-tokens | head -1`: the command stops at its next write,
+    exit status 1, without a BrokenPipeError traceback."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "shardadam", "rare-tokens", "--vocab", "64", "--dim", "8",
+         "--batch", "32", "--steps", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    first = child.stdout.readline()
+    child.stdout.close()  # the reader leaves
+    errors = child.stderr.read()
+    assert child.wait(timeout=120) == 1
+    assert first.startswith("rare tokens: "), first
+    assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
