@@ -194,8 +194,9 @@ def test_command_refuses_state_flags_for_a_peer(capsys):
     assert "--optimizer torchao-adamw8bit takes no state" in capsys.readouterr().err
 
 
-def test_command_reports_a_peer_not_importable(capsys, monkeypatch):
-    """A peer whose package cannot be imported: exit 1 and the reason, nothing trained."""
+def test_command_refuses_a_peer_not_installed_before_the_run(capsys, monkeypatch):
+    """A peer whose package is not installed: exit 2 before anything is printed or
+    trained, naming what to install (as the demo's --also)."""
     from shardadam import peers
 
     monkeypatch.setitem(peers.PEERS, "torchao-adamw8bit",
@@ -203,8 +204,23 @@ def test_command_reports_a_peer_not_importable(capsys, monkeypatch):
     status = main(["rare-tokens", "--optimizer", "torchao-adamw8bit", "--vocab", "512",
                    "--dim", "32", "--batch", "256", "--steps", "3", "--quiet"])
     captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert ("--optimizer torchao-adamw8bit: no_such_package is not installed "
+            "(`pip install no_such_package`") in captured.err
+
+
+def test_command_reports_a_peer_not_importable(capsys, monkeypatch):
+    """A peer whose package is there but whose module cannot be imported: exit 1 and
+    the reason, nothing trained."""
+    from shardadam import peers
+
+    monkeypatch.setitem(peers.PEERS, "torchao-adamw8bit",
+                        ("shardadam.no_such_module", "AdamW8bit", "a module that is not there"))
+    status = main(["rare-tokens", "--optimizer", "torchao-adamw8bit", "--vocab", "512",
+                   "--dim", "32", "--batch", "256", "--steps", "3", "--quiet"])
+    captured = capsys.readouterr()
     assert status == 1
-    assert "no_such_package not importable: ModuleNotFoundError" in captured.err
+    assert "shardadam not importable: ModuleNotFoundError" in captured.err
     assert "mean loss" not in captured.out
 
 
