@@ -11,6 +11,7 @@ of ``requirements-bench.txt``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 # name: (module, class, what it is)
 PEERS = {
@@ -29,6 +30,16 @@ DTENSOR_PEERS = ("torchao-adamw8bit", "torchao-adamw4bit", "torchao-adamwfp8")
 
 class Unavailable(Exception):
     """This optimizer cannot be built here; the message says why."""
+
+
+def not_installed(name: str):
+    """What to install for ``PEERS[name]`` where its package is missing, else None:
+    checked before a run, which would otherwise fail after its first phases."""
+    package = PEERS[name][0].split(".")[0]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return (f"{package} is not installed (`pip install {package}`; a checkout's "
+            f"requirements-bench.txt pins the version `make bench` installs)")
 
 
 def make(name: str, params, **hyper):

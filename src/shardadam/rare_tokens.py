@@ -24,7 +24,6 @@ in ``tools/state_map_study.py`` passes emulated formats); the command builds
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -317,14 +316,11 @@ def run(args):
               "parameters only (fp32 parameters are their own master, S2.1): add "
               "--params bf16", file=sys.stderr)
         return 2
-    if args.optimizer in peers.PEERS:  # refused before the run, as the demo's --also
-        package = peers.PEERS[args.optimizer][0].split(".")[0]
-        if importlib.util.find_spec(package) is None:
-            print(f"python -m shardadam rare-tokens: error: --optimizer {args.optimizer}: "
-                  f"{package} is not installed (`pip install {package}`; a checkout's "
-                  f"requirements-bench.txt pins the version `make bench` installs)",
-                  file=sys.stderr)
-            return 2
+    missing = peers.not_installed(args.optimizer) if args.optimizer in peers.PEERS else None
+    if missing is not None:  # refused before the run, as the demo's --also
+        print(f"python -m shardadam rare-tokens: error: --optimizer {args.optimizer}: "
+              f"{missing}", file=sys.stderr)
+        return 2
     needed = _least_bytes(args)
     memory = _physical_memory()
     if memory is not None and needed > memory:

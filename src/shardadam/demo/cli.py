@@ -13,7 +13,6 @@ Bad arguments are rejected before anything heavy is imported or started.
 
 import argparse
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -154,11 +153,9 @@ def _check(args):
             raise DemoError(f"--fail-at expects RANK:STEP, got {args.fail_at!r}") from None
         args.fail_at = (rank, step)
     for name in args.also:
-        package = peers.PEERS[name][0].split(".")[0]
-        if importlib.util.find_spec(package) is None:
-            raise DemoError(f"--also {name}: {package} is not installed (`pip install "
-                            f"{package}`; a checkout's requirements-bench.txt pins the "
-                            "version `make bench` installs)")
+        missing = peers.not_installed(name)
+        if missing is not None:
+            raise DemoError(f"--also {name}: {missing}")
     if args.out is None:
         args.out = _fresh_folder(os.path.join("runs", time.strftime("demo-%Y%m%d-%H%M%S")))
     try:
