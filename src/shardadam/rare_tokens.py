@@ -300,6 +300,12 @@ def _physical_memory():
         return None
 
 
+def _error(message: str, status: int = 2) -> int:
+    """Says why the command stops, on stderr; returns its exit status."""
+    print(f"python -m shardadam rare-tokens: error: {message}", file=sys.stderr)
+    return status
+
+
 def run(args):
     import torch
 
@@ -307,28 +313,20 @@ def run(args):
             args.params, args.master, args.exp_avg, args.exp_avg_sq, args.moment_format,
             args.moment_block_size, args.param_rounding) != (
                 "fp32", "none", "fp32", "fp32", None, None, "nearest"):
-        print(f"python -m shardadam rare-tokens: error: --optimizer {args.optimizer} takes "
-              "no state or parameter flags (it keeps its own state on fp32 parameters)",
-              file=sys.stderr)
-        return 2
+        return _error(f"--optimizer {args.optimizer} takes no state or parameter flags (it "
+                      "keeps its own state on fp32 parameters)")
     if args.params == "fp32" and (args.master, args.param_rounding) != ("none", "nearest"):
-        print("python -m shardadam rare-tokens: error: --master and --param-rounding apply to bf16 "
-              "parameters only (fp32 parameters are their own master, S2.1): add "
-              "--params bf16", file=sys.stderr)
-        return 2
+        return _error("--master and --param-rounding apply to bf16 parameters only (fp32 "
+                      "parameters are their own master, S2.1): add --params bf16")
     missing = peers.not_installed(args.optimizer) if args.optimizer in peers.PEERS else None
     if missing is not None:  # refused before the run, as the demo's --also
-        print(f"python -m shardadam rare-tokens: error: --optimizer {args.optimizer}: "
-              f"{missing}", file=sys.stderr)
-        return 2
+        return _error(f"--optimizer {args.optimizer}: {missing}")
     needed = _least_bytes(args)
     memory = _physical_memory()
     if memory is not None and needed > memory:
-        print(f"python -m shardadam rare-tokens: error: --vocab {args.vocab}, --dim {args.dim} and "
-              f"--batch {args.batch} need at least {needed / 2**30:.3g} GiB (two fp32 "
-              f"tables and one batch's logits); this machine has {memory / 2**30:.3g} GiB",
-              file=sys.stderr)
-        return 2
+        return _error(f"--vocab {args.vocab}, --dim {args.dim} and --batch {args.batch} need "
+                      f"at least {needed / 2**30:.3g} GiB (two fp32 tables and one batch's "
+                      f"logits); this machine has {memory / 2**30:.3g} GiB")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     workload = replace(FULL, steps=args.steps, seed=args.seed, vocab=args.vocab,
@@ -356,8 +354,7 @@ def run(args):
             dtype = getattr(torch, _DTYPES[args.params])
             make([torch.nn.Parameter(torch.zeros(2, 2, dtype=dtype))], lr=workload.lr)
         except (ValueError, RuntimeError) as error:
-            print(f"python -m shardadam rare-tokens: error: {error}", file=sys.stderr)
-            return 2
+            return _error(str(error))
     label = describe(args)
     print(f"rare tokens: embedding + head {workload.vocab} x {workload.dim}, Zipf "
           f"{workload.exponent}, {workload.batch} tokens/step, {workload.steps} steps, "
@@ -372,8 +369,7 @@ def run(args):
         result = train(make, workload, label=label, progress=progress,
                        param_dtype=getattr(torch, _DTYPES[args.params]))
     except peers.Unavailable as error:
-        print(f"python -m shardadam rare-tokens: error: {args.optimizer}: {error}", file=sys.stderr)
-        return 1
+        return _error(f"{args.optimizer}: {error}", status=1)
     if result.diverged_at is not None:
         print(f"{label}: DIVERGED at step {result.diverged_at} (loss "
               f"{result.losses[-1]:.4g}); {result.seconds:.0f} s")
