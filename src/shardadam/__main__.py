@@ -106,6 +106,11 @@ def main(argv=None):
     commands.add_parser("info", help="version, SIMD target, threads, CUDA backend and "
                                      "built backends") \
         .set_defaults(run=_info)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would only say that a command is missing, not name the flag.
+        parser.error(f"unrecognized argument {argv[0]}: the command comes first "
+                     f"({', '.join(commands.choices)})")
     args = parser.parse_args(argv)
     try:
         return args.run(args)

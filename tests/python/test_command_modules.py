@@ -33,3 +33,24 @@ def test_a_reader_that_leaves_stops_the_command_quietly():
     assert child.wait(timeout=120) == 1
     assert first.startswith("rare tokens: "), first
     assert "Traceback" not in errors and "BrokenPipe" not in errors, errors
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--bogus", "demo"], ["-x"]])
+def test_a_flag_before_the_command_is_named(argv, capsys):
+    """`python -m shardadam --bogus` names the flag and where the command goes (argparse
+    alone says only that a command is missing); status 2, as for every bad argument."""
+    from shardadam.__main__ import main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"python -m shardadam: error: unrecognized argument {argv[0]}: the "
+                   "command comes first (demo, bench, rare-tokens, info) (see --help)\n")
+
+
+def test_help_before_the_command_still_prints_the_usage(capsys):
+    from shardadam.__main__ import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m shardadam ")
