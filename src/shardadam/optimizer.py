@@ -81,6 +81,39 @@ class FusedAdam(torch.optim.Optimizer):
     ``moment_block_size`` (per-block scaled 8- or 4-bit moments, S2.11) and
     ``param_rounding="stochastic"`` (bf16 parameters with no master rounded
     stochastically, S2.14).
+
+    Args (the S-rules are docs/semantics.md's):
+        params: tensors (plain, or DTensor shards, S1.4) or dicts defining groups.
+        lr: learning rate, >= 0: a number or a one-element tensor (S1.2).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: >= 0 (TE's default 0.0, not AdamW's 0.01).
+        amsgrad: must be False (not supported).
+        bias_correction: divide by ``1 - beta**step`` (False: by 1).
+        adam_w_mode: True: decoupled weight decay (AdamW); False: L2, added to the
+            gradient (Adam).
+        capturable: must be False (CUDA graph capture is not supported).
+        master_weights: keep a master copy of fp16/bf16 parameters (fp32 ones are
+            their own master).
+        master_weight_dtype: ``torch.float32``, or ``torch.float16`` (with a
+            per-tensor scale).
+        exp_avg_dtype, exp_avg_sq_dtype: ``torch.float32``, ``float16``, ``bfloat16``,
+            or ``uint8`` (fp8 E4M3 with one scale per local tensor, S2.3).
+        use_decoupled_grad: read ``param.decoupled_grad`` instead of ``param.grad``.
+        store_param_remainders: with an fp32 master, keep a bf16 parameter's master as
+            an int16 remainder beside it (2 bytes instead of 4, S2.5); off without
+            ``master_weights``.
+        set_grad_none: TE's deprecated default for ``zero_grad(set_to_none=None)``.
+        moment_format: None, ``"block8"`` or ``"block4"``: both moments in 8- or 4-bit
+            codes with one fp32 scale per block (S2.11). block4 packs two codes a
+            byte along the last dimension: a parameter with one dimension, an odd last
+            one or shards cut along it takes block8's codes. The moment dtypes stay at
+            fp32; no fp16 master.
+        moment_block_size: elements per scale, a power of two in [128, 4096]; None:
+            256 for block8, 128 for block4.
+        param_rounding: ``"nearest"``, or ``"stochastic"`` for bf16 parameters stepped
+            without a master (S2.14).
+    Every value is checked here; a bad one raises naming it and the rule (S1.2).
     """
 
     def __init__(

@@ -9,6 +9,7 @@ Numbers are checked with _optimizer_testing.verify_step (float64 reference, deri
 import copy
 import inspect
 import math
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,16 @@ def test_constructor_signature():
     ]
     actual = [(p.name, p.kind, p.default) for p in sig.parameters.values()][1:]  # self
     assert actual == expected
+
+
+def test_docstring_describes_every_argument_in_order():
+    """help(FusedAdam) lists each constructor argument under Args, in the signature's
+    order, so the text cannot fall behind the signature."""
+    cls = fused_adam()
+    args = cls.__doc__.split("Args", 1)[1]
+    entries = re.findall(r"^ {8}(\w+(?:, \w+)*):", args, flags=re.MULTILINE)
+    documented = [name for entry in entries for name in entry.split(", ")]
+    assert documented == list(inspect.signature(cls.__init__).parameters)[1:]
 
 
 def test_method_signatures():
