@@ -2,7 +2,8 @@
 
 ``from shardadam import FusedAdam`` gives a drop-in for Transformer Engine's
 ``FusedAdam`` (same constructor and state methods) that keeps its state in fp32, bf16,
-fp16 or fp8 and steps CPU tensors (and CUDA tensors, in a CUDA build) in C++.
+fp16 or fp8, or (beyond TE) in 8- or 4-bit codes with one scale per block, and steps
+CPU tensors (and CUDA tensors, in a CUDA build) in C++.
 """
 
 import re as _re
