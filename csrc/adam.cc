@@ -1,8 +1,8 @@
 // The core's entry points (shardadam/adam.h): validate, then hand the call to
 // the driver (driver.h) on the kernels of the active SIMD target (targets.cc).
 // How one AdamStep call runs: docs/kernel-design.md. Where each job lives:
-// plan.cc (per-tensor choices), spans.cc (update pass), measure.cc (measuring
-// pass), work_items.cc (the split between threads; openmp_team.cc and
+// plan.cc (per-tensor choices), spans.cc (update pass), block_spans.cc
+// (per-block scaled states' one pass), measure.cc (measuring pass), work_items.cc (the split between threads; openmp_team.cc and
 // thread_pool.cc run it), step.cc (the schedule),
 // convert.cc (Convert, MeasureScale).
 #include "driver.h"
