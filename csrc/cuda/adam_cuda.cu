@@ -356,9 +356,11 @@ Status SlotRules(const TensorSlot* slots, int64_t count, Error* error) {
       return InvalidArgument(error, message, i);
     }
     if (BlocksOf(MakeDeviceSlot(slots[i])) > INT_MAX) {
-      char message[160];
+      char message[224];
       snprintf(message, sizeof(message),
-               "numel %" PRId64 " exceeds the CUDA backend's limit of %" PRId64,
+               "numel %" PRId64 " needs more than INT_MAX CUDA blocks (rule: at most "
+               "about %" PRId64 " elements a tensor, less when per-block scales start "
+               "mid-block)",
                slots[i].numel, static_cast<int64_t>(INT_MAX) * kChunk);
       return InvalidArgument(error, message, i);
     }
