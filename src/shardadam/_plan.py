@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
+import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -425,6 +428,39 @@ def gather_grads(batch: DeviceBatch, use_decoupled_grad: bool, group: dict,
         kinds.append(PARAM_TAGS[grad.dtype])
         local_grads.append(grad)
     return BatchGrads(batch, local_grads, kinds, dense)
+
+
+def warn_unread_decoupled_grads(batches: list) -> None:
+    """Warns (S3.2) when a parameter skipped for having no ``.grad`` holds a
+    ``decoupled_grad`` tensor, which only ``use_decoupled_grad=True`` reads: Megatron FSDP
+    with its own ``use_decoupled_grad=True`` writes only that, and an optimizer left at
+    False would train nothing, silently. Once per call; Python's filter shows it once."""
+    for grads in batches:
+        if 0 not in grads.kinds:  # 0: no gradient
+            continue
+        for entry, kind in zip(grads.batch.entries, grads.kinds):
+            if kind == 0 and isinstance(getattr(entry.param, "decoupled_grad", None),
+                                        torch.Tensor):
+                warnings.warn(
+                    f"{_validate.CLASS_NAME}: {entry.place}: has no .grad but a "
+                    "decoupled_grad tensor, which use_decoupled_grad=False does not read: "
+                    "it is not stepped (Megatron FSDP's use_decoupled_grad=True needs "
+                    "FusedAdam(use_decoupled_grad=True) too; S3.2)", UserWarning,
+                    stacklevel=_callers_level())
+                return
+
+
+_OWN_FRAMES = (os.path.dirname(os.path.abspath(__file__)),
+               os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package and torch (the call of
+    ``step()``, whichever of torch's wrappers and hooks run around it)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FRAMES):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def read_as_is(entry: Entry, grad: torch.Tensor) -> bool:

@@ -178,7 +178,7 @@ def check_options(*, amsgrad, capturable, master_weights, master_weight_dtype,
         if _formats.configured(dtype, "moment") is None:
             raise RuntimeError(
                 f"FusedAdam only supports {names} {name} (rule: {name}_dtype "
-                f"in {dtypes}, got {shown(dtype)}).")
+                f"in {dtypes}, got {shown(dtype)}{_fp8_hint(dtype)}).")
 
 
 def _array_note(value, cast: str) -> str:
@@ -368,6 +368,15 @@ def check_master_dtype(master_weights, master_weight_dtype) -> None:
         raise RuntimeError(
             f"FusedAdam only supports {names} master weights (rule: master_weight_dtype "
             f"in {dtypes} when master_weights, got {shown(master_weight_dtype)}).")
+
+
+def _fp8_hint(dtype) -> str:
+    """What to pass instead of one of torch's 8-bit float dtypes: TE spells fp8 moments
+    ``torch.uint8``."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize == 1:
+        return ("; fp8 moments are torch.uint8, as in TE: E4M3 codes with one scale per "
+                "tensor, S2.2")
+    return ""
 
 
 def _spelled(role: str) -> tuple:

@@ -623,6 +623,8 @@ class FusedAdam(torch.optim.Optimizer):
             _validate.check_flag("use_decoupled_grad", decoupled)
         batches = [_plan.gather_grads(batch, bool(decoupled), group, index)
                    for batch in plan.batches]
+        if not decoupled:
+            _plan.warn_unread_decoupled_grads(batches)
         return plan, hyper, batches
 
     def _plan(self, index: int, group: dict, config: _state.StateConfig,

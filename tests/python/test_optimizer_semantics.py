@@ -12,6 +12,7 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -996,6 +997,45 @@ def test_decoupled_grad_missing_attribute_means_none(backend):
     assert_bitwise_equal(params[0].detach(), first, "param without decoupled_grad")
     assert bool((opt.get_unscaled_state(params[0], "exp_avg") == 0).all())
     assert bool((opt.get_unscaled_state(params[1], "exp_avg") != 0).all())
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "step-hook"])
+def test_a_skipped_param_holding_a_decoupled_grad_warns(hooked, backend):
+    """S3.2: use_decoupled_grad=False beside a parameter with no .grad but a
+    decoupled_grad (Megatron FSDP's use_decoupled_grad=True writes only that) skips it,
+    as TE does, and warns, naming it, at the caller's line (also through torch's hook
+    wrapper); the parameters that have a .grad step. No warning where the skipped
+    parameter holds none, or where the optimizer reads it."""
+    params = make_params([torch.float32] * 3, [(3,), (4,), (2,)], seed=15)
+    opt = fused_adam()([{"params": params[:2], "param_names": ["a", "b"]},
+                        {"params": params[2:], "param_names": ["c"]}], lr=0.1)
+    if hooked:
+        opt.register_step_pre_hook(lambda *_: None)
+    params[0].grad = torch.ones(3)
+    params[1].decoupled_grad = torch.ones(4)
+    params[2].grad = None  # skipped, holding nothing: no warning for it
+    before = [p.detach().clone() for p in params]
+    with pytest.warns(UserWarning) as caught:
+        opt.step()
+    messages = [str(w.message) for w in caught if "decoupled_grad" in str(w.message)]
+    assert messages == [
+        "FusedAdam: group 0, param 1 ('b'): has no .grad but a decoupled_grad tensor, "
+        "which use_decoupled_grad=False does not read: it is not stepped (Megatron "
+        "FSDP's use_decoupled_grad=True needs FusedAdam(use_decoupled_grad=True) too; "
+        "S3.2)"], messages
+    assert caught[0].filename == __file__, "the warning points at the step() call"
+    assert not bool((params[0].detach() == before[0]).any()), "a .grad steps"
+    assert_bitwise_equal(params[1].detach(), before[1], "skipped: decoupled_grad unread")
+    assert_bitwise_equal(params[2].detach(), before[2], "skipped")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params[1].decoupled_grad = None
+        opt.step()  # nothing skipped holds a decoupled_grad: silent
+        params[1].decoupled_grad = torch.ones(4)
+        opt.use_decoupled_grad = True
+        opt.step()  # read: silent, and it steps
+    assert not bool((params[1].detach() == before[1]).any())
 
 
 def test_non_contiguous_gradient(backend):
