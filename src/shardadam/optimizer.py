@@ -808,8 +808,11 @@ class FusedAdam(torch.optim.Optimizer):
         value = _dtensor.to_local(unscaled_state).resolve_neg()  # read by value (S3.2)
         wanted = spec.format.value_dtype
         if value.dtype != wanted:
+            hint = ("; with store_param_remainders on, a bf16 parameter's master is set as "
+                    "its int16 remainder, S2.5: switch it off to set an fp32 master"
+                    if wanted == torch.int16 else "")
             raise RuntimeError(f"{where}: state {state_name!r} takes {wanted} values, "
-                               f"got {value.dtype} (rule S5.3)")
+                               f"got {value.dtype} (rule S5.3{hint})")
         local, layout = _dtensor.to_local(param), _dtensor.layout_of(param)
         entry, scales = self.state.get(param), self._scales.get(param)
         if entry is not None and not isinstance(entry, dict):
