@@ -2,9 +2,9 @@
 // the driver (driver.h) on the kernels of the active SIMD target (targets.cc).
 // How one AdamStep call runs: docs/kernel-design.md. Where each job lives:
 // plan.cc (per-tensor choices), spans.cc (update pass), block_spans.cc
-// (per-block scaled states' one pass), measure.cc (measuring pass), work_items.cc (the split between threads; openmp_team.cc and
-// thread_pool.cc run it), step.cc (the schedule),
-// convert.cc (Convert, MeasureScale).
+// (per-block scaled states' one pass), measure.cc (measuring pass),
+// work_items.cc (the split between threads; openmp_team.cc and thread_pool.cc
+// run it), step.cc (the schedule), convert.cc (Convert, MeasureScale).
 #include "driver.h"
 #include "float_mode.h"
 #include "openmp_team.h"
